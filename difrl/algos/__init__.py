@@ -1,0 +1,6 @@
+"""Advantages and losses (DESIGN.md seam 5)."""
+
+from difrl.algos.advantages import Advantages, group_advantages, group_normalize
+from difrl.algos.losses import gaussian_step_kl, ppo_clip_loss
+
+__all__ = ["Advantages", "group_advantages", "group_normalize", "gaussian_step_kl", "ppo_clip_loss"]

@@ -1,0 +1,43 @@
+"""Distribution metrics: Fréchet distance on named features, within-class diversity.
+
+    fd = frechet_distance(feats_gen, feats_real)                 # [N, D], [M, D] -> float
+    div = within_class_diversity(images, labels)                 # mean pairwise L2 within each class
+
+The Fréchet distance ||mu_a - mu_b||^2 + tr(S_a + S_b - 2 (S_a^1/2 S_b S_a^1/2)^1/2) is computed
+in float64 with symmetric eigendecompositions (no scipy.linalg.sqrtm, which returns complex
+noise on near-singular covariances). The number is only comparable between runs that use the
+same feature extractor; every caller reports the extractor's name next to it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _sqrt_psd(m: torch.Tensor) -> torch.Tensor:
+    w, v = torch.linalg.eigh((m + m.T) / 2)
+    return (v * w.clamp_min(0).sqrt()) @ v.T
+
+
+def frechet_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Fréchet distance between Gaussians fitted to feature sets a [N, D] and b [M, D]."""
+    a, b = a.double(), b.double()
+    mu_a, mu_b = a.mean(0), b.mean(0)
+    cov_a, cov_b = torch.cov(a.T), torch.cov(b.T)
+    sa = _sqrt_psd(cov_a)
+    cross = _sqrt_psd(sa @ cov_b @ sa)
+    return float(((mu_a - mu_b) ** 2).sum() + torch.trace(cov_a) + torch.trace(cov_b) - 2 * torch.trace(cross))
+
+
+def within_class_diversity(x: torch.Tensor, labels: torch.Tensor) -> float:
+    """Mean over classes of the mean pairwise L2 distance between distinct members ([N, ...] flattened)."""
+    x = x.flatten(1).double()
+    per_class = []
+    for c in labels.unique():
+        xc = x[labels == c]
+        n = xc.shape[0]
+        if n < 2:
+            continue
+        d = torch.cdist(xc, xc)
+        per_class.append(d.sum() / (n * (n - 1)))
+    return float(torch.stack(per_class).mean()) if per_class else float("nan")

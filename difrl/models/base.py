@@ -1,0 +1,54 @@
+"""The flow-policy adapter protocol (DESIGN.md seam 1) and helpers for conditioning batches.
+
+    policy = DigitsPolicy.from_checkpoint(path)       # any FlowPolicy
+    cond = policy.encode(["a handwritten 3"] * 4)     # dict of [B, ...] tensors
+    v = policy.velocity(x, sigma, cond, guidance=1.0) # x: [B, *latent_shape], sigma: [B]
+    images = policy.decode(x)                         # [B, C, H, W] in [0, 1]
+
+Everything model-specific (prompt encoding, timestep scaling, packing, classifier-free guidance)
+lives behind this protocol; samplers, the rollout engine and the trainer only see tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+Cond = dict[str, torch.Tensor]
+
+
+@runtime_checkable
+class FlowPolicy(Protocol):
+    """What a flow-matching model must provide to be trained by difrl."""
+
+    latent_shape: tuple[int, ...]  # one sample's latent, e.g. (64,) or (16, 64, 64)
+    lora_target_modules: list[str]  # module-name suffixes peft wraps with LoRA
+
+    @property
+    def module(self) -> nn.Module:
+        """The trainable network (LoRA is injected into it; its parameters are optimised)."""
+
+    def encode(self, prompts: list[str]) -> Cond:
+        """Prompts -> conditioning tensors with batch dim first. Raises ValueError on a prompt it cannot read."""
+
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Cond, guidance: float = 1.0) -> torch.Tensor:
+        """Predicted velocity v = eps - x0 at noise level sigma ([B]); returns fp32 [B, *latent_shape]."""
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents -> images (or videos) in [0, 1], fp32."""
+
+
+def cond_select(cond: Cond, index: torch.Tensor | slice) -> Cond:
+    """Rows `index` of every conditioning tensor."""
+    return {k: v[index] for k, v in cond.items()}
+
+
+def cond_repeat(cond: Cond, times: int) -> Cond:
+    """Repeat every row `times` times, row-major: [c0, c0, ..., c1, c1, ...] (one per trained step)."""
+    return {k: v.repeat_interleave(times, dim=0) for k, v in cond.items()}
+
+
+def cond_cat(conds: list[Cond]) -> Cond:
+    return {k: torch.cat([c[k] for c in conds], dim=0) for k in conds[0]}

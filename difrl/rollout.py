@@ -1,0 +1,191 @@
+"""Rollout engine: seeds in, trajectories out (DESIGN.md seam 3).
+
+    sigmas = sigma_schedule(10)
+    batch = rollout(policy, prompts, seeds=torch.arange(8), sigmas=sigmas,
+                    kernel="flow_sde", kernel_kwargs={"noise_level": 0.7},
+                    sde_mask=all_but_last(10), train_mask=all_but_last(10))
+    again = regenerate(policy, batch, sigmas, ...)   # bit-identical x_final
+
+Every sample carries an integer ``seed``, a ``prompt_id`` and a ``group_id``. Its initial noise is
+drawn from a generator seeded by ``(init_seed, -1)`` and step i's noise from ``(seed, i)``, so a
+sample is a pure function of its seeds, prompt and the policy: any sample can be regenerated
+exactly (Sol-RL, resume, debugging). ``init_seed`` equals ``seed`` unless a group shares one
+initial noise (then it is the group's seed, derived from the group id, never from prompt text).
+
+Only the trained transitions are stored: ``x, x_next, sigma, sigma_next, log_prob_old, mean_old``
+as ``[B, T, ...]`` with ``step`` ``[B, T]`` saying which step each one is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from difrl.models.base import Cond, FlowPolicy, cond_select
+from difrl.samplers.kernels import KERNELS, StepOutput
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(*parts: int) -> int:
+    """A stable 63-bit seed from integers (splitmix64 finaliser over each part)."""
+    h = 0x9E3779B97F4A7C15
+    for p in parts:
+        h = (h ^ (int(p) & _MASK64)) & _MASK64
+        h = (h + 0x9E3779B97F4A7C15) & _MASK64
+        z = h
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        h = z ^ (z >> 31)
+    return h & ((1 << 63) - 1)
+
+
+def sample_noise(seeds: torch.Tensor, step: int, shape: tuple[int, ...], device="cpu") -> torch.Tensor:
+    """[B, *shape] standard normal noise; row b drawn from a generator seeded by (seeds[b], step)."""
+    out = torch.empty((len(seeds), *shape), dtype=torch.float32, device=device)
+    gen = torch.Generator(device=device)
+    for b, s in enumerate(seeds.tolist()):
+        gen.manual_seed(mix_seed(s, step))
+        out[b] = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+    return out
+
+
+INIT_STEP = -1  # the "step" whose noise is the initial latent
+
+
+@dataclass
+class Rollout:
+    """A batch of B sampled trajectories with their T trained transitions."""
+
+    prompts: list[str]
+    prompt_ids: torch.Tensor  # [B] long
+    group_ids: torch.Tensor  # [B] long
+    seeds: torch.Tensor  # [B] long: per-step noise seeds
+    init_seeds: torch.Tensor  # [B] long: initial-noise seeds
+    cond: Cond  # [B, ...] tensors from policy.encode
+    x_final: torch.Tensor  # [B, *latent] fp32
+    step: torch.Tensor  # [B, T] long: step index of each trained transition
+    x: torch.Tensor  # [B, T, *latent]
+    x_next: torch.Tensor  # [B, T, *latent]
+    sigma: torch.Tensor  # [B, T]
+    sigma_next: torch.Tensor  # [B, T]
+    log_prob_old: torch.Tensor  # [B, T]
+    mean_old: torch.Tensor  # [B, T, *latent]
+    extras: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def select(self, index: torch.Tensor) -> "Rollout":
+        """Rows `index` of every per-sample field."""
+        idx = index.tolist()
+        return replace(
+            self, prompts=[self.prompts[i] for i in idx], prompt_ids=self.prompt_ids[index],
+            group_ids=self.group_ids[index], seeds=self.seeds[index], init_seeds=self.init_seeds[index],
+            cond=cond_select(self.cond, index), x_final=self.x_final[index], step=self.step[index],
+            x=self.x[index], x_next=self.x_next[index], sigma=self.sigma[index], sigma_next=self.sigma_next[index],
+            log_prob_old=self.log_prob_old[index], mean_old=self.mean_old[index],
+        )
+
+
+def _as_train_mask(train_mask: torch.Tensor | None, batch: int, num_steps: int) -> torch.Tensor:
+    if train_mask is None:
+        return torch.zeros(batch, num_steps, dtype=torch.bool)
+    if train_mask.ndim == 1:
+        train_mask = train_mask.expand(batch, num_steps)
+    counts = train_mask.sum(1)
+    if (counts != counts[0]).any():
+        raise ValueError("every sample must train the same number of steps")
+    return train_mask
+
+
+@torch.no_grad()
+def rollout(
+    policy: FlowPolicy,
+    prompts: list[str],
+    seeds: torch.Tensor,
+    sigmas: torch.Tensor,
+    kernel: str = "flow_sde",
+    kernel_kwargs: dict | None = None,
+    sde_mask: torch.Tensor | None = None,
+    train_mask: torch.Tensor | None = None,
+    prompt_ids: torch.Tensor | None = None,
+    group_ids: torch.Tensor | None = None,
+    init_seeds: torch.Tensor | None = None,
+    guidance: float = 1.0,
+    cond: Cond | None = None,
+    batch_size: int | None = None,
+    device: str | torch.device = "cpu",
+) -> Rollout:
+    """Sample B trajectories over `sigmas` ([N + 1]).
+
+    sde_mask [N] bool: steps that use `kernel` (others are ODE steps); default all.
+    train_mask [N] or [B, N] bool, a subset of sde_mask: transitions to store for training.
+    batch_size: model forward batch (default all B at once)."""
+    B, N = len(prompts), len(sigmas) - 1
+    seeds = torch.as_tensor(seeds, dtype=torch.long)
+    init_seeds = seeds if init_seeds is None else torch.as_tensor(init_seeds, dtype=torch.long)
+    sde_mask = torch.ones(N, dtype=torch.bool) if sde_mask is None else sde_mask.bool()
+    train_mask = _as_train_mask(train_mask, B, N)
+    if (train_mask & ~sde_mask).any():
+        raise ValueError("train_mask marks a step that is not stochastic (an ODE step has no log-prob)")
+    cond = policy.encode(prompts) if cond is None else cond
+    cond = {k: v.to(device) for k, v in cond.items()}
+    step_fn, ode_fn = KERNELS[kernel], KERNELS["ode"]
+    kernel_kwargs = kernel_kwargs or {}
+    bs = batch_size or B
+
+    x = sample_noise(init_seeds, INIT_STEP, tuple(policy.latent_shape), device)
+    T = int(train_mask[0].sum()) if B else 0
+    rec = {k: [] for k in ("x", "x_next", "sigma", "sigma_next", "log_prob", "mean", "step")}
+    for i in range(N):
+        sigma, sigma_next = sigmas[i].item(), sigmas[i + 1].item()
+        if sde_mask[i]:
+            noise = sample_noise(seeds, i, tuple(policy.latent_shape), device)
+        outs: list[StepOutput] = []
+        for lo in range(0, B, bs):
+            sl = slice(lo, lo + bs)
+            xb = x[sl]
+            sig = torch.full((xb.shape[0],), sigma, device=device)
+            v = policy.velocity(xb, sig, cond_select(cond, sl), guidance)
+            if sde_mask[i]:
+                outs.append(step_fn(xb, v, sig, torch.full_like(sig, sigma_next), noise[sl], **kernel_kwargs))
+            else:
+                outs.append(ode_fn(xb, v, sig, torch.full_like(sig, sigma_next)))
+        out = StepOutput(*(torch.cat(parts) for parts in zip(*outs)))
+        if train_mask[:, i].any():
+            rows = train_mask[:, i]
+            rec["x"].append((rows, x))
+            rec["x_next"].append((rows, out.x_next))
+            rec["log_prob"].append((rows, out.log_prob))
+            rec["mean"].append((rows, out.mean))
+            rec["sigma"].append((rows, torch.full((B,), sigma, device=device)))
+            rec["sigma_next"].append((rows, torch.full((B,), sigma_next, device=device)))
+            rec["step"].append((rows, torch.full((B,), i, dtype=torch.long, device=device)))
+        x = out.x_next
+
+    def stack(name: str, trailing: tuple[int, ...], dtype=torch.float32) -> torch.Tensor:
+        # each sample's T trained transitions in step order: [B, T, *trailing]
+        if not rec[name]:
+            return torch.empty((B, 0, *trailing), dtype=dtype, device=device)
+        rows = torch.stack([r for r, _ in rec[name]], dim=1)  # [B, S]
+        vals = torch.stack([v for _, v in rec[name]], dim=1)  # [B, S, *trailing]
+        return vals[rows].reshape(B, T, *trailing).to(dtype)  # boolean index is row-major: b, then step
+
+    lat = tuple(policy.latent_shape)
+    return Rollout(
+        prompts=list(prompts),
+        prompt_ids=torch.zeros(B, dtype=torch.long) if prompt_ids is None else torch.as_tensor(prompt_ids),
+        group_ids=torch.arange(B) if group_ids is None else torch.as_tensor(group_ids),
+        seeds=seeds, init_seeds=init_seeds, cond=cond, x_final=x,
+        step=stack("step", (), torch.long), x=stack("x", lat), x_next=stack("x_next", lat),
+        sigma=stack("sigma", ()), sigma_next=stack("sigma_next", ()), log_prob_old=stack("log_prob", ()),
+        mean_old=stack("mean", lat),
+    )
+
+
+def regenerate(policy: FlowPolicy, batch: Rollout, sigmas: torch.Tensor, **kwargs) -> Rollout:
+    """Re-run the trajectories of `batch` from their seeds (same prompts, ids and initial noise)."""
+    return rollout(policy, batch.prompts, batch.seeds, sigmas, prompt_ids=batch.prompt_ids,
+                   group_ids=batch.group_ids, init_seeds=batch.init_seeds, **kwargs)

@@ -1,0 +1,150 @@
+"""The flow trainer's typed config: every key, its default, its range (``difrl config`` lists them).
+
+    cfg = load_flow_config("configs/digits.yaml", ["train.lr=1e-4", "sampler.kind=cps"])
+
+Defaults follow Flow-GRPO (flow-grpo-family.md §2.8, §8.7) where they carry over to a model of
+this size; the digits YAML sets what the bundled demo needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from difrl.config import cfg_field, config_error, load_config
+
+
+@dataclass
+class ModelConfig:
+    kind: str = cfg_field("digits", choices=("digits",), help="policy adapter (issue 'Real models' adds diffusers ones)")
+    path: str | None = cfg_field(None, help="checkpoint / pipeline directory; None = the bundled digits base")
+
+
+@dataclass
+class SamplerConfig:
+    kind: str = cfg_field("flow_sde", choices=("flow_sde", "dance_sde", "cps"), help="stochastic step kernel")
+    num_steps: int = cfg_field(10, ge=1, help="denoising steps of a rollout")
+    shift: float = cfg_field(1.0, gt=0.0, help="static time shift of the sigma schedule")
+    noise_level: float = cfg_field(0.7, ge=0.0, help="a (flow_sde, cps) or eta (dance_sde)")
+    guidance: float = cfg_field(1.0, ge=0.0, help="classifier-free guidance scale in rollout and training (1 = off)")
+    log_prob_reduce: str = cfg_field("mean", choices=("mean", "sum"), help="per-element mean (published clip ranges) or sum")
+    cps_log_prob: str = cfg_field("gaussian", choices=("gaussian", "flow_grpo"), help="CPS log-prob: true Gaussian or Flow-GRPO's unnormalised")
+    rollout_batch: int | None = cfg_field(None, ge=1, help="model forward batch in rollouts (None = all samples)")
+
+
+@dataclass
+class StepsConfig:
+    """Which steps are stochastic and trained; all others are ODE steps."""
+    mode: str = cfg_field("all_but_last", choices=("all_but_last", "fixed_window", "random_window", "sliding_window", "random_subset"),
+                          help="Flow-GRPO / fixed window / Flow-GRPO-Fast / MixGRPO / DanceGRPO")
+    window_size: int = cfg_field(3, ge=1, help="window length (window modes)")
+    window_start: int = cfg_field(0, ge=0, help="fixed_window start; sliding_window first start")
+    window_range: tuple[int, int] | None = cfg_field(None, help="random_window: window lies in [lo, hi); None = first half")
+    advance_every: int = cfg_field(25, ge=1, help="sliding_window: iterations per window position (MixGRPO tau)")
+    stride: int = cfg_field(1, ge=0, help="sliding_window: steps the window moves each time")
+    roll_back: bool = cfg_field(True, help="sliding_window: restart from the first position after the last")
+    fraction: float = cfg_field(0.6, gt=0.0, le=1.0, help="random_subset: trained fraction of the first N-1 steps (DanceGRPO tau)")
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_iter: int = cfg_field(10, ge=1, help="groups (prompts) per iteration, all processes together")
+    group_size: int = cfg_field(16, ge=2, help="samples per prompt")
+    same_init_noise: bool = cfg_field(False, help="one initial noise per group (diversity from SDE noise only)")
+
+
+@dataclass
+class RewardConfig:
+    weights: dict[str, float] = cfg_field(default_factory=lambda: {"digit_prob": 1.0}, help="reward name -> weight")
+    options: dict[str, dict] = cfg_field(default_factory=dict, help="reward name -> factory keyword options")
+    aggregate: str = cfg_field("reward_sum", choices=("reward_sum", "advantage_sum"), help="multi-reward aggregation")
+    on_error: str = cfg_field("stop", choices=("stop", "drop_group"), help="a reward that raises or is NaN/inf")
+
+
+@dataclass
+class AdvantageConfig:
+    std_scope: str = cfg_field("group", choices=("group", "global"), help="std over the group or the whole batch")
+    eps: float = cfg_field(1e-4, gt=0.0)
+    clip: float = cfg_field(5.0, gt=0.0, help="advantage clip |A| <= clip")
+    drop_zero_spread: bool = cfg_field(True, help="drop groups whose rewards are all equal")
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = cfg_field(True, help="LoRA via peft (False = full fine-tuning)")
+    rank: int = cfg_field(16, ge=1)
+    alpha: float = cfg_field(32.0, gt=0.0)
+    targets: list[str] | None = cfg_field(None, help="module names; None = the adapter's lora_target_modules")
+    init: str = cfg_field("gaussian", choices=("gaussian", "default"), help="peft init_lora_weights (B = 0 either way)")
+
+
+@dataclass
+class TrainConfig:
+    iterations: int = cfg_field(100, ge=0, help="rollout rounds")
+    lr: float = cfg_field(3e-4, gt=0.0)
+    weight_decay: float = cfg_field(1e-4, ge=0.0)
+    betas: tuple[float, float] = cfg_field((0.9, 0.999))
+    adam_eps: float = cfg_field(1e-8, gt=0.0)
+    max_grad_norm: float | None = cfg_field(1.0, gt=0.0)
+    micro_batch: int = cfg_field(16, ge=1, help="samples per forward/backward (all their trained steps at once)")
+    grad_accum: int = cfg_field(1, ge=1, help="micro-batches per optimizer update")
+    inner_epochs: int = cfg_field(1, ge=1, help="passes over each rollout")
+    clip_low: float = cfg_field(1e-4, ge=0.0, help="PPO clip below: rho >= 1 - clip_low")
+    clip_high: float = cfg_field(1e-4, ge=0.0, help="PPO clip above: rho <= 1 + clip_high")
+    kl_beta: float = cfg_field(0.0, ge=0.0, help="weight of the KL to the reference policy")
+    kl_form: str = cfg_field("flow_grpo", choices=("flow_grpo", "exact"))
+    ema_decay: float = cfg_field(0.0, ge=0.0, lt=1.0, help="EMA of trainable weights for eval/checkpoints (0 = off)")
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    ratio_check: bool = cfg_field(True, help="stop if the first on-policy micro-step has ratio != 1")
+    ratio_tol: float = cfg_field(1e-6, gt=0.0)
+
+
+@dataclass
+class EvalConfig:
+    every: int = cfg_field(10, ge=0, help="iterations between evaluations (0 = only before/after)")
+    per_digit: int = cfg_field(50, ge=1, help="samples per prompt")
+    num_steps: int = cfg_field(10, ge=1, help="ODE steps")
+    seed: int = cfg_field(1234)
+
+
+@dataclass
+class StopConfig:
+    """Early stopping on the eval's Fréchet distance (the unseen judge is never used)."""
+    fd_rise: float | None = cfg_field(None, gt=0.0, help="stop once FD exceeds its best by this factor (e.g. 1.1); None = off")
+    patience: int = cfg_field(2, ge=1, help="consecutive evaluations above the threshold before stopping")
+    min_accuracy: float = cfg_field(0.0, ge=0.0, le=1.0, help="only stop once eval accuracy is at least this")
+
+
+@dataclass
+class FlowConfig:
+    seed: int = cfg_field(0)
+    threads: int | None = cfg_field(None, ge=1, help="torch threads; None = the cores this process may use")
+    out: str | None = cfg_field(None, help="run directory (also --out)")
+    resume: str | None = cfg_field(None, help="a run directory to continue")
+    checkpoint_every: int = cfg_field(0, ge=0, help="iterations between checkpoints (0 = only at the end)")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    steps: StepsConfig = field(default_factory=StepsConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    stop: StopConfig = field(default_factory=StopConfig)
+
+    def validate(self) -> None:
+        n, s = self.sampler.num_steps, self.steps
+        if s.mode in ("fixed_window", "sliding_window") and s.window_start + s.window_size > n - 1:
+            raise config_error("steps.window_start", f"window [{s.window_start}, {s.window_start + s.window_size}) must fit "
+                                                     f"in the first {n - 1} of {n} steps (the last step is never trained)")
+        if s.mode == "random_window":
+            lo, hi = s.window_range or (0, max(s.window_size, n // 2))
+            if not (0 <= lo and lo + s.window_size <= hi <= n):
+                raise config_error("steps.window_range", f"[{lo}, {hi}) cannot hold a window of {s.window_size} in {n} steps")
+        if s.mode == "random_subset" and n < 2:
+            raise config_error("steps.mode", "random_subset needs at least 2 steps")
+        if not self.reward.weights:
+            raise config_error("reward.weights", "at least one reward is needed")
+
+
+def load_flow_config(path, overrides=()) -> FlowConfig:
+    return load_config(FlowConfig, path, overrides)

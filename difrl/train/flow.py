@@ -1,0 +1,492 @@
+"""The flow-matching GRPO trainer: one loop for every flow policy.
+
+    difrl train configs/digits.yaml [key=value ...] [--out DIR]
+    accelerate launch --multi_gpu --num_processes 2 -m difrl train configs/digits.yaml
+    torchrun --nproc_per_node 2 -m difrl train configs/digits.yaml
+
+Reads top to bottom: setup -> (rollout -> reward -> advantage -> K policy updates -> EMA ->
+log -> checkpoint) per iteration. Everything random is derived from (seed, iteration, index),
+so a resumed run continues exactly as if it had never stopped.
+
+Groups may span processes: the sample list of an iteration is global (sample k belongs to group
+k // group_size), each process rolls out a contiguous slice, rewards are gathered before the
+advantages are computed, and each process trains on its own samples.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from difrl.algos import gaussian_step_kl, group_advantages, ppo_clip_loss
+from difrl.config import save_config
+from difrl.models.base import cond_repeat
+from difrl.rewards import RewardError, build_reward, score_all
+from difrl.rollout import Rollout, mix_seed, rollout
+from difrl.samplers import KERNELS, all_but_last, fixed_window, random_subset, random_window, sigma_schedule, sliding_window_start
+from difrl.train.config import FlowConfig
+from difrl.train.state import EMA, load_latest_checkpoint, restore_checkpoint, save_checkpoint, trainable_params
+from difrl.utils.io import atomic_write_json, save_safetensors
+from difrl.worlds import build_world
+
+
+class RatioCheckError(RuntimeError):
+    pass
+
+
+TIMING_KEYS = ("seconds", "seconds_rollout", "seconds_reward", "seconds_update", "seconds_eval")
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def step_masks(cfg: FlowConfig, iteration: int, num_samples: int) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+    """(sde_mask [N], train_mask [B, N], window start or None) for one iteration, from (seed, iteration)."""
+    n, s = cfg.sampler.num_steps, cfg.steps
+    gen = torch.Generator().manual_seed(mix_seed(cfg.seed, iteration, 2))
+    if s.mode == "all_but_last":
+        m = all_but_last(n)
+        return m, m.expand(num_samples, n), None
+    if s.mode == "random_subset":  # DanceGRPO: every step SDE, a random subset per sample trained
+        return torch.ones(n, dtype=torch.bool), random_subset(num_samples, n, s.fraction, gen), None
+    if s.mode == "fixed_window":
+        start = s.window_start
+    elif s.mode == "random_window":
+        lo, hi = s.window_range or (0, max(s.window_size, n // 2))
+        m = random_window(n, s.window_size, lo, hi, gen)
+        start = int(m.nonzero()[0])
+    else:  # sliding_window (MixGRPO progressive)
+        start = sliding_window_start(iteration, s.window_size, n, s.advance_every, s.stride, s.window_start, s.roll_back)
+    m = fixed_window(n, start, s.window_size)
+    return m, m.expand(num_samples, n), start
+
+
+def kernel_kwargs(cfg: FlowConfig) -> dict:
+    kw = {"noise_level": cfg.sampler.noise_level, "reduce": cfg.sampler.log_prob_reduce}
+    if cfg.sampler.kind == "cps":
+        kw["log_prob_form"] = cfg.sampler.cps_log_prob
+    return kw
+
+
+def transition_log_prob(policy, batch: Rollout, cfg: FlowConfig, reference: bool = False):
+    """Recompute the stored transitions of `batch` under the current policy: one forward over all
+    B*T (sample, step) pairs. Returns (log_prob [B, T], mean [B*T, ...], std [B*T])."""
+    B, T = batch.step.shape
+    flat = lambda t: t.reshape(B * T, *t.shape[2:])
+    x, x_next, sigma, sigma_next = flat(batch.x), flat(batch.x_next), flat(batch.sigma), flat(batch.sigma_next)
+    v = policy.velocity(x, sigma, cond_repeat(batch.cond, T), cfg.sampler.guidance)
+    out = KERNELS[cfg.sampler.kind](x, v, sigma, sigma_next, action=x_next, **kernel_kwargs(cfg))
+    return out.log_prob.view(B, T), out.mean, out.std
+
+
+def check_ratio(log_prob: torch.Tensor, log_prob_old: torch.Tensor, tol: float) -> float:
+    err = float((log_prob.detach() - log_prob_old).abs().max())
+    if not math.isfinite(err) or math.expm1(err) > tol:
+        raise RatioCheckError(
+            f"on-policy ratio check failed: the first micro-step's |ratio - 1| is {math.expm1(err):.3g} > {tol:g}. "
+            "The log-prob recomputed for training differs from the rollout's. Likely causes: dropout or another "
+            "train/eval-mode difference in the model, a batch-size-dependent kernel (compare rollout and training "
+            "batch sizes), bf16/fp16 step math, torch.compile, or non-deterministic attention. Set "
+            "train.ratio_check=false only if you know why.")
+    return err
+
+
+def cores_available() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+class _Metrics:
+    """Means over one iteration's micro-steps, plus per-step ratio mean/std."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.step_ratio: dict[int, list[float]] = {}
+
+    def add(self, name: str, value: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        v = value.detach().double()
+        if mask is not None:
+            v = v[mask]
+        self.sums[name] = self.sums.get(name, 0.0) + float(v.sum())
+        self.counts[name] = self.counts.get(name, 0) + v.numel()
+
+    def add_ratio(self, ratio: torch.Tensor, steps: torch.Tensor, mask: torch.Tensor) -> None:
+        for j in steps[mask].unique().tolist():
+            r = ratio.detach().double()[mask & (steps == j)]
+            acc = self.step_ratio.setdefault(j, [0.0, 0.0, 0])
+            acc[0] += float(r.sum()); acc[1] += float((r**2).sum()); acc[2] += r.numel()
+
+    def result(self) -> dict:
+        out = {k: self.sums[k] / max(self.counts[k], 1) for k in self.sums}
+        per_step = {}
+        for j, (s, sq, n) in sorted(self.step_ratio.items()):
+            mean = s / n
+            per_step[str(j)] = [mean, math.sqrt(max(sq / n - mean**2, 0.0))]
+        out["ratio_per_step"] = per_step
+        return out
+
+
+# ---------------------------------------------------------------------------------- the loop
+
+
+def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[str] | None = None) -> dict:
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+
+    # ======================================================================== setup
+    accelerator = Accelerator()
+    world_size, rank = accelerator.num_processes, accelerator.process_index
+    torch.set_num_threads(cfg.threads or max(1, cores_available() // accelerator.num_processes))
+    run_dir = Path(cfg.resume or out_dir or cfg.out or "runs/flow")
+    n_total = cfg.rollout.prompts_per_iter * cfg.rollout.group_size
+    per_proc = n_total // world_size
+    per_update = cfg.train.micro_batch * cfg.train.grad_accum
+    if n_total % world_size:
+        raise ValueError(f"{n_total} samples per iteration (rollout.prompts_per_iter x rollout.group_size) do not "
+                         f"split over {world_size} processes")
+    if per_proc % per_update:
+        raise ValueError(f"each process has {per_proc} samples per iteration, not a multiple of train.micro_batch x "
+                         f"train.grad_accum = {cfg.train.micro_batch} x {cfg.train.grad_accum} = {per_update}")
+    updates_per_rollout = cfg.train.inner_epochs * per_proc // per_update
+    sde_mask0, train_mask0, _ = step_masks(cfg, 0, 1)
+    T = int(train_mask0.sum())
+    accelerator.print(
+        f"difrl: {world_size} process(es) x {torch.get_num_threads()} thread(s); {n_total} samples/iteration "
+        f"({cfg.rollout.prompts_per_iter} groups of {cfg.rollout.group_size}), {per_proc} per process; {T} trained "
+        f"step(s) of {cfg.sampler.num_steps} per sample ({cfg.steps.mode}); {updates_per_rollout} optimizer update(s) "
+        f"per rollout ({cfg.train.inner_epochs} epoch(s) x {per_proc // per_update} of {cfg.train.micro_batch} x "
+        f"{cfg.train.grad_accum} accumulated); run dir {run_dir}")
+
+    world = build_world(cfg.model.kind, cfg.model.path)
+    policy = world.policy
+    rewards = {name: build_reward(name, **cfg.reward.options.get(name, {})) for name in cfg.reward.weights}
+    sigmas = sigma_schedule(cfg.sampler.num_steps, cfg.sampler.shift)
+
+    base = policy.module
+    if cfg.train.lora.enabled:
+        from peft import LoraConfig, get_peft_model
+
+        lcfg = cfg.train.lora
+        net = get_peft_model(base, LoraConfig(r=lcfg.rank, lora_alpha=lcfg.alpha, init_lora_weights=True if lcfg.init == "default" else "gaussian",
+                                              target_modules=lcfg.targets or policy.lora_target_modules))
+        reference = None  # the same network with the adapter disabled
+    else:
+        net = base
+        reference = copy.deepcopy(base).requires_grad_(False)  # frozen copy for the KL
+    params = trainable_params(net)
+    optimizer = torch.optim.AdamW(params.values(), lr=cfg.train.lr, betas=cfg.train.betas, eps=cfg.train.adam_eps,
+                                  weight_decay=cfg.train.weight_decay)
+    net, optimizer = accelerator.prepare(net, optimizer)
+    policy.module = net
+    unwrapped = accelerator.unwrap_model(net)
+    ema = EMA(trainable_params(unwrapped), cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
+
+    def reference_velocity_ctx():
+        if reference is None:
+            return unwrapped.disable_adapter()
+        return _swap_module(policy, reference)
+
+    def evaluate(tag: str, iteration: int) -> dict:
+        if ema is not None:
+            ema.swap()
+        try:
+            metrics, images = world.evaluate(policy, cfg.eval.per_digit, cfg.eval.num_steps, cfg.eval.seed, cfg.sampler.shift)
+        finally:
+            if ema is not None:
+                ema.swap()
+        if accelerator.is_main_process:
+            world.save_grid(images, run_dir / "samples" / f"{tag}-iter-{iteration:06d}.png")
+        return metrics
+
+    # resume: weights, optimizer, EMA, RNG, counters, stopping state; metrics.jsonl cut back to the checkpoint
+    start, run_state = 0, {"eval_before": None, "best_fd": None, "bad_evals": 0, "last_eval": None}
+    ckpt = load_latest_checkpoint(run_dir) if cfg.resume else None
+    if cfg.resume and ckpt is None:
+        raise FileNotFoundError(f"resume={cfg.resume}: no checkpoint found in {run_dir / 'checkpoints'}")
+    if ckpt is not None:
+        restore_checkpoint(ckpt, unwrapped, optimizer, ema)
+        start = ckpt.iteration
+        run_state.update({k: ckpt.state[k] for k in run_state if k in ckpt.state})
+        accelerator.print(f"difrl: resumed from {ckpt.path} after iteration {start}")
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+        _truncate_metrics(run_dir / "metrics.jsonl", start)
+    accelerator.wait_for_everyone()
+
+    if run_state["eval_before"] is None:
+        run_state["eval_before"] = evaluate("before", 0)
+        run_state["last_eval"] = run_state["eval_before"]
+        accelerator.print("eval before: " + _fmt_eval(run_state["eval_before"]))
+
+    def checkpoint(iteration: int) -> None:
+        if accelerator.is_main_process:
+            save_checkpoint(run_dir, iteration, unwrapped, optimizer, ema, run_state)
+        accelerator.wait_for_everyone()
+
+    bar = tqdm(range(start, cfg.train.iterations), initial=start, total=cfg.train.iterations, desc="train",
+               disable=not accelerator.is_main_process, dynamic_ncols=True)
+    stopped = None
+    it = start - 1
+    for it in bar:
+        t_iter = time.perf_counter()
+        # ==================================================================== rollout
+        gen = torch.Generator().manual_seed(mix_seed(cfg.seed, it, 1))
+        P, G = len(world.prompts), cfg.rollout.group_size
+        order = torch.cat([torch.randperm(P, generator=gen) for _ in range(-(-cfg.rollout.prompts_per_iter // P))])
+        group_prompt = order[:cfg.rollout.prompts_per_iter]  # [groups] prompt id of each group
+        k = torch.arange(rank * per_proc, (rank + 1) * per_proc)  # this process's global sample indices
+        prompt_ids, group_ids = group_prompt[k // G], it * cfg.rollout.prompts_per_iter + k // G
+        seeds = torch.tensor([mix_seed(cfg.seed, it, 0, int(i)) for i in k])
+        init_seeds = (torch.tensor([mix_seed(cfg.seed, it, 3, int(g)) for g in k // G]) if cfg.rollout.same_init_noise else seeds)
+        sde_mask, train_mask, window_start = step_masks(cfg, it, n_total)
+        prompts = [world.prompts[i] for i in prompt_ids.tolist()]
+        unwrapped.eval()
+        batch = rollout(policy, prompts, seeds, sigmas, cfg.sampler.kind, kernel_kwargs(cfg), sde_mask,
+                        train_mask[rank * per_proc:(rank + 1) * per_proc], prompt_ids, group_ids, init_seeds,
+                        cfg.sampler.guidance, batch_size=cfg.sampler.rollout_batch)
+        t_reward = time.perf_counter()
+
+        # ==================================================================== reward
+        images = policy.decode(batch.x_final)
+        metadata = [world.metadata(int(p)) for p in prompt_ids]
+        bad = torch.zeros(per_proc, dtype=torch.bool)
+        try:
+            scores = score_all(rewards, images, prompts, metadata, seeds, prompt_ids)
+        except RewardError as e:
+            if cfg.reward.on_error == "stop":
+                checkpoint(it)  # nothing is lost: the run resumes at this iteration once the reward is fixed
+                raise RewardError(f"iteration {it}: {e}. The run stopped (reward.on_error=stop) after saving a "
+                                  f"checkpoint; resume with resume={run_dir}, or set reward.on_error=drop_group.", e.bad) from e
+            bad = e.bad
+            scores = {name.rsplit(":", 1)[-1]: torch.zeros(per_proc) for name in rewards}
+            if not bad.all():  # re-score the healthy samples only
+                ok = (~bad).nonzero().flatten()
+                part = score_all(rewards, images[ok], [prompts[i] for i in ok], [metadata[i] for i in ok], seeds[ok], prompt_ids[ok])
+                for name in scores:
+                    scores[name][ok] = part[name]
+            accelerator.print(f"iteration {it}: {e}; dropping their groups (reward.on_error=drop_group)")
+        t_adv = time.perf_counter()
+
+        # ==================================================================== advantage
+        weights = {name.rsplit(":", 1)[-1]: w for name, w in cfg.reward.weights.items()}
+        all_scores = {name: accelerator.gather(scores[name]) for name in weights}
+        all_groups, all_bad = accelerator.gather(group_ids), accelerator.gather(bad.long()).bool()
+        bad_groups = all_groups[all_bad].unique()
+        adv = group_advantages(all_scores, weights, all_groups, cfg.reward.aggregate, cfg.advantage.std_scope,
+                               cfg.advantage.eps, cfg.advantage.clip)
+        keep_all = ~torch.isin(all_groups, bad_groups)
+        if cfg.advantage.drop_zero_spread:
+            keep_all &= ~adv.zero_spread
+        own = slice(rank * per_proc, (rank + 1) * per_proc)
+        advantages, keep = adv.advantages[own], keep_all[own]
+
+        # ==================================================================== policy update
+        unwrapped.train()
+        m = _Metrics()
+        denom = cfg.train.micro_batch * cfg.train.grad_accum * T  # fixed, so 1x8 accumulation == 8x1
+        micro_per_epoch = per_proc // cfg.train.micro_batch
+        first = True
+        for epoch in range(cfg.train.inner_epochs):
+            perm = torch.randperm(per_proc, generator=torch.Generator().manual_seed(mix_seed(cfg.seed, it, 4, epoch)))
+            for mb in range(micro_per_epoch):
+                idx = perm[mb * cfg.train.micro_batch:(mb + 1) * cfg.train.micro_batch]
+                sub = batch.select(idx)
+                sync = (mb + 1) % cfg.train.grad_accum == 0
+                with (nullcontext() if sync else accelerator.no_sync(net)):
+                    log_prob, mean, std = transition_log_prob(policy, sub, cfg)
+                    if first and cfg.train.ratio_check:
+                        m.add("first_step_max_abs_log_ratio", torch.tensor(check_ratio(log_prob, sub.log_prob_old, cfg.train.ratio_tol)))
+                    first = False
+                    elem_keep = keep[idx][:, None].expand_as(log_prob).float()
+                    pg, pm = ppo_clip_loss(log_prob, sub.log_prob_old, advantages[idx], cfg.train.clip_low, cfg.train.clip_high)
+                    loss = (pg * elem_keep).sum() / denom
+                    if cfg.train.kl_beta > 0:
+                        with torch.no_grad(), reference_velocity_ctx():
+                            _, mean_ref, _ = transition_log_prob(policy, sub, cfg)
+                        h = (sub.sigma - sub.sigma_next).reshape(-1)
+                        kl = gaussian_step_kl(mean, mean_ref, std, h, cfg.train.kl_form).view_as(log_prob)
+                        loss = loss + cfg.train.kl_beta * (kl * elem_keep).sum() / denom
+                        m.add("kl", kl, elem_keep.bool())
+                    accelerator.backward(loss)
+                mask = elem_keep.bool()
+                m.add("policy_loss", pg, mask)
+                for name in ("approx_kl", "clip_high", "clip_low", "ratio"):
+                    m.add(name, pm[name], mask)
+                m.add_ratio(pm["ratio"], sub.step, mask)
+                if sync:
+                    if cfg.train.max_grad_norm is not None:
+                        m.add("grad_norm", torch.as_tensor(accelerator.clip_grad_norm_(params.values(), cfg.train.max_grad_norm)))
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    if ema is not None:
+                        ema.update()
+        unwrapped.eval()
+        t_log = time.perf_counter()
+
+        # ==================================================================== log
+        upd = m.result()
+        row = {
+            "iteration": it + 1,
+            "reward_mean": float(adv.reward.mean()), "reward_std": float(adv.reward.std(unbiased=False)),
+            **{f"reward/{k}": float(v.mean()) for k, v in all_scores.items()},
+            **adv.stats(),
+            "zero_spread_groups": int(all_groups[adv.zero_spread].unique().numel()),
+            "dropped_groups": int(all_groups[~keep_all].unique().numel()),
+            "failed_reward_groups": int(bad_groups.numel()),
+            "trained_samples": int(keep_all.sum()),
+            "loss": upd.get("policy_loss", 0.0) + cfg.train.kl_beta * upd.get("kl", 0.0),
+            **{k: v for k, v in upd.items()},
+            "ratio_mean": upd.get("ratio", 1.0),
+            "window_start": window_start,
+            "lr": optimizer.param_groups[0]["lr"],
+            "seconds_rollout": t_reward - t_iter, "seconds_reward": t_adv - t_reward, "seconds_update": t_log - t_adv,
+        }
+        row["ratio_std"] = _pooled_std(upd["ratio_per_step"])
+        row.pop("ratio", None)
+        if cfg.eval.every and (it + 1) % cfg.eval.every == 0 and it + 1 < cfg.train.iterations:
+            t_eval = time.perf_counter()
+            ev = evaluate("eval", it + 1)
+            run_state["last_eval"] = ev
+            row.update({f"eval/{k}": v for k, v in ev.items() if isinstance(v, (int, float))})
+            row["seconds_eval"] = time.perf_counter() - t_eval
+            stopped = _should_stop(cfg, ev, run_state)
+        row["seconds"] = time.perf_counter() - t_iter
+        if accelerator.is_main_process:
+            with open(run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+        last = run_state["last_eval"] or {}
+        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{last.get('accuracy', float('nan')):.3f}",
+                        fd=f"{last.get('fd', float('nan')):.1f}")
+
+        # ==================================================================== checkpoint
+        if stopped or (cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0):
+            checkpoint(it + 1)
+        if stopped:
+            accelerator.print(f"difrl: stopping after iteration {it + 1}: {stopped}")
+            break
+    bar.close()
+
+    # ======================================================================== finish
+    done = it + 1 if cfg.train.iterations > start else start
+    if not stopped:
+        checkpoint(done)
+    eval_after = evaluate("after", done)
+    accelerator.print("eval after:  " + _fmt_eval(eval_after))
+    summary = {"eval_before": run_state["eval_before"], "eval_after": eval_after, "iterations": done,
+               "stopped_early": stopped, "fd_extractor": eval_after.get("fd_extractor"), "run_dir": str(run_dir)}
+    if accelerator.is_main_process:
+        atomic_write_json(run_dir / "summary.json", summary)
+        _save_policy(unwrapped, ema, run_dir / "policy.safetensors", cfg)
+        plot_reward_curve(run_dir / "metrics.jsonl", run_dir / "reward_curve.png", summary)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return summary
+
+
+# ---------------------------------------------------------------------------------- pieces of the loop
+
+
+class _swap_module:
+    """Context: run the policy with another module (the frozen reference of full fine-tuning)."""
+
+    def __init__(self, policy, module):
+        self.policy, self.module = policy, module
+
+    def __enter__(self):
+        self.saved = self.policy.module
+        self.policy.module = self.module
+
+    def __exit__(self, *exc):
+        self.policy.module = self.saved
+
+
+def _should_stop(cfg: FlowConfig, ev: dict, run_state: dict) -> str | None:
+    """FD early stopping: quality is watched on the reward's own features, never the held-out judge."""
+    fd = ev["fd"]
+    best = run_state["best_fd"]
+    run_state["best_fd"] = fd if best is None else min(best, fd)
+    if cfg.stop.fd_rise is None or best is None:
+        return None
+    if fd > cfg.stop.fd_rise * best and ev["accuracy"] >= cfg.stop.min_accuracy:
+        run_state["bad_evals"] += 1
+    else:
+        run_state["bad_evals"] = 0
+    if run_state["bad_evals"] >= cfg.stop.patience:
+        return (f"Fréchet distance {fd:.2f} above {cfg.stop.fd_rise:g} x its best {best:.2f} for "
+                f"{run_state['bad_evals']} evaluation(s) (stop.fd_rise)")
+    return None
+
+
+def _pooled_std(per_step: dict) -> float:
+    if not per_step:
+        return 0.0
+    means = [v[0] for v in per_step.values()]
+    sq = [v[1] ** 2 + v[0] ** 2 for v in per_step.values()]
+    mu = sum(means) / len(means)
+    return math.sqrt(max(sum(sq) / len(sq) - mu**2, 0.0))
+
+
+def _truncate_metrics(path: Path, keep_iterations: int) -> None:
+    """On resume, drop metric rows written after the checkpoint (a crash between the two)."""
+    if not path.exists():
+        return
+    rows = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    kept = [ln for ln in rows if json.loads(ln)["iteration"] <= keep_iterations]
+    if len(kept) != len(rows):
+        path.write_text("".join(ln + "\n" for ln in kept))
+
+
+def _fmt_eval(ev: dict) -> str:
+    keys = ("accuracy", "judge_accuracy", "fd", "diversity", "real_diversity")
+    return ", ".join(f"{k} {ev[k]:.3f}" for k in keys if k in ev) + f" (FD features: {ev.get('fd_extractor')})"
+
+
+def _save_policy(unwrapped, ema: EMA | None, path: Path, cfg: FlowConfig) -> None:
+    """The trained generator (LoRA merged, EMA weights if on) as a plain checkpoint usable as model.path."""
+    if ema is not None:
+        ema.swap()
+    try:
+        module = unwrapped
+        if cfg.train.lora.enabled:
+            module = copy.deepcopy(unwrapped).merge_and_unload()
+        meta = {k: str(v) for k, v in vars(module.cfg).items()} if hasattr(module, "cfg") else {}
+        save_safetensors(module.state_dict(), path, meta)
+    finally:
+        if ema is not None:
+            ema.swap()
+
+
+def plot_reward_curve(metrics_path: Path, out: Path, summary: dict | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(ln) for ln in metrics_path.read_text().splitlines() if ln.strip()]
+    if not rows:
+        return
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+    it = [r["iteration"] for r in rows]
+    ax[0].plot(it, [r["reward_mean"] for r in rows], label="train reward (mean)")
+    ev = [(r["iteration"], r["eval/accuracy"], r["eval/fd"]) for r in rows if "eval/accuracy" in r]
+    if summary:
+        ev = [(0, summary["eval_before"]["accuracy"], summary["eval_before"]["fd"])] + ev
+        ev.append((summary["iterations"], summary["eval_after"]["accuracy"], summary["eval_after"]["fd"]))
+    if ev:
+        ax[0].plot([e[0] for e in ev], [e[1] for e in ev], "o-", label="eval accuracy")
+        ax[1].plot([e[0] for e in ev], [e[2] for e in ev], "o-", color="C2")
+    ax[0].set_xlabel("iteration"); ax[0].legend(); ax[0].set_ylim(0, 1.02); ax[0].grid(alpha=0.3)
+    ax[1].set_xlabel("iteration"); ax[1].set_ylabel("Fréchet distance"); ax[1].grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
