@@ -45,6 +45,8 @@ def cmd_train(args) -> int:
         raise SystemExit("difrl train: give a config file, e.g. difrl train configs/digits.yaml")
     cfg = _load(path, overrides)
     summary = train(cfg, out_dir=args.out)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun / accelerate launch, one process reports
+        return 0
     before, after = summary["eval_before"], summary["eval_after"]
     print(json.dumps({"run_dir": summary["run_dir"], "accuracy": [before["accuracy"], after["accuracy"]],
                       "judge_accuracy": [before["judge_accuracy"], after["judge_accuracy"]],

@@ -68,9 +68,10 @@ def _load_builtins() -> None:
 class RewardError(RuntimeError):
     """A reward raised, or returned NaN/inf, for some samples; names them."""
 
-    def __init__(self, message: str, bad: torch.Tensor):
+    def __init__(self, message: str, bad: torch.Tensor, scores: dict[str, torch.Tensor] | None = None):
         super().__init__(message)
         self.bad = bad  # [B] bool
+        self.scores = scores  # every reward's [B] scores (non-finite where bad), or None if one raised
 
 
 def score_all(rewards: dict[str, RewardFn], images, prompts: list[str], metadata: list[dict],
@@ -109,5 +110,5 @@ def score_all(rewards: dict[str, RewardFn], images, prompts: list[str], metadata
             if k != key:
                 out[f"{key}/{k}"] = torch.as_tensor(v, dtype=torch.float32).flatten()
     if problems:
-        raise RewardError("non-finite reward: " + "; ".join(problems), bad)
+        raise RewardError("non-finite reward: " + "; ".join(problems), bad, out)
     return out

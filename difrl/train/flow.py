@@ -105,12 +105,12 @@ def cores_available() -> int:
 
 
 class _Metrics:
-    """Means over one iteration's micro-steps, plus per-step ratio mean/std."""
+    """Means over one iteration's micro-steps (all processes together), plus per-step ratio mean/std."""
 
-    def __init__(self):
+    def __init__(self, num_steps: int):
         self.sums: dict[str, float] = {}
         self.counts: dict[str, int] = {}
-        self.step_ratio: dict[int, list[float]] = {}
+        self.step_ratio = torch.zeros(3, num_steps, dtype=torch.float64)  # [sum, sum of squares, count] per step
 
     def add(self, name: str, value: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         v = value.detach().double()
@@ -120,15 +120,21 @@ class _Metrics:
         self.counts[name] = self.counts.get(name, 0) + v.numel()
 
     def add_ratio(self, ratio: torch.Tensor, steps: torch.Tensor, mask: torch.Tensor) -> None:
-        for j in steps[mask].unique().tolist():
-            r = ratio.detach().double()[mask & (steps == j)]
-            acc = self.step_ratio.setdefault(j, [0.0, 0.0, 0])
-            acc[0] += float(r.sum()); acc[1] += float((r**2).sum()); acc[2] += r.numel()
+        r, j = ratio.detach().double()[mask], steps[mask]
+        self.step_ratio[0].index_add_(0, j, r)
+        self.step_ratio[1].index_add_(0, j, r**2)
+        self.step_ratio[2].index_add_(0, j, torch.ones_like(r))
 
-    def result(self) -> dict:
-        out = {k: self.sums[k] / max(self.counts[k], 1) for k in self.sums}
+    def result(self, accelerator) -> dict:
+        names = sorted(self.sums)  # every process logs the same names
+        packed = torch.tensor([[self.sums[k] for k in names], [float(self.counts[k]) for k in names]], dtype=torch.float64)
+        if accelerator.num_processes > 1:
+            packed = accelerator.reduce(packed.to(accelerator.device), "sum").cpu()
+            self.step_ratio = accelerator.reduce(self.step_ratio.to(accelerator.device), "sum").cpu()
+        out = {k: float(packed[0, i] / max(packed[1, i], 1.0)) for i, k in enumerate(names)}
         per_step = {}
-        for j, (s, sq, n) in sorted(self.step_ratio.items()):
+        for j in (self.step_ratio[2] > 0).nonzero().flatten().tolist():
+            s, sq, n = self.step_ratio[:, j].tolist()
             mean = s / n
             per_step[str(j)] = [mean, math.sqrt(max(sq / n - mean**2, 0.0))]
         out["ratio_per_step"] = per_step
@@ -143,7 +149,10 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
     from tqdm.auto import tqdm
 
     # ======================================================================== setup
-    accelerator = Accelerator()
+    world = build_world(cfg.model.kind, cfg.model.path)
+    # a world that runs on the CPU (the digits MLP: kernel launches would dominate on a GPU) asks for it;
+    # without cpu=True accelerate ignores torchrun's WORLD_SIZE on a machine with no GPU
+    accelerator = Accelerator(cpu=world.device == "cpu" or not torch.cuda.is_available())
     world_size, rank = accelerator.num_processes, accelerator.process_index
     torch.set_num_threads(cfg.threads or max(1, cores_available() // accelerator.num_processes))
     run_dir = Path(cfg.resume or out_dir or cfg.out or "runs/flow")
@@ -166,12 +175,12 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
         f"per rollout ({cfg.train.inner_epochs} epoch(s) x {per_proc // per_update} of {cfg.train.micro_batch} x "
         f"{cfg.train.grad_accum} accumulated); run dir {run_dir}")
 
-    world = build_world(cfg.model.kind, cfg.model.path)
     policy = world.policy
     rewards = {name: build_reward(name, **cfg.reward.options.get(name, {})) for name in cfg.reward.weights}
     sigmas = sigma_schedule(cfg.sampler.num_steps, cfg.sampler.shift)
 
     base = policy.module
+    torch.manual_seed(mix_seed(cfg.seed, 5))  # LoRA init draws from the global RNG: same seed, same start
     if cfg.train.lora.enabled:
         from peft import LoraConfig, get_peft_model
 
@@ -221,6 +230,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
         _truncate_metrics(run_dir / "metrics.jsonl", start)
+        (run_dir / "metrics.jsonl").touch()
     accelerator.wait_for_everyone()
 
     if run_state["eval_before"] is None:
@@ -267,13 +277,9 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
                 checkpoint(it)  # nothing is lost: the run resumes at this iteration once the reward is fixed
                 raise RewardError(f"iteration {it}: {e}. The run stopped (reward.on_error=stop) after saving a "
                                   f"checkpoint; resume with resume={run_dir}, or set reward.on_error=drop_group.", e.bad) from e
-            bad = e.bad
-            scores = {name.rsplit(":", 1)[-1]: torch.zeros(per_proc) for name in rewards}
-            if not bad.all():  # re-score the healthy samples only
-                ok = (~bad).nonzero().flatten()
-                part = score_all(rewards, images[ok], [prompts[i] for i in ok], [metadata[i] for i in ok], seeds[ok], prompt_ids[ok])
-                for name in scores:
-                    scores[name][ok] = part[name]
+            bad = e.bad  # a reward that raised marks the whole batch; NaN/inf marks only its samples
+            names = [name.rsplit(":", 1)[-1] for name in rewards]
+            scores = {k: torch.zeros(per_proc) if e.scores is None else torch.where(bad, 0.0, e.scores[k]) for k in names}
             accelerator.print(f"iteration {it}: {e}; dropping their groups (reward.on_error=drop_group)")
         t_adv = time.perf_counter()
 
@@ -292,7 +298,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
 
         # ==================================================================== policy update
         unwrapped.train()
-        m = _Metrics()
+        m = _Metrics(cfg.sampler.num_steps)
         denom = cfg.train.micro_batch * cfg.train.grad_accum * T  # fixed, so 1x8 accumulation == 8x1
         micro_per_epoch = per_proc // cfg.train.micro_batch
         first = True
@@ -334,7 +340,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
         t_log = time.perf_counter()
 
         # ==================================================================== log
-        upd = m.result()
+        upd = m.result(accelerator)
         row = {
             "iteration": it + 1,
             "reward_mean": float(adv.reward.mean()), "reward_std": float(adv.reward.std(unbiased=False)),

@@ -24,6 +24,7 @@ class World:
     evaluate: Callable[..., tuple[dict, torch.Tensor]]
     save_grid: Callable[[torch.Tensor, Path], None]
     metadata: Callable[[int], dict]  # prompt id -> reward metadata
+    device: str = "auto"  # "cpu": the trainer keeps every process on the CPU even where a GPU exists
 
 
 def _digits(model_path: str | None) -> World:
@@ -45,7 +46,7 @@ def _digits(model_path: str | None) -> World:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Image.fromarray(image_grid(rows, nrow=min(per, 10))).save(path)
 
-    return World("digits", policy, list(PROMPTS), evaluate, save_grid, lambda pid: {"digit": pid})
+    return World("digits", policy, list(PROMPTS), evaluate, save_grid, lambda pid: {"digit": pid}, device="cpu")
 
 
 WORLDS: dict[str, Callable[[str | None], World]] = {"digits": _digits}
