@@ -48,10 +48,13 @@ def cmd_train(args) -> int:
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun / accelerate launch, one process reports
         return 0
     before, after = summary["eval_before"], summary["eval_after"]
-    print(json.dumps({"run_dir": summary["run_dir"], "accuracy": [before["accuracy"], after["accuracy"]],
-                      "judge_accuracy": [before["judge_accuracy"], after["judge_accuracy"]],
-                      "fd": [before["fd"], after["fd"]], "diversity": [before["diversity"], after["diversity"]],
-                      "real_diversity": after["real_diversity"]}))
+    run = Path(summary["run_dir"])
+    print(f"\ndifrl: {summary['iterations']} iterations" + (f", stopped early: {summary['stopped_early']}" if summary["stopped_early"] else ""))
+    print(f"{'':<16}{'before':>10}{'after':>10}")
+    for key in ("accuracy", "judge_accuracy", "fd", "diversity"):
+        print(f"{key:<16}{before[key]:>10.3f}{after[key]:>10.3f}")
+    print(f"real data diversity {after['real_diversity']:.3f}; FD features: {after['fd_extractor']}")
+    print(f"results: {run / 'summary.json'}, samples: {run / 'samples'}, curve: {run / 'reward_curve.png'}")
     return 0
 
 
