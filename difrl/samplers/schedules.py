@@ -59,7 +59,7 @@ def fixed_window(num_steps: int, start: int, size: int) -> torch.Tensor:
 
 def random_window(num_steps: int, size: int, low: int, high: int, generator: torch.Generator) -> torch.Tensor:
     """Flow-GRPO-Fast: the window start is uniform in [low, high - size] (window inside [low, high))."""
-    if not 0 <= low and low + size <= high <= num_steps:
+    if not (0 <= low and low + size <= high <= num_steps):
         raise ValueError(f"window of {size} does not fit in range [{low}, {high}) of {num_steps} steps")
     start = int(torch.randint(low, high - size + 1, (1,), generator=generator))
     return fixed_window(num_steps, start, size)
