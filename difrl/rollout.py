@@ -7,7 +7,7 @@
     again = regenerate(policy, batch, sigmas, ...)   # bit-identical x_final
 
 Every sample carries an integer ``seed``, a ``prompt_id`` and a ``group_id``. Its initial noise is
-drawn from a generator seeded by ``(init_seed, -1)`` and step i's noise from ``(seed, i)``, so a
+a counter-based function of ``(init_seed, -1)`` and step i's noise of ``(seed, i)``, so a
 sample is a pure function of its seeds, prompt and the policy: any sample can be regenerated
 exactly (Sol-RL, resume, debugging). ``init_seed`` equals ``seed`` unless a group shares one
 initial noise (then it is the group's seed, derived from the group id, never from prompt text).
@@ -24,31 +24,12 @@ import torch
 
 from difrl.models.base import Cond, FlowPolicy, cond_select
 from difrl.samplers.kernels import KERNELS, StepOutput
-
-_MASK64 = (1 << 64) - 1
-
-
-def mix_seed(*parts: int) -> int:
-    """A stable 63-bit seed from integers (splitmix64 finaliser over each part)."""
-    h = 0x9E3779B97F4A7C15
-    for p in parts:
-        h = (h ^ (int(p) & _MASK64)) & _MASK64
-        h = (h + 0x9E3779B97F4A7C15) & _MASK64
-        z = h
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-        h = z ^ (z >> 31)
-    return h & ((1 << 63) - 1)
+from difrl.utils.rng import counter_normal, mix_seed  # noqa: F401  (mix_seed re-exported)
 
 
 def sample_noise(seeds: torch.Tensor, step: int, shape: tuple[int, ...], device="cpu") -> torch.Tensor:
-    """[B, *shape] standard normal noise; row b drawn from a generator seeded by (seeds[b], step)."""
-    out = torch.empty((len(seeds), *shape), dtype=torch.float32, device=device)
-    gen = torch.Generator(device=device)
-    for b, s in enumerate(seeds.tolist()):
-        gen.manual_seed(mix_seed(s, step))
-        out[b] = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
-    return out
+    """[B, *shape] standard normal noise; row b is a pure function of (seeds[b], step) (difrl.utils.rng)."""
+    return counter_normal(seeds, step, shape, device)
 
 
 INIT_STEP = -1  # the "step" whose noise is the initial latent

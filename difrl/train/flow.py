@@ -29,7 +29,8 @@ from difrl.algos import gaussian_step_kl, group_advantages, ppo_clip_loss
 from difrl.config import save_config
 from difrl.models.base import cond_repeat
 from difrl.rewards import RewardError, build_reward, score_all
-from difrl.rollout import Rollout, mix_seed, rollout
+from difrl.rollout import Rollout, rollout
+from difrl.utils.rng import mix_seed
 from difrl.samplers import KERNELS, all_but_last, fixed_window, random_subset, random_window, sigma_schedule, sliding_window_start
 from difrl.train.config import FlowConfig
 from difrl.train.state import EMA, load_latest_checkpoint, restore_checkpoint, save_checkpoint, trainable_params

@@ -23,7 +23,8 @@ from torch import nn
 
 from difrl.eval.metrics import frechet_distance, within_class_diversity
 from difrl.models.digits import digit_prompt
-from difrl.rollout import mix_seed, rollout
+from difrl.rollout import rollout
+from difrl.utils.rng import mix_seed
 from difrl.samplers.schedules import sigma_schedule
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
