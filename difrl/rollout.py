@@ -27,8 +27,9 @@ from difrl.samplers.kernels import KERNELS, StepOutput
 from difrl.utils.rng import counter_normal, mix_seed  # noqa: F401  (mix_seed re-exported)
 
 
-def sample_noise(seeds: torch.Tensor, step: int, shape: tuple[int, ...], device="cpu") -> torch.Tensor:
-    """[B, *shape] standard normal noise; row b is a pure function of (seeds[b], step) (difrl.utils.rng)."""
+def sample_noise(seeds: torch.Tensor, step: int | list[int], shape: tuple[int, ...], device="cpu") -> torch.Tensor:
+    """[B, *shape] standard normal noise; row b is a pure function of (seeds[b], step) (difrl.utils.rng).
+    A list of S steps gives [S, B, *shape], each [B] slice equal to the single-step draw."""
     return counter_normal(seeds, step, shape, device)
 
 
@@ -117,13 +118,16 @@ def rollout(
     kernel_kwargs = kernel_kwargs or {}
     bs = batch_size or B
 
-    x = sample_noise(init_seeds, INIT_STEP, tuple(policy.latent_shape), device)
+    lat = tuple(policy.latent_shape)
+    x = sample_noise(init_seeds, INIT_STEP, lat, device)
+    # every SDE step's noise in one vectorised draw: [S, B, *latent], row s for step sde_steps[s]
+    sde_steps = sde_mask.nonzero().flatten().tolist()
+    step_noise = dict(zip(sde_steps, sample_noise(seeds, sde_steps, lat, device))) if sde_steps and B else {}
     T = int(train_mask[0].sum()) if B else 0
     rec = {k: [] for k in ("x", "x_next", "sigma", "sigma_next", "log_prob", "mean", "step")}
     for i in range(N):
         sigma, sigma_next = sigmas[i].item(), sigmas[i + 1].item()
-        if sde_mask[i]:
-            noise = sample_noise(seeds, i, tuple(policy.latent_shape), device)
+        noise = step_noise.get(i)
         outs: list[StepOutput] = []
         for lo in range(0, B, bs):
             sl = slice(lo, lo + bs)
@@ -134,7 +138,7 @@ def rollout(
                 outs.append(step_fn(xb, v, sig, torch.full_like(sig, sigma_next), noise[sl], **kernel_kwargs))
             else:
                 outs.append(ode_fn(xb, v, sig, torch.full_like(sig, sigma_next)))
-        out = StepOutput(*(torch.cat(parts) for parts in zip(*outs)))
+        out = outs[0] if len(outs) == 1 else StepOutput(*(torch.cat(parts) for parts in zip(*outs)))
         if train_mask[:, i].any():
             rows = train_mask[:, i]
             rec["x"].append((rows, x))
@@ -154,7 +158,6 @@ def rollout(
         vals = torch.stack([v for _, v in rec[name]], dim=1)  # [B, S, *trailing]
         return vals[rows].reshape(B, T, *trailing).to(dtype)  # boolean index is row-major: b, then step
 
-    lat = tuple(policy.latent_shape)
     return Rollout(
         prompts=list(prompts),
         prompt_ids=torch.zeros(B, dtype=torch.long) if prompt_ids is None else torch.as_tensor(prompt_ids),

@@ -51,3 +51,11 @@ def test_no_correlation_between_neighbours_rows_or_steps():
     assert abs(corr(z[:-1].flatten(), z[1:].flatten())) < bound  # consecutive seeds
     assert abs(corr(z.flatten(), zn.flatten())) < bound  # consecutive steps
     assert abs(corr(z[:, 0::2].flatten() ** 2, z[:, 1::2].flatten() ** 2)) < bound  # pair halves independent
+
+
+def test_many_steps_in_one_call_equal_single_step_draws():
+    seeds = torch.tensor([3, 8, 1])
+    many = counter_normal(seeds, [0, 4, -1], (2, 5))
+    assert many.shape == (3, 3, 2, 5)
+    for s, step in enumerate([0, 4, -1]):
+        assert torch.equal(many[s], counter_normal(seeds, step, (2, 5)))

@@ -90,7 +90,7 @@ def ode_step(x, v, sigma, sigma_next, noise=None, *, action=None, reduce: Reduce
     mean = x + _bcast(sigma_next - sigma, x) * v
     std = torch.zeros_like(sigma)
     x_next = mean if action is None else action.to(torch.float32)
-    return StepOutput(x_next, gaussian_log_prob(x_next, mean, std, reduce), mean, std)
+    return StepOutput(x_next, torch.zeros_like(sigma), mean, std)  # deterministic: log_prob 0 by convention
 
 
 def flow_sde_step(x, v, sigma, sigma_next, noise=None, *, noise_level: float = 0.7, action=None,

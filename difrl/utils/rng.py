@@ -56,28 +56,33 @@ def _finalise_t(z: torch.Tensor) -> torch.Tensor:
     return z ^ _lsr(z, 31)
 
 
-def mix_seed_tensor(seeds: torch.Tensor, *parts: int) -> torch.Tensor:
-    """[B] int64: mix_seed(seeds[b], *parts) for every b, vectorised (bit-identical to the python one)."""
-    h = torch.full_like(seeds, _signed(_GOLDEN), dtype=torch.int64)
+def mix_seed_tensor(seeds: torch.Tensor, *parts: int | torch.Tensor) -> torch.Tensor:
+    """mix_seed(seeds[b], *parts) for every b, vectorised and bit-identical to the python one.
+    Parts may be tensors that broadcast against `seeds` (e.g. steps [S, 1] with seeds [B] -> [S, B])."""
+    h = torch.tensor(_signed(_GOLDEN), dtype=torch.int64, device=seeds.device)
     for p in (seeds.to(torch.int64), *parts):
+        p = torch.as_tensor(p, dtype=torch.int64, device=seeds.device)
         h = _finalise_t((h ^ p) + _signed(_GOLDEN))
     return h & ((1 << 63) - 1)
 
 
-def counter_normal(seeds: torch.Tensor, step: int, shape: tuple[int, ...], device="cpu") -> torch.Tensor:
-    """[B, *shape] fp32 standard normals; row b depends only on (seeds[b], step).
+def counter_normal(seeds: torch.Tensor, step: int | list[int], shape: tuple[int, ...], device="cpu") -> torch.Tensor:
+    """[B, *shape] fp32 standard normals; row b depends only on (seeds[b], step). With a list of S
+    steps, [S, B, *shape] in one vectorised call (a rollout draws all its steps' noise at once).
 
     Element pair j of row b comes from one 64-bit hash h = splitmix64(key_b + (j + 1) * golden):
     its two 32-bit halves are uniforms u1, u2 in (0, 1) and Box-Muller turns them into
     sqrt(-2 ln u1) (cos 2 pi u2, sin 2 pi u2), computed in fp64 and rounded to fp32."""
     seeds = torch.as_tensor(seeds, dtype=torch.int64).to(device)
+    steps = torch.as_tensor(step, dtype=torch.int64, device=device)
     n = math.prod(shape)
-    keys = mix_seed_tensor(seeds, step)  # [B]
+    keys = mix_seed_tensor(seeds, steps.reshape(-1, 1)).reshape(-1)  # [S * B]
     ctr = torch.arange(1, (n + 1) // 2 + 1, dtype=torch.int64, device=device) * _signed(_GOLDEN)  # [P]
-    h = _finalise_t(keys[:, None] + ctr[None, :])  # [B, P]
+    h = _finalise_t(keys[:, None] + ctr[None, :])  # [S * B, P]
     u1 = (_lsr(h, 32).double() + 0.5) * 2.0**-32
     u2 = ((h & 0xFFFFFFFF).double() + 0.5) * 2.0**-32
     r = torch.sqrt(-2.0 * torch.log(u1))
     theta = (2.0 * math.pi) * u2
-    z = torch.stack([r * torch.cos(theta), r * torch.sin(theta)], dim=-1).flatten(1)[:, :n]  # [B, 2P] -> [B, n]
-    return z.to(torch.float32).view(len(seeds), *shape)
+    z = torch.stack([r * torch.cos(theta), r * torch.sin(theta)], dim=-1).flatten(1)[:, :n]  # [S * B, n]
+    lead = (len(seeds),) if steps.ndim == 0 else (steps.numel(), len(seeds))
+    return z.to(torch.float32).view(*lead, *shape)
