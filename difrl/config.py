@@ -35,7 +35,6 @@ import dataclasses
 import difflib
 import os
 import re
-import tempfile
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -381,20 +380,9 @@ def config_to_dict(cfg: Any) -> Any:
 
 def save_config(cfg: Any, path: str | os.PathLike) -> None:
     """Write ``cfg`` as YAML atomically (temp file in the same directory, then rename)."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            yaml.safe_dump(config_to_dict(cfg), fh, sort_keys=False, default_flow_style=False)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    from difrl.utils.io import atomic_write_text  # lazy: the config module itself needs no torch
+
+    atomic_write_text(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False))
 
 
 def describe_config(cls: type) -> str:

@@ -35,7 +35,7 @@ def _atomic(path: Path, write) -> None:
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     def write(tmp):
-        with open(tmp, "w") as f:
+        with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
     _atomic(Path(path), write)
 
