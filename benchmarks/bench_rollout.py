@@ -136,19 +136,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--repeats", type=int, help="timed repeats per method (default 40, --quick 8)")
     ap.add_argument("--threads", type=int, default=min(2, torch.get_num_threads()), help="torch threads (default 2, CI's cores)")
     ap.add_argument("--num-steps", type=int, default=10)
+    ap.add_argument("--models", nargs="+", choices=("digits", "digits-wide"), default=["digits", "digits-wide"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[16, 160])
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     repeats = args.repeats or (8 if args.quick else 40)
 
     torch.manual_seed(0)
-    models = {
-        "digits (bundled, 0.3M params)": DigitsPolicy.from_checkpoint(),
-        "digits-wide (hidden 1024, 4 blocks)": DigitsPolicy(DigitsFlowNet(DigitsNetConfig(hidden=1024, blocks=4)).eval()),
+    builders = {
+        "digits": ("digits (bundled, 0.3M params)", DigitsPolicy.from_checkpoint),
+        "digits-wide": ("digits-wide (hidden 1024, 4 blocks)",
+                        lambda: DigitsPolicy(DigitsFlowNet(DigitsNetConfig(hidden=1024, blocks=4)))),
     }
+    models = {builders[m][0]: builders[m][1]() for m in args.models}
     rows = []
     for model_name, policy in models.items():
         policy.module.eval()
-        for batch in (16, 160):
+        for batch in args.batches:
             times = bench(make_methods(policy, batch, args.num_steps), repeats)
             base = statistics.median(times["plain ODE loop (baseline)"])
             for method, ts in times.items():
