@@ -34,6 +34,7 @@ def sample_noise(seeds: torch.Tensor, step: int | list[int], shape: tuple[int, .
 
 
 INIT_STEP = -1  # the "step" whose noise is the initial latent
+_ONE_DRAW_MAX_ELEMENTS = 1 << 22  # draw all steps' noise at once up to 4M elements (about 100 MB of fp64 temporaries)
 
 
 @dataclass
@@ -120,14 +121,19 @@ def rollout(
 
     lat = tuple(policy.latent_shape)
     x = sample_noise(init_seeds, INIT_STEP, lat, device)
-    # every SDE step's noise in one vectorised draw: [S, B, *latent], row s for step sde_steps[s]
+    # small latents: every SDE step's noise in one vectorised draw ([S, B, *latent]; per-call overhead
+    # dominates there). Large ones: step by step, so the fp64 intermediates stay one step's size.
     sde_steps = sde_mask.nonzero().flatten().tolist()
-    step_noise = dict(zip(sde_steps, sample_noise(seeds, sde_steps, lat, device))) if sde_steps and B else {}
+    step_noise = {}
+    if sde_steps and B and len(sde_steps) * B * x[0].numel() <= _ONE_DRAW_MAX_ELEMENTS:
+        step_noise = dict(zip(sde_steps, sample_noise(seeds, sde_steps, lat, device)))
     T = int(train_mask[0].sum()) if B else 0
     rec = {k: [] for k in ("x", "x_next", "sigma", "sigma_next", "log_prob", "mean", "step")}
     for i in range(N):
         sigma, sigma_next = sigmas[i].item(), sigmas[i + 1].item()
         noise = step_noise.get(i)
+        if noise is None and sde_mask[i]:
+            noise = sample_noise(seeds, i, lat, device)
         outs: list[StepOutput] = []
         for lo in range(0, B, bs):
             sl = slice(lo, lo + bs)

@@ -129,3 +129,14 @@ def test_train_mask_outside_sde_mask_is_refused(policy):
     sig = sigma_schedule(N)
     with pytest.raises(ValueError, match="not stochastic"):
         rollout(policy, prompts(2), torch.arange(2), sig, sde_mask=fixed_window(N, 0, 2), train_mask=fixed_window(N, 1, 2))
+
+
+def test_noise_drawn_at_once_or_per_step_is_the_same(policy, monkeypatch):
+    import difrl.rollout as ro
+
+    sig = sigma_schedule(N)
+    kw = dict(kernel="flow_sde", sde_mask=all_but_last(N), train_mask=all_but_last(N))
+    at_once = rollout(policy, prompts(), torch.arange(6), sig, **kw)
+    monkeypatch.setattr(ro, "_ONE_DRAW_MAX_ELEMENTS", 0)  # force the per-step path (large latents)
+    per_step = rollout(policy, prompts(), torch.arange(6), sig, **kw)
+    assert torch.equal(at_once.x_final, per_step.x_final) and torch.equal(at_once.log_prob_old, per_step.log_prob_old)
