@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     torch.manual_seed(0)
     builders = {
-        "digits": ("digits (bundled, 0.3M params)", DigitsPolicy.from_checkpoint),
-        "digits-wide": ("digits-wide (hidden 1024, 4 blocks)",
+        "digits": ("digits (bundled, 0.6M params)", DigitsPolicy.from_checkpoint),
+        "digits-wide": ("digits-wide (hidden 1024, 4 blocks, 48M params)",
                         lambda: DigitsPolicy(DigitsFlowNet(DigitsNetConfig(hidden=1024, blocks=4)))),
     }
     models = {builders[m][0]: builders[m][1]() for m in args.models}
