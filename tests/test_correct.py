@@ -1,0 +1,226 @@
+"""The corrector core (difrl.correct): hand-computed values and the properties every method must keep.
+
+    pytest tests/test_correct.py -q
+"""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from difrl.correct import (
+    METHODS,
+    ais,
+    aspo_loss,
+    ctpo_log_ratio,
+    ess_fraction,
+    geo_rs,
+    gspo_log_ratio,
+    k2_rs,
+    k3_rs,
+    minpro,
+    seq_mis,
+    seq_tis,
+    token_mis,
+    token_tis,
+    vcpo_lr_scale,
+    vespo,
+)
+
+# rho = pi / mu per token; row 1's last position is padding (its value must never matter)
+RHO = torch.tensor([[2.0, 0.5, 1.0], [4.0, 1.0, 0.25]])
+MASK = torch.tensor([[True, True, True], [True, True, False]])
+LP_MU = torch.zeros(2, 3)
+LP = torch.log(RHO)
+
+
+def close(a, b):
+    torch.testing.assert_close(a, torch.as_tensor(b, dtype=a.dtype), rtol=1e-5, atol=1e-6)
+
+
+def test_token_tis_caps():
+    c = token_tis(LP, LP_MU, MASK, cap=2.0)
+    close(c.weights, [[2.0, 0.5, 1.0], [2.0, 1.0, 0.0]])
+    assert c.keep.tolist() == MASK.tolist() and float(c.weights.max()) <= 2.0
+    close(c.diagnostics["max_weight"], 2.0)
+    close(c.diagnostics["masked_frac"], 0.0)
+
+
+def test_token_mis_masks_exactly_outside_the_band():
+    c = token_mis(LP, LP_MU, MASK, low=0.5, high=2.0)
+    assert c.keep.tolist() == [[True, True, True], [False, True, False]]
+    close(c.weights, [[2.0, 0.5, 1.0], [0.0, 1.0, 0.0]])
+    close(c.diagnostics["masked_frac"], 1 / 5)
+
+
+def test_sequence_tis_and_mis():
+    c = seq_tis(LP, LP_MU, MASK, cap=5.0)
+    close(c.weights, [[1.0, 1.0, 1.0], [4.0, 4.0, 0.0]])  # products over valid positions: 1 and 4
+    assert float(seq_tis(LP, LP_MU, MASK, cap=3.0).weights.max()) == 3.0
+    m = seq_mis(LP, LP_MU, MASK, low=0.5, high=2.0)
+    assert m.keep.tolist() == [[True, True, True], [False, False, False]]
+    close(m.weights, [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+
+
+def test_geometric_k2_k3_rejection():
+    assert geo_rs(LP, LP_MU, MASK).keep.tolist() == [[True] * 3, [False] * 3]  # geo means 1 and 2
+    assert geo_rs(LP, LP_MU, MASK, low=0.4, high=2.5).keep.tolist() == MASK.tolist()
+    # K2 = (log rho)^2 / 2: log 2 -> 0.240, log 4 -> 0.961
+    assert k2_rs(LP, LP_MU, MASK, threshold=0.5).keep.tolist() == [[True, True, True], [False, True, False]]
+    assert k2_rs(LP, LP_MU, MASK, threshold=0.5, aggregate="max").keep.tolist() == [[True] * 3, [False] * 3]
+    # seq means: (0.240 + 0.240 + 0) / 3 = 0.160 and 0.961 / 2 = 0.480
+    assert k2_rs(LP, LP_MU, MASK, threshold=0.3, aggregate="mean").keep.tolist() == [[True] * 3, [False] * 3]
+    assert k2_rs(LP, LP_MU, MASK, threshold=0.5, aggregate="mean").keep.tolist() == MASK.tolist()
+    # K3 means: (0.3069 + 0.1931 + 0) / 3 = 0.1667 and (4 - log 4 - 1) / 2 = 0.8069
+    assert k3_rs(LP, LP_MU, MASK, threshold=0.5).keep.tolist() == [[True] * 3, [False] * 3]
+    assert k3_rs(LP, LP_MU, MASK, threshold=0.81).keep.tolist() == MASK.tolist()
+    c = k3_rs(LP, LP_MU, MASK, threshold=1.0)
+    expected_k3 = ((2 - math.log(2) - 1) + (0.5 + math.log(2) - 1) + (4 - math.log(4) - 1)) / 5
+    close(c.diagnostics["kl_k3"], expected_k3)
+    close(c.diagnostics["kl_k1"], -(math.log(2) + math.log(0.5) + math.log(4)) / 5)
+    close(c.diagnostics["chi2"], (4 + 0.25 + 1 + 16 + 1) / 5 - 1)
+
+
+def test_minpro_prefix_minimum():
+    c = minpro(LP, LP_MU, MASK, cap=2.0)
+    # row 0: rho (2, .5, 1): w = (min(2,C), 1 * .5, min(2,.5) * 1); row 1: (min(4,C), 1 * 1, pad)
+    close(c.weights, [[2.0, 0.5, 0.5], [2.0, 1.0, 0.0]])
+
+
+def test_vespo_kernel():
+    adv = torch.tensor([1.0, 1.0])
+    c = vespo(LP, LP_MU, adv, MASK)
+    log_phi = 3 + 2 * math.log(4) - 3 * 4  # (k, lam) = (2, 3) for A >= 0, W = 4
+    close(c.weights, [[1.0, 1.0, 1.0], [math.exp(log_phi), math.exp(log_phi), 0.0]])
+    neg = vespo(LP, LP_MU, -adv, MASK)
+    close(neg.weights[1, 0], math.exp(2 + 3 * math.log(4) - 2 * 4))  # (3, 2) for A < 0
+    # the kernel peaks at W = k / lam
+    ws = torch.linspace(0.1, 3, 300)
+    lp = torch.log(ws)[:, None]
+    phi = vespo(lp, torch.zeros_like(lp), torch.ones(300), None).weights[:, 0]
+    assert abs(float(ws[phi.argmax()]) - 2 / 3) < 0.02
+
+
+def test_gspo_value_is_the_geometric_mean_and_gradient_is_per_token():
+    lp = LP.clone().requires_grad_(True)
+    s = gspo_log_ratio(lp, LP_MU, MASK)
+    close(s.detach(), [[0.0, 0.0, 0.0], [math.log(2), math.log(2), 0.0]])  # exp(mean log r): 1 and 2
+    s.sum().backward()
+    close(lp.grad, MASK.float())
+
+
+def test_ctpo_cumulative_ratio_and_bounds():
+    lp = LP.clone().requires_grad_(True)
+    log_r, lo, hi = ctpo_log_ratio(lp, LP_MU, MASK)
+    close(log_r.detach(), [[math.log(2), 0.0, 0.0], [math.log(4), math.log(4), 0.0]])  # prefix products
+    t = torch.arange(1, 4.0)
+    close(lo, (-0.025 * t.sqrt())[None])
+    close(hi, (0.05 * t.sqrt())[None])
+    log_r.sum().backward()
+    close(lp.grad, MASK.float())  # the gradient goes through token t only
+
+
+def test_aspo_flips_the_weight_for_positive_advantages():
+    lp_old = torch.zeros(1, 2)
+    lp = torch.log(torch.tensor([[0.5, 0.2]])).requires_grad_(True)
+    loss = aspo_loss(lp, lp_old, torch.tensor([1.0]), dual_clip=3.0)
+    loss.sum().backward()
+    # r = 0.5: gradient -A / r = -2; r = 0.2: 1/r = 5 > c, soft dual-clip -A c log pi -> gradient -3
+    close(lp.grad, [[-2.0, -3.0]])
+    lpn = torch.log(torch.tensor([[0.5, 4.0]])).requires_grad_(True)
+    aspo_loss(lpn, lp_old, torch.tensor([-1.0]), eps_low=0.2).sum().backward()
+    # A < 0: r = 0.5 below 1 - eps -> clamped, no gradient; r = 4 > c -> -A c log pi -> gradient 3
+    close(lpn.grad, [[0.0, 3.0]])
+
+
+def test_ess_and_vcpo_scale():
+    m = torch.ones(1, 2, dtype=torch.bool)
+    close(ess_fraction(torch.tensor([[1.0, 1.0]]), m), 1.0)
+    close(ess_fraction(torch.tensor([[1.0, 3.0]]), m), 16 / 20)
+    close(vcpo_lr_scale(torch.tensor([[1.0, 3.0]]), m), math.sqrt(0.8))
+    # padding does not count
+    close(ess_fraction(torch.tensor([[1.0, 1.0, 50.0]]), torch.tensor([[True, True, False]])), 1.0)
+
+
+def test_ais_limits():
+    torch.manual_seed(0)
+    lp_mu = torch.randn(8, 10)
+    same = ais(lp_mu.clone(), lp_mu, None)
+    assert float(same.diagnostics["ais_lambda"]) == 0.0 and torch.all(same.weights == 1)
+    small = ais(lp_mu + 1e-4 * torch.randn(8, 10), lp_mu, None)
+    assert float(small.diagnostics["ais_lambda"]) < 0.01  # a tiny mismatch stays (almost) uncorrected
+    far = lp_mu + 3.0 * torch.randn(8, 10)  # extreme: rho spans e^-9 ... e^9
+    c = ais(far, lp_mu, None, cap=2.0)
+    assert float(c.diagnostics["ais_lambda"]) > 0.999  # fully weighted ...
+    rho = torch.exp(far - lp_mu)
+    assert torch.equal(c.keep, (rho >= 0.5) & (rho <= 2.0))  # ... and the toxic tails masked (raw ESS/n < 0.5)
+    torch.testing.assert_close(c.weights[c.keep], rho[c.keep].clamp(max=2.0), rtol=1e-3, atol=1e-3)
+    # in between, the weights interpolate between 1 and the TIS weights
+    mid = ais(lp_mu + 0.05 * torch.randn(8, 10), lp_mu, None, kl_scale=1e-3)
+    lam = float(mid.diagnostics["ais_lambda"])
+    assert 0.2 < lam < 1.0 and mid.keep.all()  # reliable weights: mixed, nothing masked
+
+
+# ---- properties every method keeps ------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_equal_log_probs_are_the_identity(name):
+    lp = torch.randn(4, 6)
+    mask = torch.rand(4, 6) > 0.2
+    c = METHODS[name](lp, lp.clone(), mask)
+    assert c.keep.tolist() == mask.tolist()
+    assert torch.equal(c.weights, mask.float())
+    close(c.diagnostics["ess_frac"], 1.0)
+    close(c.diagnostics["kl_k3"], 0.0)
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_padding_never_changes_a_result(name):
+    torch.manual_seed(1)
+    lp_mu = torch.randn(4, 6)
+    lp = lp_mu + 0.3 * torch.randn(4, 6)
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    mask[:, 4:] = False
+    a = METHODS[name](lp, lp_mu, mask)
+    lp2, lp_mu2 = lp.clone(), lp_mu.clone()
+    lp2[:, 4:] = 1e6  # garbage where the mask is off
+    lp_mu2[:, 4:] = -1e6
+    b = METHODS[name](lp2, lp_mu2, mask)
+    assert torch.equal(a.weights, b.weights) and torch.equal(a.keep, b.keep)
+    for k in a.diagnostics:
+        torch.testing.assert_close(a.diagnostics[k], b.diagnostics[k])
+    # and a batch padded to a longer T gives the same weights on the real positions
+    c = METHODS[name](torch.cat([lp[:, :4], torch.zeros(4, 3)], 1), torch.cat([lp_mu[:, :4], torch.zeros(4, 3)], 1),
+                      torch.cat([mask[:, :4], torch.zeros(4, 3, dtype=torch.bool)], 1))
+    torch.testing.assert_close(c.weights[:, :4], a.weights[:, :4])
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_weights_are_detached(name):
+    lp = torch.randn(3, 5, requires_grad=True)
+    c = METHODS[name](lp, torch.randn(3, 5), None)
+    assert not c.weights.requires_grad
+    (c.weights * lp).sum().backward()  # the gradient flows through log_prob only, scaled by the weights
+    torch.testing.assert_close(lp.grad, c.weights)
+
+
+def test_shape_errors_are_clear():
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        token_tis(torch.zeros(3), torch.zeros(3))
+    with pytest.raises(ValueError, match="mask must be"):
+        token_tis(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(3, 2, dtype=torch.bool))
+
+
+def test_huge_log_ratios_stay_finite():
+    c = seq_tis(torch.full((2, 50), 10.0), torch.zeros(2, 50), None, cap=1e30)
+    assert torch.isfinite(c.weights).all() and torch.isfinite(c.diagnostics["chi2"])
+
+
+def test_import_pulls_in_nothing_else():
+    code = ("import sys, difrl.correct; bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('diffusers', 'transformers', 'accelerate', 'peft') or (m.startswith('difrl.') and "
+            "not m.startswith('difrl.correct'))]; print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
