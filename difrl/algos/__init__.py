@@ -1,6 +1,7 @@
 """Advantages and losses (DESIGN.md seam 5)."""
 
 from difrl.algos.advantages import Advantages, group_advantages, group_normalize
+from difrl.algos.guard import ratio_norm_log_ratio, step_weights
 from difrl.algos.losses import gaussian_step_kl, ppo_clip_loss
 
-__all__ = ["Advantages", "group_advantages", "group_normalize", "gaussian_step_kl", "ppo_clip_loss"]
+__all__ = ["Advantages", "group_advantages", "group_normalize", "gaussian_step_kl", "ppo_clip_loss", "ratio_norm_log_ratio", "step_weights"]

@@ -92,6 +92,9 @@ class TrainConfig:
     clip_high: float = cfg_field(1e-4, ge=0.0, help="PPO clip above: rho <= 1 + clip_high")
     kl_beta: float = cfg_field(0.0, ge=0.0, help="weight of the KL to the reference policy")
     kl_form: str = cfg_field("flow_grpo", choices=("flow_grpo", "exact"))
+    ratio_norm: bool = cfg_field(False, help="GRPO-Guard RatioNorm: per-sample, per-step re-centred ratio (clip ~2e-6)")
+    step_weight: str = cfg_field("none", choices=("none", "inverse_dt", "tempflow"),
+                                 help="per-step loss weight: GRPO-Guard 1/dt, TempFlow 2.25 std, or none")
     ema_decay: float = cfg_field(0.0, ge=0.0, lt=1.0, help="EMA of trainable weights for eval/checkpoints (0 = off)")
     lora: LoraConfig = field(default_factory=LoraConfig)
     ratio_check: bool = cfg_field(True, help="stop if the first on-policy micro-step has ratio != 1")
@@ -142,6 +145,8 @@ class FlowConfig:
                 raise config_error("steps.window_range", f"[{lo}, {hi}) cannot hold a window of {s.window_size} in {n} steps")
         if s.mode == "random_subset" and n < 2:
             raise config_error("steps.mode", "random_subset needs at least 2 steps")
+        if self.train.ratio_norm and self.sampler.kind == "cps" and self.sampler.cps_log_prob != "gaussian":
+            raise config_error("train.ratio_norm", "RatioNorm needs the Gaussian log-prob; set sampler.cps_log_prob=gaussian")
         if not self.reward.weights:
             raise config_error("reward.weights", "at least one reward is needed")
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from difrl.algos import gaussian_step_kl, group_advantages, ppo_clip_loss
+from difrl.algos import gaussian_step_kl, group_advantages, ppo_clip_loss, ratio_norm_log_ratio, step_weights
 from difrl.config import save_config
 from difrl.models.base import cond_repeat
 from difrl.rewards import RewardError, build_reward, score_all
@@ -109,9 +109,10 @@ class _Metrics:
     """Means over one iteration's micro-steps (all processes together), plus per-step ratio mean/std."""
 
     def __init__(self, num_steps: int):
+        self.num_steps = num_steps
         self.sums: dict[str, float] = {}
         self.counts: dict[str, int] = {}
-        self.step_ratio = torch.zeros(3, num_steps, dtype=torch.float64)  # [sum, sum of squares, count] per step
+        self.per_step: dict[str, torch.Tensor] = {}  # name -> [sum, sum of squares, count] x steps
 
     def add(self, name: str, value: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         v = value.detach().double()
@@ -120,25 +121,28 @@ class _Metrics:
         self.sums[name] = self.sums.get(name, 0.0) + float(v.sum())
         self.counts[name] = self.counts.get(name, 0) + v.numel()
 
-    def add_ratio(self, ratio: torch.Tensor, steps: torch.Tensor, mask: torch.Tensor) -> None:
+    def add_ratio(self, ratio: torch.Tensor, steps: torch.Tensor, mask: torch.Tensor, name: str = "ratio_per_step") -> None:
+        acc = self.per_step.setdefault(name, torch.zeros(3, self.num_steps, dtype=torch.float64))
         r, j = ratio.detach().double()[mask], steps[mask]
-        self.step_ratio[0].index_add_(0, j, r)
-        self.step_ratio[1].index_add_(0, j, r**2)
-        self.step_ratio[2].index_add_(0, j, torch.ones_like(r))
+        acc[0].index_add_(0, j, r)
+        acc[1].index_add_(0, j, r**2)
+        acc[2].index_add_(0, j, torch.ones_like(r))
 
     def result(self, accelerator) -> dict:
         names = sorted(self.sums)  # every process logs the same names
         packed = torch.tensor([[self.sums[k] for k in names], [float(self.counts[k]) for k in names]], dtype=torch.float64)
         if accelerator.num_processes > 1:
             packed = accelerator.reduce(packed.to(accelerator.device), "sum").cpu()
-            self.step_ratio = accelerator.reduce(self.step_ratio.to(accelerator.device), "sum").cpu()
+            self.per_step = {k: accelerator.reduce(v.to(accelerator.device), "sum").cpu() for k, v in sorted(self.per_step.items())}
         out = {k: float(packed[0, i] / max(packed[1, i], 1.0)) for i, k in enumerate(names)}
-        per_step = {}
-        for j in (self.step_ratio[2] > 0).nonzero().flatten().tolist():
-            s, sq, n = self.step_ratio[:, j].tolist()
-            mean = s / n
-            per_step[str(j)] = [mean, math.sqrt(max(sq / n - mean**2, 0.0))]
-        out["ratio_per_step"] = per_step
+        for name, acc in self.per_step.items():
+            per_step = {}
+            for j in (acc[2] > 0).nonzero().flatten().tolist():
+                s, sq, n = acc[:, j].tolist()
+                mean = s / n
+                per_step[str(j)] = [mean, math.sqrt(max(sq / n - mean**2, 0.0))]
+            out[name] = per_step
+        out.setdefault("ratio_per_step", {})
         return out
 
 
@@ -315,7 +319,20 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
                         m.add("first_step_max_abs_log_ratio", torch.tensor(check_ratio(log_prob, sub.log_prob_old, cfg.train.ratio_tol)))
                     first = False
                     elem_keep = keep[idx][:, None].expand_as(log_prob).float()
-                    pg, pm = ppo_clip_loss(log_prob, sub.log_prob_old, advantages[idx], cfg.train.clip_low, cfg.train.clip_high)
+                    # GRPO-Guard options (difrl.algos.guard): re-centred per-step ratio and/or per-step weights
+                    step_std = std.view_as(log_prob)
+                    weight = step_weights(cfg.train.step_weight, sub.sigma, sub.sigma_next, step_std)
+                    if cfg.train.ratio_norm:
+                        raw = torch.exp(log_prob.detach() - sub.log_prob_old)
+                        m.add("raw_ratio", raw, elem_keep.bool())
+                        m.add_ratio(raw, sub.step, elem_keep.bool(), "raw_ratio_per_step")  # the left shift, per step
+                        lr_norm = ratio_norm_log_ratio(log_prob, sub.log_prob_old, mean.view_as(sub.mean_old), sub.mean_old,
+                                                       step_std, cfg.sampler.log_prob_reduce)
+                        pg, pm = ppo_clip_loss(lr_norm, torch.zeros_like(lr_norm), advantages[idx], cfg.train.clip_low,
+                                               cfg.train.clip_high, weight=weight)
+                    else:
+                        pg, pm = ppo_clip_loss(log_prob, sub.log_prob_old, advantages[idx], cfg.train.clip_low,
+                                               cfg.train.clip_high, weight=weight)
                     loss = (pg * elem_keep).sum() / denom
                     if cfg.train.kl_beta > 0:
                         with torch.no_grad(), reference_velocity_ctx():
