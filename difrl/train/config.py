@@ -50,6 +50,9 @@ class RolloutConfig:
     prompts_per_iter: int = cfg_field(10, ge=1, help="groups (prompts) per iteration, all processes together")
     group_size: int = cfg_field(16, ge=2, help="samples per prompt")
     same_init_noise: bool = cfg_field(False, help="one initial noise per group (diversity from SDE noise only)")
+    weight_dtype: str = cfg_field("fp32", choices=("fp32", "bf16", "fp8_e4m3", "fp8_e5m2"),
+                                  help="roll out with the weights rounded to this format (an injected rollout/train "
+                                       "mismatch; the trainer then recomputes the proximal log-probs)")
 
 
 @dataclass
@@ -117,6 +120,16 @@ class StopConfig:
     min_accuracy: float = cfg_field(0.0, ge=0.0, le=1.0, help="only stop once eval accuracy is at least this")
 
 
+CORRECT_METHODS = ("none", "token_tis", "token_mis", "seq_tis", "seq_mis", "geo_rs", "k2_rs", "k3_rs", "minpro", "ais")
+
+
+@dataclass
+class CorrectConfig:
+    method: str = cfg_field("none", choices=CORRECT_METHODS,
+                            help="IS correction of rollout/train mismatch (difrl.correct); token_* act per step, seq_* per trajectory")
+    options: dict[str, float] = cfg_field(default_factory=dict, help="keyword options of the method, e.g. {cap: 2.0}")
+
+
 @dataclass
 class FlowConfig:
     seed: int = cfg_field(0)
@@ -131,6 +144,7 @@ class FlowConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    correct: CorrectConfig = field(default_factory=CorrectConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     stop: StopConfig = field(default_factory=StopConfig)
 
@@ -147,6 +161,16 @@ class FlowConfig:
             raise config_error("steps.mode", "random_subset needs at least 2 steps")
         if self.train.ratio_norm and self.sampler.kind == "cps" and self.sampler.cps_log_prob != "gaussian":
             raise config_error("train.ratio_norm", "RatioNorm needs the Gaussian log-prob; set sampler.cps_log_prob=gaussian")
+        if self.correct.method != "none":
+            import inspect
+
+            from difrl.correct import METHODS
+
+            allowed = [k for k in inspect.signature(METHODS[self.correct.method]).parameters
+                       if k not in ("log_prob", "log_prob_rollout", "mask")]
+            for k in self.correct.options:
+                if k not in allowed:
+                    raise config_error(f"correct.options.{k}", f"{self.correct.method} takes {allowed}")
         if not self.reward.weights:
             raise config_error("reward.weights", "at least one reward is needed")
 

@@ -20,21 +20,23 @@ import json
 import math
 import os
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 
 from difrl.algos import gaussian_step_kl, group_advantages, ppo_clip_loss, ratio_norm_log_ratio, step_weights
 from difrl.config import save_config
+from difrl.correct import METHODS, Correction
+from difrl.correct import diagnostics as correct_diagnostics
 from difrl.models.base import cond_repeat
 from difrl.rewards import RewardError, build_reward, score_all
 from difrl.rollout import Rollout, rollout
-from difrl.utils.rng import mix_seed
 from difrl.samplers import KERNELS, all_but_last, fixed_window, random_subset, random_window, sigma_schedule, sliding_window_start
 from difrl.train.config import FlowConfig
 from difrl.train.state import EMA, load_latest_checkpoint, restore_checkpoint, save_checkpoint, trainable_params
 from difrl.utils.io import atomic_write_json, save_safetensors
+from difrl.utils.rng import mix_seed
 from difrl.worlds import build_world
 
 
@@ -266,9 +268,24 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
         sde_mask, train_mask, window_start = step_masks(cfg, it, n_total)
         prompts = [world.prompts[i] for i in prompt_ids.tolist()]
         unwrapped.eval()
-        batch = rollout(policy, prompts, seeds, sigmas, cfg.sampler.kind, kernel_kwargs(cfg), sde_mask,
-                        train_mask[rank * per_proc:(rank + 1) * per_proc], prompt_ids, group_ids, init_seeds,
-                        cfg.sampler.guidance, batch_size=cfg.sampler.rollout_batch)
+        with rounded_weights(unwrapped, cfg.rollout.weight_dtype):
+            batch = rollout(policy, prompts, seeds, sigmas, cfg.sampler.kind, kernel_kwargs(cfg), sde_mask,
+                            train_mask[rank * per_proc:(rank + 1) * per_proc], prompt_ids, group_ids, init_seeds,
+                            cfg.sampler.guidance, batch_size=cfg.sampler.rollout_batch)
+        correction = None
+        if cfg.rollout.weight_dtype != "fp32":
+            # the rollout policy mu differs from the trainer's: recompute the proximal policy's log-probs and means
+            # (PPO's ratio and the first-step check are against it) and weigh each transition by pi_old / mu
+            with torch.no_grad():
+                lp_prox, mean_prox, _ = transition_log_prob(policy, batch, cfg)
+            log_prob_rollout = batch.log_prob_old
+            batch.log_prob_old, batch.mean_old = lp_prox, mean_prox.view_as(batch.mean_old)
+            method = METHODS.get(cfg.correct.method)
+            correction = (method(lp_prox, log_prob_rollout, None, **cfg.correct.options) if method else
+                          Correction(torch.ones_like(lp_prox), torch.ones_like(lp_prox, dtype=torch.bool),
+                                     correct_diagnostics(lp_prox - log_prob_rollout, torch.ones_like(lp_prox),
+                                                         torch.ones_like(lp_prox, dtype=torch.bool),
+                                                         torch.ones_like(lp_prox, dtype=torch.bool))))
         t_reward = time.perf_counter()
 
         # ==================================================================== reward
@@ -304,6 +321,9 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
         # ==================================================================== policy update
         unwrapped.train()
         m = _Metrics(cfg.sampler.num_steps)
+        if correction is not None:
+            for name, value in correction.diagnostics.items():
+                m.add(f"correct/{name}", value)
         denom = cfg.train.micro_batch * cfg.train.grad_accum * T  # fixed, so 1x8 accumulation == 8x1
         micro_per_epoch = per_proc // cfg.train.micro_batch
         first = True
@@ -319,6 +339,10 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
                         m.add("first_step_max_abs_log_ratio", torch.tensor(check_ratio(log_prob, sub.log_prob_old, cfg.train.ratio_tol)))
                     first = False
                     elem_keep = keep[idx][:, None].expand_as(log_prob).float()
+                    is_weight = 1.0
+                    if correction is not None:  # rejections and detached IS weights from difrl.correct
+                        elem_keep = elem_keep * correction.keep[idx].float()
+                        is_weight = correction.weights[idx]
                     # GRPO-Guard options (difrl.algos.guard): re-centred per-step ratio and/or per-step weights
                     step_std = std.view_as(log_prob)
                     weight = step_weights(cfg.train.step_weight, sub.sigma, sub.sigma_next, step_std)
@@ -333,7 +357,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
                     else:
                         pg, pm = ppo_clip_loss(log_prob, sub.log_prob_old, advantages[idx], cfg.train.clip_low,
                                                cfg.train.clip_high, weight=weight)
-                    loss = (pg * elem_keep).sum() / denom
+                    loss = (pg * is_weight * elem_keep).sum() / denom
                     if cfg.train.kl_beta > 0:
                         with torch.no_grad(), reference_velocity_ctx():
                             _, mean_ref, _ = transition_log_prob(policy, sub, cfg)
@@ -418,6 +442,31 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
 
 
 # ---------------------------------------------------------------------------------- pieces of the loop
+
+
+ROUNDING_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+@contextmanager
+def rounded_weights(module: torch.nn.Module, weight_dtype: str):
+    """Temporarily round every weight matrix of `module` to `weight_dtype` and back to fp32 (round to nearest
+    by a dtype cast, no scaling: a stand-in for a low-precision rollout copy; issue 5 adds scaled formats).
+    Restores the exact fp32 weights on exit, whatever happens inside."""
+    if weight_dtype == "fp32":
+        yield
+        return
+    dtype = ROUNDING_DTYPES[weight_dtype]
+    saved = []
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.ndim >= 2 and p.is_floating_point():
+                saved.append((p, p.data))
+                p.data = p.data.to(dtype).to(p.dtype)
+    try:
+        yield
+    finally:
+        for p, data in saved:
+            p.data = data
 
 
 class _swap_module:
