@@ -224,3 +224,22 @@ def test_import_pulls_in_nothing_else():
             "not m.startswith('difrl.correct'))]; print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_llm_example_trains_a_tiny_causal_lm_with_the_same_core():
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "llm_correct_example.py"
+    imported = {n.module for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom)}
+    assert {m for m in imported if m.startswith("difrl")} <= {"difrl.correct", "difrl.utils.precision"}
+    spec = importlib.util.spec_from_file_location("llm_correct_example", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    results = mod.main(["--iterations", "3", "--methods", "none", "ais", "--groups", "2", "--group-size", "4"])
+    assert [r["method"] for r in results] == ["none", "ais"]
+    for r in results:
+        assert len(r["history"]) == 3 and 0.0 <= r["final_reward"] <= 1.0
+        assert all(h["mean_log_ratio"] != 0.0 and h["kl_k3"] >= 0.0 for h in r["history"])  # FP8 copy != trainer
+    assert "ais_lambda" in results[1]["history"][0]

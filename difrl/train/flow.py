@@ -20,7 +20,7 @@ import json
 import math
 import os
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -36,6 +36,7 @@ from difrl.samplers import KERNELS, all_but_last, fixed_window, random_subset, r
 from difrl.train.config import FlowConfig
 from difrl.train.state import EMA, load_latest_checkpoint, restore_checkpoint, save_checkpoint, trainable_params
 from difrl.utils.io import atomic_write_json, save_safetensors
+from difrl.utils.precision import rounded_weights
 from difrl.utils.rng import mix_seed
 from difrl.worlds import build_world
 
@@ -442,31 +443,6 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
 
 
 # ---------------------------------------------------------------------------------- pieces of the loop
-
-
-ROUNDING_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-
-
-@contextmanager
-def rounded_weights(module: torch.nn.Module, weight_dtype: str):
-    """Temporarily round every weight matrix of `module` to `weight_dtype` and back to fp32 (round to nearest
-    by a dtype cast, no scaling: a stand-in for a low-precision rollout copy; issue 5 adds scaled formats).
-    Restores the exact fp32 weights on exit, whatever happens inside."""
-    if weight_dtype == "fp32":
-        yield
-        return
-    dtype = ROUNDING_DTYPES[weight_dtype]
-    saved = []
-    with torch.no_grad():
-        for p in module.parameters():
-            if p.ndim >= 2 and p.is_floating_point():
-                saved.append((p, p.data))
-                p.data = p.data.to(dtype).to(p.dtype)
-    try:
-        yield
-    finally:
-        for p, data in saved:
-            p.data = data
 
 
 class _swap_module:
