@@ -57,6 +57,8 @@ def test_a_corrector_masks_and_weights_in_the_trainer(tmp_path):
 
 def test_unknown_corrector_option_is_named():
     with pytest.raises(ConfigError, match=r"correct.options.capp.*token_tis takes \['cap'\]"):
-        load_flow_config(None, ["correct.method=token_tis", "correct.options={capp: 2}"])
+        load_flow_config(None, ["rollout.weight_dtype=bf16", "correct.method=token_tis", "correct.options={capp: 2}"])
     with pytest.raises(ConfigError, match="correct.method"):
         load_flow_config(None, ["correct.method=vespo"])
+    with pytest.raises(ConfigError, match="rollout.weight_dtype=fp32 the rollout is the trained policy"):
+        load_flow_config(None, ["correct.method=ais"])

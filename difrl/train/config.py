@@ -161,6 +161,10 @@ class FlowConfig:
             raise config_error("steps.mode", "random_subset needs at least 2 steps")
         if self.train.ratio_norm and self.sampler.kind == "cps" and self.sampler.cps_log_prob != "gaussian":
             raise config_error("train.ratio_norm", "RatioNorm needs the Gaussian log-prob; set sampler.cps_log_prob=gaussian")
+        if self.correct.method != "none" and self.rollout.weight_dtype == "fp32":
+            raise config_error("correct.method", f"{self.correct.method} corrects a rollout/train mismatch, but with "
+                                                 "rollout.weight_dtype=fp32 the rollout is the trained policy (every weight "
+                                                 "would be 1); set rollout.weight_dtype")
         if self.correct.method != "none":
             import inspect
 
