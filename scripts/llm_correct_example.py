@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from difrl.correct import METHODS, Correction, diagnostics, log_ratio  # noqa: E402
+from difrl.correct import METHODS  # noqa: E402
 from difrl.utils.precision import rounded_weights  # noqa: E402
 
 VOCAB, BOS, LENGTH = 16, 0, 8
@@ -76,12 +76,7 @@ def run(method: str, iterations: int, groups: int, group_size: int, lr: float, s
         adv = ((rg - rg.mean(1, keepdim=True)) / (rg.std(1, keepdim=True, unbiased=False) + 1e-4)).view(-1)
         # ---- correction: weights for pi_old / mu (pi_old = the trainer's policy before this update)
         log_pi = token_log_probs(model, ids)
-        mask = torch.ones_like(log_mu, dtype=torch.bool)
-        if method == "none":
-            lr_t = log_ratio(log_pi, log_mu, mask)
-            c = Correction(mask.float(), mask, diagnostics(lr_t, mask.float(), mask, mask))
-        else:
-            c = METHODS[method](log_pi, log_mu, mask)
+        c = METHODS[method](log_pi, log_mu, torch.ones_like(log_mu, dtype=torch.bool))
         # ---- update: REINFORCE with detached weights (one update per rollout, so pi_theta = pi_old here)
         loss = -(c.weights * adv[:, None] * log_pi).sum() / c.keep.sum().clamp_min(1)
         opt.zero_grad()
@@ -98,7 +93,7 @@ def run(method: str, iterations: int, groups: int, group_size: int, lr: float, s
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--methods", nargs="+", default=["none", "token_tis", "seq_mis", "ais"],
-                    choices=["none", *sorted(METHODS)])
+                    choices=sorted(METHODS))
     ap.add_argument("--iterations", type=int, default=60)
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8)

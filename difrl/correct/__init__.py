@@ -15,6 +15,7 @@ from difrl.correct.core import (
     k3_rs,
     log_ratio,
     minpro,
+    no_correction,
     seq_log_ratio,
     seq_mis,
     seq_tis,
@@ -26,6 +27,6 @@ from difrl.correct.core import (
 
 __all__ = [
     "METHODS", "SAFETY_BOUND", "Correction", "ais", "aspo_loss", "ctpo_log_ratio", "diagnostics", "ess_fraction",
-    "geo_rs", "gspo_log_ratio", "k2_rs", "k3_rs", "log_ratio", "minpro", "seq_log_ratio", "seq_mis", "seq_tis",
+    "geo_rs", "gspo_log_ratio", "k2_rs", "k3_rs", "log_ratio", "minpro", "no_correction", "seq_log_ratio", "seq_mis", "seq_tis",
     "token_mis", "token_tis", "vcpo_lr_scale", "vespo",
 ]

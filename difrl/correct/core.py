@@ -105,6 +105,13 @@ def _result(lr, weights, keep, mask) -> Correction:
 
 # ---- token level -----------------------------------------------------------------------------------
 
+def no_correction(log_prob, log_prob_rollout, mask=None) -> Correction:
+    """Weights 1 on every valid token: the uncorrected estimator, with the mismatch diagnostics still measured."""
+    mask = _check(log_prob, log_prob_rollout, mask)
+    lr = log_ratio(log_prob, log_prob_rollout, mask)
+    return _result(lr, torch.ones_like(lr), mask, mask)
+
+
 def token_tis(log_prob, log_prob_rollout, mask=None, cap: float = 2.0) -> Correction:
     """Truncated IS per token (Yao et al. / verl token-TIS): w_t = min(rho_t, C)."""
     mask = _check(log_prob, log_prob_rollout, mask)
@@ -294,7 +301,7 @@ def ais(log_prob, log_prob_rollout, mask=None, cap: float = 2.0, kl_scale: float
     return out
 
 
-METHODS = {"token_tis": token_tis, "token_mis": token_mis, "seq_tis": seq_tis, "seq_mis": seq_mis, "geo_rs": geo_rs,
+METHODS = {"none": no_correction, "token_tis": token_tis, "token_mis": token_mis, "seq_tis": seq_tis, "seq_mis": seq_mis, "geo_rs": geo_rs,
            "k2_rs": k2_rs, "k3_rs": k3_rs, "minpro": minpro, "ais": ais}
 """Correctors that need only (log_prob, log_prob_rollout, mask) and their options; `vespo` also takes advantages."""
 

@@ -8,9 +8,11 @@ this size; the digits YAML sets what the bundled demo needs.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 from difrl.config import cfg_field, config_error, load_config
+from difrl.correct import METHODS
 
 
 @dataclass
@@ -120,7 +122,7 @@ class StopConfig:
     min_accuracy: float = cfg_field(0.0, ge=0.0, le=1.0, help="only stop once eval accuracy is at least this")
 
 
-CORRECT_METHODS = ("none", "token_tis", "token_mis", "seq_tis", "seq_mis", "geo_rs", "k2_rs", "k3_rs", "minpro", "ais")
+CORRECT_METHODS = tuple(METHODS)  # the correctors that need only (log_prob, log_prob_rollout, mask)
 
 
 @dataclass
@@ -165,16 +167,11 @@ class FlowConfig:
             raise config_error("correct.method", f"{self.correct.method} corrects a rollout/train mismatch, but with "
                                                  "rollout.weight_dtype=fp32 the rollout is the trained policy (every weight "
                                                  "would be 1); set rollout.weight_dtype")
-        if self.correct.method != "none":
-            import inspect
-
-            from difrl.correct import METHODS
-
-            allowed = [k for k in inspect.signature(METHODS[self.correct.method]).parameters
-                       if k not in ("log_prob", "log_prob_rollout", "mask")]
-            for k in self.correct.options:
-                if k not in allowed:
-                    raise config_error(f"correct.options.{k}", f"{self.correct.method} takes {allowed}")
+        allowed = [k for k in inspect.signature(METHODS[self.correct.method]).parameters
+                   if k not in ("log_prob", "log_prob_rollout", "mask")]
+        for k in self.correct.options:
+            if k not in allowed:
+                raise config_error(f"correct.options.{k}", f"{self.correct.method} takes {allowed}")
         if not self.reward.weights:
             raise config_error("reward.weights", "at least one reward is needed")
 

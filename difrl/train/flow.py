@@ -27,8 +27,7 @@ import torch
 
 from difrl.algos import gaussian_step_kl, group_advantages, ppo_clip_loss, ratio_norm_log_ratio, step_weights
 from difrl.config import save_config
-from difrl.correct import METHODS, Correction
-from difrl.correct import diagnostics as correct_diagnostics
+from difrl.correct import METHODS as CORRECTORS
 from difrl.models.base import cond_repeat
 from difrl.rewards import RewardError, build_reward, score_all
 from difrl.rollout import Rollout, rollout
@@ -281,12 +280,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
                 lp_prox, mean_prox, _ = transition_log_prob(policy, batch, cfg)
             log_prob_rollout = batch.log_prob_old
             batch.log_prob_old, batch.mean_old = lp_prox, mean_prox.view_as(batch.mean_old)
-            method = METHODS.get(cfg.correct.method)
-            correction = (method(lp_prox, log_prob_rollout, None, **cfg.correct.options) if method else
-                          Correction(torch.ones_like(lp_prox), torch.ones_like(lp_prox, dtype=torch.bool),
-                                     correct_diagnostics(lp_prox - log_prob_rollout, torch.ones_like(lp_prox),
-                                                         torch.ones_like(lp_prox, dtype=torch.bool),
-                                                         torch.ones_like(lp_prox, dtype=torch.bool))))
+            correction = CORRECTORS[cfg.correct.method](lp_prox, log_prob_rollout, None, **cfg.correct.options)
         t_reward = time.perf_counter()
 
         # ==================================================================== reward
@@ -347,17 +341,16 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
                     # GRPO-Guard options (difrl.algos.guard): re-centred per-step ratio and/or per-step weights
                     step_std = std.view_as(log_prob)
                     weight = step_weights(cfg.train.step_weight, sub.sigma, sub.sigma_next, step_std)
+                    lp_new, lp_old = log_prob, sub.log_prob_old
                     if cfg.train.ratio_norm:
                         raw = torch.exp(log_prob.detach() - sub.log_prob_old)
                         m.add("raw_ratio", raw, elem_keep.bool())
                         m.add_ratio(raw, sub.step, elem_keep.bool(), "raw_ratio_per_step")  # the left shift, per step
-                        lr_norm = ratio_norm_log_ratio(log_prob, sub.log_prob_old, mean.view_as(sub.mean_old), sub.mean_old,
-                                                       step_std, cfg.sampler.log_prob_reduce)
-                        pg, pm = ppo_clip_loss(lr_norm, torch.zeros_like(lr_norm), advantages[idx], cfg.train.clip_low,
-                                               cfg.train.clip_high, weight=weight)
-                    else:
-                        pg, pm = ppo_clip_loss(log_prob, sub.log_prob_old, advantages[idx], cfg.train.clip_low,
-                                               cfg.train.clip_high, weight=weight)
+                        lp_new = ratio_norm_log_ratio(log_prob, sub.log_prob_old, mean.view_as(sub.mean_old), sub.mean_old,
+                                                      step_std, cfg.sampler.log_prob_reduce)
+                        lp_old = torch.zeros_like(lp_new)  # the normalised log-ratio is already relative to old
+                    pg, pm = ppo_clip_loss(lp_new, lp_old, advantages[idx], cfg.train.clip_low, cfg.train.clip_high,
+                                           weight=weight)
                     loss = (pg * is_weight * elem_keep).sum() / denom
                     if cfg.train.kl_beta > 0:
                         with torch.no_grad(), reference_velocity_ctx():
