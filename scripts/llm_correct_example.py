@@ -1,16 +1,17 @@
-"""The corrector core on the LLM side: a tiny causal LM sampled from an FP8 copy, trained in fp32.
+"""The corrector core on the LLM side: a tiny causal LM sampled from an NVFP4 copy, trained in fp32.
 
     .venv/bin/python scripts/llm_correct_example.py                       # 4 methods x 60 iterations, ~1 min
     .venv/bin/python scripts/llm_correct_example.py --methods none ais --iterations 20
 
 A 2-layer Llama built from a transformers config in code (vocabulary of 16 token ids, no tokenizer
 needed) generates 8 tokens after a BOS token; the verifiable reward is the fraction of even token
-ids. Rollouts come from a copy whose weight matrices are rounded to FP8 E4M3 (`rounded_weights`),
-so the behaviour policy mu differs from the trained policy pi; each token's log mu is recorded at
-sampling time. The update is group-relative REINFORCE, L = -mean_t sg(w_t) A log pi(y_t), where
+ids. Rollouts come from `difrl.quant.RolloutCopy`: a copy of the model whose linear layers run in
+NVFP4 (W4A4, the exact emulation; `--precision fp8` etc. for the others), re-synced from the trained
+model before every rollout, the same class the diffusion trainer uses. So the behaviour policy mu
+differs from the trained policy pi; each token's log mu is recorded at sampling time. The update is group-relative REINFORCE, L = -mean_t sg(w_t) A log pi(y_t), where
 w comes from `difrl.correct` exactly as the diffusion trainer uses it: a "token" is a token here
-and a denoising step there. Only `difrl.correct` and `difrl.utils.precision` (pure torch) are
-imported from difrl.
+and a denoising step there. Only two packages are
+imported from difrl: `difrl.correct` and `difrl.quant`, both pure torch.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from difrl.correct import METHODS  # noqa: E402
-from difrl.utils.precision import rounded_weights  # noqa: E402
+from difrl.quant import FORMATS, RolloutCopy  # noqa: E402
 
 VOCAB, BOS, LENGTH = 16, 0, 8
 
@@ -61,15 +62,17 @@ def reward(ids: torch.Tensor) -> torch.Tensor:
     return (ids[:, 1:] % 2 == 0).float().mean(1)  # fraction of even token ids
 
 
-def run(method: str, iterations: int, groups: int, group_size: int, lr: float, seed: int) -> dict:
+def run(method: str, iterations: int, groups: int, group_size: int, lr: float, seed: int,
+        precision: str = "nvfp4") -> dict:
     model = tiny_lm(seed)
+    behaviour = RolloutCopy(model, precision, skip=("lm_head",))  # the output layer stays exact
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed + 1)
     history = []
     for it in range(iterations):
-        # ---- rollout: behaviour policy mu = the FP8-rounded copy
-        with rounded_weights(model, "fp8_e4m3"):
-            ids, log_mu = sample(model, groups * group_size, gen)
+        # ---- rollout: behaviour policy mu = the quantized copy, synced after the last update
+        behaviour.sync(model, check=it > 0)
+        ids, log_mu = sample(behaviour.module, groups * group_size, gen)
         # ---- reward and group-relative advantage
         r = reward(ids)
         rg = r.view(groups, group_size)
@@ -99,10 +102,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--precision", default="nvfp4", choices=FORMATS, help="the behaviour copy's format")
     ap.add_argument("--json", help="write the results (with per-iteration histories) here")
     args = ap.parse_args(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    results = [run(m, args.iterations, args.groups, args.group_size, args.lr, args.seed) for m in args.methods]
+    results = [run(m, args.iterations, args.groups, args.group_size, args.lr, args.seed, args.precision) for m in args.methods]
     print(f"{'method':10s} {'reward first':>12s} {'last 5':>8s} {'mean K3(mu||pi)':>16s} {'masked':>7s}")
     for res in results:
         print(f"{res['method']:10s} {res['first_reward']:12.3f} {res['final_reward']:8.3f} {res['mean_kl_k3']:16.2e} "

@@ -32,3 +32,66 @@ def test_bench_rollout_rows_and_markdown(tmp_path, monkeypatch):
     # a second run replaces its block instead of appending another
     bench.main(["--repeats", "3", "--models", "digits", "--batches", "4", "--num-steps", "3"])
     assert (tmp_path / "BENCHMARKS.md").read_text().count(bench.BEGIN) == 1
+
+
+def test_bench_quant_rows_and_markdown(tmp_path, monkeypatch):
+    bench = _load("bench_quant")
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    small = ["--flux-dims", "256", "1024", "--tokens", "32", "--small-tokens", "32", "--batch", "16", "--repeats", "2"]
+    res = bench.main(["--quick", *small, "--json", str(tmp_path / "quant.json")])
+    fmts = ("bf16", "fp8", "fp8_block", "mxfp8", "nvfp4")
+    assert [r["format"] for r in res["layers"]] == list(fmts) * 2
+    assert [r["format"] for r in res["storage"]] == list(fmts) * 2
+    assert [r["format"] for r in res["digits"]] == ["fp32", *fmts]
+    err = {(r["layer"], r["format"]): r for r in res["layers"]}
+    for layer in ("digits-size", "FLUX-size"):
+        g = {f: err[layer, f]["gemm_err"] for f in fmts}
+        assert g["bf16"] < g["fp8"] < g["nvfp4"] < 0.2 and err[layer, "nvfp4"]["cosine"] > 0.98
+    mem = {(r["layer"], r["format"]): r for r in res["storage"]}
+    assert 0.25 < mem["FLUX-size", "nvfp4"]["x_bf16"] < 0.26  # one E4M3 scale per 16x16 tile
+    assert abs(mem["FLUX-size", "nvfp4"]["row_layout_x_bf16"] - 0.28125) < 1e-3  # one per 1x16 row block
+    assert mem["FLUX-size", "bf16"]["x_bf16"] == 1.0
+    dig = {r["format"]: r for r in res["digits"]}
+    assert dig["fp32"]["x_fp32"] == 1.0 and dig["fp32"]["velocity_err"] == 0.0
+    assert dig["nvfp4"]["bytes"] < dig["fp8"]["bytes"] < dig["bf16"]["bytes"] < dig["fp32"]["bytes"]
+    assert dig["nvfp4"]["quantized"] == "9/13" and all(r["forward_ms"] > 0 for r in res["digits"])
+    assert json.loads((tmp_path / "quant.json").read_text()) == res
+    md = (tmp_path / "BENCHMARKS.md").read_text()
+    assert bench.BEGIN in md and "Command: `python benchmarks/bench_quant.py --quick" in md and "| nvfp4 |" in md
+    bench.main(small)
+    assert (tmp_path / "BENCHMARKS.md").read_text().count(bench.BEGIN) == 1
+
+
+def test_gpu_lowprec_without_a_gpu_says_so_and_exits_0(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # no GPU, even on a machine that has one
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_lowprec.py"), "--quick", "--json",
+                          str(tmp_path / "gpu.json")], capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu_lowprec: no CUDA GPU on this machine") and "nothing to time" in lines[0]
+    assert not (tmp_path / "gpu.json").exists()
+
+
+def test_gpu_lowprec_code_path_on_cpu(monkeypatch):
+    """The whole timing/parity path on a tiny block on CPU, Transformer Engine stood in for by the emulation run
+    on the BF16 block (so 'TE vs emulation' here is only BF16-vs-fp32 noise; on a GPU it is the real parity)."""
+    import torch
+
+    gpu = _load("gpu_lowprec")
+    real = gpu.quantize_module
+    monkeypatch.setattr(gpu, "te_support", lambda fmt, device=None: (True, "stand-in"))
+    monkeypatch.setattr(gpu, "quantize_module", lambda m, fmt, skip=(), backend="auto": real(m, fmt, skip, 0, "emulate"))
+    rows = gpu.run(tokens=32, warmup=1, repeats=2, device="cpu", hidden=64, heads=4)
+    assert [r["format"] for r in rows] == ["bf16", "fp8", "fp8_block", "mxfp8", "nvfp4"]
+    assert all(r["ms"] > 0 for r in rows)
+    for r in rows[1:]:
+        assert r["linears"] == "2/3"  # qkv_mlp and proj_out; the M=1 modulation stays BF16
+        assert r["err_vs_fp32"] < 0.3 and r["cos_vs_emulate"] > 0.99
+    assert rows[-1]["emulate_err_vs_fp32"] > rows[1]["emulate_err_vs_fp32"]  # nvfp4 is coarser than fp8
+    assert "| nvfp4 | te | 2/3 |" in gpu.table(rows)
+    block = gpu.SingleStreamBlock(64, 4)
+    assert block(torch.randn(2, 8, 64), torch.randn(2, 64)).shape == (2, 8, 64)

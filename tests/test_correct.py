@@ -233,7 +233,7 @@ def test_llm_example_trains_a_tiny_causal_lm_with_the_same_core():
 
     path = Path(__file__).resolve().parent.parent / "scripts" / "llm_correct_example.py"
     imported = {n.module for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom)}
-    assert {m for m in imported if m.startswith("difrl")} <= {"difrl.correct", "difrl.utils.precision"}
+    assert {m for m in imported if m.startswith("difrl")} <= {"difrl.correct", "difrl.quant"}
     spec = importlib.util.spec_from_file_location("llm_correct_example", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -241,5 +241,5 @@ def test_llm_example_trains_a_tiny_causal_lm_with_the_same_core():
     assert [r["method"] for r in results] == ["none", "ais"]
     for r in results:
         assert len(r["history"]) == 3 and 0.0 <= r["final_reward"] <= 1.0
-        assert all(h["mean_log_ratio"] != 0.0 and h["kl_k3"] >= 0.0 for h in r["history"])  # FP8 copy != trainer
+        assert all(h["mean_log_ratio"] != 0.0 and h["kl_k3"] >= 0.0 for h in r["history"])  # NVFP4 copy != trainer
     assert "ais_lambda" in results[1]["history"][0]

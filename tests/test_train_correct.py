@@ -1,5 +1,5 @@
 """The corrector core wired into the flow trainer, with a rollout/train mismatch injected by rounding the
-rollout copy's weights.
+rollout copy's format (difrl.quant).
 
     pytest tests/test_train_correct.py -q
 """
@@ -7,13 +7,10 @@ rollout copy's weights.
 import json
 
 import pytest
-import torch
-
 from difrl.config import ConfigError
 from difrl.models.digits import DigitsPolicy
 from difrl.train.config import load_flow_config
 from difrl.train.flow import train
-from difrl.utils.precision import rounded_weights
 
 TINY = ["seed=3", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=2",
         "train.grad_accum=2", "train.iterations=2", "eval.every=0", "eval.per_digit=3", "eval.num_steps=3"]
@@ -23,23 +20,8 @@ def rows(run_dir):
     return [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("fmt,dtype", [("bf16", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn)])
-def test_rounded_weights_hit_the_format_grid_and_restore_exactly(fmt, dtype):
-    net = DigitsPolicy.from_checkpoint().module
-    before = {k: v.clone() for k, v in net.state_dict().items()}
-    with rounded_weights(net, fmt):
-        for name, p in net.named_parameters():
-            if p.ndim >= 2:
-                assert torch.equal(p, p.to(dtype).to(p.dtype)), name  # on the grid
-                assert not torch.equal(p, before[name])
-            else:
-                assert torch.equal(p, before[name])  # biases and norms untouched
-    for k, v in net.state_dict().items():
-        assert torch.equal(v, before[k])
-
-
 def test_mismatch_is_measured_and_the_proximal_policy_keeps_ratio_one(tmp_path):
-    train(load_flow_config(None, [*TINY, "rollout.weight_dtype=fp8_e4m3"]), out_dir=tmp_path)
+    train(load_flow_config(None, [*TINY, "rollout.precision=fp8"]), out_dir=tmp_path)
     for r in rows(tmp_path):
         assert r["first_step_max_abs_log_ratio"] <= 1e-6  # PPO's old policy is the recomputed proximal one
         assert r["correct/mean_log_ratio"] != 0.0 and r["correct/kl_k3"] >= 0.0  # the fp8 copy is a different policy
@@ -48,17 +30,17 @@ def test_mismatch_is_measured_and_the_proximal_policy_keeps_ratio_one(tmp_path):
 
 def test_a_corrector_masks_and_weights_in_the_trainer(tmp_path):
     band = "correct.options={low: 0.99999, high: 1.00001}"
-    train(load_flow_config(None, [*TINY, "rollout.weight_dtype=fp8_e4m3", "correct.method=token_mis", band]),
+    train(load_flow_config(None, [*TINY, "rollout.precision=fp8", "correct.method=token_mis", band]),
           out_dir=tmp_path / "mis")
     assert all(r["correct/masked_frac"] > 0 for r in rows(tmp_path / "mis"))
-    train(load_flow_config(None, [*TINY, "rollout.weight_dtype=bf16", "correct.method=ais"]), out_dir=tmp_path / "ais")
+    train(load_flow_config(None, [*TINY, "rollout.precision=bf16", "correct.method=ais"]), out_dir=tmp_path / "ais")
     assert all("correct/ais_lambda" in r for r in rows(tmp_path / "ais"))
 
 
 def test_unknown_corrector_option_is_named():
     with pytest.raises(ConfigError, match=r"correct.options.capp.*token_tis takes \['cap'\]"):
-        load_flow_config(None, ["rollout.weight_dtype=bf16", "correct.method=token_tis", "correct.options={capp: 2}"])
+        load_flow_config(None, ["rollout.precision=bf16", "correct.method=token_tis", "correct.options={capp: 2}"])
     with pytest.raises(ConfigError, match="correct.method"):
         load_flow_config(None, ["correct.method=vespo"])
-    with pytest.raises(ConfigError, match="rollout.weight_dtype=fp32 the rollout is the trained policy"):
+    with pytest.raises(ConfigError, match="rollout.sync_every=1\\): every weight would be 1"):
         load_flow_config(None, ["correct.method=ais"])

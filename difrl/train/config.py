@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from difrl.config import cfg_field, config_error, load_config
 from difrl.correct import METHODS
+from difrl.quant.formats import FORMATS as QUANT_FORMATS
+from difrl.solrl import SELECT_RULES
 
 
 @dataclass
@@ -49,12 +51,34 @@ class StepsConfig:
 
 @dataclass
 class RolloutConfig:
+    kind: str = cfg_field("flat", choices=("flat", "solrl"),
+                          help="flat: roll out the trained samples directly; solrl: rank a low-precision candidate pool, "
+                               "regenerate the chosen seeds at full precision (section solrl)")
     prompts_per_iter: int = cfg_field(10, ge=1, help="groups (prompts) per iteration, all processes together")
-    group_size: int = cfg_field(16, ge=2, help="samples per prompt")
+    group_size: int = cfg_field(16, ge=2, help="trained samples per prompt")
     same_init_noise: bool = cfg_field(False, help="one initial noise per group (diversity from SDE noise only)")
-    weight_dtype: str = cfg_field("fp32", choices=("fp32", "bf16", "fp8_e4m3", "fp8_e5m2"),
-                                  help="roll out with the weights rounded to this format (an injected rollout/train "
-                                       "mismatch; the trainer then recomputes the proximal log-probs)")
+    precision: str = cfg_field("fp32", choices=("fp32",) + QUANT_FORMATS,
+                               help="the rollout copy's format (difrl.quant: weights and linear-layer inputs). flat: the "
+                                    "trained rollouts come from it (a mismatch; the trainer recomputes the proximal "
+                                    "log-probs); solrl: the stage-1 candidates do. fp32 = no copy")
+    sync_every: int = cfg_field(1, ge=1, help="refresh the rollout copy from the policy every this many iterations; > 1 "
+                                              "rolls out from a stale copy (asynchronous RL; any rollout.precision)")
+    quant_skip: list[str] | None = cfg_field(None, help="linear layers kept exact (name substrings); None = the model's preset")
+    quant_min_dim: int | None = cfg_field(None, ge=0, help="keep layers with max(in, out) <= this exact; None = preset")
+    quant_backend: str = cfg_field("auto", choices=("auto", "emulate", "te"),
+                                   help="te = Transformer Engine (error if unusable), auto = TE where the GPU supports "
+                                        "the format, else the exact emulation")
+
+
+@dataclass
+class SolRLConfig:
+    """Sol-RL (specs/lowprec-and-correctors.md §1.2): stage 1 samples `candidates` seeds per prompt from the
+    rollout.precision copy with a deterministic solver in `preview_steps` steps and rewards them; `select`
+    picks rollout.group_size of them; stage 2 regenerates exactly those seeds at full precision."""
+    candidates: int = cfg_field(64, ge=2, help="candidate seeds per prompt (Sol-RL: 96 for 24 trained)")
+    preview_steps: int = cfg_field(6, ge=1, help="ODE steps of a candidate (Sol-RL: 6 of 10)")
+    select: str = cfg_field("best_worst", choices=SELECT_RULES, help="which candidates are trained on")
+    batch: int | None = cfg_field(None, ge=1, help="candidate forward batch (None = all of a process's at once)")
 
 
 @dataclass
@@ -102,8 +126,23 @@ class TrainConfig:
                                  help="per-step loss weight: GRPO-Guard 1/dt, TempFlow 2.25 std, or none")
     ema_decay: float = cfg_field(0.0, ge=0.0, lt=1.0, help="EMA of trainable weights for eval/checkpoints (0 = off)")
     lora: LoraConfig = field(default_factory=LoraConfig)
+    objective: str = cfg_field("grpo", choices=("grpo", "nft"),
+                               help="grpo: PPO-clip on the SDE transitions' log-probs; nft: DiffusionNFT on clean samples "
+                                    "(likelihood-free, deterministic rollouts; section nft)")
     ratio_check: bool = cfg_field(True, help="stop if the first on-policy micro-step has ratio != 1")
     ratio_tol: float = cfg_field(1e-6, gt=0.0)
+
+
+@dataclass
+class NFTConfig:
+    """DiffusionNFT (difrl/algos/nft.py; specs §1.6). Rollouts are ODE from the "old" policy, an EMA of the
+    trained one: old <- d old + (1 - d) new after every iteration, d = min(old_decay_rate * iteration, old_decay_max)."""
+    beta: float = cfg_field(1.0, gt=0.0, help="implicit-policy step beta")
+    adv_clip: float = cfg_field(5.0, gt=0.0, help="advantages clipped to +-adv_clip, and the loss scale")
+    ref_beta: float = cfg_field(1e-4, ge=0.0, help="weight of mean((v - v_ref)^2) toward the reference policy")
+    timestep_fraction: float = cfg_field(0.6, gt=0.0, le=1.0, help="trained sigmas: the first fraction of the schedule")
+    old_decay_rate: float = cfg_field(0.001, ge=0.0)
+    old_decay_max: float = cfg_field(0.5, ge=0.0, lt=1.0)
 
 
 @dataclass
@@ -147,6 +186,8 @@ class FlowConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     correct: CorrectConfig = field(default_factory=CorrectConfig)
+    solrl: SolRLConfig = field(default_factory=SolRLConfig)
+    nft: NFTConfig = field(default_factory=NFTConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     stop: StopConfig = field(default_factory=StopConfig)
 
@@ -163,10 +204,25 @@ class FlowConfig:
             raise config_error("steps.mode", "random_subset needs at least 2 steps")
         if self.train.ratio_norm and self.sampler.kind == "cps" and self.sampler.cps_log_prob != "gaussian":
             raise config_error("train.ratio_norm", "RatioNorm needs the Gaussian log-prob; set sampler.cps_log_prob=gaussian")
-        if self.correct.method != "none" and self.rollout.weight_dtype == "fp32":
-            raise config_error("correct.method", f"{self.correct.method} corrects a rollout/train mismatch, but with "
-                                                 "rollout.weight_dtype=fp32 the rollout is the trained policy (every weight "
-                                                 "would be 1); set rollout.weight_dtype")
+        r = self.rollout
+        if self.correct.method != "none":
+            if (r.precision == "fp32" and r.sync_every == 1) or r.kind != "flat":
+                raise config_error("correct.method", f"{self.correct.method} corrects a rollout/train mismatch, but the "
+                                                     f"trained rollouts come from the trained policy itself (rollout.kind="
+                                                     f"{r.kind}, rollout.precision={r.precision}, rollout.sync_every="
+                                                     f"{r.sync_every}): every weight would be 1")
+            if self.train.objective != "grpo":
+                raise config_error("correct.method", "importance correction needs log-probs; train.objective=nft has none")
+        if r.kind == "solrl":
+            if self.solrl.candidates < r.group_size:
+                raise config_error("solrl.candidates", f"{self.solrl.candidates} candidates cannot give "
+                                                       f"rollout.group_size={r.group_size} trained samples per prompt")
+            if r.same_init_noise:
+                raise config_error("rollout.same_init_noise", "Sol-RL selects samples by their initial noise; a shared "
+                                                              "initial noise per group leaves nothing to select")
+        if self.train.objective == "nft" and (self.train.ratio_norm or self.train.step_weight != "none"):
+            raise config_error("train.objective", "GRPO-Guard options (train.ratio_norm, train.step_weight) act on "
+                                                  "log-prob ratios; DiffusionNFT has none")
         allowed = [k for k in inspect.signature(METHODS[self.correct.method]).parameters
                    if k not in ("log_prob", "log_prob_rollout", "mask")]
         for k in self.correct.options:

@@ -26,17 +26,19 @@ from pathlib import Path
 import torch
 
 from difrl.algos import gaussian_step_kl, group_advantages, ppo_clip_loss, ratio_norm_log_ratio, step_weights
+from difrl.algos.nft import nft_loss, nft_noised, velocity_kl
 from difrl.config import save_config
 from difrl.correct import METHODS as CORRECTORS
 from difrl.models.base import cond_repeat
 from difrl.rewards import RewardError, build_reward, score_all
+from difrl.quant import QUANT_PRESETS, RolloutCopy
 from difrl.rollout import Rollout, rollout
 from difrl.samplers import KERNELS, all_but_last, fixed_window, random_subset, random_window, sigma_schedule, sliding_window_start
 from difrl.train.config import FlowConfig
 from difrl.train.state import EMA, load_latest_checkpoint, restore_checkpoint, save_checkpoint, trainable_params
 from difrl.utils.io import atomic_write_json, save_safetensors
-from difrl.utils.precision import rounded_weights
-from difrl.utils.rng import mix_seed
+from difrl.solrl import rank_agreement, select_indices
+from difrl.utils.rng import counter_normal, mix_seed, mix_seed_tensor
 from difrl.worlds import build_world
 
 
@@ -44,7 +46,8 @@ class RatioCheckError(RuntimeError):
     pass
 
 
-TIMING_KEYS = ("seconds", "seconds_rollout", "seconds_reward", "seconds_update", "seconds_eval")
+TIMING_KEYS = ("seconds", "seconds_rollout", "seconds_reward", "seconds_update", "seconds_eval", "seconds_sampling",
+               "seconds_candidates", "seconds_regenerate")
 
 # ---------------------------------------------------------------------------------- helpers
 
@@ -52,6 +55,9 @@ TIMING_KEYS = ("seconds", "seconds_rollout", "seconds_reward", "seconds_update",
 def step_masks(cfg: FlowConfig, iteration: int, num_samples: int) -> tuple[torch.Tensor, torch.Tensor, int | None]:
     """(sde_mask [N], train_mask [B, N], window start or None) for one iteration, from (seed, iteration)."""
     n, s = cfg.sampler.num_steps, cfg.steps
+    if cfg.train.objective == "nft":  # DiffusionNFT: deterministic rollouts, nothing stored but the clean sample
+        none = torch.zeros(n, dtype=torch.bool)
+        return none, none.expand(num_samples, n), None
     gen = torch.Generator().manual_seed(mix_seed(cfg.seed, iteration, 2))
     if s.mode == "all_but_last":
         m = all_but_last(n)
@@ -86,6 +92,16 @@ def transition_log_prob(policy, batch: Rollout, cfg: FlowConfig, reference: bool
     v = policy.velocity(x, sigma, cond_repeat(batch.cond, T), cfg.sampler.guidance)
     out = KERNELS[cfg.sampler.kind](x, v, sigma, sigma_next, action=x_next, **kernel_kwargs(cfg))
     return out.log_prob.view(B, T), out.mean, out.std
+
+
+def nfe_per_step(cfg: FlowConfig) -> int:
+    """Network evaluations per sample and step: classifier-free guidance batches [uncond; cond]."""
+    return 2 if cfg.sampler.guidance != 1.0 else 1
+
+
+def nft_sigmas(cfg: FlowConfig, sigmas: torch.Tensor) -> torch.Tensor:
+    """DiffusionNFT's trained sigmas: the first timestep_fraction of the rollout schedule (Sol-RL: 6 of 10)."""
+    return sigmas[:max(1, int(cfg.sampler.num_steps * cfg.nft.timestep_fraction))]
 
 
 def check_ratio(log_prob: torch.Tensor, log_prob_old: torch.Tensor, tol: float) -> float:
@@ -172,13 +188,22 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
     if per_proc % per_update:
         raise ValueError(f"each process has {per_proc} samples per iteration, not a multiple of train.micro_batch x "
                          f"train.grad_accum = {cfg.train.micro_batch} x {cfg.train.grad_accum} = {per_update}")
+    if cfg.rollout.kind == "solrl" and (cfg.rollout.prompts_per_iter * cfg.solrl.candidates) % world_size:
+        raise ValueError(f"{cfg.rollout.prompts_per_iter * cfg.solrl.candidates} Sol-RL candidates per iteration do not "
+                         f"split over {world_size} processes")
     updates_per_rollout = cfg.train.inner_epochs * per_proc // per_update
     sde_mask0, train_mask0, _ = step_masks(cfg, 0, 1)
-    T = int(train_mask0.sum())
+    T = int(train_mask0.sum())  # trained transitions per sample (GRPO) ...
+    if cfg.train.objective == "nft":
+        T = len(nft_sigmas(cfg, sigma_schedule(cfg.sampler.num_steps, cfg.sampler.shift)))  # ... or sigmas (NFT)
     accelerator.print(
         f"difrl: {world_size} process(es) x {torch.get_num_threads()} thread(s); {n_total} samples/iteration "
         f"({cfg.rollout.prompts_per_iter} groups of {cfg.rollout.group_size}), {per_proc} per process; {T} trained "
-        f"step(s) of {cfg.sampler.num_steps} per sample ({cfg.steps.mode}); {updates_per_rollout} optimizer update(s) "
+        + (f"sigma(s) of {cfg.sampler.num_steps} per sample (DiffusionNFT); " if cfg.train.objective == "nft" else
+           f"step(s) of {cfg.sampler.num_steps} per sample ({cfg.steps.mode}); ")
+        + (f"Sol-RL: {cfg.solrl.candidates} candidates per prompt in {cfg.solrl.preview_steps} steps, {cfg.solrl.select}; "
+           if cfg.rollout.kind == "solrl" else "")
+        + f"{updates_per_rollout} optimizer update(s) "
         f"per rollout ({cfg.train.inner_epochs} epoch(s) x {per_proc // per_update} of {cfg.train.micro_batch} x "
         f"{cfg.train.grad_accum} accumulated); run dir {run_dir}")
 
@@ -206,6 +231,23 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
     unwrapped = accelerator.unwrap_model(net)
     ema = EMA(trainable_params(unwrapped), cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
 
+    # DiffusionNFT's old policy (the sampler and v_old): an EMA of the trained weights with its own schedule
+    old = EMA(trainable_params(unwrapped), 0.0) if cfg.train.objective == "nft" else None
+    sampling_ctx = old.swapped if old is not None else nullcontext
+    # the rollout copy: LoRA merged, linear layers in rollout.precision, re-synced before every rollout
+    rollout_copy = None
+    if cfg.rollout.precision != "fp32" or cfg.rollout.sync_every > 1:
+        preset = QUANT_PRESETS.get(cfg.model.kind, {"skip": (), "min_dim": 0})
+        rollout_copy = RolloutCopy(unwrapped, cfg.rollout.precision,
+                                   preset["skip"] if cfg.rollout.quant_skip is None else cfg.rollout.quant_skip,
+                                   preset["min_dim"] if cfg.rollout.quant_min_dim is None else cfg.rollout.quant_min_dim,
+                                   cfg.rollout.quant_backend)
+        accelerator.print(f"difrl: rollout copy ({'stage-1 candidates' if cfg.rollout.kind == 'solrl' else 'rollouts'}, "
+                          f"synced every {cfg.rollout.sync_every} iteration(s)): " + rollout_copy.report.summary())
+    # a stale copy (sync_every > 1) is a function of the weights at its last sync: kept, and checkpointed, here
+    copy_source = EMA(trainable_params(unwrapped), 0.0) if cfg.rollout.sync_every > 1 else None
+    extras = {k: v for k, v in (("old", old), ("rollout_source", copy_source)) if v is not None}
+
     def reference_velocity_ctx():
         if reference is None:
             return unwrapped.disable_adapter()
@@ -229,7 +271,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
     if cfg.resume and ckpt is None:
         raise FileNotFoundError(f"resume={cfg.resume}: no checkpoint found in {run_dir / 'checkpoints'}")
     if ckpt is not None:
-        restore_checkpoint(ckpt, unwrapped, optimizer, ema)
+        restore_checkpoint(ckpt, unwrapped, optimizer, ema, extras)
         start = ckpt.iteration
         run_state.update({k: ckpt.state[k] for k in run_state if k in ckpt.state})
         accelerator.print(f"difrl: resumed from {ckpt.path} after iteration {start}")
@@ -247,8 +289,77 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
 
     def checkpoint(iteration: int) -> None:
         if accelerator.is_main_process:
-            save_checkpoint(run_dir, iteration, unwrapped, optimizer, ema, run_state)
+            save_checkpoint(run_dir, iteration, unwrapped, optimizer, ema, run_state, extras=extras)
         accelerator.wait_for_everyone()
+
+    # ---- one micro-batch's loss (summed over its elements / the fixed denominator), metrics into m
+    def grpo_micro_loss(sub: Rollout, adv: torch.Tensor, keep: torch.Tensor, correction, m: "_Metrics",
+                        check: bool, denom: int) -> torch.Tensor:
+        log_prob, mean, std = transition_log_prob(policy, sub, cfg)
+        if check:
+            m.add("first_step_max_abs_log_ratio", torch.tensor(check_ratio(log_prob, sub.log_prob_old, cfg.train.ratio_tol)))
+        elem_keep = keep[:, None].expand_as(log_prob)
+        is_weight = 1.0
+        if correction is not None:  # (weights, keep) [b, T]: detached IS weights and rejections from difrl.correct
+            is_weight, correct_keep = correction
+            elem_keep = elem_keep * correct_keep.float()
+        # GRPO-Guard options (difrl.algos.guard): re-centred per-step ratio and/or per-step weights
+        step_std = std.view_as(log_prob)
+        weight = step_weights(cfg.train.step_weight, sub.sigma, sub.sigma_next, step_std)
+        lp_new, lp_old = log_prob, sub.log_prob_old
+        mask = elem_keep.bool()
+        if cfg.train.ratio_norm:
+            raw = torch.exp(log_prob.detach() - sub.log_prob_old)
+            m.add("raw_ratio", raw, mask)
+            m.add_ratio(raw, sub.step, mask, "raw_ratio_per_step")  # the left shift, per step
+            lp_new = ratio_norm_log_ratio(log_prob, sub.log_prob_old, mean.view_as(sub.mean_old), sub.mean_old,
+                                          step_std, cfg.sampler.log_prob_reduce)
+            lp_old = torch.zeros_like(lp_new)  # the normalised log-ratio is already relative to old
+        pg, pm = ppo_clip_loss(lp_new, lp_old, adv, cfg.train.clip_low, cfg.train.clip_high, weight=weight)
+        loss = (pg * is_weight * elem_keep).sum() / denom
+        if cfg.train.kl_beta > 0:
+            with torch.no_grad(), reference_velocity_ctx():
+                _, mean_ref, _ = transition_log_prob(policy, sub, cfg)
+            h = (sub.sigma - sub.sigma_next).reshape(-1)
+            kl = gaussian_step_kl(mean, mean_ref, std, h, cfg.train.kl_form).view_as(log_prob)
+            loss = loss + cfg.train.kl_beta * (kl * elem_keep).sum() / denom
+            m.add("kl", kl, mask)
+        m.add("policy_loss", pg, mask)
+        for name in ("approx_kl", "clip_high", "clip_low", "ratio"):
+            m.add(name, pm[name], mask)
+        m.add_ratio(pm["ratio"], sub.step, mask)
+        return loss
+
+    nft_train_sigmas = nft_sigmas(cfg, sigmas)  # [T]
+
+    def nft_micro_loss(sub: Rollout, adv: torch.Tensor, keep: torch.Tensor, correction, m: "_Metrics",
+                       check: bool, denom: int) -> torch.Tensor:
+        # DiffusionNFT (difrl.algos.nft): each clean sample noised afresh at the T trained sigmas, noise from its seed
+        B, Tn = len(sub), len(nft_train_sigmas)
+        x0 = sub.x_final.repeat_interleave(Tn, dim=0)  # [B*T, *latent], sample-major like cond_repeat
+        sigma = nft_train_sigmas.repeat(B)
+        eps = counter_normal(mix_seed_tensor(sub.seeds, 7), list(range(Tn)), tuple(policy.latent_shape))  # [T, B, ...]
+        x_sigma = nft_noised(x0, sigma, eps.transpose(0, 1).reshape(x0.shape))
+        cond = cond_repeat(sub.cond, Tn)
+        with torch.no_grad():  # before the graph is built: swapping weights in place would invalidate it
+            with old.swapped():
+                v_old = policy.velocity(x_sigma, sigma, cond, cfg.sampler.guidance)
+            v_ref = None
+            if cfg.nft.ref_beta > 0:
+                with reference_velocity_ctx():
+                    v_ref = policy.velocity(x_sigma, sigma, cond, cfg.sampler.guidance)
+        v = policy.velocity(x_sigma, sigma, cond, cfg.sampler.guidance)
+        per, nm = nft_loss(v, v_old, x_sigma, x0, sigma, adv.repeat_interleave(Tn), cfg.nft.beta, cfg.nft.adv_clip)
+        w = keep.repeat_interleave(Tn)
+        loss = (per * w).sum() / denom
+        if v_ref is not None:
+            kl = velocity_kl(v, v_ref)
+            loss = loss + cfg.nft.ref_beta * (kl * w).sum() / denom
+            m.add("kl", kl, w.bool())
+        m.add("policy_loss", per, w.bool())
+        for name, value in nm.items():
+            m.add(name, value, w.bool())
+        return loss
 
     bar = tqdm(range(start, cfg.train.iterations), initial=start, total=cfg.train.iterations, desc="train",
                disable=not accelerator.is_main_process, dynamic_ncols=True)
@@ -268,19 +379,46 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
         sde_mask, train_mask, window_start = step_masks(cfg, it, n_total)
         prompts = [world.prompts[i] for i in prompt_ids.tolist()]
         unwrapped.eval()
-        with rounded_weights(unwrapped, cfg.rollout.weight_dtype):
-            batch = rollout(policy, prompts, seeds, sigmas, cfg.sampler.kind, kernel_kwargs(cfg), sde_mask,
-                            train_mask[rank * per_proc:(rank + 1) * per_proc], prompt_ids, group_ids, init_seeds,
-                            cfg.sampler.guidance, batch_size=cfg.sampler.rollout_batch)
+        stage = {"nfe_lowprec": 0, "nfe_full": 0}  # network evaluations per iteration (all processes) and stage times
+        nfe = nfe_per_step(cfg)
+        with sampling_ctx():  # NFT samples from its old policy; GRPO from the trained one
+            if rollout_copy is not None and it % cfg.rollout.sync_every == 0:
+                if copy_source is not None:
+                    copy_source.update(0.0)  # remember what the copy was synced from
+                rollout_copy.sync(unwrapped, check=it > start)  # after an update: changing nothing is a WeightSyncError
+            elif rollout_copy is not None and it == start:  # resumed between two syncs of a stale copy
+                with copy_source.swapped():
+                    rollout_copy.sync(unwrapped, check=False)
+            if cfg.rollout.kind == "solrl":
+                # -------- stage 1: a large candidate pool from the rollout copy, few deterministic steps, rewarded
+                t_c = time.perf_counter()
+                chosen_seeds, chosen_candidate_reward, n_cand = _solrl_candidates(
+                    cfg, policy, rollout_copy, world, rewards, group_prompt, it, accelerator, run_dir, checkpoint)
+                seeds = init_seeds = chosen_seeds[k]
+                stage["nfe_lowprec"] += n_cand * cfg.solrl.preview_steps * nfe
+                stage["seconds_candidates"] = time.perf_counter() - t_c
+            # -------- the trained rollouts: Sol-RL stage 2 (full precision, the chosen seeds) or flat
+            t_r = time.perf_counter()
+            on_copy = rollout_copy is not None and cfg.rollout.kind == "flat"
+            with rollout_copy.active(policy) if on_copy else nullcontext():
+                batch = rollout(policy, prompts, seeds, sigmas, cfg.sampler.kind, kernel_kwargs(cfg), sde_mask,
+                                train_mask[rank * per_proc:(rank + 1) * per_proc], prompt_ids, group_ids, init_seeds,
+                                cfg.sampler.guidance, batch_size=cfg.sampler.rollout_batch)
+            low = on_copy and cfg.rollout.precision != "fp32"
+            stage["nfe_lowprec" if low else "nfe_full"] += n_total * cfg.sampler.num_steps * nfe
+            stage["seconds_regenerate" if cfg.rollout.kind == "solrl" else "seconds_sampling"] = time.perf_counter() - t_r
         correction = None
-        if cfg.rollout.weight_dtype != "fp32":
+        if on_copy and cfg.train.objective == "grpo":
             # the rollout policy mu differs from the trainer's: recompute the proximal policy's log-probs and means
             # (PPO's ratio and the first-step check are against it) and weigh each transition by pi_old / mu
-            with torch.no_grad():
-                lp_prox, mean_prox, _ = transition_log_prob(policy, batch, cfg)
+            with torch.no_grad():  # in micro-batches: a real model cannot take all B*T transitions in one forward
+                parts = [transition_log_prob(policy, batch.select(torch.arange(lo, min(lo + cfg.train.micro_batch, per_proc))), cfg)
+                         for lo in range(0, per_proc, cfg.train.micro_batch)]
+                lp_prox, mean_prox = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
             log_prob_rollout = batch.log_prob_old
             batch.log_prob_old, batch.mean_old = lp_prox, mean_prox.view_as(batch.mean_old)
             correction = CORRECTORS[cfg.correct.method](lp_prox, log_prob_rollout, None, **cfg.correct.options)
+            stage["nfe_full"] += n_total * T * nfe  # the proximal recompute is a full-precision forward
         t_reward = time.perf_counter()
 
         # ==================================================================== reward
@@ -312,6 +450,10 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
             keep_all &= ~adv.zero_spread
         own = slice(rank * per_proc, (rank + 1) * per_proc)
         advantages, keep = adv.advantages[own], keep_all[own]
+        if cfg.rollout.kind == "solrl":  # does the low-precision ranking predict the full-precision rewards?
+            regenerated = sum(w * all_scores[n] for n, w in weights.items())
+            stage.update({f"solrl/{k}": v for k, v in rank_agreement(chosen_candidate_reward.view(-1, G), regenerated.view(-1, G)).items()})
+            stage["solrl/candidate_reward_mean"] = float(chosen_candidate_reward.mean())
 
         # ==================================================================== policy update
         unwrapped.train()
@@ -329,42 +471,11 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
                 sub = batch.select(idx)
                 sync = (mb + 1) % cfg.train.grad_accum == 0
                 with (nullcontext() if sync else accelerator.no_sync(net)):
-                    log_prob, mean, std = transition_log_prob(policy, sub, cfg)
-                    if first and cfg.train.ratio_check:
-                        m.add("first_step_max_abs_log_ratio", torch.tensor(check_ratio(log_prob, sub.log_prob_old, cfg.train.ratio_tol)))
+                    micro_loss = grpo_micro_loss if cfg.train.objective == "grpo" else nft_micro_loss
+                    loss = micro_loss(sub, advantages[idx], keep[idx].float(), None if correction is None else (correction.weights[idx], correction.keep[idx]),
+                                      m, first and cfg.train.ratio_check, denom)
                     first = False
-                    elem_keep = keep[idx][:, None].expand_as(log_prob).float()
-                    is_weight = 1.0
-                    if correction is not None:  # rejections and detached IS weights from difrl.correct
-                        elem_keep = elem_keep * correction.keep[idx].float()
-                        is_weight = correction.weights[idx]
-                    # GRPO-Guard options (difrl.algos.guard): re-centred per-step ratio and/or per-step weights
-                    step_std = std.view_as(log_prob)
-                    weight = step_weights(cfg.train.step_weight, sub.sigma, sub.sigma_next, step_std)
-                    lp_new, lp_old = log_prob, sub.log_prob_old
-                    if cfg.train.ratio_norm:
-                        raw = torch.exp(log_prob.detach() - sub.log_prob_old)
-                        m.add("raw_ratio", raw, elem_keep.bool())
-                        m.add_ratio(raw, sub.step, elem_keep.bool(), "raw_ratio_per_step")  # the left shift, per step
-                        lp_new = ratio_norm_log_ratio(log_prob, sub.log_prob_old, mean.view_as(sub.mean_old), sub.mean_old,
-                                                      step_std, cfg.sampler.log_prob_reduce)
-                        lp_old = torch.zeros_like(lp_new)  # the normalised log-ratio is already relative to old
-                    pg, pm = ppo_clip_loss(lp_new, lp_old, advantages[idx], cfg.train.clip_low, cfg.train.clip_high,
-                                           weight=weight)
-                    loss = (pg * is_weight * elem_keep).sum() / denom
-                    if cfg.train.kl_beta > 0:
-                        with torch.no_grad(), reference_velocity_ctx():
-                            _, mean_ref, _ = transition_log_prob(policy, sub, cfg)
-                        h = (sub.sigma - sub.sigma_next).reshape(-1)
-                        kl = gaussian_step_kl(mean, mean_ref, std, h, cfg.train.kl_form).view_as(log_prob)
-                        loss = loss + cfg.train.kl_beta * (kl * elem_keep).sum() / denom
-                        m.add("kl", kl, elem_keep.bool())
                     accelerator.backward(loss)
-                mask = elem_keep.bool()
-                m.add("policy_loss", pg, mask)
-                for name in ("approx_kl", "clip_high", "clip_low", "ratio"):
-                    m.add(name, pm[name], mask)
-                m.add_ratio(pm["ratio"], sub.step, mask)
                 if sync:
                     if cfg.train.max_grad_norm is not None:
                         m.add("grad_norm", torch.as_tensor(accelerator.clip_grad_norm_(params.values(), cfg.train.max_grad_norm)))
@@ -372,6 +483,8 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
                     optimizer.zero_grad(set_to_none=True)
                     if ema is not None:
                         ema.update()
+        if old is not None:  # Sol-RL/DiffusionNFT: old <- d old + (1 - d) new, d = min(rate * iteration, max)
+            old.update(min(cfg.nft.old_decay_rate * it, cfg.nft.old_decay_max))
         unwrapped.eval()
         t_log = time.perf_counter()
 
@@ -386,7 +499,8 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
             "dropped_groups": int(all_groups[~keep_all].unique().numel()),
             "failed_reward_groups": int(bad_groups.numel()),
             "trained_samples": int(keep_all.sum()),
-            "loss": upd.get("policy_loss", 0.0) + cfg.train.kl_beta * upd.get("kl", 0.0),
+            "loss": upd.get("policy_loss", 0.0) + (cfg.train.kl_beta if cfg.train.objective == "grpo" else cfg.nft.ref_beta) * upd.get("kl", 0.0),
+            **stage,
             **{k: v for k, v in upd.items()},
             "ratio_mean": upd.get("ratio", 1.0),
             "window_start": window_start,
@@ -436,6 +550,45 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
 
 
 # ---------------------------------------------------------------------------------- pieces of the loop
+
+
+def _solrl_candidates(cfg: FlowConfig, policy, rollout_copy, world, rewards, group_prompt: torch.Tensor, it: int,
+                      accelerator, run_dir: Path, checkpoint) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Sol-RL stage 1 (specs/lowprec-and-correctors.md §1.2). Candidate c of prompt group p (global index
+    p * N + c, split over processes in contiguous slices) gets seed mix_seed(seed, it, 6, index) and is sampled
+    by the rollout copy (or the policy at rollout.precision=fp32) with the deterministic solver in
+    solrl.preview_steps steps. Rewards are gathered, `solrl.select` picks rollout.group_size per prompt.
+    Returns (seeds of the chosen samples [P * G] in group order, their candidate rewards [P * G], candidates)."""
+    P, N, G = cfg.rollout.prompts_per_iter, cfg.solrl.candidates, cfg.rollout.group_size
+    per = P * N // accelerator.num_processes
+    c = torch.arange(accelerator.process_index * per, (accelerator.process_index + 1) * per)
+    prompt_ids = group_prompt[c // N]
+    seeds = torch.tensor([mix_seed(cfg.seed, it, 6, int(i)) for i in c])
+    prompts = [world.prompts[i] for i in prompt_ids.tolist()]
+    preview = sigma_schedule(cfg.solrl.preview_steps, cfg.sampler.shift)
+    ode = torch.zeros(cfg.solrl.preview_steps, dtype=torch.bool)
+    with rollout_copy.active(policy) if rollout_copy is not None else nullcontext():
+        cand = rollout(policy, prompts, seeds, preview, "ode", sde_mask=ode, prompt_ids=prompt_ids,
+                       guidance=cfg.sampler.guidance, batch_size=cfg.solrl.batch)
+    images = policy.decode(cand.x_final)
+    weights = {name.rsplit(":", 1)[-1]: w for name, w in cfg.reward.weights.items()}
+    try:
+        scores = score_all(rewards, images, prompts, [world.metadata(int(p)) for p in prompt_ids], seeds, prompt_ids)
+    except RewardError as e:
+        if cfg.reward.on_error == "stop":
+            checkpoint(it)
+            raise RewardError(f"iteration {it}, Sol-RL candidates: {e}. The run stopped (reward.on_error=stop) after "
+                              f"saving a checkpoint; resume with resume={run_dir}.", e.bad) from e
+        # drop_group: a failed candidate ranks last; stage 2 re-scores and drops what still fails
+        accelerator.print(f"iteration {it}, Sol-RL candidates: {e}; ranking them last (reward.on_error=drop_group)")
+        scores = {k: torch.full((per,), -float("inf")) if e.scores is None else
+                  torch.where(e.bad, -float("inf"), e.scores[k]) for k in weights}
+    total = sum(w * scores[n] for n, w in weights.items())
+    total = accelerator.gather(total).view(P, N)  # [P, N] in global candidate order
+    idx = select_indices(total, G, cfg.solrl.select, torch.Generator().manual_seed(mix_seed(cfg.seed, it, 8)))
+    chosen = (torch.arange(P)[:, None] * N + idx).flatten()  # [P * G] global candidate indices, group order
+    chosen_seeds = torch.tensor([mix_seed(cfg.seed, it, 6, int(i)) for i in chosen])
+    return chosen_seeds, total.flatten()[chosen], P * N
 
 
 class _swap_module:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +38,9 @@ class EMA:
         self.num_updates = 0
 
     @torch.no_grad()
-    def update(self) -> None:
-        d = min(self.decay, (1 + self.num_updates) / (10 + self.num_updates))
+    def update(self, decay: float | None = None) -> None:
+        """shadow <- d shadow + (1 - d) live; d = `decay` if given, else the warmed-up self.decay."""
+        d = min(self.decay, (1 + self.num_updates) / (10 + self.num_updates)) if decay is None else decay
         for k, p in self.params.items():
             self.shadow[k].lerp_(p.detach(), 1.0 - d)
         self.num_updates += 1
@@ -50,6 +52,15 @@ class EMA:
             tmp = p.detach().clone()
             p.copy_(self.shadow[k])
             self.shadow[k].copy_(tmp)
+
+    @contextmanager
+    def swapped(self):
+        """The EMA weights live inside the block, the trained ones restored after it."""
+        self.swap()
+        try:
+            yield
+        finally:
+            self.swap()
 
 
 def trainable_params(module: nn.Module) -> dict[str, nn.Parameter]:
@@ -65,10 +76,13 @@ class Checkpoint:
     optimizer: dict
     rng: dict[str, torch.Tensor]
     state: dict
+    extras: dict[str, tuple[dict[str, torch.Tensor], int]] | None = None  # name -> (tensors, num_updates)
 
 
 def save_checkpoint(run_dir: Path, iteration: int, module: nn.Module, optimizer, ema: EMA | None,
-                    state: dict, keep: int = 2) -> Path:
+                    state: dict, keep: int = 2, extras: dict[str, EMA] | None = None) -> Path:
+    """`extras`: other named copies of the trainable weights (DiffusionNFT's old policy, the stale rollout
+    copy's source), each saved as NAME.safetensors."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"iter-{iteration:06d}"
     tmp = root / f".tmp-iter-{iteration:06d}"
@@ -78,6 +92,8 @@ def save_checkpoint(run_dir: Path, iteration: int, module: nn.Module, optimizer,
     save_safetensors(dict(trainable_params(module)), tmp / "trainable.safetensors")
     if ema is not None:
         save_safetensors(ema.shadow, tmp / "ema.safetensors", {"num_updates": ema.num_updates})
+    for name, extra in (extras or {}).items():
+        save_safetensors(extra.shadow, tmp / f"{name}.safetensors", {"num_updates": extra.num_updates})
     save_torch_state(optimizer.state_dict(), tmp / "optimizer.pt")
     save_safetensors({"torch": torch.get_rng_state()}, tmp / "rng.safetensors")
     atomic_write_json(tmp / "state.json", {"iteration": iteration, **state})
@@ -108,12 +124,18 @@ def load_latest_checkpoint(run_dir: Path) -> Checkpoint | None:
     if (path / "ema.safetensors").exists():
         ema, meta = load_safetensors_checked(path / "ema.safetensors", "checkpoint EMA weights")
         state["ema_num_updates"] = int(meta.get("num_updates", 0))
+    extras = {}
+    for f in sorted(path.glob("*.safetensors")):
+        if f.stem not in ("trainable", "ema", "rng"):
+            tensors, meta = load_safetensors_checked(f, f"checkpoint {f.stem} weights")
+            extras[f.stem] = (tensors, int(meta.get("num_updates", 0)))
     optimizer = load_torch_state(path / "optimizer.pt", "checkpoint optimizer state")
     rng, _ = load_safetensors_checked(path / "rng.safetensors", "checkpoint RNG state")
-    return Checkpoint(path, int(state["iteration"]), trainable, ema, optimizer, rng, state)
+    return Checkpoint(path, int(state["iteration"]), trainable, ema, optimizer, rng, state, extras)
 
 
-def restore_checkpoint(ckpt: Checkpoint, module: nn.Module, optimizer, ema: EMA | None) -> None:
+def restore_checkpoint(ckpt: Checkpoint, module: nn.Module, optimizer, ema: EMA | None,
+                       extras: dict[str, EMA] | None = None) -> None:
     params = trainable_params(module)
     if set(params) != set(ckpt.trainable):
         extra, missing = sorted(set(ckpt.trainable) - set(params)), sorted(set(params) - set(ckpt.trainable))
@@ -128,4 +150,13 @@ def restore_checkpoint(ckpt: Checkpoint, module: nn.Module, optimizer, ema: EMA 
             raise ValueError(f"checkpoint {ckpt.path} has no EMA weights but train.ema_decay > 0")
         ema.shadow = {k: v.clone() for k, v in ckpt.ema.items()}
         ema.num_updates = ckpt.state.get("ema_num_updates", 0)
+    for name, extra in (extras or {}).items():
+        if name not in (ckpt.extras or {}):
+            raise ValueError(f"checkpoint {ckpt.path} has no {name}.safetensors, which this config needs (was it "
+                             f"written with another train.objective or rollout.sync_every?)")
+        tensors, num_updates = ckpt.extras[name]
+        if set(tensors) != set(extra.shadow):
+            raise ValueError(f"checkpoint {ckpt.path}: {name}.safetensors does not match this model's trainable weights")
+        extra.shadow = {k: v.clone() for k, v in tensors.items()}
+        extra.num_updates = num_updates
     torch.set_rng_state(ckpt.rng["torch"])

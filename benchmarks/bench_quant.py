@@ -1,0 +1,233 @@
+"""Low-precision formats on CPU: quantization error, real storage, and the digits rollout copy (difrl.quant).
+
+    .venv/bin/python benchmarks/bench_quant.py            # full run (~2-3 min on 2 cores), updates BENCHMARKS.md
+    .venv/bin/python benchmarks/bench_quant.py --quick --json /tmp/quant.json --no-write
+
+Three tables, every format of ``difrl.quant.FORMATS`` (bf16, fp8, fp8_block, mxfp8, nvfp4), all with the
+exact pure-torch emulation that CI runs (Transformer Engine numerics, forward path):
+
+(a) error of one linear layer, digits-size (in 128, out 512, 256 tokens) and FLUX-size (the MLP's first
+    projection: weight [12288, 3072], activations [1024 tokens (--quick: 256), 3072]); N(0,1) activations,
+    N(0, 1/in) weights, seed 0. Relative Frobenius error of the quantized activations, of the quantized
+    weight, and of the emulated GEMM ``qdq(x) @ dequant(W_q).T`` against the fp32 GEMM; cosine of the outputs.
+(b) measured bytes of the quantized weight (``Quantized.nbytes``: packed codes + every scale) against BF16,
+    with difrl's weight layout (one scale per 16x16 / 128x128 tile) and with a scale per 1x16 / 1x32 / 1x128
+    row block (the layout TE keeps for the GEMM's rowwise operand).
+(c) the bundled digits generator copied through ``RolloutCopy`` with ``QUANT_PRESETS['digits']`` (the 9
+    MLP and adaLN linears quantized; embedders and the output projection stay fp32): bytes of the copy,
+    relative error and cosine of the velocity on a batch against the fp32 model, and the emulated forward time
+    against the fp32 forward (median over round-robin repeats). The emulation quantizes the activations in
+    plain torch on every call, so it is slower than fp32 on CPU: that is its cost, not a claim about a GPU
+    (benchmarks/gpu_lowprec.py times the real kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from difrl.models.digits import DigitsPolicy, digit_prompt
+from difrl.quant import FORMATS, QUANT_PRESETS, RolloutCopy, qdq, quantize, relative_error, storage_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+BEGIN, END = "<!-- bench_quant:start -->", "<!-- bench_quant:end -->"
+ROW_BLOCK = {"bf16": "-", "fp8": "tensor", "fp8_block": "1x128", "mxfp8": "1x32", "nvfp4": "1x16"}
+WEIGHT_BLOCK = {"bf16": "-", "fp8": "tensor", "fp8_block": "128x128", "mxfp8": "1x32", "nvfp4": "16x16"}
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
+
+
+@torch.no_grad()
+def layer_rows(name: str, d_in: int, d_out: int, tokens: int) -> tuple[list[dict], list[dict]]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, d_in, generator=g)
+    w = torch.randn(d_out, d_in, generator=g) / d_in ** 0.5
+    y = x @ w.T
+    err_rows, mem_rows = [], []
+    bf16_bytes = w.numel() * 2
+    for fmt in FORMATS:
+        t0 = time.perf_counter()
+        x_hat, w_hat = qdq(x, fmt, "activation"), qdq(w, fmt, "weight")
+        y_hat = x_hat @ w_hat.T
+        err_rows.append({"layer": name, "weight": [d_out, d_in], "tokens": tokens, "format": fmt,
+                         "act_err": relative_error(x, x_hat), "weight_err": relative_error(w, w_hat),
+                         "gemm_err": relative_error(y, y_hat), "cosine": cosine(y, y_hat)})
+        q_w, q_row = quantize(w, fmt, "weight"), quantize(w, fmt, "activation")
+        mem_rows.append({"layer": name, "weight": [d_out, d_in], "format": fmt, "bytes": q_w.nbytes,
+                         "bytes_per_elem": q_w.nbytes / w.numel(), "x_bf16": q_w.nbytes / bf16_bytes,
+                         "row_layout_bytes": q_row.nbytes, "row_layout_x_bf16": q_row.nbytes / bf16_bytes})
+        del x_hat, w_hat, y_hat, q_w, q_row
+        print(f"{name:12s} {fmt:9s} act {100 * err_rows[-1]['act_err']:6.2f}%  W {100 * err_rows[-1]['weight_err']:6.2f}%  "
+              f"GEMM {100 * err_rows[-1]['gemm_err']:6.2f}%  cos {err_rows[-1]['cosine']:.5f}  "
+              f"{mem_rows[-1]['x_bf16']:.3f}x bf16  ({time.perf_counter() - t0:.1f} s)", flush=True)
+    return err_rows, mem_rows
+
+
+@torch.no_grad()
+def digits_rows(batch: int, repeats: int, warmup: int = 3) -> list[dict]:
+    policy = DigitsPolicy.from_checkpoint()
+    ref = policy.module.eval()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, *policy.latent_shape, generator=g)
+    sigma = torch.rand(batch, generator=g)
+    cond = policy.encode([digit_prompt(i % 10) for i in range(batch)])
+    v_ref = policy.velocity(x, sigma, cond)
+    fp32_bytes = storage_bytes(ref)
+    bf16_bytes = sum(t.numel() * (2 if t.is_floating_point() else t.element_size())
+                     for t in list(ref.parameters()) + list(ref.buffers()))
+    copies = {fmt: RolloutCopy(ref, fmt, **QUANT_PRESETS["digits"]) for fmt in FORMATS}
+
+    def forward(module):
+        def run():
+            policy.module = module
+            try:
+                return policy.velocity(x, sigma, cond)
+            finally:
+                policy.module = ref
+        return run
+
+    methods = {"fp32": forward(ref)} | {fmt: forward(c.module) for fmt, c in copies.items()}
+    for fn in methods.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in methods}
+    for _ in range(repeats):  # round-robin: drift hits every method alike
+        for name, fn in methods.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    base = statistics.median(times["fp32"])
+    rows = []
+    for name in methods:
+        v = methods[name]()
+        nbytes = fp32_bytes if name == "fp32" else storage_bytes(copies[name].module)
+        med = statistics.median(times[name])
+        rows.append({"model": "digits (bundled)", "format": name, "batch": batch,
+                     "quantized": "-" if name == "fp32" else f"{len(copies[name].report.quantized)}/{len(copies[name].report.rows)}",
+                     "bytes": nbytes, "x_fp32": nbytes / fp32_bytes, "x_bf16": nbytes / bf16_bytes,
+                     "velocity_err": relative_error(v_ref, v), "cosine": cosine(v_ref, v),
+                     "forward_ms": 1e3 * med, "x_fp32_time": med / base, "repeats": repeats})
+        r = rows[-1]
+        print(f"digits       {name:9s} {r['bytes']:8d} B ({r['x_fp32']:.3f}x fp32)  v err {100 * r['velocity_err']:6.2f}%  "
+              f"{r['forward_ms']:7.2f} ms ({r['x_fp32_time']:.2f}x fp32)", flush=True)
+    return rows
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{cpu}, {cores} cores available, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def _shape(s) -> str:
+    return "x".join(map(str, s))
+
+
+def tables(res: dict) -> str:
+    out = ["### (a) Error of one linear layer (emulated GEMM vs fp32)", "",
+           "| layer | weight [out, in] | tokens | format | blocks (act / weight) | act rel. err | weight rel. err | "
+           "GEMM rel. err | output cosine |",
+           "|---|---|---:|---|---|---:|---:|---:|---:|"]
+    for r in res["layers"]:
+        out.append(f"| {r['layer']} | {_shape(r['weight'])} | {r['tokens']} | {r['format']} | "
+                   f"{ROW_BLOCK[r['format']]} / {WEIGHT_BLOCK[r['format']]} | {100 * r['act_err']:.2f}% | "
+                   f"{100 * r['weight_err']:.2f}% | {100 * r['gemm_err']:.2f}% | {r['cosine']:.5f} |")
+    out += ["", "### (b) Bytes of the quantized weight (measured: packed codes + all scales)", "",
+            "| layer | weight [out, in] | format | bytes | bytes / element | × BF16 | × BF16 with 1×16/1×32/1×128 row-block scales |",
+            "|---|---|---|---:|---:|---:|---:|"]
+    for r in res["storage"]:
+        out.append(f"| {r['layer']} | {_shape(r['weight'])} | {r['format']} | {r['bytes']:,} | {r['bytes_per_elem']:.4f} | "
+                   f"{r['x_bf16']:.3f} | {r['row_layout_x_bf16']:.3f} |")
+    out += ["", "### (c) Digits generator through `RolloutCopy` (`QUANT_PRESETS['digits']`, emulated)", "",
+            "| format | linears quantized | bytes | × fp32 model | × bf16 model | velocity rel. err | velocity cosine | "
+            "forward ms (median) | × fp32 forward |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in res["digits"]:
+        out.append(f"| {r['format']} | {r['quantized']} | {r['bytes']:,} | {r['x_fp32']:.3f} | {r['x_bf16']:.3f} | "
+                   f"{100 * r['velocity_err']:.2f}% | {r['cosine']:.5f} | {r['forward_ms']:.2f} | {r['x_fp32_time']:.2f} |")
+    return "\n".join(out)
+
+
+def write_markdown(res: dict, command: str, path: Path) -> None:
+    d = res["digits"][0]
+    block = "\n".join([
+        BEGIN,
+        "## Low-precision formats: error, storage, and the emulated digits rollout copy",
+        "",
+        f"Command: `{command}`  ",
+        f"Date: {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}  ",
+        f"Machine: {machine()}",
+        "",
+        "Exact pure-torch emulation of Transformer Engine's forward numerics (`difrl.quant`), N(0,1) activations, "
+        "N(0, 1/in) weights, seed 0. NVFP4 = E2M1 with an E4M3 scale per 16 and an FP32 tensor scale; MXFP8 = E4M3 "
+        "with an E8M0 scale per 32; fp8 = E4M3 with one current-amax scale per tensor; fp8_block = E4M3 with "
+        f"power-of-two scales. Digits: batch {d['batch']}, {d['repeats']} round-robin repeats; the emulation fake-"
+        "quantizes activations in plain torch on every call, so it is slower than fp32 on a CPU by design.",
+        "",
+        tables(res),
+        END,
+    ])
+    text = path.read_text() if path.exists() else "# Benchmarks\n\nEvery table says the command that produced it.\n\n"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="256 FLUX tokens and fewer repeats (under a minute)")
+    ap.add_argument("--json", type=Path, help="also write the results (a dict of row lists) as JSON here")
+    ap.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
+    ap.add_argument("--threads", type=int, default=min(2, torch.get_num_threads()), help="torch threads (default 2, CI's cores)")
+    ap.add_argument("--tokens", type=int, help="FLUX-size activation rows (default 1024, --quick 256)")
+    ap.add_argument("--flux-dims", type=int, nargs=2, default=[3072, 12288], metavar=("IN", "OUT"),
+                    help="the large layer's in/out features (default FLUX's MLP: 3072 12288)")
+    ap.add_argument("--small-tokens", type=int, default=256, help="digits-size layer activation rows")
+    ap.add_argument("--batch", type=int, default=256, help="digits velocity batch")
+    ap.add_argument("--repeats", type=int, help="timed forward repeats per format (default 30, --quick 8)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    tokens = args.tokens or (256 if args.quick else 1024)
+    repeats = args.repeats or (8 if args.quick else 30)
+
+    res = {"layers": [], "storage": [], "digits": []}
+    d_in, d_out = args.flux_dims
+    for name, (i, o, t) in {"digits-size": (128, 512, args.small_tokens), "FLUX-size": (d_in, d_out, tokens)}.items():
+        err, mem = layer_rows(name, i, o, t)
+        res["layers"] += err
+        res["storage"] += mem
+    res["digits"] = digits_rows(args.batch, repeats)
+
+    command = "python benchmarks/bench_quant.py" + " ".join([""] + (argv if argv is not None else sys.argv[1:]))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(res, indent=1))
+    if not args.no_write:
+        write_markdown(res, command.strip(), ROOT / "BENCHMARKS.md")
+        print(f"table written to {ROOT / 'BENCHMARKS.md'}")
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Shared by the benchmark scripts: the machine line and the BENCHMARKS.md block writer."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"{cpu}, {cores} cores available{gpu}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def stamp(command: str) -> list[str]:
+    """The command / date / machine lines every table starts with."""
+    return [f"Command: `{command}`  ", f"Date: {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}  ",
+            f"Machine: {machine()}"]
+
+
+def command_line(script: str, argv: list[str] | None) -> str:
+    import sys
+
+    args = argv if argv is not None else sys.argv[1:]
+    return " ".join([f"python benchmarks/{script}", *args])
+
+
+def write_block(path: Path, begin: str, end: str, body: list[str]) -> None:
+    """Put `body` between the `begin`/`end` markers of `path` (replacing an earlier block, or appending)."""
+    block = "\n".join([begin, *body, end])
+    text = path.read_text() if path.exists() else "# Benchmarks\n\nEvery table says the command that produced it.\n\n"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
+def write_json(path: Path | None, rows: list[dict]) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(rows, indent=1))

@@ -1,0 +1,15 @@
+"""Low-precision formats, quantized linear layers and the rollout copy (DESIGN.md seam 7). Pure torch;
+Transformer Engine is used only when installed and the GPU supports the format.
+
+    from difrl.quant import RolloutCopy, QUANT_PRESETS, qdq
+"""
+
+from difrl.quant.formats import FORMATS, Quantized, dequantize, qdq, quantize, relative_error
+from difrl.quant.linear import (BACKENDS, QUANT_PRESETS, QuantizationError, QuantLinear, QuantReport, TELinear,
+                                choose_backend, quantize_module, quantized_layers, storage_bytes, te_recipe, te_support)
+from difrl.quant.sync import RolloutCopy, WeightSyncError, merged_state_dict
+
+__all__ = ["FORMATS", "Quantized", "dequantize", "qdq", "quantize", "relative_error", "BACKENDS", "QUANT_PRESETS",
+           "QuantizationError", "QuantLinear", "QuantReport", "TELinear", "choose_backend", "quantize_module",
+           "quantized_layers", "storage_bytes", "te_recipe", "te_support", "RolloutCopy", "WeightSyncError",
+           "merged_state_dict"]

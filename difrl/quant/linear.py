@@ -1,0 +1,276 @@
+"""Quantized linear layers and module swapping (DESIGN.md seam 7).
+
+    from difrl.quant import quantize_module, QUANT_PRESETS
+    copy = copy.deepcopy(model)
+    report = quantize_module(copy, "nvfp4", **QUANT_PRESETS["flux"])   # in place; skip list + min dim
+    print(report)                                                        # which layers, which backend, why
+
+Each replaced ``nn.Linear`` becomes a ``QuantLinear`` (the exact pure-torch emulation: W4A4 for NVFP4,
+W8A8 for the FP8 family, ``y = qdq_act(x) @ dequant(W_q).T + b`` with fp32 accumulation; specs §3) or,
+when Transformer Engine is installed and the GPU supports the format, a ``TELinear`` (``te.Linear``
+under ``te.autocast`` with the format's recipe; specs §2.3-2.5). Only linear layers are quantized:
+attention, norms, embeddings, convolutions stay in the model's precision, as in Sol-RL (specs §1.4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from difrl.quant import formats as F
+
+# Sol-RL's exclusions (specs §1.4): a layer is skipped if its name contains one of `skip`, or if
+# max(in, out) <= min_dim. Wan and digits are ours: embedders and the output projection stay exact.
+QUANT_PRESETS: dict[str, dict] = {
+    "flux": {"skip": ("x_embedder", "context_embedder", "time_text_embed", "norm_out"), "min_dim": 1000},
+    "sd3": {"skip": ("pos_embed", "context_embedder", "time_text_embed", "norm_out", "norm1", "ff_context"), "min_dim": 2432},
+    "sana": {"skip": ("t_embedder", "t_block", "cfg_embedder", "y_embedder", "x_embedder", "final_layer", "logvar_linear",
+                      "attn.qkv"), "min_dim": 2240},
+    "wan": {"skip": ("patch_embedding", "condition_embedder", "proj_out", "norm_out"), "min_dim": 1000},
+    "digits": {"skip": ("x_in", "t_mlp", "x_out"), "min_dim": 0},
+}
+
+BACKENDS = ("auto", "emulate", "te")
+
+
+class QuantizationError(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------------------------- Transformer Engine
+
+
+def te_recipe(fmt: str):
+    """The TE recipe for a difrl format (imported lazily; raises ImportError without TE)."""
+    from transformer_engine.common import recipe as R
+
+    if fmt == "nvfp4":
+        return R.NVFP4BlockScaling()  # explicitly: Sol-RL's DelayedScaling(E2M1) is per-tensor E5M2 (specs §1.4)
+    if fmt == "mxfp8":
+        return R.MXFP8BlockScaling()
+    if fmt == "fp8_block":
+        return R.Float8BlockScaling()
+    if fmt == "fp8":
+        return R.Float8CurrentScaling(fp8_format=R.Format.E4M3)
+    raise ValueError(f"no Transformer Engine recipe for {fmt!r}")
+
+
+def te_support(fmt: str, device: torch.device | str | None = None) -> tuple[bool, str]:
+    """(usable, why) for running `fmt` through Transformer Engine on this machine."""
+    if fmt == "bf16":
+        return False, "bf16 needs no Transformer Engine"
+    if not torch.cuda.is_available():
+        return False, "no CUDA GPU"
+    try:
+        import transformer_engine.pytorch as te
+    except Exception as e:  # ImportError, or a driver/library error at import (TE issue #3381)
+        return False, f"transformer_engine is not importable ({type(e).__name__}: {e}); pip install 'difrl[te]'"
+    check = {"fp8": "is_fp8_available", "fp8_block": "is_fp8_block_scaling_available", "mxfp8": "is_mxfp8_available",
+             "nvfp4": "is_nvfp4_available"}[fmt]
+    fn = getattr(te, check, None)
+    if fn is None:
+        return False, f"this Transformer Engine has no {check} (needs TE >= 2.8 for NVFP4)"
+    try:
+        res = fn(return_reason=True)
+    except TypeError:
+        res = fn()
+    ok, reason = (res if isinstance(res, tuple) else (bool(res), ""))
+    cap = torch.cuda.get_device_capability()
+    return bool(ok), (f"Transformer Engine on sm_{cap[0]}{cap[1]}" if ok else f"TE says: {reason or 'unsupported'} (sm_{cap[0]}{cap[1]})")
+
+
+class TELinear(nn.Module):
+    """te.Linear (bf16 parameters) run under te.autocast with the format's recipe; input cast to bf16 and the
+    output back to the caller's dtype."""
+
+    def __init__(self, linear: nn.Linear, fmt: str):
+        super().__init__()
+        import transformer_engine.pytorch as te
+
+        self.fmt, self.in_features, self.out_features = fmt, linear.in_features, linear.out_features
+        self.recipe = te_recipe(fmt)
+        self.inner = te.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                               params_dtype=torch.bfloat16, device=linear.weight.device)
+        self.set_weight(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+
+    @torch.no_grad()
+    def set_weight(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+        new = weight.to(self.inner.weight.dtype)
+        changed = not torch.equal(self.inner.weight, new)
+        self.inner.weight.copy_(new)
+        if bias is not None:
+            changed |= not torch.equal(self.inner.bias, bias.to(self.inner.bias.dtype))
+            self.inner.bias.copy_(bias)
+        return changed
+
+    def state_fingerprint(self) -> torch.Tensor:
+        return self.inner.weight.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import transformer_engine.pytorch as te
+
+        autocast = getattr(te, "autocast", None)
+        ctx = autocast(enabled=True, recipe=self.recipe) if autocast else te.fp8_autocast(enabled=True, fp8_recipe=self.recipe)
+        with ctx:
+            y = self.inner(x.to(torch.bfloat16))
+        return y.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------- emulation
+
+
+class QuantLinear(nn.Module):
+    """A linear layer whose weight is stored quantized (buffers hold exactly the packed format: NVFP4 takes
+    4.5 bits per weight) and whose input is fake-quantized on every call:
+        y = qdq(x, fmt, activation) @ dequantize(W_q).T + b      (fp32 accumulate, output in x's dtype)
+    The bias stays in high precision (TE keeps it in the parameter dtype)."""
+
+    def __init__(self, linear: nn.Linear, fmt: str):
+        super().__init__()
+        F._check_format(fmt)
+        self.fmt, self.in_features, self.out_features = fmt, linear.in_features, linear.out_features
+        self._keys: list[str] = []
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.set_weight(linear.weight.detach())
+
+    @torch.no_grad()
+    def set_weight(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+        """Re-quantize from a high-precision weight [out, in]; True if the stored codes (or the bias) changed."""
+        q = F.quantize(weight, self.fmt, "weight")
+        changed = not self._keys or any(not torch.equal(getattr(self, "w_" + k), v) for k, v in q.data.items())
+        for k, v in q.data.items():
+            if k in self._keys:
+                getattr(self, "w_" + k).copy_(v)
+            else:
+                self.register_buffer("w_" + k, v)
+        self._keys = list(q.data)
+        if bias is not None:
+            changed |= not torch.equal(self.bias, bias.to(self.bias.dtype))
+            self.bias.copy_(bias)
+        return changed
+
+    def quantized_weight(self) -> F.Quantized:
+        return F.Quantized(self.fmt, "weight", torch.Size((self.out_features, self.in_features)),
+                           {k: getattr(self, "w_" + k) for k in self._keys})
+
+    def weight_hat(self) -> torch.Tensor:
+        """The dequantized weight [out, in] fp32 (what the emulated GEMM multiplies by)."""
+        return F.dequantize(self.quantized_weight())
+
+    def state_fingerprint(self) -> torch.Tensor:
+        return self.weight_hat()
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.quantized_weight().nbytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.qdq(x, self.fmt, "activation") @ self.weight_hat().T
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, emulated"
+
+
+# ---------------------------------------------------------------------------------- swapping
+
+
+@dataclass
+class QuantReport:
+    """What `quantize_module` did to each nn.Linear: (name, [out, in], action, why)."""
+
+    fmt: str
+    rows: list[tuple[str, tuple[int, int], str, str]] = field(default_factory=list)
+
+    @property
+    def quantized(self) -> list[str]:
+        return [r[0] for r in self.rows if r[2] != "skipped"]
+
+    @property
+    def backends(self) -> dict[str, str]:
+        """backend -> why (one line per backend used)."""
+        out = {}
+        for _, _, action, why in self.rows:
+            if action != "skipped":
+                out.setdefault(action, why)
+        return out
+
+    def summary(self) -> str:
+        if self.fmt == "fp32":
+            return "fp32: an exact copy, nothing quantized"
+        n = len(self.quantized)
+        parts = [f"{self.fmt}: {n} of {len(self.rows)} linear layers quantized"]
+        parts += [f"{k} ({v})" for k, v in self.backends.items()]
+        skipped = [r for r in self.rows if r[2] == "skipped"]
+        if skipped:
+            parts.append(f"{len(skipped)} kept in high precision")
+        return "; ".join(parts)
+
+    def __str__(self) -> str:
+        lines = [self.summary()]
+        lines += [f"  {name:40s} {str(list(shape)):14s} {action:8s} {why}" for name, shape, action, why in self.rows]
+        return "\n".join(lines)
+
+
+def choose_backend(fmt: str, requested: str = "auto", linear: nn.Linear | None = None) -> tuple[str, str]:
+    """('te' | 'emulate', why). 'te' demanded and unavailable is an error; 'auto' falls back with the reason."""
+    if requested not in BACKENDS:
+        raise ValueError(f"quant backend must be one of {BACKENDS}, got {requested!r}")
+    if requested == "emulate":
+        return "emulate", "exact pure-torch emulation (requested)"
+    ok, why = te_support(fmt)
+    if ok and linear is not None:
+        mult = 128 if fmt == "fp8_block" else 32 if fmt == "mxfp8" else 16
+        if linear.in_features % mult or linear.out_features % mult:
+            ok, why = False, f"TE needs both GEMM dims divisible by {mult}"
+    if ok:
+        return "te", why
+    if requested == "te":
+        raise QuantizationError(f"quant backend 'te' was requested for {fmt} but cannot be used: {why}")
+    return "emulate", f"exact pure-torch emulation: {why}"
+
+
+def quantize_module(module: nn.Module, fmt: str, skip: Iterable[str] = (), min_dim: int = 0,
+                    backend: str = "auto") -> QuantReport:
+    """Replace the nn.Linear layers of `module` in place (call it on a copy). A layer is skipped when its
+    qualified name contains any `skip` substring or max(in, out) <= min_dim."""
+    F._check_format(fmt)
+    skip = tuple(skip)
+    report = QuantReport(fmt)
+    for name, child in list(module.named_modules()):
+        if not isinstance(child, nn.Linear):
+            continue
+        shape = (child.out_features, child.in_features)
+        hit = next((s for s in skip if s in name), None)
+        if hit is not None:
+            report.rows.append((name, shape, "skipped", f"name matches {hit!r}"))
+            continue
+        if max(shape) <= min_dim:
+            report.rows.append((name, shape, "skipped", f"max(in, out) = {max(shape)} <= min_dim {min_dim}"))
+            continue
+        kind, why = ("emulate", "a cast") if fmt == "bf16" else choose_backend(fmt, backend, child)
+        new = TELinear(child, fmt) if kind == "te" else QuantLinear(child, fmt)
+        _set_submodule(module, name, new)
+        report.rows.append((name, shape, kind, why))
+    return report
+
+
+def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, leaf, new)
+
+
+def quantized_layers(module: nn.Module) -> dict[str, nn.Module]:
+    return {n: m for n, m in module.named_modules() if isinstance(m, (QuantLinear, TELinear))}
+
+
+def storage_bytes(module: nn.Module) -> int:
+    """Bytes of every parameter and buffer (a quantized copy's real footprint)."""
+    tensors = list(module.parameters()) + [b for b in module.buffers() if b is not None]
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,137 @@
+"""The rollout copy: a separate, quantized copy of the policy, refreshed from it after every update.
+
+    copy = RolloutCopy(policy_module, "nvfp4", **QUANT_PRESETS["digits"])
+    with copy.active(policy):            # policy.velocity now runs the quantized copy
+        batch = rollout(policy, ...)
+    ... optimizer.step() ...
+    copy.sync(policy_module)             # re-merge LoRA, re-quantize; raises WeightSyncError on a no-op sync
+
+LoRA is merged into the copy's weights (W = W_base + scaling * B @ A, Sol-RL's sync_lora_to_inference,
+specs §1.2), so the quantized GEMM sees the weights the policy really uses. Frameworks have shipped a
+silent no-sync bug (the inference engine kept stale weights after updates); here a sync after a change
+of the policy that leaves every rollout weight unchanged stops the run.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from difrl.quant.linear import QuantReport, quantize_module, quantized_layers
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
+
+def _is_lora_layer(m: nn.Module) -> bool:
+    return hasattr(m, "get_delta_weight") and hasattr(m, "base_layer") and hasattr(m, "active_adapters")
+
+
+def _plain(module: nn.Module) -> nn.Module:
+    """The model under a peft wrapper (PeftModel -> its base model with LoRA layers injected)."""
+    return module.get_base_model() if hasattr(module, "get_base_model") else module
+
+
+@torch.no_grad()
+def merged_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """State dict of `module` with every active LoRA adapter merged into its base weight, keyed by the plain
+    model's names (no peft prefixes, no `.base_layer`). The training module itself is not modified."""
+    base = _plain(module)
+    out = {k.replace(".base_layer.", "."): v for k, v in base.state_dict().items() if ".lora_" not in k}
+    for name, m in base.named_modules():
+        if _is_lora_layer(m) and not getattr(m, "merged", False) and not getattr(m, "disable_adapters", False):
+            key = f"{name}.weight"
+            w = out[key].clone()
+            for adapter in m.active_adapters:
+                if adapter in getattr(m, "lora_A", {}):
+                    w += m.get_delta_weight(adapter).to(w.dtype)
+            out[key] = w
+    return out
+
+
+def _fingerprint(sd: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A cheap summary that changes when any floating weight changes (sum and sum of squares per tensor)."""
+    parts = [torch.stack([t.double().sum(), (t.double() ** 2).sum()]) for t in sd.values() if t.is_floating_point()]
+    return torch.stack(parts) if parts else torch.zeros(0)
+
+
+class RolloutCopy:
+    """A plain (LoRA-merged) deep copy of the policy module with its linear layers quantized to `fmt`."""
+
+    def __init__(self, module: nn.Module, fmt: str, skip=(), min_dim: int = 0, backend: str = "auto"):
+        self.fmt = fmt
+        with torch.no_grad():
+            plain = copy.deepcopy(_plain(module))
+            plain = _unload_lora(plain)  # peft layers -> their base linears (sync merges the deltas in)
+        self.module: nn.Module = plain.requires_grad_(False).eval()
+        # fp32: an exact copy (a stale rollout policy without quantization)
+        self.report: QuantReport = QuantReport(fmt) if fmt == "fp32" else quantize_module(self.module, fmt, skip, min_dim, backend)
+        self.syncs = 0
+        self._source_fp: torch.Tensor | None = None
+        self.sync(module, check=False)
+
+    @torch.no_grad()
+    def sync(self, source: nn.Module, check: bool = True) -> dict:
+        """Copy `source`'s current (merged) weights in and re-quantize. With `check`, a sync after the policy
+        changed that leaves every rollout weight as it was raises WeightSyncError."""
+        sd = merged_state_dict(source)
+        fp = _fingerprint(sd)
+        source_changed = self._source_fp is None or not torch.equal(fp, self._source_fp)
+        layers = quantized_layers(self.module)
+        changed_layers, missing = 0, []
+        for name, layer in layers.items():
+            w, b = sd.get(f"{name}.weight"), sd.get(f"{name}.bias")
+            if w is None:
+                missing.append(f"{name}.weight")
+                continue
+            changed_layers += bool(layer.set_weight(w, b))
+        changed_other = 0
+        own = self.module.state_dict(keep_vars=True)  # parameters and persistent buffers (not e.g. rotary caches)
+        for key, t in own.items():
+            if t is None:
+                continue
+            mod_name = key.rpartition(".")[0]
+            if mod_name in layers or any(mod_name.startswith(n + ".") for n in layers):
+                continue  # quantized layers (and a TELinear's inner te.Linear) were handled above
+            src = sd.get(key)
+            if src is None:
+                missing.append(key)
+                continue
+            if not torch.equal(t, src.to(t.dtype)):
+                changed_other += 1
+                t.copy_(src)
+        if missing:
+            raise WeightSyncError(f"rollout copy sync: the policy has no tensor for {missing[:5]}"
+                                  f"{' ...' if len(missing) > 5 else ''} (the copy and the policy disagree on names)")
+        if check and source_changed and changed_layers + changed_other == 0:
+            raise WeightSyncError(
+                f"rollout copy sync after update {self.syncs + 1}: the policy's weights changed but no weight of the "
+                f"{self.fmt} rollout copy did, so rollouts would keep coming from the old policy. Is the copy synced "
+                "from the trained module (LoRA merged)? Is the learning rate so small that no quantized value moves?")
+        self._source_fp = fp
+        self.syncs += 1
+        return {"changed_layers": changed_layers, "changed_other": changed_other, "source_changed": bool(source_changed)}
+
+    @contextmanager
+    def active(self, policy):
+        """Run `policy` (an adapter with a `.module`) on the rollout copy inside the block."""
+        saved = policy.module
+        policy.module = self.module
+        try:
+            yield self.module
+        finally:
+            policy.module = saved
+
+
+def _unload_lora(plain: nn.Module) -> nn.Module:
+    """Replace each peft LoRA layer of a (deep-copied) model by its base layer; sync merges the deltas."""
+    for name, m in list(plain.named_modules()):
+        if _is_lora_layer(m):
+            parent_name, _, leaf = name.rpartition(".")
+            parent = plain.get_submodule(parent_name) if parent_name else plain
+            setattr(parent, leaf, m.get_base_layer())
+    return plain

@@ -1,0 +1,562 @@
+"""difrl.quant: exact low-precision formats, quantized linears, module swapping and the rollout copy.
+
+    pytest tests/test_quant.py -q
+
+Numbers and test vectors are the spec's (specs/lowprec-and-correctors.md §2-§4): E2M1 ties to even,
+NVFP4 = E2M1 x E4M3 per-16 scale x FP32 per-tensor scale, relative error bands on N(0,1) 256x1024 seed 0.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from difrl.quant import formats as F
+from difrl.quant import linear as L
+from difrl.quant import (QUANT_PRESETS, QuantizationError, QuantLinear, RolloutCopy, WeightSyncError, choose_backend,
+                         dequantize, merged_state_dict, qdq, quantize, quantize_module, quantized_layers,
+                         storage_bytes)
+
+ROLES = ("activation", "weight")
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _e4m3(v: float) -> float:
+    return float(torch.tensor(min(v, 448.0)).to(torch.float8_e4m3fn).float())
+
+
+# ---------------------------------------------------------------------------------- E2M1 element cast
+
+
+def test_every_e2m1_value_round_trips_exactly():
+    values = torch.tensor([s * v for v in E2M1 for s in (1.0, -1.0)])
+    codes = F.e2m1_codes(values)
+    assert torch.equal(F.e2m1_values(codes), values)
+    assert torch.equal(F.cast_e2m1(values), values)
+    # code layout: bits 0-2 index the grid, bit 3 is the sign; all 16 codes decode to the grid
+    assert torch.equal(codes[0::2], torch.arange(8, dtype=torch.uint8))
+    assert torch.equal(codes[1::2], torch.arange(8, dtype=torch.uint8) | 8)
+    assert torch.equal(F.e2m1_codes(F.e2m1_values(torch.arange(16, dtype=torch.uint8)))[1:8],
+                       torch.arange(1, 8, dtype=torch.uint8))
+
+
+def test_e2m1_ties_round_to_even():
+    vec = {0.25: 0.0, 0.75: 1.0, 1.25: 1.0, 1.75: 2.0, 2.5: 2.0, 3.5: 4.0, 5.0: 4.0, 7.0: 6.0, -5.0: -4.0}
+    x = torch.tensor(list(vec))
+    assert F.cast_e2m1(x).tolist() == list(vec.values())
+    # off the midpoints it is plain round-to-nearest
+    eps = 1e-3
+    above = torch.tensor([0.25 + eps, 1.25 + eps, 2.5 + eps, 5.0 + eps])
+    below = torch.tensor([0.75 - eps, 1.75 - eps, 3.5 - eps, 5.0 - eps])
+    assert F.cast_e2m1(above).tolist() == [0.5, 1.5, 3.0, 6.0]
+    assert F.cast_e2m1(below).tolist() == [0.5, 1.5, 3.0, 4.0]
+
+
+def test_e2m1_saturates_and_keeps_the_sign_of_zero():
+    x = torch.tensor([6.5, 100.0, 1e30, float("inf"), -7.0, -1e30])
+    assert F.cast_e2m1(x).tolist() == [6.0, 6.0, 6.0, 6.0, -6.0, -6.0]
+    assert F.e2m1_codes(torch.tensor([-0.1])).item() == 8  # -0, as cvt.rn.satfinite gives
+
+
+def test_pack_unpack_round_trip():
+    codes = torch.randint(0, 16, (3, 5, 34), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    packed = F.pack_e2m1(codes)
+    assert packed.shape == (3, 5, 17) and packed.dtype == torch.uint8
+    assert torch.equal(F.unpack_e2m1(packed), codes)
+    # element 2i in the low nibble, 2i+1 in the high one (torchao's layout)
+    assert F.pack_e2m1(torch.tensor([3, 12], dtype=torch.uint8)).item() == 3 | (12 << 4)
+    with pytest.raises(ValueError, match="even last dimension"):
+        F.pack_e2m1(torch.zeros(3, dtype=torch.uint8))
+
+
+# ---------------------------------------------------------------------------------- FP8 element cast
+
+
+def test_fp8_saturates_at_448():
+    x = torch.tensor([500.0, -1e6, float("inf"), 448.0, 1.0])
+    assert F.cast_fp8(x).float().tolist() == [448.0, -448.0, 448.0, 448.0, 1.0]
+    # per-tensor current scaling puts the tensor's amax at exactly 448 (never past it)
+    x = _randn(8, 64) * 1e4
+    q = quantize(x, "fp8", "activation")
+    assert q.data["data"].float().abs().max().item() == 448.0
+    assert torch.isclose(dequantize(q).abs().max(), x.abs().max(), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------- NVFP4 scales
+
+
+def test_nvfp4_per16_scale_matches_the_formula_by_hand():
+    x = _randn(2, 32, seed=3) * torch.tensor([[0.01], [5.0]])  # two rows with very different block amaxes
+    amax = x.abs().max().item()
+    s_enc = 2688.0 / amax
+    q = quantize(x, "nvfp4", "activation")
+    assert q.data["scales"].shape == (2, 2) and q.data["scales"].dtype == torch.float8_e4m3fn
+    assert q.data["s_dec"].item() == pytest.approx(1 / s_enc, rel=1e-6)
+    expect = torch.empty(2, 32)
+    for r in range(2):
+        for b in range(2):
+            blk = x[r, 16 * b:16 * (b + 1)]
+            s = _e4m3(blk.abs().max().item() * s_enc / 6)
+            assert q.data["scales"][r, b].float().item() == s, (r, b)
+            enc = 1.0 / (torch.tensor(s) * torch.tensor(1 / s_enc, dtype=torch.float32))
+            expect[r, 16 * b:16 * (b + 1)] = F.cast_e2m1(blk * enc) * s * q.data["s_dec"]
+    assert torch.equal(dequantize(q), expect)
+    assert torch.equal(qdq(x, "nvfp4", "activation"), expect)
+
+
+def test_nvfp4_element_beyond_range_saturates_at_6_times_its_scale():
+    # S_enc = 1 (amax 2688); block 2 has amax 55.5 -> s_b = e4m3(9.25) = 9 (rounded down), so 55.5/9 > 6
+    x = torch.zeros(1, 32)
+    x[0, 0] = 2688.0
+    x[0, 16] = 55.5
+    x[0, 17] = -55.5
+    q = quantize(x, "nvfp4", "activation")
+    assert q.data["scales"].float().tolist() == [[448.0, 9.0]]
+    y = dequantize(q)
+    assert y[0, 16].item() == 6 * 9.0 and y[0, 17].item() == -6 * 9.0
+    assert y[0, 0].item() == 2688.0
+
+
+def test_nvfp4_weight_tiles_share_one_scale_per_16x16():
+    w = _randn(40, 48, seed=1) * torch.logspace(-1, 1, 40)[:, None]  # rows differ: tiles matter
+    q = quantize(w, "nvfp4", "weight")
+    assert q.data["scales"].shape == (3, 3)  # 40 rows pad to 48 -> 3 row tiles; 48 cols -> 3
+    s_enc = 2688.0 / w.abs().max().item()
+    for i in range(3):
+        for j in range(3):
+            tile = w[16 * i:16 * (i + 1), 16 * j:16 * (j + 1)]
+            assert q.data["scales"][i, j].float().item() == _e4m3(tile.abs().max().item() * s_enc / 6)
+    # the expanded per-element scales are constant over each tile
+    _, s_b, _ = F.nvfp4_parts(w, tile_rows=16)
+    t = s_b.float().view(3, 16, 3, 16)
+    assert torch.equal(t, t[:, :1, :, :1].expand_as(t))
+    # activations of the same tensor get one scale per 1x16 row block instead
+    assert quantize(w, "nvfp4", "activation").data["scales"].shape == (40, 3)
+
+
+@pytest.mark.parametrize("fmt", F.FORMATS)
+@pytest.mark.parametrize("role", ROLES)
+def test_all_zero_tensor_and_block_give_zeros_without_nan(fmt, role):
+    z = torch.zeros(32, 256)
+    for y in (qdq(z, fmt, role), dequantize(quantize(z, fmt, role))):
+        assert torch.equal(y, z) and not y.isnan().any()
+    x = _randn(32, 256)
+    x[:16, :128] = 0.0  # zero 1x16 / 1x32 / 1x128 blocks and zero 16x16 tiles inside a non-zero tensor
+    y = qdq(x, fmt, role)
+    assert torch.isfinite(y).all()
+    assert torch.equal(y[:16, :128], torch.zeros(16, 128))
+
+
+def test_zero_nvfp4_block_has_zero_scale():
+    x = _randn(1, 32)
+    x[0, :16] = 0
+    q = quantize(x, "nvfp4", "activation")
+    assert q.data["scales"][0, 0].float().item() == 0.0 and q.data["scales"][0, 1].float().item() > 0
+
+
+def test_mxfp8_and_fp8_block_scales_are_powers_of_two():
+    x = _randn(4, 256) * 37.0
+    e = quantize(x, "mxfp8", "activation").data["exponents"]
+    assert e.shape == (4, 8) and e.dtype == torch.int8
+    amax_b = x.view(4, 8, 32).abs().amax(-1)
+    assert torch.equal(e.float(), torch.ceil(torch.log2(amax_b / 448)))
+    s = quantize(x, "fp8_block", "activation").data["scales"]
+    assert s.shape == (4, 2)
+    assert torch.equal(torch.log2(s), torch.floor(torch.log2(s)))
+    assert torch.equal(s, torch.exp2(torch.floor(torch.log2(448 / x.view(4, 2, 128).abs().amax(-1)))))
+    assert quantize(_randn(200, 300), "fp8_block", "weight").data["scales"].shape == (2, 3)  # 128x128 tiles
+
+
+# ---------------------------------------------------------------------------------- error bands
+
+
+SPEC_ERR = {("nvfp4", "activation"): 9.5, ("nvfp4", "weight"): 11.1, ("fp8", "activation"): 2.6,
+            ("fp8", "weight"): 2.6, ("mxfp8", "activation"): 2.7, ("mxfp8", "weight"): 2.7,
+            # the spec quotes no number for the DeepSeek block recipe; an E4M3 element gives FP8's error
+            ("fp8_block", "activation"): 2.6, ("fp8_block", "weight"): 2.6}
+
+
+@pytest.mark.parametrize("fmt,role", list(SPEC_ERR))
+def test_relative_error_within_spec_band(fmt, role):
+    x = _randn(256, 1024)
+    err = 100 * F.relative_error(x, qdq(x, fmt, role))
+    assert abs(err - SPEC_ERR[fmt, role]) <= 1.0, f"{fmt} {role}: {err:.2f}% vs spec {SPEC_ERR[fmt, role]}%"
+
+
+def test_bf16_error_is_below_half_an_ulp():
+    x = _randn(256, 1024)
+    assert 100 * F.relative_error(x, qdq(x, "bf16")) < 0.2  # 2^-9 = 0.195% is the worst-case relative rounding
+
+
+def test_nvfp4_gemm_error_within_spec_band():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(256, 1024, generator=g), torch.randn(256, 1024, generator=g)
+    err = 100 * F.relative_error(x @ w.T, qdq(x, "nvfp4", "activation") @ qdq(w, "nvfp4", "weight").T)
+    assert abs(err - 14.5) <= 1.0, err
+
+
+# ---------------------------------------------------------------------------------- storage
+
+
+SHAPES = {"activation": [(4, 256), (3, 5, 100), (7,)], "weight": [(64, 256), (40, 300), (130, 17), (7,)]}
+
+
+@pytest.mark.parametrize("fmt", F.FORMATS)
+@pytest.mark.parametrize("role", ROLES)
+def test_quantize_dequantize_equals_qdq(fmt, role):
+    for i, shape in enumerate(SHAPES[role]):
+        x = _randn(*shape, seed=i) * 3
+        q = quantize(x, fmt, role)
+        assert q.shape == x.shape and q.fmt == fmt and q.role == role
+        y = dequantize(q)
+        assert y.shape == x.shape and y.dtype == torch.float32
+        assert torch.equal(y, qdq(x, fmt, role)), (fmt, role, shape)
+
+
+@pytest.mark.parametrize("fmt", F.FORMATS)
+@pytest.mark.parametrize("role", ROLES)
+def test_padding_does_not_change_values(fmt, role):
+    x = _randn(40, 300) * 2  # neither dim a multiple of 16, 32 or 128
+    k_pad = 384 - 300
+    padded = torch.nn.functional.pad(x, (0, k_pad))
+    if role == "weight":
+        padded = torch.nn.functional.pad(padded, (0, 0, 0, 128 - 40))
+    assert torch.equal(qdq(x, fmt, role), qdq(padded, fmt, role)[:40, :300])
+
+
+def test_nbytes_per_element():
+    n = 256 * 1024
+    x = _randn(256, 1024)
+    per = {(fmt, role): quantize(x, fmt, role).nbytes / n for fmt in F.FORMATS for role in ROLES}
+    assert per["nvfp4", "activation"] == pytest.approx(0.5625, abs=1e-4)  # 4 bits + one byte per 16
+    assert per["nvfp4", "weight"] == pytest.approx(0.504, abs=1e-3)  # 4 bits + one byte per 256
+    assert per["fp8", "activation"] == pytest.approx(1.0, abs=1e-4)
+    assert per["mxfp8", "weight"] == pytest.approx(1 + 1 / 32, abs=1e-4)
+    assert per["fp8_block", "weight"] == pytest.approx(1.0, abs=1e-3)
+    assert per["bf16", "weight"] == 2.0
+    assert 0.25 <= per["nvfp4", "weight"] / per["bf16", "weight"] <= 0.26  # about a quarter of BF16
+    assert per["nvfp4", "activation"] / per["bf16", "activation"] == pytest.approx(0.28, abs=0.01)
+
+
+def test_unknown_format_and_role_are_errors():
+    with pytest.raises(ValueError, match="unknown low-precision format"):
+        qdq(torch.ones(4), "int4")
+    with pytest.raises(ValueError, match="role must be one of"):
+        quantize(torch.ones(4, 16), "nvfp4", "bias")
+
+
+# ---------------------------------------------------------------------------------- QuantLinear
+
+
+@pytest.mark.parametrize("fmt", F.FORMATS)
+def test_quant_linear_is_qdq_x_times_dequant_w_plus_b(fmt):
+    lin = nn.Linear(96, 40)
+    ql = QuantLinear(lin, fmt)
+    x = _randn(2, 3, 96, seed=5)
+    w_hat = dequantize(quantize(lin.weight.detach(), fmt, "weight"))
+    expect = qdq(x, fmt, "activation") @ w_hat.T + lin.bias.detach()
+    assert torch.equal(ql(x), expect)
+    assert torch.equal(ql.weight_hat(), w_hat)
+    assert ql.weight_nbytes == quantize(lin.weight.detach(), fmt, "weight").nbytes
+    assert ql(x.bfloat16()).dtype == torch.bfloat16
+    assert fmt in repr(ql)
+    nb = QuantLinear(nn.Linear(96, 40, bias=False), fmt)
+    assert nb.bias is None and nb(x).shape == (2, 3, 40)
+
+
+def test_quant_linear_set_weight_reports_change():
+    lin = nn.Linear(64, 32)
+    ql = QuantLinear(lin, "nvfp4")
+    w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
+    assert ql.set_weight(w, b) is False
+    assert ql.set_weight(w * 2, b) is True
+    assert ql.set_weight(w * 2, b + 1) is True  # only the bias moved: still a change
+    assert torch.equal(ql.bias, b + 1)
+
+
+# ---------------------------------------------------------------------------------- quantize_module
+
+
+class _Toy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 64)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(2)])
+        self.small = nn.Linear(64, 32)
+        self.norm = nn.LayerNorm(64)
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(self.norm(h)) + self.small(h).sum(-1, keepdim=True)
+
+
+def test_quantize_module_skip_min_dim_and_report():
+    m = _Toy()
+    report = quantize_module(m, "fp8", skip=("embed", "head"), min_dim=64, backend="emulate")
+    rows = {r[0]: r for r in report.rows}
+    assert set(rows) == {"embed", "blocks.0.0", "blocks.0.2", "blocks.1.0", "blocks.1.2", "small", "head"}
+    assert rows["embed"][2] == "skipped" and "'embed'" in rows["embed"][3]
+    assert rows["small"][2] == "skipped" and "min_dim 64" in rows["small"][3]
+    assert rows["blocks.0.0"][1] == (256, 64)
+    assert report.quantized == ["blocks.0.0", "blocks.0.2", "blocks.1.0", "blocks.1.2"]
+    assert all(isinstance(m.get_submodule(n), QuantLinear) for n in report.quantized)
+    assert type(m.embed) is nn.Linear and type(m.small) is nn.Linear and type(m.head) is nn.Linear
+    assert isinstance(m.norm, nn.LayerNorm)
+    assert set(quantized_layers(m)) == set(report.quantized)
+    assert report.backends == {"emulate": "exact pure-torch emulation (requested)"}
+    assert report.summary().startswith("fp8: 4 of 7 linear layers quantized") and "3 kept" in report.summary()
+    assert "blocks.1.2" in str(report)
+    assert m(torch.randn(3, 8)).shape == (3, 8)
+
+
+def test_digits_preset_on_the_bundled_generator():
+    from difrl.models.digits import DigitsPolicy, digit_prompt
+
+    policy = DigitsPolicy.from_checkpoint()
+    ref = policy.module
+    q = copy.deepcopy(ref)
+    report = quantize_module(q, "nvfp4", **QUANT_PRESETS["digits"])
+    names = [r[0] for r in report.rows]
+    assert len(names) == sum(isinstance(m, nn.Linear) for m in ref.modules()) == 13
+    assert report.quantized == [f"blocks.{i}.{n}" for i in range(3) for n in ("fc1", "fc2", "ada")]
+    skipped = {r[0] for r in report.rows if r[2] == "skipped"}
+    assert skipped == {"x_in", "t_mlp.0", "t_mlp.2", "x_out"}
+    assert storage_bytes(q) < storage_bytes(ref) * 0.4  # the MLP and adaLN weights dominate
+    cond = policy.encode([digit_prompt(i % 10) for i in range(16)])
+    x, sigma = _randn(16, 64), torch.full((16,), 0.5)
+    with torch.no_grad():
+        v, v_q = ref(x, sigma, cond["label"]), q(x, sigma, cond["label"])
+    err = F.relative_error(v, v_q)
+    assert 0 < err < 0.2, err
+
+
+# ---------------------------------------------------------------------------------- backends
+
+
+def test_te_backend_unavailable_on_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(QuantizationError, match=r"'te' was requested for nvfp4 but cannot be used: no CUDA GPU"):
+        choose_backend("nvfp4", "te")
+    kind, why = choose_backend("nvfp4", "auto")
+    assert kind == "emulate" and "no CUDA GPU" in why
+    assert choose_backend("fp8", "emulate")[0] == "emulate"
+    with pytest.raises(ValueError, match="quant backend must be one of"):
+        choose_backend("fp8", "cuda")
+    with pytest.raises(QuantizationError):
+        quantize_module(_Toy(), "fp8", backend="te")
+    report = quantize_module(_Toy(), "fp8", backend="auto")
+    assert set(report.backends) == {"emulate"} and "no CUDA GPU" in report.backends["emulate"]
+    assert L.te_support("fp8") == (False, "no CUDA GPU")
+
+
+def test_te_recipe_needs_transformer_engine():
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        with pytest.raises(ImportError):
+            L.te_recipe("nvfp4")
+    else:  # pragma: no cover - only where TE is installed
+        assert type(L.te_recipe("nvfp4")).__name__ == "NVFP4BlockScaling"
+
+
+# ---------------------------------------------------------------------------------- rollout copy
+
+
+def _lora_digits(seed: int = 0):
+    from peft import LoraConfig, get_peft_model
+
+    from difrl.models.digits import DigitsPolicy
+
+    policy = DigitsPolicy.from_checkpoint()
+    torch.manual_seed(seed)
+    net = get_peft_model(policy.module, LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian",
+                                                   target_modules=policy.lora_target_modules))
+    policy.module = net
+    return policy, net
+
+
+def _step(net, names=None, scale=0.05, seed=1):
+    """A simulated optimizer update: move every (selected) LoRA B away from its zero init."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in net.named_parameters():
+            if "lora_B" in n and (names is None or any(f".{s}." in n for s in names)):
+                p.add_(scale * torch.randn(p.shape, generator=g))
+
+
+def _merged_by_peft(net) -> dict[str, torch.Tensor]:
+    return copy.deepcopy(net).merge_and_unload().state_dict()
+
+
+def _assert_copy_matches(rc: RolloutCopy, merged: dict[str, torch.Tensor]):
+    layers = quantized_layers(rc.module)
+    assert layers
+    for name, layer in layers.items():
+        q = quantize(merged[f"{name}.weight"], rc.fmt, "weight")
+        for k, v in q.data.items():
+            assert torch.equal(getattr(layer, "w_" + k), v), (name, k)
+        assert torch.equal(layer.bias, merged[f"{name}.bias"])
+    for key, t in rc.module.state_dict().items():
+        if key.rpartition(".")[0] not in layers:
+            assert torch.equal(t, merged[key]), key
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_rollout_copy_follows_the_lora_policy(fmt):
+    policy, net = _lora_digits()
+    rc = RolloutCopy(net, fmt, **QUANT_PRESETS["digits"])
+    assert rc.report.quantized == [f"blocks.{i}.{n}" for i in range(3) for n in ("fc1", "fc2", "ada")]
+    assert not any("lora" in k for k in rc.module.state_dict())
+    merged_before = _merged_by_peft(net)
+    _assert_copy_matches(rc, merged_before)
+    before = {k: v.clone() for k, v in rc.module.state_dict().items()}
+
+    _step(net)  # one simulated optimizer update
+    merged = _merged_by_peft(net)
+    assert not torch.equal(merged["blocks.0.fc1.weight"], merged_before["blocks.0.fc1.weight"])
+    stats = rc.sync(net)
+    assert stats["source_changed"] and stats["changed_layers"] == 9 and stats["changed_other"] >= 2  # x_in, x_out
+    after = rc.module.state_dict()
+    assert not torch.equal(after["blocks.0.fc1.w_" + ("codes" if fmt == "nvfp4" else "data")],
+                           before["blocks.0.fc1.w_" + ("codes" if fmt == "nvfp4" else "data")])
+    assert not torch.equal(after["x_in.weight"], before["x_in.weight"])
+    _assert_copy_matches(rc, merged)
+    # merged_state_dict (what sync reads) agrees with peft's own merge
+    ours = merged_state_dict(net)
+    assert set(ours) == set(merged) and all(torch.allclose(ours[k], merged[k], atol=1e-7) for k in merged)
+
+    # a sync without a change of the policy is fine and changes nothing
+    assert rc.sync(net) == {"changed_layers": 0, "changed_other": 0, "source_changed": False}
+    # and the copy runs in place of the policy's module, then gives it back
+    from difrl.models.digits import digit_prompt
+
+    cond = policy.encode([digit_prompt(3)] * 4)
+    x, s = _randn(4, 64), torch.full((4,), 0.7)
+    with rc.active(policy) as m:
+        assert policy.module is m is rc.module
+        v_q = policy.velocity(x, s, cond)
+    assert policy.module is net
+    assert F.relative_error(policy.velocity(x, s, cond).detach(), v_q) < 0.2
+
+
+def test_no_op_sync_raises(monkeypatch):
+    _, net = _lora_digits()
+    rc = RolloutCopy(net, "nvfp4", **QUANT_PRESETS["digits"])
+    # the bug: the copy's layers silently keep their old weights
+    monkeypatch.setattr(QuantLinear, "set_weight", lambda self, w, b=None: False)
+    _step(net, names=("fc1", "fc2", "ada"))  # the update touches only quantized layers
+    with pytest.raises(WeightSyncError, match="policy's weights changed but no weight of the nvfp4 rollout copy did"):
+        rc.sync(net)
+    monkeypatch.undo()
+    assert rc.sync(net)["changed_layers"] == 9
+
+
+def test_sync_raises_when_an_update_is_too_small_to_move_any_code():
+    _, net = _lora_digits()
+    rc = RolloutCopy(net, "nvfp4", **QUANT_PRESETS["digits"])
+    _step(net, names=("fc1",), scale=1e-12)
+    with pytest.raises(WeightSyncError, match="learning rate so small"):
+        rc.sync(net)
+
+
+def test_sync_counts_a_bias_only_change():
+    m = _Toy()
+    rc = RolloutCopy(m, "nvfp4", min_dim=0)
+    with torch.no_grad():
+        m.blocks[0][0].bias.add_(0.5)
+    stats = rc.sync(m)  # must not raise: the copy's bias moved
+    assert stats["changed_layers"] == 1
+    assert torch.equal(rc.module.blocks[0][0].bias, m.blocks[0][0].bias)
+
+
+def test_sync_with_transformer_engine_layers(monkeypatch):
+    """TELinear keeps its parameters in an inner te.Linear; sync must treat them as the layer's own (a CPU
+    stand-in for te.Linear: the real TELinear.set_weight, a plain bf16 nn.Linear inside)."""
+
+    class FakeTE(L.TELinear):
+        def __init__(self, linear, fmt):
+            nn.Module.__init__(self)
+            self.fmt, self.in_features, self.out_features = fmt, linear.in_features, linear.out_features
+            self.inner = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                   dtype=torch.bfloat16)
+            self.set_weight(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+
+        def forward(self, x):
+            return self.inner(x.bfloat16()).to(x.dtype)
+
+    monkeypatch.setattr(L, "TELinear", FakeTE)
+    monkeypatch.setattr(L, "choose_backend", lambda fmt, requested="auto", linear=None: ("te", "fake TE"))
+    m = _Toy()
+    rc = RolloutCopy(m, "fp8", min_dim=0, backend="te")
+    assert all(isinstance(x, FakeTE) for x in quantized_layers(rc.module).values())
+    with torch.no_grad():
+        m.blocks[0][0].weight.mul_(2)
+    assert rc.sync(m)["changed_layers"] == 1
+    assert torch.equal(rc.module.blocks[0][0].inner.weight, m.blocks[0][0].weight.bfloat16())
+
+
+# ---------------------------------------------------------------------------------- torchao reference
+
+
+def _torchao():
+    pytest.importorskip("torchao", reason="torchao is the independent reference (pip install 'difrl[dev]')")
+    from torchao.prototype.mx_formats import mx_tensor, nvfp4_tensor
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+
+    return nvfp4_tensor, mx_tensor, ScaleCalculationMode
+
+
+def _reference_tensors():
+    g = torch.Generator().manual_seed(11)
+    out = {f"randn x {s:g}": torch.randn(32, 256, generator=g) * s for s in (1.0, 1e-30, 1e-6, 1e3, 1e30, 1e37)}
+    out["heavy tails"] = torch.randn(32, 256, generator=g) ** 5
+    out["uniform 3-D"] = torch.rand(2, 16, 128, generator=g) * 2 - 1
+    return out
+
+
+def test_nvfp4_matches_torchao():
+    nvfp4_tensor, _, _ = _torchao()
+    for name, x in _reference_tensors().items():
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        scales, packed = nvfp4_tensor.nvfp4_quantize(x2, 16, nvfp4_tensor.per_tensor_amax_to_scale(x2.abs().amax()))
+        q = quantize(x, "nvfp4", "activation")
+        assert torch.equal(packed, q.data["codes"].reshape(packed.shape)), name
+        assert torch.equal(scales.view(torch.uint8), q.data["scales"].reshape(scales.shape).view(torch.uint8)), name
+
+
+def test_nvfp4_differs_from_torchao_only_below_the_e4m3_normal_range():
+    """torchao clamps a block scale to E4M3's smallest normal (2^-6); TE casts it as is (subnormal, or 0 for a
+    zero block), and so do we. Blocks 2^15 times smaller than the tensor's amax are where the two part."""
+    nvfp4_tensor, _, _ = _torchao()
+    x = _randn(64, 256) * torch.logspace(-8, 0, 64)[:, None]
+    x[0, :16] = 0
+    scales, packed = nvfp4_tensor.nvfp4_quantize(x, 16, nvfp4_tensor.per_tensor_amax_to_scale(x.abs().amax()))
+    q = quantize(x, "nvfp4", "activation")
+    ours = q.data["scales"]
+    differ = scales.view(torch.uint8) != ours.view(torch.uint8)
+    assert differ.any() and (ours.float()[differ] < 2 ** -6).all() and (scales.float()[differ] == 2 ** -6).all()
+    same_blocks = ~differ
+    codes_ref, codes = F.unpack_e2m1(packed).view(64, 16, 16), F.unpack_e2m1(q.data["codes"]).view(64, 16, 16)
+    assert torch.equal(codes_ref[same_blocks], codes[same_blocks])
+    assert ours[0, 0].float().item() == 0.0
+
+
+def test_mxfp8_matches_torchao_rceil():
+    _, mx_tensor, mode = _torchao()
+    for name, x in _reference_tensors().items():
+        scale, data = mx_tensor.to_mx(x.contiguous(), torch.float8_e4m3fn, 32, scaling_mode=mode.RCEIL)
+        ref = mx_tensor.to_dtype(data, scale, torch.float8_e4m3fn, 32, torch.float32)
+        assert torch.equal(qdq(x, "mxfp8"), ref), name
+        q = quantize(x, "mxfp8", "activation")
+        assert torch.equal(q.data["data"].view(torch.uint8), data.view(torch.uint8)), name
+        assert torch.equal(q.data["exponents"].to(torch.int16) + 127, scale.view(torch.uint8).to(torch.int16)), name
