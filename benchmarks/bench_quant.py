@@ -26,14 +26,15 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, write_block  # noqa: E402
 
 from difrl.models.digits import DigitsPolicy, digit_prompt
 from difrl.quant import FORMATS, QUANT_PRESETS, RolloutCopy, qdq, quantize, relative_error, storage_bytes
@@ -124,19 +125,6 @@ def digits_rows(batch: int, repeats: int, warmup: int = 3) -> list[dict]:
     return rows
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{cpu}, {cores} cores available, torch {torch.__version__}, {torch.get_num_threads()} threads"
-
-
 def _shape(s) -> str:
     return "x".join(map(str, s))
 
@@ -185,13 +173,7 @@ def write_markdown(res: dict, command: str, path: Path) -> None:
         tables(res),
         END,
     ])
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nEvery table says the command that produced it.\n\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
+    write_block(path, BEGIN, END, block.split("\n")[1:-1])
 
 
 def main(argv: list[str] | None = None) -> dict:

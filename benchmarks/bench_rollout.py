@@ -20,14 +20,15 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, write_block  # noqa: E402
 
 from difrl.models.digits import DigitsFlowNet, DigitsNetConfig, DigitsPolicy, digit_prompt
 from difrl.rollout import rollout
@@ -84,19 +85,6 @@ def bench(methods: dict, repeats: int, warmup: int = 3) -> dict[str, list[float]
     return times
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{cpu}, {cores} cores available, torch {torch.__version__}, {torch.get_num_threads()} threads"
-
-
 def table(rows: list[dict]) -> str:
     lines = ["| model | batch | method | ms / rollout (median) | IQR ms | × baseline |", "|---|---:|---|---:|---:|---:|"]
     for r in rows:
@@ -119,13 +107,7 @@ def write_markdown(rows: list[dict], command: str, path: Path) -> None:
         table(rows),
         END,
     ])
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nEvery table says the command that produced it.\n\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
+    write_block(path, BEGIN, END, block.split("\n")[1:-1])
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

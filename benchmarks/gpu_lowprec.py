@@ -32,6 +32,9 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_block  # noqa: E402
 from torch import nn
 
 from difrl.quant import quantize_module, relative_error, te_support
@@ -204,13 +207,7 @@ def write_markdown(rows: list[dict], command: str, tokens: int, path: Path) -> N
         table(rows),
         END,
     ])
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nEvery table says the command that produced it.\n\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
+    write_block(path, BEGIN, END, block.split("\n")[1:-1])
 
 
 def main(argv: list[str] | None = None) -> list[dict] | None:
