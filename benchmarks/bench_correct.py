@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command_line, stamp, write_block, write_json  # noqa: E402
+from common import command_line, stamp, standard_args, write_block, write_json  # noqa: E402
 
 from difrl.train.config import load_flow_config  # noqa: E402
 from difrl.train.flow import train  # noqa: E402
@@ -78,9 +78,7 @@ def aggregate(per_seed: list[dict], **info) -> dict:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="one seed, 20 iterations, three methods (~2 min)")
-    ap.add_argument("--json", type=Path, help="also write the rows as a JSON list here")
-    ap.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
+    standard_args(ap, "one seed, 20 iterations, three methods (~2 min)")
     ap.add_argument("--seeds", type=int, nargs="+", help="default 0 1 2 (--quick: 0)")
     ap.add_argument("--iterations", type=int, help="budget per run (default 100; --quick 20)")
     ap.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, write_block  # noqa: E402
+from common import machine, standard_args, write_block  # noqa: E402
 
 from difrl.models.digits import DigitsPolicy, digit_prompt
 from difrl.quant import FORMATS, QUANT_PRESETS, RolloutCopy, qdq, quantize, relative_error, storage_bytes
@@ -178,9 +178,7 @@ def write_markdown(res: dict, command: str, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="256 FLUX tokens and fewer repeats (under a minute)")
-    ap.add_argument("--json", type=Path, help="also write the results (a dict of row lists) as JSON here")
-    ap.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
+    standard_args(ap, "256 FLUX tokens and fewer repeats (under a minute)")
     ap.add_argument("--threads", type=int, default=min(2, torch.get_num_threads()), help="torch threads (default 2, CI's cores)")
     ap.add_argument("--tokens", type=int, help="FLUX-size activation rows (default 1024, --quick 256)")
     ap.add_argument("--flux-dims", type=int, nargs=2, default=[3072, 12288], metavar=("IN", "OUT"),

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, write_block  # noqa: E402
+from common import machine, standard_args, write_block  # noqa: E402
 
 from difrl.models.digits import DigitsFlowNet, DigitsNetConfig, DigitsPolicy, digit_prompt
 from difrl.rollout import rollout
@@ -112,9 +112,7 @@ def write_markdown(rows: list[dict], command: str, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer repeats (well under a minute)")
-    ap.add_argument("--json", type=Path, help="also write the rows as a JSON list here")
-    ap.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
+    standard_args(ap, "fewer repeats (well under a minute)")
     ap.add_argument("--repeats", type=int, help="timed repeats per method (default 40, --quick 8)")
     ap.add_argument("--threads", type=int, default=min(2, torch.get_num_threads()), help="torch threads (default 2, CI's cores)")
     ap.add_argument("--num-steps", type=int, default=10)

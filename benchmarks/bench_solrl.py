@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command_line, stamp, write_block, write_json  # noqa: E402
+from common import command_line, stamp, standard_args, write_block, write_json  # noqa: E402
 
 from difrl.quant import QUANT_PRESETS, RolloutCopy  # noqa: E402
 from difrl.rewards import build_reward  # noqa: E402
@@ -238,9 +238,7 @@ def tables(rows: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="one seed, short runs, small pool (~2 min)")
-    ap.add_argument("--json", type=Path, help="also write the rows as a JSON list here")
-    ap.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
+    standard_args(ap, "one seed, short runs, small pool (~2 min)")
     ap.add_argument("--seeds", type=int, nargs="+", help="training seeds (default 0 1 2; --quick 0)")
     ap.add_argument("--formats", nargs="+", default=["nvfp4", "mxfp8", "fp8"])
     ap.add_argument("--prompts", type=int, default=10)

@@ -50,6 +50,13 @@ def write_block(path: Path, begin: str, end: str, body: list[str]) -> None:
     path.write_text(text)
 
 
+def standard_args(ap, quick_help: str) -> None:
+    """The options every benchmark takes: --quick (a reduced run), --json PATH (its rows), --no-write."""
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    ap.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
+
+
 def write_json(path: Path | None, rows: list[dict]) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_block  # noqa: E402
+from common import standard_args, write_block  # noqa: E402
 from torch import nn
 
 from difrl.quant import quantize_module, relative_error, te_support
@@ -212,9 +212,7 @@ def write_markdown(rows: list[dict], command: str, tokens: int, path: Path) -> N
 
 def main(argv: list[str] | None = None) -> list[dict] | None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="1024+256 tokens and fewer repeats")
-    ap.add_argument("--json", type=Path, help="also write the rows as a JSON list here")
-    ap.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
+    standard_args(ap, "1024+256 tokens and fewer repeats")
     ap.add_argument("--tokens", type=int, help="sequence length (default 4096 + 512; --quick 1024 + 256)")
     ap.add_argument("--repeats", type=int, help="timed forwards per format (default 50, --quick 10)")
     args = ap.parse_args(argv)
