@@ -61,14 +61,18 @@ class Rollout:
         return len(self.prompts)
 
     def select(self, index: torch.Tensor) -> "Rollout":
-        """Rows `index` of every per-sample field."""
+        """Rows `index` of every per-sample field; an ``extras`` tensor with one row per sample is indexed
+        too (tree edges' ``logprob_scale``), any other extra is kept whole."""
         idx = index.tolist()
+        B = len(self)
+        extras = {k: v[index] if torch.is_tensor(v) and v.ndim >= 1 and v.shape[0] == B else v
+                  for k, v in self.extras.items()}
         return replace(
             self, prompts=[self.prompts[i] for i in idx], prompt_ids=self.prompt_ids[index],
             group_ids=self.group_ids[index], seeds=self.seeds[index], init_seeds=self.init_seeds[index],
             cond=cond_select(self.cond, index), x_final=self.x_final[index], step=self.step[index],
             x=self.x[index], x_next=self.x_next[index], sigma=self.sigma[index], sigma_next=self.sigma_next[index],
-            log_prob_old=self.log_prob_old[index], mean_old=self.mean_old[index],
+            log_prob_old=self.log_prob_old[index], mean_old=self.mean_old[index], extras=extras,
         )
 
 

@@ -45,8 +45,7 @@ the kernel's std in the stored log-prob: kappa for split edges under "actual", e
 recomputes a batch of edges with ``split_step(kind, x, v, sigma, sigma_next, action=x_next,
 logprob_scale=extras["logprob_scale"][:, 0])`` (``recompute_edges`` does the forward too); for
 rows with scale 1 that is bit-identical to ``KERNELS[kind](..., action=x_next)``, so only split
-edges with kappa != 1 under "actual" need it. ``Rollout.select`` does not index ``extras``: use
-``select_edges``.
+edges with kappa != 1 under "actual" need it. ``Rollout.select`` indexes the per-edge ``extras``.
 """
 
 from __future__ import annotations
@@ -500,19 +499,13 @@ def tree_rollout(
 # ---------------------------------------------------------------------------------- training-side helpers
 
 
-def select_edges(edges: Rollout, index: torch.Tensor) -> Rollout:
-    """Rows `index` of an edge Rollout, its per-edge ``extras`` included (Rollout.select keeps extras whole)."""
-    out = edges.select(index)
-    E = len(edges)
-    extras = {k: (v[index] if torch.is_tensor(v) and v.ndim >= 1 and v.shape[0] == E else v) for k, v in edges.extras.items()}
-    return replace(out, extras=extras)
-
-
 def recompute_edges(policy: FlowPolicy, edges: Rollout, kernel: str, kernel_kwargs: dict | None = None,
                     guidance: float = 1.0) -> StepOutput:
-    """The edges' transitions under the current policy, one forward over all E*T rows, scored with
-    each edge's stored ``logprob_scale`` (what the trainer's ``transition_log_prob`` must do for
-    trees). Returns StepOutput with log_prob [E, T], mean [E*T, ...], std [E*T]."""
+    """The stored transitions of `edges` (any Rollout: tree edges or flat samples) under the current
+    policy, one forward over all E*T rows, each scored with its stored ``extras["logprob_scale"]``
+    (1 where there is none: then this is exactly ``KERNELS[kernel](..., action=x_next)``).
+    The trainer's ``transition_log_prob`` is this. Returns StepOutput with log_prob [E, T],
+    mean [E*T, ...], std [E*T] (the std the log-prob used)."""
     B, T = edges.step.shape
     flat = lambda t: t.reshape(B * T, *t.shape[2:])  # noqa: E731
     x, x_next, sigma, sigma_next = flat(edges.x), flat(edges.x_next), flat(edges.sigma), flat(edges.sigma_next)

@@ -82,3 +82,22 @@ def test_two_processes_equal_one_for_solrl_with_nft(tmp_path):
     w1, w2 = ckpt(one), ckpt(two)
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], rtol=1e-3, atol=1e-6, msg=k)
+
+
+def test_two_processes_equal_one_for_trees(tmp_path):
+    # one tree per process; the 20 edges of both trees form one update (advantages are per tree, so no
+    # process needs another's rewards): 1 x (4 micro-batches of 5) == 2 x (2 of 5), gradients averaged by DDP
+    extra = ["rollout.kind=tree", "tree.split_steps=[0,1]", "tree.noise_scale=2.0", "train.micro_batch=5"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    _train(one, 1, *extra, "train.grad_accum=4")
+    _train(two, 2, *extra, "train.grad_accum=2")
+    r1, r2 = _rows(one), _rows(two)
+    for a, b in zip(r1, r2):
+        for k in ("reward_mean", "reward_std", "nfe_full", "nfe_train", "tree/edges_trained", "tree/edge_adv_abs_mean"):
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
+        for k in ("kl", "loss", "grad_norm", "clip_high", "clip_low"):
+            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-7), k
+    ckpt = lambda d: load_safetensors_checked(d / "checkpoints" / "iter-000002" / "trainable.safetensors", "weights")[0]
+    w1, w2 = ckpt(one), ckpt(two)
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], rtol=1e-3, atol=1e-6, msg=k)

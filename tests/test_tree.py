@@ -15,7 +15,7 @@ from difrl.models.digits import DigitsPolicy, digit_prompt
 from difrl.rollout import rollout, sample_noise
 from difrl.samplers import KERNELS, all_but_last, sigma_schedule
 from difrl.tree import (BranchSchedule, build_tree, mix_sde_mask, nfe, node_seed, num_edges, num_trained_edges,
-                        recompute_edges, select_edges, split_step, tree_rollout)
+                        recompute_edges, split_step, tree_rollout)
 
 N = 6
 HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
@@ -220,11 +220,11 @@ def test_mix_tree_trains_only_sde_edges(policy):
     torch.testing.assert_close(tr.x0_pred_leaf, tr.x_leaf, rtol=0, atol=1e-5)
 
 
-def test_select_edges_indexes_extras(policy):
+def test_rollout_select_indexes_edge_extras(policy):
     tr = tree_rollout(policy, prompts(2), torch.tensor([1, 2]), sigma_schedule(N), BranchSchedule((0,)),
                       split_noise_scale=2.0)
     idx = torch.tensor([0, 3, 5])
-    sub = select_edges(tr.edges, idx)
+    sub = tr.edges.select(idx)
     assert len(sub) == 3 and torch.equal(sub.extras["logprob_scale"], tr.edges.extras["logprob_scale"][idx])
     assert torch.equal(sub.extras["edge_index"], tr.trained_edge[idx])
 

@@ -51,9 +51,10 @@ class StepsConfig:
 
 @dataclass
 class RolloutConfig:
-    kind: str = cfg_field("flat", choices=("flat", "solrl"),
+    kind: str = cfg_field("flat", choices=("flat", "solrl", "tree"),
                           help="flat: roll out the trained samples directly; solrl: rank a low-precision candidate pool, "
-                               "regenerate the chosen seeds at full precision (section solrl)")
+                               "regenerate the chosen seeds at full precision (section solrl); tree: BranchGRPO, one "
+                               "branching tree per prompt whose leaves are the group (section tree)")
     prompts_per_iter: int = cfg_field(10, ge=1, help="groups (prompts) per iteration, all processes together")
     group_size: int = cfg_field(16, ge=2, help="trained samples per prompt")
     same_init_noise: bool = cfg_field(False, help="one initial noise per group (diversity from SDE noise only)")
@@ -79,6 +80,44 @@ class SolRLConfig:
     preview_steps: int = cfg_field(6, ge=1, help="ODE steps of a candidate (Sol-RL: 6 of 10)")
     select: str = cfg_field("best_worst", choices=SELECT_RULES, help="which candidates are trained on")
     batch: int | None = cfg_field(None, ge=1, help="candidate forward batch (None = all of a process's at once)")
+
+
+@dataclass
+class TreeConfig:
+    """BranchGRPO (specs/branch-cps-guard.md §1): one tree per prompt; every node splits into `factor` children
+    at `split_steps`, so a tree has factor ** len(split_steps) leaves (= rollout.group_size). Between splits
+    `steps.mode` says which steps are SDE (all_but_last: BranchGRPO; a window: BranchGRPO-Mix, ODE outside it);
+    split steps are always SDE. Every SDE edge is a trained transition with its child node's depth-wise
+    advantage; pruning drops edges from the backward pass only."""
+    split_steps: list[int] | None = cfg_field(None, help="steps at which every node splits; None = `rounds` splits at "
+                                                         "k * (num_steps // rounds)")
+    rounds: int = cfg_field(4, ge=0, help="uniform splits when split_steps is None (BranchGRPO: 4)")
+    factor: int = cfg_field(2, ge=2, help="children per split")
+    noise_scale: float = cfg_field(1.0, gt=0.0, help="kappa: the kernel's std multiplier at split steps (BranchGRPO's "
+                                                     "script: 4.0)")
+    kappa_logprob: str = cfg_field("actual", choices=("actual", "reference"),
+                                   help="split edges' log-prob under the std actually used (kappa s) or under s as "
+                                        "BranchGRPO's code does (kept for comparison)")
+    fusion: str = cfg_field("mean", choices=("mean", "path_prob", "soft"),
+                            help="internal-node reward: mean of the leaves below, path-probability weighted, or DTS's "
+                                 "soft value (1/lambda) log mean exp(lambda r)")
+    fusion_lambda: float = cfg_field(1.0, gt=0.0, help="soft: lambda; path_prob: alpha on the edge log-probs")
+    width_prune: str = cfg_field("none", choices=("none", "per_branch", "best_worst"),
+                                 help="drop tail edges (after the last split) from the backward pass: the best per "
+                                      "branch, or each tree's best and worst")
+    width_ratio: float = cfg_field(0.5, gt=0.0, le=1.0, help="fraction of tail edges width pruning keeps")
+    depth_prune: list[int] = cfg_field(default_factory=list, help="child depths whose edges are not trained "
+                                                                 "(BranchGRPO: 15,16,17,18 of 20)")
+    depth_slide_every: int | None = cfg_field(None, ge=1, help="move the pruned depths one earlier every this many "
+                                                               "iterations (BranchGRPO: 30); None = fixed")
+    depth_stop: int | None = cfg_field(None, ge=0, help="sliding depth pruning stops here; None = the last split step")
+
+    def schedule(self, num_steps: int):
+        from difrl.tree import BranchSchedule
+
+        if self.split_steps is None:
+            return BranchSchedule.uniform(self.rounds, num_steps, self.factor) if self.rounds else BranchSchedule((), self.factor)
+        return BranchSchedule(tuple(sorted(self.split_steps)), self.factor)
 
 
 @dataclass
@@ -187,6 +226,7 @@ class FlowConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     correct: CorrectConfig = field(default_factory=CorrectConfig)
     solrl: SolRLConfig = field(default_factory=SolRLConfig)
+    tree: TreeConfig = field(default_factory=TreeConfig)
     nft: NFTConfig = field(default_factory=NFTConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     stop: StopConfig = field(default_factory=StopConfig)
@@ -206,7 +246,7 @@ class FlowConfig:
             raise config_error("train.ratio_norm", "RatioNorm needs the Gaussian log-prob; set sampler.cps_log_prob=gaussian")
         r = self.rollout
         if self.correct.method != "none":
-            if (r.precision == "fp32" and r.sync_every == 1) or r.kind != "flat":
+            if (r.precision == "fp32" and r.sync_every == 1) or r.kind == "solrl":
                 raise config_error("correct.method", f"{self.correct.method} corrects a rollout/train mismatch, but the "
                                                      f"trained rollouts come from the trained policy itself (rollout.kind="
                                                      f"{r.kind}, rollout.precision={r.precision}, rollout.sync_every="
@@ -220,6 +260,22 @@ class FlowConfig:
             if r.same_init_noise:
                 raise config_error("rollout.same_init_noise", "Sol-RL selects samples by their initial noise; a shared "
                                                               "initial noise per group leaves nothing to select")
+        if r.kind == "tree":
+            sched = self.tree.schedule(n)
+            if sched.split_steps and sched.split_steps[-1] > n - 1:
+                raise config_error("tree.split_steps", f"split step {sched.split_steps[-1]} is outside the {n} steps")
+            if sched.leaves != r.group_size:
+                raise config_error("rollout.group_size", f"a tree of {len(sched.split_steps)} split(s) with factor "
+                                                         f"{sched.factor} has {sched.leaves} leaves, but rollout."
+                                                         f"group_size={r.group_size}: they must be equal")
+            if self.train.objective != "grpo":
+                raise config_error("rollout.kind", "tree rollouts train their SDE edges' log-probs (train.objective=grpo)")
+            if s.mode == "random_subset":
+                raise config_error("steps.mode", "a tree trains every SDE edge; random_subset (per-sample steps) does "
+                                                 "not apply; use all_but_last (BranchGRPO) or a window (BranchGRPO-Mix)")
+            bad = [d for d in self.tree.depth_prune if not 1 <= d <= n]
+            if bad:
+                raise config_error("tree.depth_prune", f"depths {bad} are outside 1..{n} (a child of step i has depth i + 1)")
         if self.train.objective == "nft" and (self.train.ratio_norm or self.train.step_weight != "none"):
             raise config_error("train.objective", "GRPO-Guard options (train.ratio_norm, train.step_weight) act on "
                                                   "log-prob ratios; DiffusionNFT has none")

@@ -27,17 +27,20 @@ import torch
 
 from difrl.algos import gaussian_step_kl, group_advantages, ppo_clip_loss, ratio_norm_log_ratio, step_weights
 from difrl.algos.nft import nft_loss, nft_noised, velocity_kl
+from difrl.algos.tree import depth_prune, depthwise_advantages, edge_advantages, fuse_rewards, width_prune
 from difrl.config import save_config
 from difrl.correct import METHODS as CORRECTORS
+from difrl.correct.core import Correction
 from difrl.models.base import cond_repeat
 from difrl.rewards import RewardError, build_reward, score_all
 from difrl.quant import QUANT_PRESETS, RolloutCopy
 from difrl.rollout import Rollout, rollout
-from difrl.samplers import KERNELS, all_but_last, fixed_window, random_subset, random_window, sigma_schedule, sliding_window_start
+from difrl.samplers import all_but_last, fixed_window, random_subset, random_window, sigma_schedule, sliding_window_start
 from difrl.train.config import FlowConfig
 from difrl.train.state import EMA, load_latest_checkpoint, restore_checkpoint, save_checkpoint, trainable_params
 from difrl.utils.io import atomic_write_json, save_safetensors
 from difrl.solrl import rank_agreement, select_indices
+from difrl.tree import TreeRollout, num_trained_edges, recompute_edges, tree_rollout
 from difrl.utils.rng import counter_normal, mix_seed, mix_seed_tensor
 from difrl.worlds import build_world
 
@@ -83,15 +86,12 @@ def kernel_kwargs(cfg: FlowConfig) -> dict:
     return kw
 
 
-def transition_log_prob(policy, batch: Rollout, cfg: FlowConfig, reference: bool = False):
-    """Recompute the stored transitions of `batch` under the current policy: one forward over all
-    B*T (sample, step) pairs. Returns (log_prob [B, T], mean [B*T, ...], std [B*T])."""
-    B, T = batch.step.shape
-    flat = lambda t: t.reshape(B * T, *t.shape[2:])
-    x, x_next, sigma, sigma_next = flat(batch.x), flat(batch.x_next), flat(batch.sigma), flat(batch.sigma_next)
-    v = policy.velocity(x, sigma, cond_repeat(batch.cond, T), cfg.sampler.guidance)
-    out = KERNELS[cfg.sampler.kind](x, v, sigma, sigma_next, action=x_next, **kernel_kwargs(cfg))
-    return out.log_prob.view(B, T), out.mean, out.std
+def transition_log_prob(policy, batch: Rollout, cfg: FlowConfig):
+    """Recompute the stored transitions of `batch` (samples or tree edges) under the current policy: one
+    forward over all B*T (sample, step) pairs; a tree's split edges are scored with their stored std scale.
+    Returns (log_prob [B, T], mean [B*T, ...], std [B*T])."""
+    out = recompute_edges(policy, batch, cfg.sampler.kind, kernel_kwargs(cfg), cfg.sampler.guidance)
+    return out.log_prob, out.mean, out.std
 
 
 def nfe_per_step(cfg: FlowConfig) -> int:
@@ -185,7 +185,11 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
     if n_total % world_size:
         raise ValueError(f"{n_total} samples per iteration (rollout.prompts_per_iter x rollout.group_size) do not "
                          f"split over {world_size} processes")
-    if per_proc % per_update:
+    tree_mode = cfg.rollout.kind == "tree"
+    if tree_mode and cfg.rollout.prompts_per_iter % world_size:
+        raise ValueError(f"{cfg.rollout.prompts_per_iter} trees per iteration (rollout.prompts_per_iter) do not split "
+                         f"over {world_size} processes")
+    if per_proc % per_update and not tree_mode:  # tree edges: a last, smaller update takes the remainder
         raise ValueError(f"each process has {per_proc} samples per iteration, not a multiple of train.micro_batch x "
                          f"train.grad_accum = {cfg.train.micro_batch} x {cfg.train.grad_accum} = {per_update}")
     if cfg.rollout.kind == "solrl" and (cfg.rollout.prompts_per_iter * cfg.solrl.candidates) % world_size:
@@ -196,15 +200,23 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
     T = int(train_mask0.sum())  # trained transitions per sample (GRPO) ...
     if cfg.train.objective == "nft":
         T = len(nft_sigmas(cfg, sigma_schedule(cfg.sampler.num_steps, cfg.sampler.shift)))  # ... or sigmas (NFT)
+    schedule = cfg.tree.schedule(cfg.sampler.num_steps) if tree_mode else None
+    if tree_mode:  # ... or one per tree edge (a record of its own)
+        T = 1
+        edges_per_tree = num_trained_edges(schedule, cfg.sampler.num_steps, sde_mask0)
+        updates_per_rollout = cfg.train.inner_epochs * -(-edges_per_tree * cfg.rollout.prompts_per_iter // world_size // per_update)
     accelerator.print(
         f"difrl: {world_size} process(es) x {torch.get_num_threads()} thread(s); {n_total} samples/iteration "
         f"({cfg.rollout.prompts_per_iter} groups of {cfg.rollout.group_size}), {per_proc} per process; {T} trained "
         + (f"sigma(s) of {cfg.sampler.num_steps} per sample (DiffusionNFT); " if cfg.train.objective == "nft" else
+           f"step per record, SDE steps {cfg.steps.mode} + splits; " if tree_mode else
            f"step(s) of {cfg.sampler.num_steps} per sample ({cfg.steps.mode}); ")
         + (f"Sol-RL: {cfg.solrl.candidates} candidates per prompt in {cfg.solrl.preview_steps} steps, {cfg.solrl.select}; "
            if cfg.rollout.kind == "solrl" else "")
+        + (f"trees: splits at {list(schedule.split_steps)} x{schedule.factor}, {edges_per_tree} SDE edges per tree "
+           f"before pruning (records of 1 step); " if tree_mode else "")
         + f"{updates_per_rollout} optimizer update(s) "
-        f"per rollout ({cfg.train.inner_epochs} epoch(s) x {per_proc // per_update} of {cfg.train.micro_batch} x "
+        f"per rollout ({cfg.train.inner_epochs} epoch(s) x {updates_per_rollout // cfg.train.inner_epochs} of {cfg.train.micro_batch} x "
         f"{cfg.train.grad_accum} accumulated); run dir {run_dir}")
 
     policy = world.policy
@@ -397,32 +409,43 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
                 seeds = init_seeds = chosen_seeds[k]
                 stage["nfe_lowprec"] += n_cand * cfg.solrl.preview_steps * nfe
                 stage["seconds_candidates"] = time.perf_counter() - t_c
-            # -------- the trained rollouts: Sol-RL stage 2 (full precision, the chosen seeds) or flat
+            # -------- the trained rollouts: Sol-RL stage 2 (full precision, the chosen seeds), flat, or trees
             t_r = time.perf_counter()
-            on_copy = rollout_copy is not None and cfg.rollout.kind == "flat"
+            on_copy = rollout_copy is not None and cfg.rollout.kind != "solrl"
             with rollout_copy.active(policy) if on_copy else nullcontext():
-                batch = rollout(policy, prompts, seeds, sigmas, cfg.sampler.kind, kernel_kwargs(cfg), sde_mask,
-                                train_mask[rank * per_proc:(rank + 1) * per_proc], prompt_ids, group_ids, init_seeds,
-                                cfg.sampler.guidance, batch_size=cfg.sampler.rollout_batch)
+                if tree_mode:  # one tree per group, root seed = its first leaf's flat seed; leaves = the group
+                    trees = torch.arange(rank * per_proc // G, (rank + 1) * per_proc // G)
+                    tr = tree_rollout(policy, prompts[::G], seeds[::G], sigmas, schedule, cfg.sampler.kind,
+                                      kernel_kwargs(cfg), cfg.tree.noise_scale, cfg.tree.kappa_logprob, sde_mask,
+                                      group_prompt[trees], it * cfg.rollout.prompts_per_iter + trees,
+                                      guidance=cfg.sampler.guidance, batch_size=cfg.sampler.rollout_batch)
+                    batch, samples = tr.edges, tr.x_leaf  # trained records: the SDE edges; rewarded: the leaves
+                    seeds = tr.node_seed[tr.leaf_node]
+                else:
+                    batch = rollout(policy, prompts, seeds, sigmas, cfg.sampler.kind, kernel_kwargs(cfg), sde_mask,
+                                    train_mask[rank * per_proc:(rank + 1) * per_proc], prompt_ids, group_ids, init_seeds,
+                                    cfg.sampler.guidance, batch_size=cfg.sampler.rollout_batch)
+                    samples = batch.x_final
             low = on_copy and cfg.rollout.precision != "fp32"
-            stage["nfe_lowprec" if low else "nfe_full"] += n_total * cfg.sampler.num_steps * nfe
+            evaluations = tr.evaluations * world_size if tree_mode else n_total * cfg.sampler.num_steps
+            stage["nfe_lowprec" if low else "nfe_full"] += evaluations * nfe
             stage["seconds_regenerate" if cfg.rollout.kind == "solrl" else "seconds_sampling"] = time.perf_counter() - t_r
         correction = None
         if on_copy and cfg.train.objective == "grpo":
             # the rollout policy mu differs from the trainer's: recompute the proximal policy's log-probs and means
             # (PPO's ratio and the first-step check are against it) and weigh each transition by pi_old / mu
             with torch.no_grad():  # in micro-batches: a real model cannot take all B*T transitions in one forward
-                parts = [transition_log_prob(policy, batch.select(torch.arange(lo, min(lo + cfg.train.micro_batch, per_proc))), cfg)
-                         for lo in range(0, per_proc, cfg.train.micro_batch)]
+                parts = [transition_log_prob(policy, batch.select(torch.arange(lo, min(lo + cfg.train.micro_batch, len(batch)))), cfg)
+                         for lo in range(0, len(batch), cfg.train.micro_batch)]
                 lp_prox, mean_prox = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
             log_prob_rollout = batch.log_prob_old
             batch.log_prob_old, batch.mean_old = lp_prox, mean_prox.view_as(batch.mean_old)
             correction = CORRECTORS[cfg.correct.method](lp_prox, log_prob_rollout, None, **cfg.correct.options)
-            stage["nfe_full"] += n_total * T * nfe  # the proximal recompute is a full-precision forward
+            stage["nfe_full"] += len(batch) * world_size * T * nfe  # the proximal recompute is a full-precision forward
         t_reward = time.perf_counter()
 
         # ==================================================================== reward
-        images = policy.decode(batch.x_final)
+        images = policy.decode(samples)
         metadata = [world.metadata(int(p)) for p in prompt_ids]
         bad = torch.zeros(per_proc, dtype=torch.bool)
         try:
@@ -455,21 +478,34 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
             stage.update({f"solrl/{k}": v for k, v in rank_agreement(chosen_candidate_reward.view(-1, G), regenerated.view(-1, G)).items()})
             stage["solrl/candidate_reward_mean"] = float(chosen_candidate_reward.mean())
 
+        if tree_mode:  # BranchGRPO: fused node rewards, advantages per tree and depth, edges pruned (§1.3-§1.6)
+            batch, advantages, keep, kept = _tree_edges(cfg, tr, scores, weights, keep, it)
+            if correction is not None:
+                correction = Correction(correction.weights[kept], correction.keep[kept], correction.diagnostics)
+            adv_sum = torch.tensor([float(advantages.abs().sum()), float(len(batch))], dtype=torch.float64)
+            if world_size > 1:
+                adv_sum = accelerator.reduce(adv_sum.to(accelerator.device), "sum").cpu()
+            stage["tree/edges_trained"] = int(adv_sum[1])
+            stage["tree/edges_sampled"] = len(tr.edges) * world_size
+            stage["tree/edge_adv_abs_mean"] = float(adv_sum[0] / max(float(adv_sum[1]), 1.0))
+
         # ==================================================================== policy update
         unwrapped.train()
         m = _Metrics(cfg.sampler.num_steps)
         if correction is not None:
             for name, value in correction.diagnostics.items():
                 m.add(f"correct/{name}", value)
-        denom = cfg.train.micro_batch * cfg.train.grad_accum * T  # fixed, so 1x8 accumulation == 8x1
-        micro_per_epoch = per_proc // cfg.train.micro_batch
+        n_rec, mbs, ga = len(batch), cfg.train.micro_batch, cfg.train.grad_accum  # records: samples, or tree edges
+        micro_per_epoch = -(-n_rec // mbs)
         first = True
         for epoch in range(cfg.train.inner_epochs):
-            perm = torch.randperm(per_proc, generator=torch.Generator().manual_seed(mix_seed(cfg.seed, it, 4, epoch)))
+            perm = torch.randperm(n_rec, generator=torch.Generator().manual_seed(mix_seed(cfg.seed, it, 4, epoch)))
             for mb in range(micro_per_epoch):
-                idx = perm[mb * cfg.train.micro_batch:(mb + 1) * cfg.train.micro_batch]
+                idx = perm[mb * mbs:(mb + 1) * mbs]
                 sub = batch.select(idx)
-                sync = (mb + 1) % cfg.train.grad_accum == 0
+                first_of_update = (mb // ga) * mbs * ga
+                denom = (min(n_rec, first_of_update + mbs * ga) - first_of_update) * T  # this update's records x steps,
+                sync = (mb + 1) % ga == 0 or mb == micro_per_epoch - 1                 # so 1x8 accumulation == 8x1
                 with (nullcontext() if sync else accelerator.no_sync(net)):
                     micro_loss = grpo_micro_loss if cfg.train.objective == "grpo" else nft_micro_loss
                     loss = micro_loss(sub, advantages[idx], keep[idx].float(), None if correction is None else (correction.weights[idx], correction.keep[idx]),
@@ -499,6 +535,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
             "dropped_groups": int(all_groups[~keep_all].unique().numel()),
             "failed_reward_groups": int(bad_groups.numel()),
             "trained_samples": int(keep_all.sum()),
+            "nfe_train": int(accelerator.gather(torch.tensor([len(batch)])).sum()) * T * cfg.train.inner_epochs * nfe,
             "loss": upd.get("policy_loss", 0.0) + (cfg.train.kl_beta if cfg.train.objective == "grpo" else cfg.nft.ref_beta) * upd.get("kl", 0.0),
             **stage,
             **{k: v for k, v in upd.items()},
@@ -589,6 +626,38 @@ def _solrl_candidates(cfg: FlowConfig, policy, rollout_copy, world, rewards, gro
     chosen = (torch.arange(P)[:, None] * N + idx).flatten()  # [P * G] global candidate indices, group order
     chosen_seeds = torch.tensor([mix_seed(cfg.seed, it, 6, int(i)) for i in chosen])
     return chosen_seeds, total.flatten()[chosen], P * N
+
+
+def _tree_edges(cfg: FlowConfig, tr: TreeRollout, scores: dict, weights: dict, leaf_keep: torch.Tensor,
+                iteration: int) -> tuple[Rollout, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """BranchGRPO's trained edges for this process's trees (specs/branch-cps-guard.md §1.3-§1.6).
+    Leaf rewards (tree.leaf_node order = this process's samples) are fused into every node (tree.fusion),
+    normalised per tree and depth, and each SDE edge takes its child's advantage. Depth and width pruning
+    drop edges from the backward pass (per tree, so prompts never mix, §1.10). A tree whose group was
+    dropped (failed reward, zero spread) keeps its edges with keep = 0, like the flat trainer's samples.
+    Returns (kept edges, their advantages [E'], keep [E'] bool, the kept rows' indices into tr.edges [E'])."""
+    t, tc = tr.tree, cfg.tree
+
+    def node_advantages(leaf_rewards: torch.Tensor) -> torch.Tensor:  # [L] -> [Nn]
+        values = fuse_rewards(t, leaf_rewards, tc.fusion, tc.fusion_lambda, tc.fusion_lambda)
+        return depthwise_advantages(t, values, cfg.advantage.eps)
+
+    if cfg.reward.aggregate == "reward_sum":
+        node_adv = node_advantages(sum(w * scores[n].double() for n, w in weights.items()).float())
+    else:  # advantage_sum: each reward normalised on its own, then weighted (MixGRPO's multi-reward form)
+        node_adv = sum(w * node_advantages(scores[n]) for n, w in weights.items())
+    adv = edge_advantages(tr, node_adv.clamp(-cfg.advantage.clip, cfg.advantage.clip))  # [E]
+    edge_tree = t.tree[t.edge_child[tr.trained_edge]]  # [E] local tree of each edge (tree-major order)
+    keep = leaf_keep.view(t.num_trees, -1).all(1)[edge_tree]
+    sel = torch.ones(len(adv), dtype=torch.bool)
+    if tc.depth_prune:
+        sel &= depth_prune(t, tr.trained_edge, tc.depth_prune, iteration, tc.depth_slide_every, tc.depth_stop)
+    if tc.width_prune != "none":
+        for k in range(t.num_trees):
+            rows = edge_tree == k
+            sel[rows] = width_prune(t, tr.trained_edge[rows], adv[rows], tc.width_prune, tc.width_ratio, mask=sel[rows])
+    kept = sel.nonzero().flatten()
+    return tr.edges.select(kept), adv[kept], keep[kept], kept
 
 
 class _swap_module:
