@@ -1,0 +1,311 @@
+"""The diffusers adapters (FLUX.1, SD3, Wan 2.1) on tiny random pipelines saved to disk and loaded back.
+
+    HF_HUB_OFFLINE=1 python -m pytest tests/test_diffusers_models.py -q
+
+For each model: loading through the path and the errors for bad directories; the ODE rollout
+equals the diffusers pipeline's own output (same seeds, sigmas, guidance); ratio 1 when a
+stored SDE transition is re-scored; LoRA trains only LoRA parameters and round-trips through
+the diffusers LoRA format; a LoRA from another model kind is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+peft = pytest.importorskip("peft")
+
+from difrl.models.base import FlowPolicy  # noqa: E402
+from difrl.models.diffusers_flow import (  # noqa: E402
+    ADAPTERS, LORA_MARKER, ModelKindError, PipelineDirError, check_pipeline_dir, load_flow_policy, load_lora, save_lora,
+)
+from difrl.models.tiny import make_tiny_pipeline  # noqa: E402
+from difrl.rollout import INIT_STEP, rollout, sample_noise  # noqa: E402
+from difrl.samplers.kernels import KERNELS  # noqa: E402
+from difrl.samplers.schedules import fixed_window  # noqa: E402
+
+KINDS = ["flux", "sd3", "wan"]
+SIZE = dict(height=32, width=32)
+FRAMES = 5
+TEXT_LEN = 16  # max_sequence_length for T5 / UMT5 (the real defaults, 256-512, only cost time here)
+PROMPTS = ["a photo of a cat", "a red dog"]
+SEEDS = torch.tensor([11, 12])
+N_STEPS = 3
+# guidance off / on for each model; Flux's value is the embedded distilled guidance (one forward)
+GUIDANCE = {"flux": [1.0, 3.5], "sd3": [1.0, 4.0], "wan": [1.0, 4.0]}
+PIPELINE_CLASS = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline", "wan": "WanPipeline"}
+ATOL = 1e-5
+
+
+def policy_options(kind: str) -> dict:
+    return dict(SIZE, max_sequence_length=TEXT_LEN, **({"num_frames": FRAMES} if kind == "wan" else {}))
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    """kind -> a tiny pipeline directory, each built once on first use."""
+    root = tmp_path_factory.mktemp("tiny_pipelines")
+    built = {}
+
+    def get(kind: str):
+        if kind not in built:
+            built[kind] = make_tiny_pipeline(kind, root / kind, seed=0)
+        return built[kind]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def policies(tiny_dirs):
+    """kind -> the adapter loaded from its directory (shared, never LoRA-wrapped)."""
+    cache = {}
+
+    def get(kind: str):
+        if kind not in cache:
+            cache[kind] = load_flow_policy(kind, tiny_dirs(kind), **policy_options(kind))
+        return cache[kind]
+
+    return get
+
+
+def fresh_pipe(kind, path):
+    pipe = getattr(diffusers, PIPELINE_CLASS[kind]).from_pretrained(str(path), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def pipe_output(kind, pipe, latents, guidance, output_type, **extra):
+    """The pipeline's own call on the same prompts, initial latents and number of steps."""
+    kw = dict(SIZE, num_inference_steps=N_STEPS, guidance_scale=guidance, latents=latents.clone(),
+              output_type=output_type, max_sequence_length=TEXT_LEN, **extra)
+    if kind == "wan":
+        out = pipe(PROMPTS, num_frames=FRAMES, **kw).frames
+        return out.transpose(1, 2) if output_type == "pt" else out  # pipeline [B, F, C, H, W] -> ours [B, C, F, H, W]
+    return pipe(PROMPTS, **kw).images
+
+
+# ---- a. loading and bad directories ----------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_loads_from_path_with_protocol_shapes(kind, policies):
+    policy = policies(kind)
+    assert isinstance(policy, FlowPolicy) and policy.kind == kind
+    expected = {"flux": (64, 16), "sd3": (4, 16, 16), "wan": (16, 2, 4, 4)}[kind]  # see the module docstring
+    assert tuple(policy.latent_shape) == expected
+    assert policy.lora_target_modules and all(isinstance(t, str) for t in policy.lora_target_modules)
+    cond = policy.encode(PROMPTS)
+    assert all(v.shape[0] == 2 for v in cond.values())
+    x = torch.randn(2, *policy.latent_shape)
+    v = policy.velocity(x, torch.tensor([0.9, 0.4]), cond, guidance=GUIDANCE[kind][1])
+    assert v.dtype == torch.float32 and v.shape == x.shape and torch.isfinite(v).all()
+    img = policy.decode(x)
+    assert img.dtype == torch.float32 and 0 <= img.min() and img.max() <= 1
+    assert img.shape == ((2, 3, FRAMES, 32, 32) if kind == "wan" else (2, 3, 32, 32))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bad_directories_name_the_problem(kind, tiny_dirs, tmp_path):
+    good = tiny_dirs(kind)
+    missing = tmp_path / "nowhere"
+    with pytest.raises(FileNotFoundError, match="nowhere: no such directory"):
+        load_flow_policy(kind, missing)
+
+    no_index = tmp_path / "no_index"
+    shutil.copytree(good, no_index)
+    (no_index / "model_index.json").unlink()
+    with pytest.raises(PipelineDirError, match=r"no_index has no model_index\.json"):
+        load_flow_policy(kind, no_index)
+
+    no_transformer = tmp_path / "no_transformer"
+    shutil.copytree(good, no_transformer)
+    shutil.rmtree(no_transformer / "transformer")
+    with pytest.raises(PipelineDirError, match=r"no_transformer is missing component 'transformer'"):
+        load_flow_policy(kind, no_transformer)
+
+    # a directory of another model kind: model_index.json names another pipeline class
+    other = next(k for k in KINDS if k != kind)
+    wrong = tmp_path / "wrong_kind"
+    shutil.copytree(good, wrong)
+    index = json.loads((wrong / "model_index.json").read_text())
+    index["_class_name"] = PIPELINE_CLASS[other]
+    (wrong / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelKindError, match=rf"wrong_kind holds a {PIPELINE_CLASS[other]}.*kind '{other}'"):
+        load_flow_policy(kind, wrong)
+    assert check_pipeline_dir(good, kind) == good
+
+    with pytest.raises(ValueError, match="unknown model kind"):
+        load_flow_policy("sdxl", good)
+
+
+# ---- b. ODE rollout == pipeline --------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ode_rollout_equals_pipeline(kind, policies):
+    policy = policies(kind)
+    sigmas = policy.sigma_schedule(N_STEPS)
+    latents0 = sample_noise(SEEDS, INIT_STEP, tuple(policy.latent_shape))  # the rollout's initial noise
+    for guidance in GUIDANCE[kind]:
+        batch = rollout(policy, PROMPTS, SEEDS, sigmas, kernel="ode", guidance=guidance)
+        lat = pipe_output(kind, policy.pipe, latents0, guidance, "latent")
+        # the helper gives the pipeline's schedule (Flux: dynamic shift mu from the sequence length)
+        torch.testing.assert_close(policy.pipe.scheduler.sigmas.float().cpu(), sigmas, rtol=0, atol=0)
+        assert (lat - batch.x_final).abs().max() < ATOL, (kind, guidance)
+        images = pipe_output(kind, policy.pipe, latents0, guidance, "pt")
+        assert (images - policy.decode(batch.x_final)).abs().max() < ATOL, (kind, guidance)
+
+
+def test_flux_true_cfg_equals_pipeline(tiny_dirs):
+    policy = load_flow_policy("flux", tiny_dirs("flux"), true_cfg_scale=2.5, negative_prompt="blurry",
+                              **policy_options("flux"))
+    sigmas = policy.sigma_schedule(N_STEPS)
+    latents0 = sample_noise(SEEDS, INIT_STEP, tuple(policy.latent_shape))
+    batch = rollout(policy, PROMPTS, SEEDS, sigmas, kernel="ode", guidance=3.5)
+    lat = pipe_output("flux", policy.pipe, latents0, 3.5, "latent", true_cfg_scale=2.5, negative_prompt="blurry")
+    assert (lat - batch.x_final).abs().max() < ATOL
+    plain = rollout(load_flow_policy("flux", tiny_dirs("flux"), **policy_options("flux")), PROMPTS, SEEDS, sigmas,
+                    kernel="ode", guidance=3.5)
+    assert (plain.x_final - batch.x_final).abs().max() > 1e-3  # the uncond pass did change the result
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_model_returns_fp32_velocity(kind, tiny_dirs, policies):
+    low = load_flow_policy(kind, tiny_dirs(kind), dtype="bf16", **policy_options(kind))
+    assert low.module.dtype == torch.bfloat16 and low.pipe.text_encoder.dtype == torch.bfloat16
+    full = policies(kind)
+    x = sample_noise(SEEDS, 0, tuple(full.latent_shape))
+    sigma, guidance = torch.tensor([0.9, 0.3]), GUIDANCE[kind][-1]
+    v_low = low.velocity(x, sigma, low.encode(PROMPTS), guidance)
+    v_full = full.velocity(x, sigma, full.encode(PROMPTS), guidance)
+    assert v_low.dtype == torch.float32
+    assert (v_low - v_full).abs().max() < 0.1 * v_full.abs().max()  # bf16 rounding, not a different model
+    assert low.decode(x).dtype == torch.float32
+
+
+def test_flux_guidance_on_a_model_without_guidance_embedding_is_refused(tiny_dirs):
+    from types import SimpleNamespace
+
+    policy = load_flow_policy("flux", tiny_dirs("flux"), **policy_options("flux"))
+    policy.transformer_config = SimpleNamespace(guidance_embeds=False)  # as FLUX.1-schnell's config says
+    x, cond = torch.zeros(2, *policy.latent_shape), policy.encode(PROMPTS)
+    with pytest.raises(ValueError, match="no guidance embedding"):
+        policy.velocity(x, torch.tensor([0.5, 0.5]), cond, guidance=3.5)
+
+
+def test_prompt_cache_gives_the_same_embeddings(tiny_dirs, policies):
+    cached = load_flow_policy("flux", tiny_dirs("flux"), cache_prompts=True, **policy_options("flux"))
+    plain = policies("flux").encode(PROMPTS + PROMPTS[:1])
+    got = cached.encode(PROMPTS + PROMPTS[:1])
+    assert set(cached._cache) == set(PROMPTS)  # each prompt encoded once
+    for k in plain:
+        assert (got[k] - plain[k]).abs().max() < 1e-6
+
+
+# ---- c. ratio 1 --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rescored_sde_transitions_have_ratio_one(kind, policies):
+    policy = policies(kind)
+    sigmas = policy.sigma_schedule(N_STEPS)
+    window = fixed_window(N_STEPS, 0, 2)
+    for guidance in GUIDANCE[kind]:
+        batch = rollout(policy, PROMPTS, SEEDS, sigmas, kernel="flow_sde", kernel_kwargs={"noise_level": 0.7},
+                        sde_mask=window, train_mask=window, guidance=guidance)
+        assert batch.log_prob_old.shape == (2, 2) and (batch.log_prob_old != 0).all()
+        for t in range(batch.x.shape[1]):
+            v = policy.velocity(batch.x[:, t], batch.sigma[:, t], batch.cond, guidance)
+            out = KERNELS["flow_sde"](batch.x[:, t], v, batch.sigma[:, t], batch.sigma_next[:, t],
+                                      action=batch.x_next[:, t], noise_level=0.7)
+            assert (out.log_prob - batch.log_prob_old[:, t]).abs().max() < 1e-5, (kind, guidance, t)
+
+
+# ---- d. LoRA --------------------------------------------------------------------------------------------
+
+def _lora_wrap(policy, seed=0):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    net = get_peft_model(policy.module, LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian",
+                                                   target_modules=policy.lora_target_modules))
+    policy.module = net
+    return net
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lora_trains_only_lora_and_round_trips(kind, tiny_dirs, policies, tmp_path):
+    path = tiny_dirs(kind)
+    policy = load_flow_policy(kind, path, **policy_options(kind))
+    net = _lora_wrap(policy)
+    lora = {k: p.detach().clone() for k, p in net.named_parameters() if "lora_" in k}
+    base = {k: p.detach().clone() for k, p in net.named_parameters() if "lora_" not in k}
+    assert lora and all(p.requires_grad for k, p in net.named_parameters() if "lora_" in k)
+    wrapped = {n.split(".lora_")[0] for n in lora}
+    assert all(any(w.endswith("." + t) for w in wrapped) for t in policy.lora_target_modules)
+
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
+    cond = policy.encode(PROMPTS)
+    x = sample_noise(SEEDS, 0, tuple(policy.latent_shape))
+    guidance = GUIDANCE[kind][-1]
+    for _ in range(2):  # B starts at 0, so A gets its first gradient in the second step
+        loss = policy.velocity(x, torch.tensor([0.8, 0.5]), cond, guidance).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    after = dict(net.named_parameters())
+    unchanged = {k.split(".lora_")[0].removeprefix("base_model.model.") for k, v in lora.items()
+                 if torch.equal(after[k], v)}
+    # SD3's last block is context-pre-only: its context query (attn.add_q_proj) feeds an output that is
+    # discarded, so its LoRA has no gradient (true of the real SD3 / SD3.5 too); every other one trains
+    assert unchanged == ({"transformer_blocks.1.attn.add_q_proj"} if kind == "sd3" else set()), unchanged
+    assert all(torch.equal(after[k], v) for k, v in base.items()), "a base parameter changed"
+
+    lora_dir = save_lora(policy, tmp_path / "lora")
+    assert (lora_dir / "pytorch_lora_weights.safetensors").is_file() and (lora_dir / LORA_MARKER).is_file()
+    sigmas = policy.sigma_schedule(N_STEPS)
+    with torch.no_grad():
+        trained = policy.decode(rollout(policy, PROMPTS, SEEDS, sigmas, kernel="ode", guidance=guidance).x_final)
+
+    # a fresh pipeline + diffusers' own load_lora_weights gives the trained policy's images (alpha kept)
+    pipe = fresh_pipe(kind, path)
+    pipe.load_lora_weights(str(lora_dir))
+    latents0 = sample_noise(SEEDS, INIT_STEP, tuple(policy.latent_shape))
+    images = pipe_output(kind, pipe, latents0, guidance, "pt")
+    assert (images - trained).abs().max() < ATOL
+    base_images = pipe_output(kind, policies(kind).pipe, latents0, guidance, "pt")
+    assert (base_images - trained).abs().max() > 1e-4  # the LoRA matters
+
+    # load_lora into a fresh plain policy, and into a freshly peft-wrapped one (training resume)
+    for wrap in (False, True):
+        other = load_flow_policy(kind, path, **policy_options(kind))
+        if wrap:
+            _lora_wrap(other, seed=1)
+        load_lora(other, lora_dir)
+        with torch.no_grad():
+            again = other.decode(rollout(other, PROMPTS, SEEDS, sigmas, kernel="ode", guidance=guidance).x_final)
+        assert (again - trained).abs().max() < ATOL, wrap
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lora_from_another_kind_is_refused(kind, tiny_dirs, policies, tmp_path):
+    other = {"flux": "sd3", "sd3": "wan", "wan": "flux"}[kind]
+    source = load_flow_policy(other, tiny_dirs(other), **policy_options(other))
+    _lora_wrap(source)
+    lora_dir = save_lora(source, tmp_path / f"{other}_lora")
+    target = policies(kind)
+    with pytest.raises(ModelKindError, match=rf"{other}_lora holds a LoRA for model kind '{other}'"):
+        load_lora(target, lora_dir)
+    # without difrl's marker (a LoRA from elsewhere) the tensors themselves do not fit
+    (lora_dir / LORA_MARKER).unlink()
+    with pytest.raises(ModelKindError, match=rf"{other}_lora does not fit this {type(target.pipe.transformer).__name__}"):
+        load_lora(target, lora_dir)
+    assert not hasattr(target.module, "peft_config")  # nothing was loaded into the refused policy
+
+    with pytest.raises(PipelineDirError, match="no such LoRA directory"):
+        load_lora(target, tmp_path / "none")
+
+
+def test_adapter_table_is_plain_dict():
+    assert set(ADAPTERS) == set(KINDS)
