@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command_line, stamp, standard_args, write_block, write_json  # noqa: E402
+from common import command_line, same_config, stamp, standard_args, write_block, write_json  # noqa: E402
 
 from difrl.quant import QUANT_PRESETS, RolloutCopy  # noqa: E402
 from difrl.rewards import build_reward  # noqa: E402
@@ -123,25 +123,6 @@ def curve(run_dir: Path) -> list[dict]:
     agree = [r["solrl/spearman_median"] for r in rows if "solrl/spearman_median" in r]
     return {"curve": out, "seconds_per_iter": statistics.median(secs) if secs else float("nan"),
             "train_spearman": statistics.median(agree) if agree else None}
-
-
-def same_config(cfg, run_dir: Path) -> bool:
-    """A finished run of exactly this config is in run_dir (so --reuse may skip it)."""
-    import tempfile
-
-    from difrl.config import save_config
-
-    if not (run_dir / "summary.json").exists() or not (run_dir / "config.yaml").exists():
-        return False
-    with tempfile.TemporaryDirectory() as d:
-        cfg_out = cfg.out
-        cfg.out = None
-        save_config(cfg, Path(d) / "c.yaml")
-        cfg.out = cfg_out
-        mine = (Path(d) / "c.yaml").read_text()
-    theirs = (run_dir / "config.yaml").read_text()
-    strip = lambda t: "\n".join(ln for ln in t.splitlines() if not ln.startswith(("out:", "resume:")))
-    return strip(mine) == strip(theirs)
 
 
 def learning_rows(seeds: list[int], grpo_iters: int, nft_iters: int, every: int, out: Path, methods: list[str],

@@ -61,3 +61,22 @@ def write_json(path: Path | None, rows: list[dict]) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(rows, indent=1))
+
+
+def same_config(cfg, run_dir: Path) -> bool:
+    """A finished run of exactly this config is in run_dir (so --reuse may skip it)."""
+    import tempfile
+
+    from difrl.config import save_config
+
+    if not (run_dir / "summary.json").exists() or not (run_dir / "config.yaml").exists():
+        return False
+    with tempfile.TemporaryDirectory() as d:
+        cfg_out = cfg.out
+        cfg.out = None
+        save_config(cfg, Path(d) / "c.yaml")
+        cfg.out = cfg_out
+        mine = (Path(d) / "c.yaml").read_text()
+    theirs = (run_dir / "config.yaml").read_text()
+    strip = lambda t: "\n".join(ln for ln in t.splitlines() if not ln.startswith(("out:", "resume:")))
+    return strip(mine) == strip(theirs)

@@ -15,6 +15,7 @@ and the forward rollout is unchanged (§1.6).
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -76,6 +77,14 @@ def fuse_rewards(tree: Tree, leaf_rewards: torch.Tensor, mode: FusionMode = "mea
             val[nodes] = (amax[nodes] + torch.log(s[nodes]) - log_count[nodes]) / lam
         return val.float()
     raise ValueError(f"mode must be 'mean', 'path_prob' or 'soft', got {mode!r}")
+
+
+def soft_mean(values: torch.Tensor, lam: float) -> float:
+    """(1/lam) log mean exp(lam * values): DTS's soft value of i.i.d. children (§5); lam -> 0 is the mean."""
+    v = values.to(torch.float64).flatten()
+    if lam == 0:
+        return float(v.mean())
+    return float((torch.logsumexp(lam * v, 0) - math.log(len(v))) / lam)
 
 
 def depthwise_advantages(tree: Tree, node_values: torch.Tensor, eps: float = 1e-8,

@@ -206,13 +206,15 @@ class DiffusersFlowPolicy:
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Cond, guidance: float = 1.0) -> torch.Tensor:
         """v = eps - x0, fp32 [B, *latent_shape]; true CFG in one batched forward over [uncond; cond]
         when _cfg_scale(guidance) gives a scale (the combination in fp32)."""
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0])
+        home, dev = x.device, self.device  # the rollout's tensors may live elsewhere (CPU) than the model (GPU)
+        x, cond = x.to(dev), {k: v.to(dev) for k, v in cond.items()}
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=dev).expand(x.shape[0])
         scale = self._cfg_scale(guidance)
         if scale is not None:
             both = {k: torch.cat([u, cond[k]]) for k, u in self.negative_cond(x.shape[0]).items()}
             v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), both, guidance).float().chunk(2)
-            return v_u + scale * (v_c - v_u)
-        return self._forward(x, sigma, cond, guidance).float()
+            return (v_u + scale * (v_c - v_u)).to(home)
+        return self._forward(x, sigma, cond, guidance).float().to(home)
 
     def _cfg_scale(self, guidance: float) -> float | None:
         """The CFG scale for this `guidance`, or None for one conditional forward (the pipelines'
@@ -225,7 +227,7 @@ class DiffusersFlowPolicy:
         with torch.no_grad():
             z = self._vae_latents(latents.to(vae.device, vae.dtype))
             out = vae.decode(z, return_dict=False)[0]
-        return (out.float() * 0.5 + 0.5).clamp(0, 1)  # the image processors' denormalize
+        return (out.float() * 0.5 + 0.5).clamp(0, 1).to(latents.device)  # the image processors' denormalize
 
     # -- helpers shared by the kinds ----------------------------------------------------------------
     def sigma_schedule(self, num_steps: int) -> torch.Tensor:

@@ -63,6 +63,7 @@ def build_reward(name: str, **options) -> RewardFn:
 
 def _load_builtins() -> None:
     import difrl.rewards.digits  # noqa: F401  (registers digit_prob)
+    import difrl.rewards.simple  # noqa: F401  (registers brightness, color)
 
 
 class RewardError(RuntimeError):

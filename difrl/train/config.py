@@ -19,8 +19,25 @@ from difrl.solrl import SELECT_RULES
 
 @dataclass
 class ModelConfig:
-    kind: str = cfg_field("digits", choices=("digits",), help="policy adapter (issue 'Real models' adds diffusers ones)")
+    """The policy: the bundled digits world, or a diffusers pipeline directory (flux, sd3, wan; difrl/worlds/diffusers.py)."""
+    kind: str = cfg_field("digits", choices=("digits", "flux", "sd3", "wan"),
+                          help="digits world, or a diffusers FLUX.1 / SD3 / Wan 2.1 pipeline at model.path")
     path: str | None = cfg_field(None, help="checkpoint / pipeline directory; None = the bundled digits base")
+    prompts: list[str] | None = cfg_field(None, help="diffusers models: training prompts (or model.prompt_file)")
+    prompt_file: str | None = cfg_field(None, help="diffusers models: a text file of training prompts, one per line")
+    eval_prompts: list[str] | None = cfg_field(None, help="diffusers models: evaluation prompts; None = the first 8 "
+                                                          "training prompts")
+    height: int = cfg_field(512, ge=8, help="diffusers models: image / video height")
+    width: int = cfg_field(512, ge=8, help="diffusers models: image / video width")
+    num_frames: int = cfg_field(33, ge=1, help="wan: frames per video (4k + 1)")
+    dtype: str = cfg_field("fp32", choices=("fp32", "bf16", "fp16"),
+                           help="diffusers models: transformer and text-encoder dtype (step math stays fp32)")
+    schedule: str = cfg_field("pipeline", choices=("pipeline", "shift"),
+                              help="diffusers models: the pipeline scheduler's own sigmas (FLUX: dynamic shift) or "
+                                   "difrl's static sigma_schedule(num_steps, sampler.shift) (DanceGRPO's FLUX schedule)")
+    max_sequence_length: int = cfg_field(512, ge=1, help="diffusers models: T5 / UMT5 prompt tokens (SD3: 256)")
+    negative_prompt: str = cfg_field("", help="sd3, wan (guidance > 1): the CFG negative prompt")
+    cache_prompts: bool = cfg_field(True, help="diffusers models: embed each prompt once (the text encoders are frozen)")
 
 
 @dataclass
@@ -286,6 +303,18 @@ class FlowConfig:
                 raise config_error(f"correct.options.{k}", f"{self.correct.method} takes {allowed}")
         if not self.reward.weights:
             raise config_error("reward.weights", "at least one reward is needed")
+        mc = self.model
+        if mc.kind != "digits":
+            if mc.path is None:
+                raise config_error("model.path", f"model.kind={mc.kind} needs a local diffusers pipeline directory")
+            if (mc.prompts is None) == (mc.prompt_file is None):
+                raise config_error("model.prompts", f"model.kind={mc.kind} needs training prompts: give model.prompts "
+                                                    "or model.prompt_file (one of them)")
+            if mc.schedule == "pipeline" and self.sampler.shift != 1.0:
+                raise config_error("sampler.shift", "model.schedule=pipeline samples on the pipeline scheduler's own "
+                                                    "shift; set model.schedule=shift to use sampler.shift")
+            if self.stop.fd_rise is not None:
+                raise config_error("stop.fd_rise", "FD early stopping needs the digits world's features")
 
 
 def load_flow_config(path, overrides=()) -> FlowConfig:

@@ -35,7 +35,7 @@ from difrl.models.base import cond_repeat
 from difrl.rewards import RewardError, build_reward, score_all
 from difrl.quant import QUANT_PRESETS, RolloutCopy
 from difrl.rollout import Rollout, rollout
-from difrl.samplers import all_but_last, fixed_window, random_subset, random_window, sigma_schedule, sliding_window_start
+from difrl.samplers import all_but_last, fixed_window, random_subset, random_window, sliding_window_start
 from difrl.train.config import FlowConfig
 from difrl.train.state import EMA, load_latest_checkpoint, restore_checkpoint, save_checkpoint, trainable_params
 from difrl.utils.io import atomic_write_json, save_safetensors
@@ -172,7 +172,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
     from tqdm.auto import tqdm
 
     # ======================================================================== setup
-    world = build_world(cfg.model.kind, cfg.model.path)
+    world = build_world(cfg.model.kind, cfg.model.path, cfg)
     # a world that runs on the CPU (the digits MLP: kernel launches would dominate on a GPU) asks for it;
     # without cpu=True accelerate ignores torchrun's WORLD_SIZE on a machine with no GPU
     accelerator = Accelerator(cpu=world.device == "cpu" or not torch.cuda.is_available())
@@ -199,7 +199,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
     sde_mask0, train_mask0, _ = step_masks(cfg, 0, 1)
     T = int(train_mask0.sum())  # trained transitions per sample (GRPO) ...
     if cfg.train.objective == "nft":
-        T = len(nft_sigmas(cfg, sigma_schedule(cfg.sampler.num_steps, cfg.sampler.shift)))  # ... or sigmas (NFT)
+        T = len(nft_sigmas(cfg, world.sigmas(cfg.sampler.num_steps, cfg.sampler.shift)))  # ... or sigmas (NFT)
     schedule = cfg.tree.schedule(cfg.sampler.num_steps) if tree_mode else None
     if tree_mode:  # ... or one per tree edge (a record of its own)
         T = 1
@@ -221,7 +221,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
 
     policy = world.policy
     rewards = {name: build_reward(name, **cfg.reward.options.get(name, {})) for name in cfg.reward.weights}
-    sigmas = sigma_schedule(cfg.sampler.num_steps, cfg.sampler.shift)
+    sigmas = world.sigmas(cfg.sampler.num_steps, cfg.sampler.shift)  # difrl's schedule, or a pipeline's own (FLUX: dynamic shift)
 
     base = policy.module
     torch.manual_seed(mix_seed(cfg.seed, 5))  # LoRA init draws from the global RNG: same seed, same start
@@ -579,7 +579,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overrides: list[st
                "stopped_early": stopped, "fd_extractor": eval_after.get("fd_extractor"), "run_dir": str(run_dir)}
     if accelerator.is_main_process:
         atomic_write_json(run_dir / "summary.json", summary)
-        _save_policy(unwrapped, ema, run_dir / "policy.safetensors", cfg)
+        _save_policy(unwrapped, ema, run_dir, cfg, world)
         plot_reward_curve(run_dir / "metrics.jsonl", run_dir / "reward_curve.png", summary)
     accelerator.wait_for_everyone()
     accelerator.end_training()
@@ -602,7 +602,7 @@ def _solrl_candidates(cfg: FlowConfig, policy, rollout_copy, world, rewards, gro
     prompt_ids = group_prompt[c // N]
     seeds = torch.tensor([mix_seed(cfg.seed, it, 6, int(i)) for i in c])
     prompts = [world.prompts[i] for i in prompt_ids.tolist()]
-    preview = sigma_schedule(cfg.solrl.preview_steps, cfg.sampler.shift)
+    preview = world.sigmas(cfg.solrl.preview_steps, cfg.sampler.shift)
     ode = torch.zeros(cfg.solrl.preview_steps, dtype=torch.bool)
     with rollout_copy.active(policy) if rollout_copy is not None else nullcontext():
         cand = rollout(policy, prompts, seeds, preview, "ode", sde_mask=ode, prompt_ids=prompt_ids,
@@ -676,6 +676,8 @@ class _swap_module:
 
 def _should_stop(cfg: FlowConfig, ev: dict, run_state: dict) -> str | None:
     """FD early stopping: quality is watched on the reward's own features, never the held-out judge."""
+    if "fd" not in ev:  # a world without FD features (diffusers models; the config refuses stop.fd_rise there)
+        return None
     fd = ev["fd"]
     best = run_state["best_fd"]
     run_state["best_fd"] = fd if best is None else min(best, fd)
@@ -711,15 +713,25 @@ def _truncate_metrics(path: Path, keep_iterations: int) -> None:
 
 
 def _fmt_eval(ev: dict) -> str:
-    keys = ("accuracy", "judge_accuracy", "fd", "diversity", "real_diversity")
-    return ", ".join(f"{k} {ev[k]:.3f}" for k in keys if k in ev) + f" (FD features: {ev.get('fd_extractor')})"
+    keys = ("accuracy", "judge_accuracy", "fd", "diversity", "real_diversity", "reward")
+    text = ", ".join(f"{k} {ev[k]:.3f}" for k in keys if k in ev)
+    return text + (f" (FD features: {ev['fd_extractor']})" if "fd_extractor" in ev else "")
 
 
-def _save_policy(unwrapped, ema: EMA | None, path: Path, cfg: FlowConfig) -> None:
-    """The trained generator (LoRA merged, EMA weights if on) as a plain checkpoint usable as model.path."""
+def _save_policy(unwrapped, ema: EMA | None, run_dir: Path, cfg: FlowConfig, world) -> None:
+    """The trained generator (EMA weights if on). Digits: LoRA merged, a plain checkpoint usable as model.path
+    (policy.safetensors). Diffusers models: the model's own format, run_dir/lora for pipe.load_lora_weights, or the
+    fully fine-tuned transformer's save_pretrained directory run_dir/transformer."""
     if ema is not None:
         ema.swap()
     try:
+        if world.save_lora is not None:
+            if cfg.train.lora.enabled:
+                world.save_lora(world.policy, run_dir / "lora")
+            else:
+                unwrapped.save_pretrained(run_dir / "transformer")
+            return
+        path = run_dir / "policy.safetensors"
         module = unwrapped
         if cfg.train.lora.enabled:
             module = copy.deepcopy(unwrapped).merge_and_unload()
@@ -742,14 +754,19 @@ def plot_reward_curve(metrics_path: Path, out: Path, summary: dict | None = None
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
     it = [r["iteration"] for r in rows]
     ax[0].plot(it, [r["reward_mean"] for r in rows], label="train reward (mean)")
-    ev = [(r["iteration"], r["eval/accuracy"], r["eval/fd"]) for r in rows if "eval/accuracy" in r]
+    digits = not summary or "accuracy" in summary["eval_before"]  # other worlds: eval reward, no FD
+    key = "accuracy" if digits else "reward"
+    ev = [(r["iteration"], r[f"eval/{key}"], r.get("eval/fd")) for r in rows if f"eval/{key}" in r]
     if summary:
-        ev = [(0, summary["eval_before"]["accuracy"], summary["eval_before"]["fd"])] + ev
-        ev.append((summary["iterations"], summary["eval_after"]["accuracy"], summary["eval_after"]["fd"]))
+        ev = [(0, summary["eval_before"][key], summary["eval_before"].get("fd"))] + ev
+        ev.append((summary["iterations"], summary["eval_after"][key], summary["eval_after"].get("fd")))
     if ev:
-        ax[0].plot([e[0] for e in ev], [e[1] for e in ev], "o-", label="eval accuracy")
-        ax[1].plot([e[0] for e in ev], [e[2] for e in ev], "o-", color="C2")
-    ax[0].set_xlabel("iteration"); ax[0].legend(); ax[0].set_ylim(0, 1.02); ax[0].grid(alpha=0.3)
+        ax[0].plot([e[0] for e in ev], [e[1] for e in ev], "o-", label=f"eval {key}")
+        if digits:
+            ax[1].plot([e[0] for e in ev], [e[2] for e in ev], "o-", color="C2")
+    ax[0].set_xlabel("iteration"); ax[0].legend(); ax[0].grid(alpha=0.3)
+    if digits:
+        ax[0].set_ylim(0, 1.02)
     ax[1].set_xlabel("iteration"); ax[1].set_ylabel("Fréchet distance"); ax[1].grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=100)

@@ -3,8 +3,11 @@
     world = build_world("digits", model_path=None)
     metrics, images = world.evaluate(world.policy, per_digit=50, num_steps=10, seed=1234)
     world.save_grid(images, "samples/iter-0000.png")
+    world = build_world("flux", "/models/FLUX.1-dev", cfg)   # a diffusers pipeline dir; prompts etc. from cfg.model
+    sigmas = world.sigmas(28, 1.0)                           # the schedule the trainer samples on
 
-A plain dict maps the config's ``model.kind`` to a builder; new worlds add an entry.
+A plain dict maps the config's ``model.kind`` to a builder ``(model_path, cfg) -> World``; new
+worlds add an entry (the diffusers ones live in ``difrl/worlds/diffusers.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from difrl.samplers.schedules import sigma_schedule
 
 
 @dataclass
@@ -25,9 +30,11 @@ class World:
     save_grid: Callable[[torch.Tensor, Path], None]
     metadata: Callable[[int], dict]  # prompt id -> reward metadata
     device: str = "auto"  # "cpu": the trainer keeps every process on the CPU even where a GPU exists
+    sigmas: Callable[[int, float], torch.Tensor] = sigma_schedule  # (num_steps, shift) -> [num_steps + 1] sigmas
+    save_lora: Callable[[object, Path], Path] | None = None  # (policy, dir): the model's own LoRA format; None = merged
 
 
-def _digits(model_path: str | None) -> World:
+def _digits(model_path: str | None, cfg=None) -> World:
     from PIL import Image
 
     from difrl.models.digits import DigitsPolicy
@@ -49,10 +56,21 @@ def _digits(model_path: str | None) -> World:
     return World("digits", policy, list(PROMPTS), evaluate, save_grid, lambda pid: {"digit": pid}, device="cpu")
 
 
-WORLDS: dict[str, Callable[[str | None], World]] = {"digits": _digits}
+def _diffusers(kind: str) -> Callable[..., World]:
+    def build(model_path: str | None, cfg=None) -> World:
+        from difrl.worlds.diffusers import diffusers_world
+
+        return diffusers_world(kind, model_path, cfg)
+
+    return build
 
 
-def build_world(kind: str, model_path: str | None = None) -> World:
+WORLDS: dict[str, Callable[..., World]] = {"digits": _digits, "flux": _diffusers("flux"), "sd3": _diffusers("sd3"),
+                                           "wan": _diffusers("wan")}
+
+
+def build_world(kind: str, model_path: str | None = None, cfg=None) -> World:
+    """The world for `kind`; `cfg` (a FlowConfig) gives the diffusers worlds their prompts, size, dtype and rewards."""
     if kind not in WORLDS:
         raise ValueError(f"unknown model.kind {kind!r}; known: {', '.join(WORLDS)}")
-    return WORLDS[kind](model_path)
+    return WORLDS[kind](model_path, cfg)

@@ -1,0 +1,119 @@
+"""Worlds for diffusers pipeline directories (FLUX.1, SD3, Wan 2.1): the same trainer as the digits world.
+
+    world = build_world("flux", "/models/FLUX.1-dev", cfg)   # cfg.model: prompts, size, dtype, schedule
+    metrics, images = world.evaluate(world.policy, per_digit=4, num_steps=28, seed=1234)
+    world.save_grid(images, run_dir / "samples" / "after.png")       # Wan: a GIF beside that name
+    world.save_lora(world.policy, run_dir / "lora")                   # pipe.load_lora_weights(run_dir / "lora")
+
+The policy is `load_flow_policy(kind, model.path, ...)` (difrl/models/diffusers_flow.py), on this
+process's GPU when there is one. Training prompts come from `model.prompts` or `model.prompt_file`
+(one per line); prompt id = index. The evaluation is a fixed-seed ODE rollout of `eval.per_digit`
+samples for each evaluation prompt, scored by the run's own rewards (`reward.weights`): a mean
+weighted reward and each reward's mean. There is no held-out judge or FD here (real reward models
+and their evaluations are their own issue), so FD early stopping is refused by the config.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from difrl.rewards import build_reward, score_all
+from difrl.rollout import rollout
+from difrl.samplers.schedules import sigma_schedule
+from difrl.utils.rng import mix_seed
+from difrl.worlds import World
+
+MAX_EVAL_PROMPTS = 8  # model.eval_prompts = None: the first this many training prompts
+
+
+def read_prompts(mc) -> list[str]:
+    """model.prompts, or the non-empty lines of model.prompt_file."""
+    if mc.prompts is not None:
+        prompts = [str(p) for p in mc.prompts]
+        source = "model.prompts"
+    else:
+        path = Path(mc.prompt_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"model.prompt_file {path}: no such file (a text file, one prompt per line)")
+        prompts = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
+        source = f"model.prompt_file {path}"
+    if not prompts:
+        raise ValueError(f"{source} holds no prompts")
+    return prompts
+
+
+def policy_device() -> str | None:
+    """This process's GPU (LOCAL_RANK under accelerate launch / torchrun), or None for the CPU."""
+    if torch.cuda.is_available():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return None
+
+
+def diffusers_world(kind: str, model_path: str | None, cfg=None) -> World:
+    from PIL import Image
+
+    from difrl.models.diffusers_flow import load_flow_policy, save_lora
+    from difrl.train.config import FlowConfig
+    from difrl.worlds.digits import image_grid
+
+    cfg = cfg or FlowConfig()
+    mc = cfg.model
+    if model_path is None:
+        raise ValueError(f"model.kind={kind} needs model.path: a local diffusers pipeline directory")
+    options = dict(dtype=mc.dtype, height=mc.height, width=mc.width, device=policy_device(),
+                   max_sequence_length=mc.max_sequence_length, negative_prompt=mc.negative_prompt,
+                   cache_prompts=mc.cache_prompts)
+    if kind == "wan":
+        options["num_frames"] = mc.num_frames
+    policy = load_flow_policy(kind, model_path, **options)
+    prompts = read_prompts(mc)
+    eval_prompts = list(mc.eval_prompts) if mc.eval_prompts is not None else prompts[:MAX_EVAL_PROMPTS]
+
+    def sigmas(num_steps: int, shift: float) -> torch.Tensor:
+        if mc.schedule == "pipeline":  # the scheduler's own shift (FLUX: dynamic, from the image sequence length)
+            return policy.sigma_schedule(num_steps)
+        return sigma_schedule(num_steps, shift)
+
+    weights = {name.rsplit(":", 1)[-1]: w for name, w in cfg.reward.weights.items()}
+    rewards: dict = {}  # built on first evaluation
+
+    @torch.no_grad()
+    def evaluate(policy, per_digit=4, num_steps=10, seed=1234, shift=1.0):
+        """Fixed-seed ODE samples, `per_digit` per evaluation prompt (prompt-major), scored by the run's rewards."""
+        if not rewards:
+            rewards.update({n: build_reward(n, **cfg.reward.options.get(n, {})) for n in cfg.reward.weights})
+        ids = torch.arange(len(eval_prompts)).repeat_interleave(per_digit)
+        texts = [eval_prompts[i] for i in ids.tolist()]
+        seeds = torch.tensor([mix_seed(seed, i) for i in range(len(texts))])
+        bs = cfg.sampler.rollout_batch or len(texts)
+        images = []
+        for lo in range(0, len(texts), bs):  # decode batch by batch: a video model's decoded batch is large
+            sl = slice(lo, lo + bs)
+            batch = rollout(policy, texts[sl], seeds[sl], sigmas(num_steps, shift), kernel="ode",
+                            sde_mask=torch.zeros(num_steps, dtype=torch.bool), guidance=cfg.sampler.guidance)
+            images.append(policy.decode(batch.x_final).cpu())
+        images = torch.cat(images)
+        scores = score_all(rewards, images, texts, [{"prompt_id": int(i), "prompt": t} for i, t in zip(ids, texts)],
+                           seeds, ids)
+        metrics = {"reward": float(sum(w * scores[n] for n, w in weights.items()).mean()),
+                   **{f"reward/{k}": float(v.mean()) for k, v in scores.items()},
+                   "samples": len(texts), "num_steps": num_steps}
+        return metrics, images
+
+    def save_grid(images: torch.Tensor, path: Path) -> None:
+        """One row per evaluation prompt. Images: a PNG; videos [N, 3, F, H, W]: a GIF of frame grids (path.gif)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        per = max(1, images.shape[0] // max(1, len(eval_prompts)))
+        scale = max(1, 64 // images.shape[-2])  # tiny models' 32x32 images shown at 64 px
+        if images.ndim == 4:
+            Image.fromarray(image_grid(images, nrow=per, scale=scale)).save(path)
+            return
+        frames = [Image.fromarray(image_grid(images[:, :, f], nrow=per, scale=scale)) for f in range(images.shape[2])]
+        frames[0].save(path.with_suffix(".gif"), save_all=True, append_images=frames[1:], duration=125, loop=0)
+
+    return World(kind, policy, prompts, evaluate, save_grid, lambda pid: {"prompt_id": pid, "prompt": prompts[pid]},
+                 sigmas=sigmas, save_lora=save_lora)

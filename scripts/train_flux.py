@@ -1,0 +1,15 @@
+"""Train FLUX.1 (a local diffusers FluxPipeline directory) with difrl's flow trainer, the same one as `difrl train`.
+
+    accelerate launch --config_file configs/accelerate/ddp.yaml scripts/train_flux.py configs/flux_flow_grpo.yaml model.path=/models/FLUX.1-dev model.prompt_file=prompts.txt
+    accelerate launch --config_file configs/accelerate/fsdp.yaml scripts/train_flux.py configs/flux_dance_grpo.yaml model.path=...
+    python scripts/train_flux.py configs/flux_mix_grpo.yaml model.path=...          # one process
+    python scripts/make_tiny_pipeline.py flux runs/tiny_flux && python scripts/train_flux.py configs/flux_tiny.yaml
+    accelerate launch --multi_gpu --num_processes 2 scripts/train_flux.py configs/flux_tiny.yaml   # 2 CPU processes
+
+Everything else is the config: configs/flux_*.yaml carry the published defaults, each headed by its command.
+"""
+
+from difrl.train.entry import main
+
+if __name__ == "__main__":
+    raise SystemExit(main("flux", description=__doc__))

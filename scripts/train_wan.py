@@ -1,0 +1,13 @@
+"""Train Wan 2.1 text-to-video (a local WanPipeline directory) with difrl's flow trainer, the same one as `difrl train`.
+
+    accelerate launch --config_file configs/accelerate/fsdp.yaml scripts/train_wan.py configs/wan_dance_grpo.yaml model.path=/models/Wan2.1-T2V-1.3B-Diffusers model.prompt_file=prompts.txt
+    python scripts/train_wan.py configs/wan_dance_grpo.yaml model.path=...          # one process
+    python scripts/make_tiny_pipeline.py wan runs/tiny_wan && python scripts/train_wan.py configs/flux_tiny.yaml model.kind=wan model.path=runs/tiny_wan model.num_frames=5 sampler.guidance=1
+
+Videos are written as GIF grids in the run directory's samples/. Everything else is the config.
+"""
+
+from difrl.train.entry import main
+
+if __name__ == "__main__":
+    raise SystemExit(main("wan", description=__doc__))

@@ -1,0 +1,235 @@
+"""The flow trainer on tiny diffusers pipelines (FLUX.1, SD3, Wan 2.1): the same `train(cfg)` as the digits world.
+
+    HF_HUB_OFFLINE=1 python -m pytest tests/test_train_diffusers.py -q
+
+a. Two iterations with LoRA change every LoRA parameter (SD3's structurally dead last-block
+   add_q_proj excepted) and no base parameter; the run's diffusers LoRA directory, loaded into a fresh
+   pipeline with `load_lora_weights`, gives the trained policy's images.
+b. Tiny FLUX trains with BranchGRPO tree rollouts and writes the run directory.
+c. `accelerate launch --multi_gpu --num_processes 2 scripts/train_flux.py configs/flux_tiny.yaml` (gloo on
+   CPU) runs 2 iterations, writes the run directory and gives the weights one process gives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+peft = pytest.importorskip("peft")
+
+from difrl.models.diffusers_flow import load_flow_policy  # noqa: E402
+from difrl.models.tiny import make_tiny_pipeline  # noqa: E402
+from difrl.rollout import INIT_STEP, rollout, sample_noise  # noqa: E402
+from difrl.train import flow  # noqa: E402
+from difrl.train.config import load_flow_config  # noqa: E402
+from difrl.train.flow import TIMING_KEYS, train  # noqa: E402
+from difrl.utils.io import load_safetensors_checked  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "flux_tiny.yaml"
+PIPELINE_CLASS = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline", "wan": "WanPipeline"}
+# FLUX: embedded guidance (one forward); SD3: true CFG (the [uncond; cond] forward in rollout and training); Wan: off
+GUIDANCE = {"flux": 3.5, "sd3": 4.0, "wan": 1.0}
+N_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_pipelines")
+    built = {}
+
+    def get(kind: str) -> Path:
+        if kind not in built:
+            built[kind] = make_tiny_pipeline(kind, root / kind, seed=0)
+        return built[kind]
+
+    return get
+
+
+def tiny_cfg(kind: str, path: Path, *overrides: str):
+    extra = [f"model.kind={kind}", f"model.path={path}", f"sampler.guidance={GUIDANCE[kind]}"]
+    if kind == "wan":
+        extra.append("model.num_frames=5")
+    return load_flow_config(CONFIG, [*extra, "threads=1", *overrides])
+
+
+def policy_options(cfg) -> dict:
+    mc = cfg.model
+    return dict(height=mc.height, width=mc.width, max_sequence_length=mc.max_sequence_length,
+                **({"num_frames": mc.num_frames} if cfg.model.kind == "wan" else {}))
+
+
+def pipe_images(kind: str, pipe, prompts, latents, guidance, cfg) -> torch.Tensor:
+    """The pipeline's own call: [B, 3, H, W] (Wan: [B, 3, F, H, W]) in [0, 1]."""
+    kw = dict(height=cfg.model.height, width=cfg.model.width, num_inference_steps=N_STEPS, guidance_scale=guidance,
+              latents=latents.clone(), output_type="pt", max_sequence_length=cfg.model.max_sequence_length)
+    if kind == "wan":
+        return pipe(prompts, num_frames=cfg.model.num_frames, **kw).frames.transpose(1, 2)
+    return pipe(prompts, **kw).images
+
+
+def _record(monkeypatch) -> dict:
+    """Capture the trainer's world and the LoRA weights at initialisation (test-side instrumentation only)."""
+    seen = {}
+    build, wrap = flow.build_world, peft.get_peft_model
+
+    def build_world(*a, **k):
+        seen["world"] = build(*a, **k)
+        return seen["world"]
+
+    def get_peft_model(*a, **k):
+        net = wrap(*a, **k)
+        seen["init"] = {n: p.detach().clone() for n, p in net.named_parameters() if "lora_" in n}
+        return net
+
+    monkeypatch.setattr(flow, "build_world", build_world)
+    monkeypatch.setattr(peft, "get_peft_model", get_peft_model)
+    return seen
+
+
+# ---- a. LoRA training through train(cfg), then the diffusers LoRA directory ------------------------------
+
+@pytest.mark.parametrize("kind", ["flux", "sd3", "wan"])
+def test_two_iterations_train_every_lora_param_and_the_lora_dir_reproduces(kind, tiny_dirs, tmp_path, monkeypatch):
+    path = tiny_dirs(kind)
+    cfg = tiny_cfg(kind, path)
+    seen = _record(monkeypatch)
+    summary = train(cfg, tmp_path / "run")
+    run = Path(summary["run_dir"])
+    assert summary["iterations"] == 2 and len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    assert "reward" in summary["eval_before"] and "reward" in summary["eval_after"]
+
+    policy = seen["world"].policy
+    net = policy.module
+    after = {n: p.detach() for n, p in net.named_parameters()}
+    unchanged = {n.split(".lora_")[0].removeprefix("base_model.model.") for n, v in seen["init"].items()
+                 if torch.equal(after[n], v)}
+    # SD3's last block is context-pre-only: its add_q_proj feeds a discarded output (test_diffusers_models.py)
+    assert unchanged == ({"transformer_blocks.1.attn.add_q_proj"} if kind == "sd3" else set()), unchanged
+    fresh = load_flow_policy(kind, path, **policy_options(cfg))
+    base = dict(fresh.module.named_parameters())
+    for n, p in after.items():
+        if "lora_" not in n:
+            name = n.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            assert torch.equal(p, base[name]), f"base parameter {name} changed"
+
+    # the saved diffusers LoRA dir in a fresh pipeline == the trained policy, same seeds and sigmas
+    lora_dir = run / "lora"
+    assert (lora_dir / "pytorch_lora_weights.safetensors").is_file()
+    prompts, seeds = ["a photo of a cat", "a red dog"], torch.tensor([5, 6])
+    sigmas = policy.sigma_schedule(N_STEPS)
+    with torch.no_grad():
+        trained = policy.decode(rollout(policy, prompts, seeds, sigmas, kernel="ode", guidance=cfg.sampler.guidance).x_final)
+    pipe = getattr(diffusers, PIPELINE_CLASS[kind]).from_pretrained(str(path), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    latents0 = sample_noise(seeds, INIT_STEP, tuple(policy.latent_shape))
+    base_images = pipe_images(kind, pipe, prompts, latents0, cfg.sampler.guidance, cfg)
+    pipe.load_lora_weights(str(lora_dir))
+    images = pipe_images(kind, pipe, prompts, latents0, cfg.sampler.guidance, cfg)
+    assert (images - trained).abs().max() < 1e-5
+    assert (base_images - trained).abs().max() > 1e-5, float((base_images - trained).abs().max())  # the LoRA shows
+    grid = run / "samples" / ("after-iter-000002.gif" if kind == "wan" else "after-iter-000002.png")
+    assert grid.is_file()
+
+
+# ---- b. tree rollouts ---------------------------------------------------------------------------------
+
+def test_flux_trains_with_tree_rollouts(tiny_dirs, tmp_path):
+    cfg = tiny_cfg("flux", tiny_dirs("flux"), "rollout.kind=tree", "tree.split_steps=[0,1]", "rollout.group_size=4")
+    summary = train(cfg, tmp_path / "tree")
+    run = Path(summary["run_dir"])
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["tree/edges_trained"] > 0 for r in rows)
+    assert all(r["first_step_max_abs_log_ratio"] < 1e-6 for r in rows)
+    for name in ("config.yaml", "summary.json", "reward_curve.png", "lora/pytorch_lora_weights.safetensors",
+                 "samples/before-iter-000000.png", "samples/after-iter-000002.png", "checkpoints/latest"):
+        assert (run / name).is_file(), name
+
+
+# ---- c. accelerate launch, 2 processes == 1 -------------------------------------------------------------
+
+# one optimizer update per rollout (8 samples: 1 x 4 micro-batches of 2 == 2 x 2), so both see the same samples
+# in each update; Adam with adam_eps = 1 makes the update proportional to the gradient (as test_distributed.py)
+COMMON = ["train.micro_batch=2", "train.adam_eps=1.0", "train.lr=1.0", "train.weight_decay=0", "threads=1"]
+
+
+def _launch(out: Path, nproc: int, path: Path, grad_accum: int) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    script = [str(ROOT / "scripts" / "train_flux.py"), str(CONFIG), f"model.path={path}", *COMMON,
+              f"train.grad_accum={grad_accum}", "--out", str(out)]
+    cmd = [sys.executable, *script] if nproc == 1 else [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", *script]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if nproc > 1:
+        assert f"{nproc} process(es)" in proc.stdout + proc.stderr
+
+
+def test_accelerate_launch_two_processes_equal_one(tiny_dirs, tmp_path):
+    path = tiny_dirs("flux")
+    one, two = tmp_path / "one", tmp_path / "two"
+    _launch(one, 1, path, grad_accum=4)
+    _launch(two, 2, path, grad_accum=2)
+    for run in (one, two):
+        for name in ("config.yaml", "summary.json", "metrics.jsonl", "lora/pytorch_lora_weights.safetensors"):
+            assert (run / name).is_file(), (run, name)
+    rows = lambda d: [{k: v for k, v in json.loads(ln).items() if k not in TIMING_KEYS}
+                      for ln in (d / "metrics.jsonl").read_text().splitlines()]
+    r1, r2 = rows(one), rows(two)
+    assert len(r1) == len(r2) == 2
+    for a, b in zip(r1, r2):
+        for k in ("reward_mean", "reward_std", "adv_mean", "adv_std", "trained_samples"):
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k  # the same samples, gathered rewards
+        for k in ("loss", "approx_kl", "grad_norm"):
+            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-7), k
+    ckpt = lambda d: load_safetensors_checked(d / "checkpoints" / "iter-000002" / "trainable.safetensors", "weights")[0]
+    w1, w2 = ckpt(one), ckpt(two)
+    assert w1.keys() == w2.keys() and w1
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], rtol=1e-3, atol=1e-6, msg=k)
+    assert any(float(w.abs().max()) > 1e-4 for k, w in w1.items() if "lora_B" in k)  # training moved B
+
+
+# ---- d. the pieces: checkpoint-free rewards, config checks, the script's kind check ----------------------
+
+def test_simple_rewards_score_images_and_videos():
+    from difrl.rewards import build_reward
+
+    img = torch.zeros(2, 3, 4, 4)
+    img[0, 0] = 1.0  # all red
+    img[1] = 0.5
+    assert torch.allclose(build_reward("brightness")(img, ["a", "b"], [])["brightness"], torch.tensor([1 / 3, 0.5]))
+    assert torch.allclose(build_reward("brightness", target=0.5)(img, ["a", "b"], [])["brightness"],
+                          torch.tensor([1 - 1 / 6, 1.0]))
+    assert torch.allclose(build_reward("color", channel="red")(img, ["a", "b"], [])["color"], torch.tensor([1.0, 0.0]))
+    video = img[:, :, None].expand(2, 3, 5, 4, 4)  # [B, C, F, H, W]: per clip
+    assert torch.allclose(build_reward("color")(video, ["a", "b"], [])["color"], torch.tensor([1.0, 0.0]))
+    with pytest.raises(ValueError, match="channel must be one of"):
+        build_reward("color", channel="pink")
+
+
+def test_config_checks_for_diffusers_models(tmp_path):
+    from difrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="model.prompts"):
+        load_flow_config(CONFIG, ["model.prompts=null"])
+    with pytest.raises(ConfigError, match="stop.fd_rise"):
+        load_flow_config(CONFIG, ["stop.fd_rise=1.2"])
+    with pytest.raises(ConfigError, match="sampler.shift"):
+        load_flow_config(CONFIG, ["sampler.shift=3.0"])
+    assert load_flow_config(CONFIG, ["sampler.shift=3.0", "model.schedule=shift"]).sampler.shift == 3.0
+
+
+def test_entry_script_refuses_another_kind(tmp_path, capsys):
+    from difrl.train.entry import main
+
+    assert main("sd3", [str(CONFIG), f"model.path={tmp_path}", "--out", str(tmp_path / "run")]) == 2
+    assert "model.kind=flux config; this script trains sd3" in capsys.readouterr().err
