@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command_line, same_config, stamp, standard_args, write_block, write_json  # noqa: E402
+from common import publish, same_config, standard_args  # noqa: E402
 
 from difrl.train.config import load_flow_config  # noqa: E402
 from difrl.train.flow import train  # noqa: E402
@@ -138,7 +138,7 @@ def cost_rows(methods: list[str], iterations: int, out: Path, model_path: Path |
     for k in range(repeats):
         for name in methods:
             ms, _ = run(name, [f"train.iterations={iterations}", "eval.every=0", "eval.per_digit=5", "stop.fd_rise=null",
-                               *net], out / f"cost_{tag}" / f"{name.replace(' ', '_')}-{k}", False)
+                               "threads=1", *net], out / f"cost_{tag}" / f"{name.replace(' ', '_')}-{k}", False)
             ms = ms[2:] if len(ms) > 4 else ms  # the first iterations warm up allocators and thread pools
             rounds.setdefault(name, []).append(ms)
     for name in methods:
@@ -218,8 +218,8 @@ def learning_rows(methods: list[str], seeds: list[int], iterations: int, every: 
 NOTES = [
     "Reading it: NFE = network evaluations per iteration (10 prompts x 16 leaves; CFG off), rollout = pi_old sampling,",
     "update = forwards of the trained transitions (x1 here; the KL reference adds one more each in every method).",
-    "Seconds are CPU timings of the whole iteration (rollout, reward, advantages, update), evaluations excluded; each",
-    "method's fastest of 2 calibration rounds. In (b) a method's budget is flat's iterations x (flat s/iter / its",
+    "Seconds are CPU timings (1 thread) of the whole iteration (rollout, reward, advantages, update), evaluations",
+    "excluded; each method's fastest of 2 calibration rounds. In (b) a method's budget is flat's iterations x (flat s/iter / its",
     "s/iter) from the base calibration; it is read at its last evaluation inside that; 'final' is the end of its run.",
 ]
 
@@ -288,12 +288,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ratios = {r["method"]: r["ratio_to_flat"] for r in rows if r["section"] == "cost_base"}
         rows += learning_rows(methods, args.seeds or ([0] if q else [0, 1, 2]), args.iterations or (30 if q else 300),
                               args.every or 10, ratios, args.out, args.reuse)
-    body = ["## BranchGRPO: tree rollouts vs flat GRPO (digits world)", "",
-            *stamp(command_line("bench_branch.py", argv)), "", *tables(rows), "", *NOTES]
-    print("\n".join(body))
-    write_json(args.json, rows)
-    if not args.no_write:
-        write_block(ROOT / "BENCHMARKS.md", BEGIN, END, body)
+    publish(args, BEGIN, END, "BranchGRPO: tree rollouts vs flat GRPO (digits world)", "bench_branch.py", argv,
+            [*tables(rows), "", *NOTES], rows)
     return rows
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command_line, stamp, standard_args, write_block, write_json  # noqa: E402
+from common import publish, standard_args  # noqa: E402
 
 from difrl.train.config import load_flow_config  # noqa: E402
 from difrl.train.flow import train  # noqa: E402
@@ -114,13 +114,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         k3 = "–" if r["kl_k3_mean"] is None else f"{r['kl_k3_mean']:.2e}"
         table.append(f"| {r['scenario']} | {r['method']} | {fmt(r, 'accuracy', 3)} | {fmt(r, 'judge', 3)} | {fmt(r, 'fd', 1)} | "
                      f"{fmt(r, 'diversity', 3)} | {k3} | {fmt(r, 'ess_frac', 4)} | {fmt(r, 'masked_frac', 4)} |")
-    body = ["## Correctors under a rollout/train mismatch (digits, Flow-GRPO)", "", *stamp(command_line("bench_correct.py", argv)),
-            "", f"Mismatch: `{' '.join(args.mismatch)}` (none for the on-policy rows); {iterations} iterations per run; seeds {seeds}; final evaluation "
-                f"(500 samples, 10 ODE steps); the FD stopping rule off.", "", *table]
-    print("\n".join(body))
-    write_json(args.json, rows)
-    if not args.no_write:
-        write_block(ROOT / "BENCHMARKS.md", BEGIN, END, body)
+    publish(args, BEGIN, END, "Correctors under a rollout/train mismatch (digits, Flow-GRPO)", "bench_correct.py", argv,
+            [f"Mismatch: `{' '.join(args.mismatch)}` (none for the on-policy rows); {iterations} iterations per run; seeds "
+             f"{seeds}; final evaluation (500 samples, 10 ODE steps); the FD stopping rule off.", "", *table], rows)
     return rows
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command_line, same_config, stamp, standard_args, write_block, write_json  # noqa: E402
+from common import publish, same_config, standard_args  # noqa: E402
 
 from difrl.quant import QUANT_PRESETS, RolloutCopy  # noqa: E402
 from difrl.rewards import build_reward  # noqa: E402
@@ -239,12 +239,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not args.skip_learning:
         rows += learning_rows(args.seeds or ([0] if q else [0, 1, 2]), args.grpo_iterations or (30 if q else 300),
                               args.nft_iterations or (30 if q else 150), args.every or 10, args.out, args.methods, args.reuse)
-    body = ["## Sol-RL: NVFP4 candidate ranking and learning per full-precision NFE", "",
-            *stamp(command_line("bench_solrl.py", argv)), "", *tables(rows), "", *NOTES]
-    print("\n".join(body))
-    write_json(args.json, rows)
-    if not args.no_write:
-        write_block(ROOT / "BENCHMARKS.md", BEGIN, END, body)
+    publish(args, BEGIN, END, "Sol-RL: NVFP4 candidate ranking and learning per full-precision NFE", "bench_solrl.py",
+            argv, [*tables(rows), "", *NOTES], rows)
     return rows
 
 

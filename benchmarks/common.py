@@ -57,6 +57,17 @@ def standard_args(ap, quick_help: str) -> None:
     ap.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
 
 
+def publish(args, begin: str, end: str, title: str, script: str, argv: list[str] | None, lines: list[str],
+            rows: list[dict]) -> None:
+    """Print the block (title, command / date / machine, `lines`), write the rows to --json, and put the
+    block between `begin`/`end` in BENCHMARKS.md unless --no-write."""
+    body = [f"## {title}", "", *stamp(command_line(script, argv)), "", *lines]
+    print("\n".join(body))
+    write_json(args.json, rows)
+    if not args.no_write:
+        write_block(Path(__file__).resolve().parent.parent / "BENCHMARKS.md", begin, end, body)
+
+
 def write_json(path: Path | None, rows: list[dict]) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -95,3 +95,35 @@ def test_gpu_lowprec_code_path_on_cpu(monkeypatch):
     assert "| nvfp4 | te | 2/3 |" in gpu.table(rows)
     block = gpu.SingleStreamBlock(64, 4)
     assert block(torch.randn(2, 8, 64), torch.randn(2, 64)).shape == (2, 8, 64)
+
+
+def test_bench_dts_rows(tmp_path):
+    import torch
+
+    bench = _load("bench_dts")
+    threads = torch.get_num_threads()  # the script sets its own thread count
+    try:
+        rows = bench.main(["--quick", "--no-write", "--budgets", "20", "40", "--lams", "1", "--json", str(tmp_path / "d.json")])
+    finally:
+        torch.set_num_threads(threads)
+    search = {(r["method"], r["budget"]): r for r in rows if r["section"] == "search"}
+    assert {("DTS*", 20), ("DTS*", 40), ("best-of-N", 20), ("best-of-N", 160)} <= set(search)
+    # both are anytime: a larger budget never finds a worse best sample (the same runs, longer prefixes)
+    for m in ("DTS*", "best-of-N"):
+        assert search[(m, 40)]["reward"] >= search[(m, 20)]["reward"]
+    sampling = [r for r in rows if r["section"] == "sampling"]
+    assert [r["method"] for r in sampling] == ["base sampler", "DTS lam=1"]
+    assert sampling[0]["distinct"] == 16 and 1 <= sampling[1]["distinct"] <= 16
+    assert json.loads((tmp_path / "d.json").read_text()) == rows
+
+
+def test_bench_branch_rows(tmp_path):
+    bench = _load("bench_branch")
+    rows = bench.main(["--quick", "--no-write", "--iterations", "2", "--cost-iterations", "2", "--wide-hidden", "0",
+                       "--every", "1", "--methods", "flat GRPO", "BranchGRPO-Mix", "--out", str(tmp_path / "runs")])
+    cost = {r["method"]: r for r in rows if r["section"] == "cost_base"}
+    assert cost["flat GRPO"]["nfe_rollout"] == 1600 and cost["flat GRPO"]["ratio_to_flat"] == 1.0
+    # Mix: the tree's 77 evaluations per prompt, and 32 trained SDE edges (steps 0-1 and the splits 0, 2, 4, 6)
+    assert cost["BranchGRPO-Mix"]["nfe_rollout"] == 770 and cost["BranchGRPO-Mix"]["nfe_train"] == 320
+    learn = {r["method"]: r for r in rows if r["section"] == "learning"}
+    assert learn["BranchGRPO-Mix"]["iterations"] == 5 and learn["flat GRPO"]["iterations"] == 2

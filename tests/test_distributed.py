@@ -101,3 +101,19 @@ def test_two_processes_equal_one_for_trees(tmp_path):
     w1, w2 = ckpt(one), ckpt(two)
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], rtol=1e-3, atol=1e-6, msg=k)
+
+
+def test_resume_under_two_processes(tmp_path):
+    # 2 iterations, stop, resume to 3 (both under 2 processes) == 3 iterations without a stop
+    full, part = tmp_path / "full", tmp_path / "part"
+    _train(full, 2, "train.grad_accum=2", "train.iterations=3")
+    _train(part, 2, "train.grad_accum=2", "train.iterations=2")
+    _train(part, 2, "train.grad_accum=2", "train.iterations=3", f"resume={part}")
+    r_full, r_part = _rows(full), _rows(part)
+    assert [r["iteration"] for r in r_part] == [1, 2, 3]
+    for k in ("reward_mean", "loss", "grad_norm", "kl"):
+        assert r_part[2][k] == pytest.approx(r_full[2][k], rel=1e-5, abs=1e-7), k
+    ckpt = lambda d: load_safetensors_checked(d / "checkpoints" / "iter-000003" / "trainable.safetensors", "weights")[0]
+    w1, w2 = ckpt(full), ckpt(part)
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], rtol=1e-5, atol=1e-7, msg=k)

@@ -107,6 +107,32 @@ def test_single_branch_tree_is_the_flat_rollout(policy, kernel):
     assert torch.equal(e.x_final.view(3, T, 64), flat.x_final[:, None].expand(3, T, 64))
 
 
+def test_single_branch_tree_gives_the_flat_loss(policy):
+    # a moved policy (ratio != 1), the same advantage per sample: the PPO-clip loss over the edges (records of
+    # one step) equals the flat loss over [B, T], element by element and in the mean
+    import copy
+
+    from difrl.algos import ppo_clip_loss
+
+    sig, p, seeds = sigma_schedule(N), prompts(3), torch.tensor([5, 9, 2])
+    mask = all_but_last(N)
+    flat = rollout(policy, p, seeds, sig, sde_mask=mask, train_mask=mask)
+    tr = tree_rollout(policy, p, seeds, sig, BranchSchedule(()), "flow_sde", sde_mask=mask)
+    moved = DigitsPolicy(copy.deepcopy(policy.net))
+    with torch.no_grad():
+        for w in moved.net.parameters():
+            w.add_(1e-3 * torch.randn_like(w))
+        lp_flat = recompute_edges(moved, flat, "flow_sde").log_prob  # [3, T]
+        lp_edge = recompute_edges(moved, tr.edges, "flow_sde").log_prob  # [3 * T, 1]
+    adv = torch.tensor([1.0, -0.5, 2.0])
+    T = flat.step.shape[1]
+    pg_flat, _ = ppo_clip_loss(lp_flat, flat.log_prob_old, adv, 1e-3, 1e-3)
+    pg_edge, _ = ppo_clip_loss(lp_edge, tr.edges.log_prob_old, adv.repeat_interleave(T), 1e-3, 1e-3)
+    assert (lp_flat - flat.log_prob_old).abs().max() > 1e-4  # the ratio is not trivially 1
+    assert torch.equal(pg_edge.view(3, T), pg_flat)
+    assert pg_edge.mean() == pg_flat.mean()
+
+
 def test_node_seeds_follow_the_path(policy):
     s = BranchSchedule((1, 3))
     tr = tree_rollout(policy, prompts(2), torch.tensor([40, 41]), sigma_schedule(N), s)
