@@ -1,0 +1,296 @@
+"""The masked-diffusion policy adapter protocol (DESIGN.md seam 1, discrete half) and two adapters.
+
+    policy = TinyMaskedPolicy.from_checkpoint(path)        # difrl's own bidirectional transformer
+    policy = HFMaskedLM.from_pretrained("/models/llada")    # any local transformers masked LM (logits out)
+    logits = policy.logits(tokens, cond)                    # tokens [B, L] long -> [B, L, V] fp32
+    prompt = policy.prompt_mask(tokens, cond)               # [B, L] bool: positions that are never masked
+    policy.mask_id, policy.vocab_size
+
+Conventions shared by every masked adapter:
+
+- ``logits`` returns fp32 ``[B, L, V]`` with the mask token's logit set to ``NEG`` (the SUBS rule of
+  MDLM: the denoiser never predicts the mask). Other positions' logits are left as the network
+  made them (no carry-over point mass), so a corrector can still read a visible token's confidence;
+  samplers and losses only ever read masked positions.
+- "Prompt" positions are the ones a rollout starts with visible and a loss never masks. They are
+  carried in ``cond["prompt_mask"]`` when the caller knows them (text prompts, left padding); without
+  it, every position that is not the mask token in the rollout's *initial* tokens is prompt.
+- ``NEG`` is a large finite negative instead of -inf so that softmax, entropy and temperature
+  division never produce NaN (exp(NEG) is exactly 0 in fp32 and fp64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from difrl.models.base import Cond
+
+NEG = -1e9  # "minus infinity" for logits (finite: no NaN in entropies or under temperature)
+
+
+@runtime_checkable
+class MaskedPolicy(Protocol):
+    """What a masked (absorbing-state) diffusion model must provide to be sampled and trained by difrl."""
+
+    mask_id: int
+    vocab_size: int  # V: the logits' last dimension (mask token included)
+    lora_target_modules: list[str]
+
+    @property
+    def module(self) -> nn.Module:
+        """The trainable network."""
+
+    def logits(self, tokens: torch.Tensor, cond: Cond | None = None) -> torch.Tensor:
+        """tokens [B, L] long (mask_id where masked) -> fp32 [B, L, V], mask logit = NEG."""
+
+    def prompt_mask(self, tokens: torch.Tensor, cond: Cond | None = None) -> torch.Tensor:
+        """[B, L] bool: prompt positions (never masked by a loss, never changed by a sampler)."""
+
+
+def prompt_mask_of(tokens: torch.Tensor, mask_id: int, cond: Cond | None = None) -> torch.Tensor:
+    """cond["prompt_mask"] if given, else the positions of `tokens` (a rollout's start) that are not masked."""
+    if cond is not None and "prompt_mask" in cond:
+        pm = cond["prompt_mask"].bool()
+        if pm.shape != tokens.shape:
+            raise ValueError(f"cond['prompt_mask'] has shape {tuple(pm.shape)}, tokens have {tuple(tokens.shape)}")
+        return pm
+    return tokens != mask_id
+
+
+def _check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
+    if tokens.dtype not in (torch.int64, torch.int32) or tokens.ndim != 2:
+        raise ValueError(f"tokens must be a [B, L] integer tensor, got {tuple(tokens.shape)} {tokens.dtype}")
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        raise ValueError(f"token ids must lie in [0, {vocab_size}), got [{int(tokens.min())}, {int(tokens.max())}]")
+
+
+# ----------------------------------------------------------------------------- difrl's tiny transformer
+@dataclass
+class MaskedNetConfig:
+    vocab_size: int = 5  # including the mask token
+    mask_id: int = 4
+    seq_len: int = 16
+    dim: int = 128
+    layers: int = 3
+    heads: int = 4
+    mlp_ratio: int = 4
+    num_labels: int = 0  # > 0: a class label (cond["label"]) is added to every position (digit tokens)
+
+
+class Block(nn.Module):
+    """Pre-LN bidirectional (no causal mask) self-attention + MLP."""
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, mlp_ratio * dim)
+        self.fc2 = nn.Linear(mlp_ratio * dim, dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, l, d = h.shape
+        q, k, v = self.qkv(self.norm1(h)).view(b, l, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v)  # is_causal=False: bidirectional
+        h = h + self.proj(a.transpose(1, 2).reshape(b, l, d))
+        return h + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm2(h))))
+
+
+class MaskedTransformer(nn.Module):
+    """tokens [B, L] (+ label [B]) -> logits [B, L, V]; learned absolute positions."""
+
+    def __init__(self, cfg: MaskedNetConfig = MaskedNetConfig()):
+        super().__init__()
+        if cfg.dim % cfg.heads:
+            raise ValueError(f"dim {cfg.dim} is not divisible by heads {cfg.heads}")
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos = nn.Parameter(torch.randn(cfg.seq_len, cfg.dim) * 0.02)
+        self.label = nn.Embedding(cfg.num_labels, cfg.dim) if cfg.num_labels else None
+        self.blocks = nn.ModuleList([Block(cfg.dim, cfg.heads, cfg.mlp_ratio) for _ in range(cfg.layers)])
+        self.norm = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size)
+        for emb in (self.tok, self.label):
+            if emb is not None:
+                nn.init.normal_(emb.weight, std=0.02)
+
+    def forward(self, tokens: torch.Tensor, label: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.tok(tokens) + self.pos[: tokens.shape[1]]
+        if self.label is not None:
+            if label is None:
+                raise ValueError("this masked transformer is label-conditioned: pass cond={'label': [B] long}")
+            h = h + self.label(label)[:, None]
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+class TinyMaskedPolicy:
+    """MaskedPolicy adapter for MaskedTransformer (the bundled discrete worlds' generator)."""
+
+    lora_target_modules = ["qkv", "proj", "fc1", "fc2", "head"]
+
+    def __init__(self, net: MaskedTransformer):
+        self.net = net
+        self.mask_id = net.cfg.mask_id
+        self.vocab_size = net.cfg.vocab_size
+
+    @property
+    def module(self) -> nn.Module:
+        return self.net
+
+    @module.setter
+    def module(self, m: nn.Module) -> None:  # peft wraps the net in place of the plain module
+        self.net = m
+
+    def logits(self, tokens: torch.Tensor, cond: Cond | None = None) -> torch.Tensor:
+        _check_tokens(tokens, self.vocab_size)
+        out = self.net(tokens, (cond or {}).get("label")).float()
+        out[..., self.mask_id] = NEG
+        return out
+
+    def prompt_mask(self, tokens: torch.Tensor, cond: Cond | None = None) -> torch.Tensor:
+        return prompt_mask_of(tokens, self.mask_id, cond)
+
+    def state_dict_and_meta(self, **extra) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """The plain network's weights and its config as safetensors metadata (merge LoRA first)."""
+        net = self.net.get_base_model() if hasattr(self.net, "get_base_model") else self.net
+        meta = {k: str(v) for k, v in asdict(net.cfg).items()} | {k: str(v) for k, v in extra.items()}
+        return dict(net.state_dict()), meta
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, what: str = "masked transformer checkpoint") -> "TinyMaskedPolicy":
+        from difrl.utils.io import load_safetensors_checked
+
+        tensors, meta = load_safetensors_checked(path, what=what)
+        fields = {k: int(meta[k]) for k in asdict(MaskedNetConfig()) if k in meta}
+        if "vocab_size" not in fields or "seq_len" not in fields:
+            raise ValueError(f"{path} is not a {what}: its metadata has no vocab_size / seq_len")
+        net = MaskedTransformer(MaskedNetConfig(**fields))
+        missing, unexpected = net.load_state_dict(tensors, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{path} is not a {what}: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        return cls(net.eval())
+
+
+# ----------------------------------------------------------------------------- transformers masked LMs
+class HFMaskedLM:
+    """MaskedPolicy adapter for a masked LM in a local transformers directory (BERT-like, ModernBERT,
+    LLaDA with ``trust_remote_code=True``): anything whose forward(input_ids, attention_mask) returns
+    ``.logits`` of shape [B, L, V].
+
+        policy = HFMaskedLM.from_pretrained("/models/LLaDA-8B-Instruct", trust_remote_code=True, dtype="bf16")
+        tokens, cond = policy.encode(["What is 2 + 3?"], gen_length=64)   # left-padded prompt + 64 masks
+        texts = policy.decode(tokens, cond)                                # the generated part only
+    """
+
+    def __init__(self, model: nn.Module, mask_id: int, vocab_size: int, tokenizer=None):
+        self.model = model
+        self.mask_id = int(mask_id)
+        self.vocab_size = int(vocab_size)
+        self.tokenizer = tokenizer
+        self.lora_target_modules = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                                           if isinstance(m, nn.Linear) and "embed" not in n and "head" not in n
+                                           and "decoder" not in n.rsplit(".", 1)[-1]})
+
+    @property
+    def module(self) -> nn.Module:
+        return self.model
+
+    @module.setter
+    def module(self, m: nn.Module) -> None:
+        self.model = m
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, mask_id: int | None = None, trust_remote_code: bool = False,
+                        dtype: str | torch.dtype = "fp32", device=None) -> "HFMaskedLM":
+        """Load from a local directory only (nothing is fetched). Remote code runs only when
+        `trust_remote_code` is True *and* `path` is a local directory the user chose."""
+        import transformers
+
+        from difrl.models.diffusers_flow import as_dtype
+
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"{path}: no such directory (expected a local transformers model directory with "
+                                    "config.json; models are never downloaded)")
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json: not a transformers model directory")
+        kw = dict(local_files_only=True, trust_remote_code=bool(trust_remote_code), dtype=as_dtype(dtype))
+        try:
+            model = transformers.AutoModelForMaskedLM.from_pretrained(str(path), **kw)
+        except ValueError as first:  # e.g. LLaDA registers only AutoModel in its remote code
+            if not trust_remote_code:
+                raise ValueError(f"{path}: not loadable as AutoModelForMaskedLM ({first}); if it is a remote-code model "
+                                 "such as LLaDA, pass trust_remote_code=True (only for a directory you trust)") from first
+            model = transformers.AutoModel.from_pretrained(str(path), **kw)
+        tokenizer = None
+        if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")):
+            tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True,
+                                                                   trust_remote_code=bool(trust_remote_code))
+        cfg = model.config
+        if mask_id is None:
+            mask_id = getattr(tokenizer, "mask_token_id", None) if tokenizer is not None else None
+        if mask_id is None:
+            mask_id = getattr(cfg, "mask_token_id", None)
+        if mask_id is None:
+            raise ValueError(f"{path}: no mask token id in the tokenizer or config; pass mask_id= (LLaDA: 126336)")
+        out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        vocab = out_emb.weight.shape[0] if out_emb is not None and hasattr(out_emb, "weight") else cfg.vocab_size
+        if device is not None:
+            model = model.to(device)
+        return cls(model.eval(), int(mask_id), int(vocab), tokenizer)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def logits(self, tokens: torch.Tensor, cond: Cond | None = None) -> torch.Tensor:
+        _check_tokens(tokens, self.vocab_size)
+        att = (cond or {}).get("attention_mask")
+        out = self.model(input_ids=tokens.to(self.device), attention_mask=None if att is None else att.to(self.device))
+        logits = out.logits.float()
+        if logits.shape[:2] != tokens.shape or logits.shape[-1] != self.vocab_size:
+            raise ValueError(f"the model returned logits {tuple(logits.shape)} for tokens {tuple(tokens.shape)}; "
+                             f"expected [B, L, {self.vocab_size}]")
+        logits[..., self.mask_id] = NEG
+        return logits
+
+    def prompt_mask(self, tokens: torch.Tensor, cond: Cond | None = None) -> torch.Tensor:
+        return prompt_mask_of(tokens, self.mask_id, cond)
+
+    def encode(self, prompts: list[str], gen_length: int) -> tuple[torch.Tensor, Cond]:
+        """Left-padded prompt ids followed by `gen_length` mask tokens, and cond with the attention mask
+        (padding excluded) and the prompt mask (prompt and padding: never generated)."""
+        if self.tokenizer is None:
+            raise ValueError("this model directory has no tokenizer; build token ids yourself")
+        tok = self.tokenizer
+        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        width = max(len(x) for x in ids)
+        body = torch.tensor([[pad] * (width - len(x)) + x for x in ids], dtype=torch.long)
+        att = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], dtype=torch.long)
+        tokens = torch.cat([body, torch.full((len(prompts), gen_length), self.mask_id, dtype=torch.long)], dim=1)
+        att = torch.cat([att, torch.ones(len(prompts), gen_length, dtype=torch.long)], dim=1)
+        prompt = torch.zeros_like(tokens, dtype=torch.bool)
+        prompt[:, :width] = True
+        return tokens, {"attention_mask": att, "prompt_mask": prompt}
+
+    def decode(self, tokens: torch.Tensor, cond: Cond) -> list[str]:
+        gen = ~cond["prompt_mask"].bool()
+        return [self.tokenizer.decode(row[g].tolist(), skip_special_tokens=True) for row, g in zip(tokens, gen)]
+
+
+def count_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+__all__ = ["NEG", "MaskedPolicy", "MaskedNetConfig", "MaskedTransformer", "TinyMaskedPolicy", "HFMaskedLM",
+           "prompt_mask_of", "count_parameters"]

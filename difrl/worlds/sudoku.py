@@ -1,0 +1,178 @@
+"""The 4x4 Sudoku world: every solution grid, a split by solution, puzzles, tokens, reward, eval.
+
+    grids = solutions()                                   # [288, 16] digits 1..4, row-major
+    split = solution_split()                              # {"train": [200] ids, "test": [88] ids}, fixed
+    puzzles = make_puzzles(grids[split["test"]], num_blanks=8, seed=0)   # 0 = blank
+    tokens, prompt = encode(puzzles)                      # [N, 16]: digit - 1 at givens, MASK_ID at blanks
+    r = sudoku_reward(decode(out.tokens), puzzles)        # [N] fraction of blanks filled without conflict
+    metrics, filled = evaluate_sudoku(policy)             # {"cell_accuracy", "solve_rate", ...} on the test split
+
+Tokens: one per cell in row-major order; vocabulary {digit 1..4 -> ids 0..3, MASK_ID = 4}. The
+prompt is the puzzle (its givens, never masked or changed); the answer positions are the blanks,
+which a rollout starts as MASK_ID. The reward checks *validity*, not equality with the grid the
+puzzle was cut from (a puzzle with many blanks has several solutions): a filled blank scores when
+no other cell of its row, column or 2x2 box holds the same digit. Solve = the whole grid is valid.
+The split is by solution grid (as SPG's solution-disjoint split), so no test solution is ever seen
+in training.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from difrl.utils.rng import mix_seed
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+BUNDLED_BASE = ASSETS / "sudoku_base.safetensors"
+SIZE, CELLS = 4, 16
+VOCAB, MASK_ID = 5, 4
+SPLIT_SEED, N_TEST_SOLUTIONS = 7, 88  # 200 train / 88 test solution grids
+EVAL_BLANKS, EVAL_PUZZLES, EVAL_SEED = 8, 256, 1234
+
+
+def _peers() -> torch.Tensor:
+    """[16, 16] bool: cells sharing a row, column or 2x2 box (a cell is not its own peer)."""
+    r, c = torch.arange(CELLS) // SIZE, torch.arange(CELLS) % SIZE
+    b = (r // 2) * 2 + c // 2
+    same = (r[:, None] == r[None]) | (c[:, None] == c[None]) | (b[:, None] == b[None])
+    return same & ~torch.eye(CELLS, dtype=torch.bool)
+
+
+PEERS = _peers()
+
+
+@lru_cache(maxsize=1)
+def solutions() -> torch.Tensor:
+    """All 288 valid 4x4 Sudoku grids, [288, 16] long digits 1..4, in lexicographic order."""
+    peers = [PEERS[i].nonzero().flatten().tolist() for i in range(CELLS)]
+    out, grid = [], [0] * CELLS
+
+    def fill(i: int) -> None:
+        if i == CELLS:
+            out.append(list(grid))
+            return
+        for d in range(1, SIZE + 1):
+            if all(grid[j] != d for j in peers[i] if j < i):
+                grid[i] = d
+                fill(i + 1)
+        grid[i] = 0
+
+    fill(0)
+    return torch.tensor(out, dtype=torch.long)
+
+
+@lru_cache(maxsize=4)
+def solution_split(seed: int = SPLIT_SEED, n_test: int = N_TEST_SOLUTIONS) -> dict[str, torch.Tensor]:
+    """Fixed split of the 288 solution ids: {"train": sorted ids, "test": sorted ids}, disjoint."""
+    perm = torch.randperm(len(solutions()), generator=torch.Generator().manual_seed(mix_seed(seed)))
+    return {"train": perm[n_test:].sort().values, "test": perm[:n_test].sort().values}
+
+
+def make_puzzles(grids: torch.Tensor, num_blanks: int | tuple[int, int], seed: int) -> torch.Tensor:
+    """Blank out cells of each grid ([N, 16] digits): `num_blanks` cells, or a count drawn uniformly
+    from the inclusive range (lo, hi) per puzzle, chosen uniformly. Returns [N, 16], 0 = blank."""
+    gen = torch.Generator().manual_seed(mix_seed(seed))
+    n = len(grids)
+    if isinstance(num_blanks, int):
+        counts = torch.full((n,), num_blanks, dtype=torch.long)
+    else:
+        lo, hi = num_blanks
+        counts = torch.randint(lo, hi + 1, (n,), generator=gen)
+    if int(counts.min()) < 1 or int(counts.max()) > CELLS:
+        raise ValueError(f"num_blanks must lie in 1..16, got {num_blanks}")
+    rank = torch.rand(n, CELLS, generator=gen).argsort(1).argsort(1)  # a random permutation rank per cell
+    return grids.masked_fill(rank < counts[:, None], 0)
+
+
+def sample_training_puzzles(n: int, num_blanks: int | tuple[int, int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """n puzzles cut from random *train* solutions: (puzzles [n, 16], their source grids [n, 16])."""
+    train = solution_split()["train"]
+    gen = torch.Generator().manual_seed(mix_seed(seed, 1))
+    grids = solutions()[train[torch.randint(0, len(train), (n,), generator=gen)]]
+    return make_puzzles(grids, num_blanks, mix_seed(seed, 2)), grids
+
+
+@lru_cache(maxsize=8)
+def test_puzzles(num_blanks: int | tuple[int, int] = EVAL_BLANKS, count: int = EVAL_PUZZLES,
+                 seed: int = EVAL_SEED) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed evaluation set: `count` puzzles cut from the test solutions, cycling through them.
+    Returns (puzzles [count, 16], source grids [count, 16])."""
+    test = solution_split()["test"]
+    grids = solutions()[test[torch.arange(count) % len(test)]]
+    return make_puzzles(grids, num_blanks, seed), grids
+
+
+def encode(puzzles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Puzzles [N, 16] (0 = blank) -> (tokens [N, 16] with MASK_ID at blanks, prompt mask [N, 16] bool)."""
+    prompt = puzzles > 0
+    return torch.where(prompt, puzzles - 1, torch.full_like(puzzles, MASK_ID)), prompt
+
+
+def decode(tokens: torch.Tensor) -> torch.Tensor:
+    """Tokens [N, 16] -> digits [N, 16] (0 where still masked)."""
+    return torch.where(tokens == MASK_ID, torch.zeros_like(tokens), tokens + 1)
+
+
+def cell_valid(grid: torch.Tensor) -> torch.Tensor:
+    """[N, 16] digits -> [N, 16] bool: the cell holds 1..4 and no peer holds the same digit."""
+    same = (grid[:, :, None] == grid[:, None, :]) & PEERS[None]
+    return (grid >= 1) & (grid <= SIZE) & ~same.any(-1)
+
+
+def sudoku_reward(filled: torch.Tensor, puzzles: torch.Tensor) -> torch.Tensor:
+    """[N] fp32: fraction of the puzzle's blanks filled with a digit that conflicts with no peer.
+    The givens are taken from the puzzle whatever `filled` holds there."""
+    blank = puzzles == 0
+    grid = torch.where(blank, filled, puzzles)
+    return (cell_valid(grid) & blank).sum(1).float() / blank.sum(1).clamp_min(1).float()
+
+
+def solved(filled: torch.Tensor, puzzles: torch.Tensor) -> torch.Tensor:
+    """[N] bool: the completed grid is a valid Sudoku (every cell valid)."""
+    return cell_valid(torch.where(puzzles == 0, filled, puzzles)).all(1)
+
+
+def load_base(path: str | Path | None = None):
+    """The bundled weak base (or a checkpoint at `path`) as a TinyMaskedPolicy."""
+    from difrl.discrete.policy import TinyMaskedPolicy
+
+    return TinyMaskedPolicy.from_checkpoint(Path(path) if path else BUNDLED_BASE, what="sudoku masked transformer checkpoint")
+
+
+def evaluate_sudoku(policy, num_blanks: int | tuple[int, int] = EVAL_BLANKS, count: int = EVAL_PUZZLES,
+                    sampler: str = "llada", seed: int = EVAL_SEED, batch: int = 256, **sampler_kw) -> tuple[dict, torch.Tensor]:
+    """Fill the fixed test puzzles with `policy`; default sampler: LLaDA low-confidence, one token per
+    step, greedy (T = 0). Returns ({"cell_accuracy", "solve_rate", "nfe" (mean forward passes per puzzle), "num_puzzles",
+    "num_blanks"},
+    filled digits [count, 16])."""
+    from difrl.discrete.samplers import SAMPLERS
+
+    if sampler not in SAMPLERS:
+        raise ValueError(f"unknown sampler {sampler!r}; known: {', '.join(SAMPLERS)}")
+    kw = dict(steps=CELLS, temperature=0.0) if sampler == "llada" else {}
+    kw |= sampler_kw
+    puzzles, _ = test_puzzles(num_blanks, count, seed)
+    net = policy.module
+    was_training = net.training
+    net.eval()
+    filled, nfe = [], []
+    try:
+        for lo in range(0, count, batch):
+            tokens, prompt = encode(puzzles[lo:lo + batch])
+            out = SAMPLERS[sampler](policy, tokens, {"prompt_mask": prompt}, seeds=mix_seed(seed, lo), **kw)
+            filled.append(decode(out.tokens))
+            nfe.append(out.nfe_per_sample.float())
+    finally:
+        net.train(was_training)
+    filled = torch.cat(filled)
+    metrics = {"cell_accuracy": float(sudoku_reward(filled, puzzles).mean()), "solve_rate": float(solved(filled, puzzles).float().mean()),
+               "nfe": float(torch.cat(nfe).mean()), "num_puzzles": count, "num_blanks": str(num_blanks)}
+    return metrics, filled
+
+
+__all__ = ["BUNDLED_BASE", "CELLS", "EVAL_BLANKS", "MASK_ID", "PEERS", "VOCAB", "cell_valid", "decode", "encode",
+           "evaluate_sudoku", "load_base", "make_puzzles", "sample_training_puzzles", "solution_split", "solutions",
+           "solved", "sudoku_reward", "test_puzzles"]
