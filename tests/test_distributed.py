@@ -43,24 +43,38 @@ def _rows(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
 
 
+def _weights(run_dir: Path, iteration: int) -> dict[str, torch.Tensor]:
+    path = run_dir / "checkpoints" / f"iter-{iteration:06d}" / "trainable.safetensors"
+    return load_safetensors_checked(path, "weights")[0]
+
+
+def _assert_same_runs(one: Path, two: Path, exact: tuple[str, ...], reduced: tuple[str, ...], iteration: int = 2,
+                      rtol: float = 1e-3, atol: float = 1e-6) -> None:
+    """Metric rows agree (`exact`: from gathered values; `reduced`: means over processes, float summation
+    order differs) and so do the trainable weights at `iteration`."""
+    r1, r2 = _rows(one), _rows(two)
+    assert len(r1) == len(r2)
+    for a, b in zip(r1, r2):
+        for k in exact:
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
+        for k in reduced:
+            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-7), k
+    w1, w2 = _weights(one, iteration), _weights(two, iteration)
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], rtol=rtol, atol=atol, msg=k)
+
+
 def test_two_processes_equal_one(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     _train(one, 1, "train.grad_accum=4")
     _train(two, 2, "train.grad_accum=2")
-    r1, r2 = _rows(one), _rows(two)
-    assert len(r1) == len(r2) == 2
-    for a, b in zip(r1, r2):
-        for k in ("reward_mean", "reward_std", "adv_mean", "adv_std", "trained_samples", "zero_spread_groups"):
-            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k  # same samples, gathered rewards
-        for k in ("kl", "approx_kl", "grad_norm", "loss", "clip_high", "clip_low"):
-            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-7), k  # metrics reduced over both processes
-        assert a["ratio_per_step"].keys() == b["ratio_per_step"].keys()
-    ckpt = lambda d: load_safetensors_checked(d / "checkpoints" / "iter-000002" / "trainable.safetensors", "weights")[0]
-    w1, w2 = ckpt(one), ckpt(two)
-    assert w1.keys() == w2.keys()
-    for k in w1:
-        torch.testing.assert_close(w1[k], w2[k], rtol=1e-3, atol=1e-6, msg=k)
-    assert any(float(w.abs().max()) > 1e-3 for k, w in w1.items() if "lora_B" in k)  # training moved B
+    # same samples and gathered rewards; metrics reduced over both processes
+    _assert_same_runs(one, two, ("reward_mean", "reward_std", "adv_mean", "adv_std", "trained_samples", "zero_spread_groups"),
+                      ("kl", "approx_kl", "grad_norm", "loss", "clip_high", "clip_low"))
+    assert len(_rows(one)) == 2
+    assert all(a["ratio_per_step"].keys() == b["ratio_per_step"].keys() for a, b in zip(_rows(one), _rows(two)))
+    assert any(float(w.abs().max()) > 1e-3 for k, w in _weights(one, 2).items() if "lora_B" in k)  # training moved B
 
 
 def test_two_processes_equal_one_for_solrl_with_nft(tmp_path):
@@ -72,16 +86,8 @@ def test_two_processes_equal_one_for_solrl_with_nft(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     _train(one, 1, *extra, "train.grad_accum=4")
     _train(two, 2, *extra, "train.grad_accum=2")
-    r1, r2 = _rows(one), _rows(two)
-    for a, b in zip(r1, r2):
-        for k in ("reward_mean", "solrl/spearman_median", "solrl/candidate_reward_mean", "nfe_lowprec", "nfe_full"):
-            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
-        for k in ("loss", "nft_loss_pos", "kl", "grad_norm"):
-            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-7), k
-    ckpt = lambda d: load_safetensors_checked(d / "checkpoints" / "iter-000002" / "trainable.safetensors", "weights")[0]
-    w1, w2 = ckpt(one), ckpt(two)
-    for k in w1:
-        torch.testing.assert_close(w1[k], w2[k], rtol=1e-3, atol=1e-6, msg=k)
+    _assert_same_runs(one, two, ("reward_mean", "solrl/spearman_median", "solrl/candidate_reward_mean", "nfe_lowprec",
+                                 "nfe_full"), ("loss", "nft_loss_pos", "kl", "grad_norm"))
 
 
 def test_two_processes_equal_one_for_trees(tmp_path):
@@ -91,16 +97,8 @@ def test_two_processes_equal_one_for_trees(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     _train(one, 1, *extra, "train.grad_accum=4")
     _train(two, 2, *extra, "train.grad_accum=2")
-    r1, r2 = _rows(one), _rows(two)
-    for a, b in zip(r1, r2):
-        for k in ("reward_mean", "reward_std", "nfe_full", "nfe_train", "tree/edges_trained", "tree/edge_adv_abs_mean"):
-            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
-        for k in ("kl", "loss", "grad_norm", "clip_high", "clip_low"):
-            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-7), k
-    ckpt = lambda d: load_safetensors_checked(d / "checkpoints" / "iter-000002" / "trainable.safetensors", "weights")[0]
-    w1, w2 = ckpt(one), ckpt(two)
-    for k in w1:
-        torch.testing.assert_close(w1[k], w2[k], rtol=1e-3, atol=1e-6, msg=k)
+    _assert_same_runs(one, two, ("reward_mean", "reward_std", "nfe_full", "nfe_train", "tree/edges_trained",
+                                 "tree/edge_adv_abs_mean"), ("kl", "loss", "grad_norm", "clip_high", "clip_low"))
 
 
 def test_resume_under_two_processes(tmp_path):
@@ -109,11 +107,5 @@ def test_resume_under_two_processes(tmp_path):
     _train(full, 2, "train.grad_accum=2", "train.iterations=3")
     _train(part, 2, "train.grad_accum=2", "train.iterations=2")
     _train(part, 2, "train.grad_accum=2", "train.iterations=3", f"resume={part}")
-    r_full, r_part = _rows(full), _rows(part)
-    assert [r["iteration"] for r in r_part] == [1, 2, 3]
-    for k in ("reward_mean", "loss", "grad_norm", "kl"):
-        assert r_part[2][k] == pytest.approx(r_full[2][k], rel=1e-5, abs=1e-7), k
-    ckpt = lambda d: load_safetensors_checked(d / "checkpoints" / "iter-000003" / "trainable.safetensors", "weights")[0]
-    w1, w2 = ckpt(full), ckpt(part)
-    for k in w1:
-        torch.testing.assert_close(w1[k], w2[k], rtol=1e-5, atol=1e-7, msg=k)
+    assert [r["iteration"] for r in _rows(part)] == [1, 2, 3]
+    _assert_same_runs(full, part, ("reward_mean", "loss", "grad_norm", "kl"), (), iteration=3, rtol=1e-5, atol=1e-7)
