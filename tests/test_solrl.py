@@ -17,6 +17,7 @@ from difrl.config import ConfigError
 from difrl.models.digits import DigitsPolicy
 from difrl.quant import QuantLinear, WeightSyncError, dequantize, merged_state_dict, quantize, quantized_layers
 from difrl.rollout import regenerate
+from difrl.samplers import sigma_schedule
 from difrl.solrl import kendall, rank_agreement, select_indices, spearman
 from difrl.train.config import load_flow_config
 from difrl.train.flow import TIMING_KEYS, train
@@ -114,7 +115,7 @@ def test_solrl_runs_logs_agreement_and_trains_the_regenerated_seeds(tmp_path, mo
     policy.module.load_state_dict(regen["weights"])
     policy.module.eval()
     b = regen["batch"]
-    again = regenerate(policy, b, flow.sigma_schedule(4), kernel="flow_sde", kernel_kwargs=regen["args"][0],
+    again = regenerate(policy, b, sigma_schedule(4), kernel="flow_sde", kernel_kwargs=regen["args"][0],
                        sde_mask=regen["args"][1], train_mask=regen["args"][2])
     assert torch.equal(again.x_final, b.x_final) and torch.equal(again.log_prob_old, b.log_prob_old)
     assert torch.equal(again.x, b.x)
