@@ -38,12 +38,39 @@ def _load(path: str | None, overrides: list[str]):
     return load_flow_config(path, overrides) if path else load_flow_config(None, overrides) if overrides else FlowConfig()
 
 
+def _model_kind(path: str, overrides: list[str]) -> str | None:
+    """model.kind as the YAML (then a model.kind=... override) sets it, without building the config."""
+    from difrl.config import _read_yaml
+
+    model = _read_yaml(path).get("model")
+    kind = model.get("kind") if isinstance(model, dict) else None
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.strip() == "model.kind":
+            kind = value.strip()
+    return kind
+
+
 def cmd_train(args) -> int:
     from difrl.train.flow import train
+    from difrl.train.masked_config import MASKED_KINDS
 
     path, overrides = _split(args.rest)
     if path is None:
         raise SystemExit("difrl train: give a config file, e.g. difrl train configs/digits.yaml")
+    if _model_kind(path, overrides) in MASKED_KINDS:  # a masked-diffusion world: the masked GRPO trainer
+        from difrl.train.masked import train as train_masked
+        from difrl.train.masked_config import load_masked_config
+
+        summary = train_masked(load_masked_config(path, overrides), out_dir=args.out)
+        before, after = summary["eval_before"], summary["eval_after"]
+        print(f"\ndifrl: {summary['iterations']} iterations")
+        print(f"{'':<16}{'before':>10}{'after':>10}")
+        for key in ("cell_accuracy", "solve_rate"):
+            print(f"{key:<16}{before[key]:>10.3f}{after[key]:>10.3f}")
+        run = Path(summary["run_dir"])
+        print(f"results: {run / 'summary.json'}, policy: {run / 'policy.safetensors'}, curve: {run / 'reward_curve.png'}")
+        return 0
     cfg = _load(path, overrides)
     summary = train(cfg, out_dir=args.out)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun / accelerate launch, one process reports
@@ -69,18 +96,37 @@ def cmd_eval(args) -> int:
     from difrl.worlds import build_world
 
     path, overrides = _split(args.rest)
-    model_path = None
+    run = None
     if path and Path(path).is_dir():  # a run directory: its config and its trained policy
         run = Path(path)
         if not (run / "config.yaml").exists():
             raise FileNotFoundError(f"{run} is not a difrl run directory (no config.yaml)")
-        cfg = _load(str(run / "config.yaml"), overrides)
-        model_path = str(run / "policy.safetensors")
-    else:
-        cfg = _load(path, overrides)
-        model_path = cfg.model.path
+        path = str(run / "config.yaml")
+    from difrl.train.masked_config import MASKED_KINDS
+
+    if path and _model_kind(path, overrides) in MASKED_KINDS:  # Sudoku: the masked world's eval
+        from difrl.train.masked_config import load_masked_config
+        from difrl.worlds import sudoku
+
+        cfg = load_masked_config(path, overrides)
+        torch.set_num_threads(cfg.threads or len(os.sched_getaffinity(0)))
+        policy = sudoku.load_base(str(run / "policy.safetensors") if run else cfg.model.path)
+        metrics, _ = sudoku.evaluate_sudoku(policy, cfg.eval.num_blanks, cfg.eval.count, seed=cfg.eval.seed)
+        print(json.dumps(metrics, indent=2))
+        return 0
+    cfg = _load(path, overrides)
+    digits = cfg.model.kind == "digits"
+    # a run's trained policy: digits writes a merged checkpoint, a diffusers model a LoRA directory on its base
+    model_path = str(run / "policy.safetensors") if run and digits else cfg.model.path
     torch.set_num_threads(cfg.threads or len(os.sched_getaffinity(0)))
     world = build_world(cfg.model.kind, model_path, cfg)
+    if run and not digits:
+        if not (run / "lora").is_dir():
+            raise FileNotFoundError(f"{run} has no lora/ directory (a full fine-tune's transformer/ is not loaded by "
+                                    "difrl eval yet)")
+        from difrl.models.diffusers_flow import load_lora
+
+        load_lora(world.policy, run / "lora")
     metrics, images = world.evaluate(world.policy, cfg.eval.per_digit, cfg.eval.num_steps, cfg.eval.seed, cfg.sampler.shift)
     if args.grid:
         world.save_grid(images, Path(args.grid))

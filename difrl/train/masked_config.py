@@ -1,0 +1,137 @@
+"""The masked-diffusion trainer's typed config (``difrl train configs/sudoku.yaml``).
+
+    cfg = load_masked_config("configs/sudoku.yaml", ["estimator.kind=d1", "train.lr=1e-4"])
+
+Estimators (specs/discrete-diffusion-rl.md section 3): ``maskgrpo`` (one re-masked copy per inner
+update, mask ratio r_n = min(c + (1 - c) n / mu, 0.999), fading-out AR-like or uniform masking,
+loss over the masked answer tokens), ``d1`` (every answer token masked, optional prompt masking,
+loss over all answer tokens) and ``coupled`` (coupled-GRPO: full view plus complementary views A / B
+at t ~ U(t_low, t_high), weights 1/t and 1/(1 - t)). ``mu`` = train.inner_updates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from difrl.config import cfg_field, config_error, load_config
+
+MASKED_KINDS = ("sudoku",)  # model.kind values trained by difrl.train.masked
+
+
+@dataclass
+class MaskedModelConfig:
+    kind: str = cfg_field("sudoku", choices=MASKED_KINDS, help="the bundled 4x4 Sudoku world (difrl/worlds/sudoku.py)")
+    path: str | None = cfg_field(None, help="a masked transformer checkpoint (safetensors); None = the bundled weak base")
+
+
+@dataclass
+class MaskedSamplerConfig:
+    kind: str = cfg_field("llada", choices=("llada", "eb"), help="rollout sampler: LLaDA low-confidence remasking or EB-Sampler")
+    steps: int = cfg_field(16, ge=1, help="llada: total steps (16 = one token per step for 4x4 Sudoku)")
+    block_length: int | None = cfg_field(None, ge=1, help="semi-autoregressive block length; None = one block")
+    temperature: float = cfg_field(1.0, ge=0.0, help="rollout temperature (0 = greedy: no exploration)")
+    gamma: float = cfg_field(0.1, ge=0.0, help="eb: entropy bound (sum H - max H <= gamma)")
+
+
+@dataclass
+class MaskedRolloutConfig:
+    prompts_per_iter: int = cfg_field(16, ge=1, help="puzzles (groups) per iteration")
+    group_size: int = cfg_field(8, ge=2, help="rollouts per puzzle")
+    num_blanks: tuple[int, int] = cfg_field((4, 10), help="training puzzles: blanks drawn uniformly from [lo, hi]")
+
+    def validate(self) -> None:
+        lo, hi = self.num_blanks
+        if not 1 <= lo <= hi <= 16:
+            raise config_error("num_blanks", f"[{lo}, {hi}] must satisfy 1 <= lo <= hi <= 16")
+
+
+@dataclass
+class EstimatorConfig:
+    kind: str = cfg_field("maskgrpo", choices=("maskgrpo", "d1", "coupled"),
+                          help="log-prob estimator of the masked policy (spec section 3)")
+    min_mask_rate: float = cfg_field(0.6, ge=0.0, lt=1.0, help="maskgrpo: c of the ratio sweep r_n = min(c + (1 - c) n / mu, 0.999)")
+    remasking: str = cfg_field("arlike", choices=("arlike", "random"),
+                               help="maskgrpo: fading-out AR-like (text) or i.i.d. Bernoulli(r_n) (UniGRPO / image tokens)")
+    p_mask_prompt: float = cfg_field(0.0, ge=0.0, lt=1.0, help="d1: prompt-token masking probability (d1: 0.15; 0 = the "
+                                                               "prompt is never masked)")
+    t_low: float = cfg_field(0.2, gt=0.0, lt=1.0, help="coupled: t ~ U(t_low, t_high)")
+    t_high: float = cfg_field(0.8, gt=0.0, lt=1.0)
+    full_view: bool = cfg_field(True, help="coupled: average with the fully masked (d1) view, as DiffuCoder's code does")
+
+    def validate(self) -> None:
+        if self.t_low > self.t_high:
+            raise config_error("t_low", f"{self.t_low} > estimator.t_high={self.t_high}")
+
+
+@dataclass
+class MaskedAdvantageConfig:
+    scale: str = cfg_field("std", choices=("std", "mean", "loo"),
+                           help="std: (r - mean) / (std + eps) (MaskGRPO); mean: r - mean (d1); loo: leave-one-out (coupled)")
+    eps: float = cfg_field(1e-5, gt=0.0)
+    clip: float = cfg_field(5.0, gt=0.0, help="|A| <= clip")
+    drop_zero_spread: bool = cfg_field(True, help="drop groups whose rewards are all equal (no signal)")
+
+
+@dataclass
+class MaskedLoraConfig:
+    enabled: bool = cfg_field(False, help="LoRA via peft (False = full fine-tuning; fine for the tiny model)")
+    rank: int = cfg_field(16, ge=1)
+    alpha: float = cfg_field(32.0, gt=0.0)
+    targets: list[str] | None = cfg_field(None, help="module names; None = the adapter's lora_target_modules")
+
+
+@dataclass
+class MaskedTrainConfig:
+    iterations: int = cfg_field(100, ge=0, help="rollout rounds")
+    lr: float = cfg_field(1e-4, gt=0.0)
+    weight_decay: float = cfg_field(0.0, ge=0.0)
+    betas: tuple[float, float] = cfg_field((0.9, 0.999))
+    max_grad_norm: float | None = cfg_field(1.0, gt=0.0)
+    micro_batch: int = cfg_field(64, ge=1, help="samples per forward/backward")
+    grad_accum: int = cfg_field(1, ge=1, help="micro-batches per optimizer update")
+    inner_updates: int = cfg_field(4, ge=1, help="mu: passes over each rollout, each with its own re-mask")
+    clip_low: float = cfg_field(0.2, ge=0.0, help="PPO clip below: rho >= 1 - clip_low")
+    clip_high: float = cfg_field(0.2, ge=0.0, help="PPO clip above: rho <= 1 + clip_high")
+    kl_beta: float = cfg_field(0.0, ge=0.0, help="weight of the per-token k3 KL to the reference (the base model)")
+    lora: MaskedLoraConfig = field(default_factory=MaskedLoraConfig)
+    ratio_check: bool = cfg_field(True, help="stop if the first on-policy micro-step has ratio != 1")
+    ratio_tol: float = cfg_field(1e-5, gt=0.0)
+
+
+@dataclass
+class MaskedEvalConfig:
+    every: int = cfg_field(0, ge=0, help="iterations between evaluations (0 = only before/after)")
+    num_blanks: int = cfg_field(8, ge=1, le=16, help="blanks of the fixed test puzzles")
+    count: int = cfg_field(256, ge=1, help="test puzzles (cut from the test solutions)")
+    seed: int = cfg_field(1234)
+
+
+@dataclass
+class MaskedConfig:
+    seed: int = cfg_field(0)
+    threads: int | None = cfg_field(None, ge=1, help="torch threads; None = the cores this process may use")
+    out: str | None = cfg_field(None, help="run directory (also --out)")
+    resume: str | None = cfg_field(None, help="a run directory to continue")
+    checkpoint_every: int = cfg_field(0, ge=0, help="iterations between checkpoints (0 = only at the end)")
+    model: MaskedModelConfig = field(default_factory=MaskedModelConfig)
+    sampler: MaskedSamplerConfig = field(default_factory=MaskedSamplerConfig)
+    rollout: MaskedRolloutConfig = field(default_factory=MaskedRolloutConfig)
+    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
+    advantage: MaskedAdvantageConfig = field(default_factory=MaskedAdvantageConfig)
+    train: MaskedTrainConfig = field(default_factory=MaskedTrainConfig)
+    eval: MaskedEvalConfig = field(default_factory=MaskedEvalConfig)
+
+    def validate(self) -> None:
+        n = self.rollout.prompts_per_iter * self.rollout.group_size
+        per_update = self.train.micro_batch * self.train.grad_accum
+        if n % per_update:
+            raise config_error("train.micro_batch", f"{n} samples per iteration (rollout.prompts_per_iter x "
+                                                    f"rollout.group_size) are not a multiple of train.micro_batch x "
+                                                    f"train.grad_accum = {per_update}")
+
+
+def load_masked_config(path, overrides=()) -> MaskedConfig:
+    return load_config(MaskedConfig, path, overrides)
+
+
+__all__ = ["MASKED_KINDS", "MaskedConfig", "load_masked_config"]
