@@ -228,12 +228,17 @@ class CorrectConfig:
 
 
 @dataclass
-class FlowConfig:
+class RunFields:
+    """The keys every trainer's config starts with (FlowConfig, difrl.train.masked_config.MaskedConfig)."""
     seed: int = cfg_field(0)
     threads: int | None = cfg_field(None, ge=1, help="torch threads; None = the cores this process may use")
     out: str | None = cfg_field(None, help="run directory (also --out)")
     resume: str | None = cfg_field(None, help="a run directory to continue")
     checkpoint_every: int = cfg_field(0, ge=0, help="iterations between checkpoints (0 = only at the end)")
+
+
+@dataclass
+class FlowConfig(RunFields):
     model: ModelConfig = field(default_factory=ModelConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     steps: StepsConfig = field(default_factory=StepsConfig)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from difrl.config import cfg_field, config_error, load_config
+from difrl.train.config import RunFields
 
 MASKED_KINDS = ("sudoku",)  # model.kind values trained by difrl.train.masked
 
@@ -107,12 +108,7 @@ class MaskedEvalConfig:
 
 
 @dataclass
-class MaskedConfig:
-    seed: int = cfg_field(0)
-    threads: int | None = cfg_field(None, ge=1, help="torch threads; None = the cores this process may use")
-    out: str | None = cfg_field(None, help="run directory (also --out)")
-    resume: str | None = cfg_field(None, help="a run directory to continue")
-    checkpoint_every: int = cfg_field(0, ge=0, help="iterations between checkpoints (0 = only at the end)")
+class MaskedConfig(RunFields):
     model: MaskedModelConfig = field(default_factory=MaskedModelConfig)
     sampler: MaskedSamplerConfig = field(default_factory=MaskedSamplerConfig)
     rollout: MaskedRolloutConfig = field(default_factory=MaskedRolloutConfig)
