@@ -28,7 +28,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from difrl.models.base import Cond
+from difrl.models.base import Cond, HoldsNet
 
 NEG = -1e9  # "minus infinity" for logits (finite: no NaN in entropies or under temperature)
 
@@ -132,7 +132,7 @@ class MaskedTransformer(nn.Module):
         return self.head(self.norm(h))
 
 
-class TinyMaskedPolicy:
+class TinyMaskedPolicy(HoldsNet):
     """MaskedPolicy adapter for MaskedTransformer (the bundled discrete worlds' generator)."""
 
     lora_target_modules = ["qkv", "proj", "fc1", "fc2", "head"]
@@ -141,14 +141,6 @@ class TinyMaskedPolicy:
         self.net = net
         self.mask_id = net.cfg.mask_id
         self.vocab_size = net.cfg.vocab_size
-
-    @property
-    def module(self) -> nn.Module:
-        return self.net
-
-    @module.setter
-    def module(self, m: nn.Module) -> None:  # peft wraps the net in place of the plain module
-        self.net = m
 
     def logits(self, tokens: torch.Tensor, cond: Cond | None = None) -> torch.Tensor:
         _check_tokens(tokens, self.vocab_size)

@@ -40,6 +40,21 @@ class FlowPolicy(Protocol):
         """Latents -> images (or videos) in [0, 1], fp32."""
 
 
+class HoldsNet:
+    """The `module` property of a policy that keeps its network in ``self.net``; peft, accelerate and the
+    trainer's reference swap set it, so the wrapped network replaces the plain one."""
+
+    net: nn.Module
+
+    @property
+    def module(self) -> nn.Module:
+        return self.net
+
+    @module.setter
+    def module(self, m: nn.Module) -> None:
+        self.net = m
+
+
 def cond_select(cond: Cond, index: torch.Tensor | slice) -> Cond:
     """Rows `index` of every conditioning tensor."""
     return {k: v[index] for k, v in cond.items()}

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from difrl.models.base import Cond
+from difrl.models.base import Cond, HoldsNet
 
 NULL_LABEL = 10
 DIGIT_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
@@ -103,7 +103,7 @@ class DigitsFlowNet(nn.Module):
 BUNDLED_BASE = Path(__file__).resolve().parent.parent / "assets" / "digits_base.safetensors"
 
 
-class DigitsPolicy:
+class DigitsPolicy(HoldsNet):
     """FlowPolicy adapter for DigitsFlowNet."""
 
     latent_shape = (64,)
@@ -111,14 +111,6 @@ class DigitsPolicy:
 
     def __init__(self, net: DigitsFlowNet):
         self.net = net
-
-    @property
-    def module(self) -> nn.Module:
-        return self.net
-
-    @module.setter
-    def module(self, m: nn.Module) -> None:  # peft wraps the net in place of the plain module
-        self.net = m
 
     @classmethod
     def from_checkpoint(cls, path: str | Path | None = None) -> "DigitsPolicy":
