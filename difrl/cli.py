@@ -66,7 +66,7 @@ def cmd_train(args) -> int:
         before, after = summary["eval_before"], summary["eval_after"]
         print(f"\ndifrl: {summary['iterations']} iterations")
         print(f"{'':<16}{'before':>10}{'after':>10}")
-        for key in ("cell_accuracy", "solve_rate"):
+        for key in summary["headline"]:
             print(f"{key:<16}{before[key]:>10.3f}{after[key]:>10.3f}")
         run = Path(summary["run_dir"])
         print(f"results: {run / 'summary.json'}, policy: {run / 'policy.safetensors'}, curve: {run / 'reward_curve.png'}")
@@ -104,15 +104,16 @@ def cmd_eval(args) -> int:
         path = str(run / "config.yaml")
     from difrl.train.masked_config import MASKED_KINDS
 
-    if path and _model_kind(path, overrides) in MASKED_KINDS:  # Sudoku: the masked world's eval
+    if path and _model_kind(path, overrides) in MASKED_KINDS:  # Sudoku, digit tokens: the masked world's eval
         from difrl.train.masked_config import load_masked_config
-        from difrl.worlds import sudoku
+        from difrl.worlds.masked import build_masked_world
 
         cfg = load_masked_config(path, overrides)
         torch.set_num_threads(cfg.threads or len(os.sched_getaffinity(0)))
-        policy = sudoku.load_base(str(run / "policy.safetensors") if run else cfg.model.path)
-        metrics, _ = sudoku.evaluate_sudoku(policy, cfg.eval.num_blanks, cfg.eval.count, seed=cfg.eval.seed)
-        print(json.dumps(metrics, indent=2))
+        if run:  # the run's trained policy, not the base it started from
+            cfg.model.path = str(run / "policy.safetensors")
+        world = build_masked_world(cfg)
+        print(json.dumps(world.evaluate(world.policy), indent=2))
         return 0
     cfg = _load(path, overrides)
     digits = cfg.model.kind == "digits"

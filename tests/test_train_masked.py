@@ -13,7 +13,9 @@ import torch
 
 from difrl.cli import main
 from difrl.config import ConfigError
-from difrl.train.masked import TIMING_KEYS, remask, token_logp, train
+from difrl.discrete.losses import trace_logp, unigrpo_ratios
+from difrl.discrete.samplers import llada_sample
+from difrl.train.masked import TIMING_KEYS, masked_advantages, remask, token_logp, train
 from difrl.train.masked_config import load_masked_config
 from difrl.utils.io import load_safetensors_checked
 from difrl.worlds import sudoku
@@ -26,6 +28,7 @@ ESTIMATORS = {
     "maskgrpo_arlike": ("estimator.kind=maskgrpo", "estimator.remasking=arlike"),
     "maskgrpo_random": ("estimator.kind=maskgrpo", "estimator.remasking=random", "estimator.min_mask_rate=0.3"),
     "d1": ("estimator.kind=d1", "advantage.scale=mean"),
+    "unigrpo": ("estimator.kind=unigrpo",),
     "coupled": ("estimator.kind=coupled", "advantage.scale=loo"),
     "coupled_no_full_kl": ("estimator.kind=coupled", "estimator.full_view=false", "train.kl_beta=0.05"),
     "maskgrpo_lora_kl": ("estimator.kind=maskgrpo", "train.lora.enabled=true", "train.kl_beta=0.05"),
@@ -146,3 +149,109 @@ def test_cli_eval_of_the_sudoku_config(capsys):
     assert main(["eval", "configs/sudoku.yaml", "eval.count=16"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["num_puzzles"] == 16 and 0.0 <= out["cell_accuracy"] <= 1.0 and 0.0 <= out["solve_rate"] <= 1.0
+
+
+# ---------------------------------------------------------------------------------- UniGRPO
+def test_unigrpo_structured_ratios_follow_the_formula():
+    seeds = torch.arange(64, dtype=torch.int64) * 31 + 5
+    mu, T = 5, 1000
+    r = torch.stack([unigrpo_ratios(seeds, n, mu, T) for n in range(1, mu + 1)])  # [mu, B]
+    t1 = torch.floor(r[0] * T)
+    for n in range(1, mu + 1):  # t_n = floor((n - 1) / (mu - 1) (T - t_1) + t_1), ratio t_n / T
+        expect = torch.floor((n - 1) / (mu - 1) * (T - t1) + t1) / T
+        assert torch.allclose(r[n - 1], expect.clamp(1 / T, 1.0))
+    assert (r[1:] >= r[:-1]).all() and torch.equal(r[-1], torch.ones(64, dtype=torch.float64))
+    assert r[0].std() > 0.2  # the start is random per sample (uniform on [0, 1): std ~0.29)
+    assert torch.equal(unigrpo_ratios(seeds, 2, mu, T), r[1])  # a pure function of (seed, n)
+    with pytest.raises(ValueError, match="outside"):
+        unigrpo_ratios(seeds, 6, mu, T)
+
+
+# ---------------------------------------------------------------------------------- advantages
+def test_source_normalisation_leaves_the_on_policy_advantages_unchanged():
+    gen = torch.Generator().manual_seed(0)
+    reward = torch.rand(12, generator=gen)
+    group = torch.arange(12) // 4
+    ext = torch.arange(12) % 4 == 3  # one external sample per group of 4
+    for scale in ("std", "mean", "loo"):
+        mixed, _ = masked_advantages(reward, group, scale, 1e-5, 5.0, baseline=~ext)
+        alone, _ = masked_advantages(reward[~ext], group[~ext], scale, 1e-5, 5.0)
+        assert torch.allclose(mixed[~ext], alone, atol=1e-6)
+        on_mean = reward[~ext].view(3, 3).double().mean(1)
+        if scale != "std":  # an external sample: its reward against the group's on-policy mean
+            assert torch.allclose(mixed[ext].double(), reward[ext].double() - on_mean, atol=1e-6)
+    joint, _ = masked_advantages(reward, group, "std", 1e-5, 5.0)
+    assert not torch.allclose(joint[~ext], masked_advantages(reward[~ext], group[~ext], "std", 1e-5, 5.0)[0])
+    # the old estimators' advantages: (r - mean) / (std + eps), r - mean, leave-one-out
+    r = torch.tensor([1.0, 0.0, 0.5, 0.5])
+    g = torch.zeros(4, dtype=torch.long)
+    c = r - r.mean()
+    assert torch.allclose(masked_advantages(r, g, "std", 1e-5, 5.0)[0], c / (c.pow(2).mean().sqrt() + 1e-5))
+    assert torch.allclose(masked_advantages(r, g, "loo", 1e-5, 5.0)[0], torch.stack([r[i] - (r.sum() - r[i]) / 3 for i in range(4)]))
+    assert masked_advantages(torch.ones(4), g, "std", 1e-5, 5.0)[1].all()  # zero spread
+
+
+# ---------------------------------------------------------------------------------- external rollouts (ERILS)
+def test_solver_rollouts_are_valid_and_their_log_probs_exact():
+    puzzles, _ = sudoku.test_puzzles(12, 32)
+    tokens, prompt = sudoku.encode(puzzles)
+    out = sudoku.solver_sample(tokens, seeds=4)
+    assert sudoku.solved(sudoku.decode(out.tokens), puzzles).all()
+    assert torch.equal(out.tokens[prompt], tokens[prompt]) and torch.equal(out.gen_mask, ~prompt)
+    assert torch.equal(sudoku.solver_sample(tokens, seeds=4).tokens, out.tokens)  # same seed, same rollout
+    grids = sudoku.solutions()
+    for b in range(4):  # by brute force: each token's probability is 1 / (digits some completion allows there)
+        order = out.step[b].masked_fill(prompt[b], -1).argsort()
+        x = torch.where(prompt[b], puzzles[b], torch.zeros_like(puzzles[b]))
+        for cell in order[prompt[b].sum():].tolist():
+            fits = ((grids == x) | (x == 0)).all(1)
+            allowed = grids[fits, cell].unique().numel()
+            assert abs(out.logp[b, cell].item() + float(torch.log(torch.tensor(float(allowed))))) < 1e-6
+            x[cell] = out.tokens[b, cell] + 1
+
+
+def test_trace_logp_reproduces_the_samplers_policy_log_probs():
+    policy = sudoku.load_base()
+    puzzles, _ = sudoku.test_puzzles(8, 16)
+    tokens, prompt = sudoku.encode(puzzles)
+    for steps in (16, 4):  # one token per step, and several per step
+        out = llada_sample(policy, tokens, {"prompt_mask": prompt}, steps=steps, temperature=1.0, seeds=9)
+        lp = trace_logp(policy, out.tokens, out.gen_mask, out.step, {"prompt_mask": prompt})
+        assert torch.allclose(lp[out.gen_mask], out.policy_logp[out.gen_mask], atol=1e-5)
+        assert (lp[~out.gen_mask] == 0).all()
+
+
+def test_external_solver_rollouts_train_with_is_weights(tmp_path):
+    _, d = run(tmp_path / "r", "train.iterations=2", "external.source=solver", "external.per_group=1")
+    rows = metrics(d)
+    for row in rows:
+        assert row["first_step_max_abs_log_ratio"] == 0.0
+        assert row["external/reward_mean"] == 1.0  # the solver always solves
+        assert 0.0 < row["external/max_weight"] <= 2.0  # TIS, cap 2
+        assert row["external/adv_mean"] >= 0.0  # a solution is never worse than the on-policy mean
+        assert row["reward_mean"] < 1.0  # the on-policy reward is logged apart from the solver's
+
+
+def test_external_checkpoint_equal_to_the_policy_has_unit_weights(tmp_path):
+    # the same checkpoint at the same temperature as the rollouts: mu_ext == pi_old in every decode context
+    _, d = run(tmp_path / "r", "external.source=checkpoint", f"external.path={sudoku.BUNDLED_BASE}",
+               "external.correct.method=token_tis")
+    row = metrics(d)[0]
+    assert abs(row["external/max_weight"] - 1.0) < 1e-4 and abs(row["external/mean_log_ratio"]) < 1e-5
+    with pytest.raises(ConfigError, match="external.path"):
+        load_masked_config(None, [*TINY, "external.source=checkpoint"])
+    with pytest.raises(ConfigError, match="external.per_group"):
+        load_masked_config(None, [*TINY, "external.source=solver", "external.per_group=4"])
+
+
+# ---------------------------------------------------------------------------------- accumulation
+def test_accumulation_1x8_equals_8x1(tmp_path):
+    # one optimizer update per iteration over the same 8 rollouts: its gradient (norm before clipping) and
+    # loss must not depend on how the update is cut into micro-batches
+    common = ("rollout.prompts_per_iter=2", "rollout.group_size=4", "train.inner_updates=1", "train.kl_beta=0.05")
+    for est in (("estimator.kind=maskgrpo",), ("estimator.kind=coupled",), ("external.source=solver",)):
+        a = metrics(run(tmp_path / "a", *common, *est, "train.micro_batch=8", "train.grad_accum=1")[1])[0]
+        b = metrics(run(tmp_path / "b", *common, *est, "train.micro_batch=1", "train.grad_accum=8")[1])[0]
+        assert a["grad_norm"] > 0
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], est
+        assert abs(a["policy_loss"] - b["policy_loss"]) < 1e-6 and abs(a["kl"] - b["kl"]) < 1e-7

@@ -74,6 +74,30 @@ def maskgrpo_ratios(mu: int, min_mask_rate: float = 0.6) -> torch.Tensor:
     return (min_mask_rate + (1.0 - min_mask_rate) * n / mu).clamp_max(0.999)
 
 
+def unigrpo_ratios(seeds: torch.Tensor, n: int, mu: int, timesteps: int = 1000, stream: int = 12) -> torch.Tensor:
+    """[B] fp64 UniGRPO mask ratios of inner update n (1-based) of mu, per sample (MMaDA section 3.2,
+    "structured noising"): a random start t_1 = floor(r T), r ~ U(0, 1) from the sample's seed, then
+    t_n = floor((n - 1) / (mu - 1) (T - t_1) + t_1), ratio t_n / T, clamped to [1 / T, 1]. Over the mu
+    updates each sample sweeps from its own random start up to fully masked: a stratified Monte Carlo
+    over noise levels. (The spec's worked example, start 100 and mu = 5 giving 100, 300, ..., 900,
+    does not follow from this formula, which gives 100, 325, 550, 775, 1000; we implement the formula.)"""
+    from difrl.discrete.samplers import counter_uniform
+
+    if not 1 <= n <= mu:
+        raise ValueError(f"inner update n={n} is outside 1..{mu}")
+    r = counter_uniform(torch.as_tensor(seeds, dtype=torch.int64), stream, 0, 1)[:, 0]
+    t1 = torch.floor(r * timesteps)
+    frac = (n - 1) / (mu - 1) if mu > 1 else 0.0
+    tn = torch.floor(frac * (timesteps - t1) + t1)
+    return (tn / timesteps).clamp(1.0 / timesteps, 1.0)
+
+
+def trace_inputs(tokens: torch.Tensor, gen: torch.Tensor, step: torch.Tensor, s: int, mask_id: int) -> torch.Tensor:
+    """The context in which a rollout committed its step-s tokens: every generated position committed at
+    step >= s is masked again, everything committed earlier (and the prompt) is visible. [B, L] long."""
+    return tokens.masked_fill(gen.bool() & (step >= s), mask_id)
+
+
 def answer_index(answer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, each answer position's order i = 0..N_b - 1 among the answer positions ([B, L] long, -1
     elsewhere) and N_b ([B] long)."""
@@ -119,5 +143,25 @@ def coupled_masks(answer: torch.Tensor, t: float, u: torch.Tensor) -> tuple[torc
     return a, view_a, view_b, weight.float()
 
 
-__all__ = ["T_EPS", "answer_index", "ar_fade_keep_prob", "ar_fade_mask", "coupled_masks", "d1_mask", "forward_mask",
+__all__ = ["T_EPS", "trace_inputs", "trace_logp", "unigrpo_ratios", "answer_index", "ar_fade_keep_prob", "ar_fade_mask", "coupled_masks", "d1_mask", "forward_mask",
            "mask_uniforms", "maskgrpo_ratios", "mdlm_loss", "sample_t", "uniform_mask"]
+
+
+@torch.no_grad()
+def trace_logp(policy, tokens: torch.Tensor, gen: torch.Tensor, step: torch.Tensor, cond: dict | None = None) -> torch.Tensor:
+    """[B, L] fp32 log-prob of each generated token in the context the rollout committed it in
+    (``trace_inputs``; TraceRL's trajectory-consistent likelihood, spec section 3.7), 0 elsewhere:
+    one forward per distinct commit step. It is what the behaviour policy's recorded log-prob is
+    compared with when a rollout came from another policy (importance correction)."""
+    from difrl.models.base import cond_select
+
+    gen = gen.bool()
+    out = torch.zeros(tokens.shape, dtype=torch.float32)
+    for s in torch.unique(step[gen]).tolist():
+        here = gen & (step == s)
+        rows = here.any(1).nonzero().flatten()
+        x = trace_inputs(tokens[rows], gen[rows], step[rows], int(s), policy.mask_id)
+        lp = torch.log_softmax(policy.logits(x, None if cond is None else cond_select(cond, rows)).float().cpu(), dim=-1)
+        lp = lp.gather(-1, tokens[rows, :, None])[..., 0]
+        out[rows] = torch.where(here[rows], lp, out[rows])
+    return out

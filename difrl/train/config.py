@@ -226,6 +226,13 @@ class CorrectConfig:
                             help="IS correction of rollout/train mismatch (difrl.correct); token_* act per step, seq_* per trajectory")
     options: dict[str, float] = cfg_field(default_factory=dict, help="keyword options of the method, e.g. {cap: 2.0}")
 
+    def validate(self) -> None:
+        allowed = [k for k in inspect.signature(METHODS[self.method]).parameters
+                   if k not in ("log_prob", "log_prob_rollout", "mask")]
+        for k in self.options:
+            if k not in allowed:
+                raise config_error(f"options.{k}", f"{self.method} takes {allowed}")
+
 
 @dataclass
 class RunFields:
@@ -301,11 +308,6 @@ class FlowConfig(RunFields):
         if self.train.objective == "nft" and (self.train.ratio_norm or self.train.step_weight != "none"):
             raise config_error("train.objective", "GRPO-Guard options (train.ratio_norm, train.step_weight) act on "
                                                   "log-prob ratios; DiffusionNFT has none")
-        allowed = [k for k in inspect.signature(METHODS[self.correct.method]).parameters
-                   if k not in ("log_prob", "log_prob_rollout", "mask")]
-        for k in self.correct.options:
-            if k not in allowed:
-                raise config_error(f"correct.options.{k}", f"{self.correct.method} takes {allowed}")
         if not self.reward.weights:
             raise config_error("reward.weights", "at least one reward is needed")
         mc = self.model

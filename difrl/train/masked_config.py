@@ -14,21 +14,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from difrl.config import cfg_field, config_error, load_config
-from difrl.train.config import RunFields
+from difrl.train.config import CorrectConfig, RunFields
 
-MASKED_KINDS = ("sudoku",)  # model.kind values trained by difrl.train.masked
+MASKED_KINDS = ("sudoku", "digit_tokens")  # model.kind values trained by difrl.train.masked (difrl/worlds/masked.py)
 
 
 @dataclass
 class MaskedModelConfig:
-    kind: str = cfg_field("sudoku", choices=MASKED_KINDS, help="the bundled 4x4 Sudoku world (difrl/worlds/sudoku.py)")
-    path: str | None = cfg_field(None, help="a masked transformer checkpoint (safetensors); None = the bundled weak base")
+    kind: str = cfg_field("sudoku", choices=MASKED_KINDS, help="sudoku: the bundled 4x4 Sudoku world; digit_tokens: the "
+                                                                 "8x8 digits as 64 tokens over 17 grey levels")
+    path: str | None = cfg_field(None, help="a masked transformer checkpoint (safetensors); None = the world's bundled weak base")
 
 
 @dataclass
 class MaskedSamplerConfig:
-    kind: str = cfg_field("llada", choices=("llada", "eb"), help="rollout sampler: LLaDA low-confidence remasking or EB-Sampler")
-    steps: int = cfg_field(16, ge=1, help="llada: total steps (16 = one token per step for 4x4 Sudoku)")
+    kind: str = cfg_field("llada", choices=("llada", "eb", "emerge"),
+                          help="rollout sampler: LLaDA low-confidence remasking, EB-Sampler, or MDLM ancestral (emerge)")
+    steps: int = cfg_field(16, ge=1, help="llada / emerge: total steps (llada 16 = one token per step for 4x4 Sudoku)")
+    schedule: str = cfg_field("cosine", choices=("cosine", "linear"), help="emerge: masked fraction schedule k(tau)")
     block_length: int | None = cfg_field(None, ge=1, help="semi-autoregressive block length; None = one block")
     temperature: float = cfg_field(1.0, ge=0.0, help="rollout temperature (0 = greedy: no exploration)")
     gamma: float = cfg_field(0.1, ge=0.0, help="eb: entropy bound (sum H - max H <= gamma)")
@@ -38,7 +41,7 @@ class MaskedSamplerConfig:
 class MaskedRolloutConfig:
     prompts_per_iter: int = cfg_field(16, ge=1, help="puzzles (groups) per iteration")
     group_size: int = cfg_field(8, ge=2, help="rollouts per puzzle")
-    num_blanks: tuple[int, int] = cfg_field((4, 10), help="training puzzles: blanks drawn uniformly from [lo, hi]")
+    num_blanks: tuple[int, int] = cfg_field((4, 10), help="sudoku: training puzzles' blanks drawn uniformly from [lo, hi]")
 
     def validate(self) -> None:
         lo, hi = self.num_blanks
@@ -48,13 +51,14 @@ class MaskedRolloutConfig:
 
 @dataclass
 class EstimatorConfig:
-    kind: str = cfg_field("maskgrpo", choices=("maskgrpo", "d1", "coupled"),
+    kind: str = cfg_field("maskgrpo", choices=("maskgrpo", "d1", "unigrpo", "coupled"),
                           help="log-prob estimator of the masked policy (spec section 3)")
     min_mask_rate: float = cfg_field(0.6, ge=0.0, lt=1.0, help="maskgrpo: c of the ratio sweep r_n = min(c + (1 - c) n / mu, 0.999)")
     remasking: str = cfg_field("arlike", choices=("arlike", "random"),
                                help="maskgrpo: fading-out AR-like (text) or i.i.d. Bernoulli(r_n) (UniGRPO / image tokens)")
     p_mask_prompt: float = cfg_field(0.0, ge=0.0, lt=1.0, help="d1: prompt-token masking probability (d1: 0.15; 0 = the "
                                                                "prompt is never masked)")
+    timesteps: int = cfg_field(1000, ge=2, help="unigrpo: T of the structured noising t_n (ratio t_n / T)")
     t_low: float = cfg_field(0.2, gt=0.0, lt=1.0, help="coupled: t ~ U(t_low, t_high)")
     t_high: float = cfg_field(0.8, gt=0.0, lt=1.0)
     full_view: bool = cfg_field(True, help="coupled: average with the fully masked (d1) view, as DiffuCoder's code does")
@@ -100,10 +104,32 @@ class MaskedTrainConfig:
 
 
 @dataclass
+class ExternalConfig:
+    """External rollouts (ERILS): K of every group's G rollouts come from another policy."""
+    source: str = cfg_field("none", choices=("none", "solver", "checkpoint"),
+                            help="none: on-policy only; solver: the world's exact solver policy (sudoku); checkpoint: "
+                                 "a stronger masked checkpoint (external.path) sampled with the run's sampler")
+    path: str | None = cfg_field(None, help="checkpoint: the external policy's safetensors")
+    per_group: int = cfg_field(1, ge=1, help="K: external rollouts in each group of rollout.group_size")
+    temperature: float | None = cfg_field(None, ge=0.0, help="checkpoint: sampling temperature (None = sampler.temperature)")
+    normalize: str = cfg_field("source", choices=("source", "joint"),
+                               help="source: the group baseline (mean, std) comes from its on-policy members only, so "
+                                    "external rollouts are judged against what the policy does now and do not move the "
+                                    "on-policy advantages; joint: plain GRPO over the mixed group")
+    correct: CorrectConfig = field(default_factory=lambda: CorrectConfig(method="token_tis"))  # the importance weight
+    # of an external token, pi_old(o_k | decode context) / mu_ext(o_k | decode context), through difrl.correct
+
+    def validate(self) -> None:
+        if self.source == "checkpoint" and not self.path:
+            raise config_error("path", "external.source=checkpoint needs external.path (a masked checkpoint)")
+
+
+@dataclass
 class MaskedEvalConfig:
     every: int = cfg_field(0, ge=0, help="iterations between evaluations (0 = only before/after)")
-    num_blanks: int = cfg_field(8, ge=1, le=16, help="blanks of the fixed test puzzles")
-    count: int = cfg_field(256, ge=1, help="test puzzles (cut from the test solutions)")
+    num_blanks: int = cfg_field(8, ge=1, le=16, help="sudoku: blanks of the fixed test puzzles")
+    count: int = cfg_field(256, ge=1, help="sudoku: test puzzles (cut from the test solutions)")
+    per_digit: int = cfg_field(50, ge=1, help="digit_tokens: samples per digit")
     seed: int = cfg_field(1234)
 
 
@@ -114,6 +140,7 @@ class MaskedConfig(RunFields):
     rollout: MaskedRolloutConfig = field(default_factory=MaskedRolloutConfig)
     estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
     advantage: MaskedAdvantageConfig = field(default_factory=MaskedAdvantageConfig)
+    external: ExternalConfig = field(default_factory=ExternalConfig)
     train: MaskedTrainConfig = field(default_factory=MaskedTrainConfig)
     eval: MaskedEvalConfig = field(default_factory=MaskedEvalConfig)
 
@@ -124,6 +151,12 @@ class MaskedConfig(RunFields):
             raise config_error("train.micro_batch", f"{n} samples per iteration (rollout.prompts_per_iter x "
                                                     f"rollout.group_size) are not a multiple of train.micro_batch x "
                                                     f"train.grad_accum = {per_update}")
+        ext = self.external
+        if ext.source != "none" and ext.per_group >= self.rollout.group_size:
+            raise config_error("external.per_group", f"{ext.per_group} external rollouts leave no on-policy rollout in a "
+                                                     f"group of rollout.group_size={self.rollout.group_size}")
+        if ext.source == "solver" and self.model.kind != "sudoku":
+            raise config_error("external.source", f"the solver source exists for model.kind=sudoku only, not {self.model.kind!r}")
 
 
 def load_masked_config(path, overrides=()) -> MaskedConfig:

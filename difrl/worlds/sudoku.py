@@ -135,6 +135,39 @@ def solved(filled: torch.Tensor, puzzles: torch.Tensor) -> torch.Tensor:
     return cell_valid(torch.where(puzzles == 0, filled, puzzles)).all(1)
 
 
+def solver_sample(tokens: torch.Tensor, cond: dict | None = None, *, seeds, **_) -> "DiscreteRollout":
+    """An external *policy* that always solves (ERILS' solver source): blanks are committed one per
+    step in a random order; each draws uniformly among the digits that some valid completion of the
+    grid so far puts there, so every rollout is a valid solution and each token's behaviour
+    probability is known exactly: logp = -log(number of such digits). Seeded per sample like the
+    learned samplers (``seeds`` [B] or an int); nfe = 0 (no network). Tokens [B, 16] from ``encode``."""
+    from difrl.discrete.samplers import DiscreteRollout, counter_uniform, row_seeds
+
+    seeds = row_seeds(seeds, tokens.shape[0])
+    grids = solutions() - 1  # [288, 16] token ids
+    x = tokens.clone()
+    gen = tokens == MASK_ID
+    order = counter_uniform(seeds, 21, 0, CELLS).masked_fill(~gen, 2.0).argsort(1)  # blanks first, random order
+    logp = torch.zeros(tokens.shape, dtype=torch.float32)
+    step = torch.full(tokens.shape, -1, dtype=torch.long)
+    rows = torch.arange(tokens.shape[0])
+    for s in range(int(gen.sum(1).max()) if gen.any() else 0):
+        cell = order[:, s]
+        active = gen[rows, cell]
+        fits = ((grids[None] == x[:, None]) | (x[:, None] == MASK_ID)).all(-1)  # [B, 288] completions of the grid so far
+        if not bool(fits[active].any(1).all()):
+            raise ValueError("solver_sample: a puzzle has no valid completion (its givens conflict)")
+        # digits that some completion puts at `cell`: count the fitting grids per digit
+        allowed = torch.zeros(len(rows), SIZE, dtype=torch.long).scatter_add_(1, grids[:, cell].T, fits.long()) > 0
+        count = allowed.sum(1).clamp_min(1)
+        pick = (counter_uniform(seeds, 22, s, 1)[:, 0] * count).long().clamp_max(count - 1)  # uniform among allowed
+        digit = (allowed.long().cumsum(1) <= pick[:, None]).sum(1)
+        x[rows[active], cell[active]] = digit[active]
+        logp[rows[active], cell[active]] = -torch.log(count[active].float())
+        step[rows[active], cell[active]] = s
+    return DiscreteRollout(x, tokens.clone(), gen, logp, logp.clone(), step, 0, torch.zeros(len(rows), dtype=torch.long), seeds)
+
+
 def load_base(path: str | Path | None = None):
     """The bundled weak base (or a checkpoint at `path`) as a TinyMaskedPolicy."""
     from difrl.discrete.policy import TinyMaskedPolicy
@@ -175,4 +208,4 @@ def evaluate_sudoku(policy, num_blanks: int | tuple[int, int] = EVAL_BLANKS, cou
 
 __all__ = ["BUNDLED_BASE", "CELLS", "EVAL_BLANKS", "MASK_ID", "PEERS", "VOCAB", "cell_valid", "decode", "encode",
            "evaluate_sudoku", "load_base", "make_puzzles", "sample_training_puzzles", "solution_split", "solutions",
-           "solved", "sudoku_reward", "test_puzzles"]
+           "solved", "solver_sample", "sudoku_reward", "test_puzzles"]

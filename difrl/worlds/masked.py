@@ -1,0 +1,126 @@
+"""Masked-diffusion worlds: what the masked GRPO trainer needs from a bundled discrete task.
+
+    world = build_masked_world(cfg)                  # cfg: a MaskedConfig; cfg.model.kind picks the world
+    batch = world.prompts(16, seed)                  # MaskedPrompts: start tokens, cond, reward context
+    r = world.reward(out.tokens, batch)              # {"reward": [N] fp32, other per-sample metrics ...}
+    metrics = world.evaluate(world.policy)           # the world's fixed evaluation (summary.json keys)
+
+A plain dict (``MASKED_WORLDS``) maps ``model.kind`` to a builder ``cfg -> MaskedWorld``. Two worlds:
+
+- ``sudoku`` (difrl/worlds/sudoku.py): prompt = the puzzle's givens (token positions that are
+  never masked), context = the puzzles; eval keys ``cell_accuracy`` and ``solve_rate``.
+- ``digit_tokens`` (difrl/worlds/digit_tokens.py): prompt = the digit label (``cond["label"]``, no
+  token position is prompt), context = the labels; eval keys those of the flow digits world
+  (``accuracy``, ``fd``, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class MaskedPrompts:
+    """n prompts of a masked world (rows of every tensor are samples)."""
+    tokens: torch.Tensor  # [n, L] long: the rollout's start (mask id at every position to generate)
+    cond: dict  # "prompt_mask" [n, L] bool (+ "label" [n] long for label-conditioned worlds)
+    context: torch.Tensor  # [n, ...]: what the reward needs (Sudoku: the puzzles; digit tokens: the labels)
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def repeat(self, g: int) -> "MaskedPrompts":
+        """Each prompt g times in a row: sample k belongs to group k // g."""
+        rep = lambda t: t.repeat_interleave(g, dim=0)
+        return MaskedPrompts(rep(self.tokens), {k: rep(v) for k, v in self.cond.items()}, rep(self.context))
+
+    def select(self, idx: torch.Tensor) -> "MaskedPrompts":
+        return MaskedPrompts(self.tokens[idx], {k: v[idx] for k, v in self.cond.items()}, self.context[idx])
+
+    @property
+    def prompt(self) -> torch.Tensor:
+        return self.cond["prompt_mask"]
+
+    @property
+    def model_cond(self) -> dict | None:
+        """cond without the prompt mask (what policy.logits needs), None if nothing is left."""
+        rest = {k: v for k, v in self.cond.items() if k != "prompt_mask"}
+        return rest or None
+
+
+@dataclass
+class MaskedWorld:
+    name: str
+    policy: object  # a MaskedPolicy
+    prompts: Callable[[int, int], MaskedPrompts]  # (n, seed) -> n training prompts, a pure function of seed
+    reward: Callable[[torch.Tensor, MaskedPrompts], dict[str, torch.Tensor]]  # "reward" [N] + other [N] metrics
+    evaluate: Callable[[object], dict]  # policy -> the world's fixed evaluation
+    headline: tuple[str, ...]  # eval keys shown in the progress bar, the CLI table and the plot
+    load_policy: Callable[[str | Path | None], object]  # checkpoint path (None = bundled base) -> a policy
+    save_samples: Callable[[object, Path], None] | None = None  # (policy, png path): a picture of the eval samples
+    external: dict[str, Callable] = field(default_factory=dict)  # ERILS sources without a checkpoint: name -> sampler
+
+
+def _sudoku(cfg) -> MaskedWorld:
+    from difrl.worlds import sudoku
+
+    def prompts(n: int, seed: int) -> MaskedPrompts:
+        puzzles, _ = sudoku.sample_training_puzzles(n, tuple(cfg.rollout.num_blanks), seed=seed)
+        tokens, prompt = sudoku.encode(puzzles)
+        return MaskedPrompts(tokens, {"prompt_mask": prompt}, puzzles)
+
+    def reward(tokens: torch.Tensor, batch: MaskedPrompts) -> dict[str, torch.Tensor]:
+        filled = sudoku.decode(tokens)
+        return {"reward": sudoku.sudoku_reward(filled, batch.context),
+                "solve_rate_train": sudoku.solved(filled, batch.context).float()}
+
+    def evaluate(policy) -> dict:
+        return sudoku.evaluate_sudoku(policy, cfg.eval.num_blanks, cfg.eval.count, seed=cfg.eval.seed)[0]
+
+    return MaskedWorld("sudoku", sudoku.load_base(cfg.model.path), prompts, reward, evaluate,
+                       ("cell_accuracy", "solve_rate"), sudoku.load_base,
+                       external={"solver": sudoku.solver_sample})
+
+
+def _digit_tokens(cfg) -> MaskedWorld:
+    from difrl.worlds import digit_tokens as dt
+    from difrl.worlds.digits import DigitsWorld
+
+    images_world = DigitsWorld.load()
+
+    def prompts(n: int, seed: int) -> MaskedPrompts:
+        labels = dt.sample_training_labels(n, seed)
+        tokens, cond = dt.start_tokens(labels)
+        return MaskedPrompts(tokens, cond, labels)
+
+    def reward(tokens: torch.Tensor, batch: MaskedPrompts) -> dict[str, torch.Tensor]:
+        probs = images_world.classifier_probs(dt.tokens_to_images(tokens))
+        return {"reward": probs[torch.arange(len(batch)), batch.context].float(),
+                "accuracy_train": (probs.argmax(-1) == batch.context).float()}
+
+    def evaluate(policy) -> dict:
+        return dt.evaluate_digit_tokens(policy, images_world, cfg.eval.per_digit, seed=cfg.eval.seed)[0]
+
+    def save_samples(policy, path: Path) -> None:
+        _, images = dt.evaluate_digit_tokens(policy, images_world, min(cfg.eval.per_digit, 10), seed=cfg.eval.seed)
+        dt.save_grid(images, path)
+
+    return MaskedWorld("digit_tokens", dt.load_base(cfg.model.path), prompts, reward, evaluate,
+                       ("accuracy", "fd"), dt.load_base, save_samples)
+
+
+MASKED_WORLDS: dict[str, Callable[..., MaskedWorld]] = {"sudoku": _sudoku, "digit_tokens": _digit_tokens}
+
+
+def build_masked_world(cfg) -> MaskedWorld:
+    kind = cfg.model.kind
+    if kind not in MASKED_WORLDS:
+        raise ValueError(f"unknown masked model.kind {kind!r}; known: {', '.join(MASKED_WORLDS)}")
+    return MASKED_WORLDS[kind](cfg)
+
+
+__all__ = ["MASKED_WORLDS", "MaskedPrompts", "MaskedWorld", "build_masked_world"]
