@@ -196,13 +196,18 @@ def cmd_config(args) -> int:
     from difrl.config import config_to_dict, describe_config
     from difrl.train.config import FlowConfig
 
+    from difrl.train.masked_config import MASKED_KINDS, MaskedConfig, load_masked_config
+
     path, overrides = _split(args.rest)
+    masked = args.masked or (path is not None and _model_kind(path, overrides) in MASKED_KINDS) or \
+        any(o.partition("=")[0].strip() == "model.kind" and o.partition("=")[2].strip() in MASKED_KINDS for o in overrides)
     if path is None and not overrides:
-        print(describe_config(FlowConfig))
+        print(describe_config(MaskedConfig if masked else FlowConfig))
     else:
         import yaml
 
-        print(yaml.safe_dump(config_to_dict(_load(path, overrides)), sort_keys=False), end="")
+        cfg = load_masked_config(path, overrides) if masked else _load(path, overrides)
+        print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
     return 0
 
 
@@ -235,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("rest", nargs="*", help="CONFIG [key=value ...]")
     p.set_defaults(fn=cmd_sample)
     p = sub.add_parser("config", help="list every config key, or print a resolved config")
+    p.add_argument("--masked", action="store_true", help="the masked-diffusion trainer's keys (Sudoku, digit tokens); a "
+                                                         "masked CONFIG or model.kind=sudoku selects them too")
     p.add_argument("rest", nargs="*", help="[CONFIG] [key=value ...]")
     p.set_defaults(fn=cmd_config)
     args = ap.parse_args(argv)
