@@ -135,9 +135,18 @@ def evaluate_digits(policy, world: DigitsWorld, per_digit: int = 50, num_steps: 
                     shift: float = 1.0) -> tuple[dict, torch.Tensor]:
     """The digits eval (no CFG, ODE, fixed seeds). Returns (metrics, images)."""
     images, labels = sample_eval_images(policy, per_digit, num_steps, seed, shift)
+    return image_metrics(world, images, labels, num_steps), images
+
+
+def image_metrics(world: DigitsWorld, images: torch.Tensor, labels: torch.Tensor, num_steps: int) -> dict:
+    """The digits world's image metrics of generated `images` [N, 1, 8, 8] in [0, 1] prompted with
+    `labels` [N] (any generator: the flow digits eval and the digit-tokens eval share this):
+    accuracy (classifier argmax == label), judge_accuracy (the unseen SVM), reward (mean classifier
+    p(label)), fd (Fréchet distance to the test split on ``FEATURE_EXTRACTOR`` features), diversity
+    (within-class, vs the test split's real_diversity), samples and num_steps (recorded as given)."""
     real_feats, real_div = real_reference(world)
     probs = world.classifier_probs(images)
-    metrics = {
+    return {
         "accuracy": float((probs.argmax(-1) == labels).float().mean()),
         "judge_accuracy": float((world.judge_predict(images) == labels).float().mean()),
         "reward": float(probs[torch.arange(len(labels)), labels].mean()),
@@ -148,7 +157,6 @@ def evaluate_digits(policy, world: DigitsWorld, per_digit: int = 50, num_steps: 
         "samples": int(len(labels)),
         "num_steps": num_steps,
     }
-    return metrics, images
 
 
 def image_grid(images: torch.Tensor, nrow: int, scale: int = 4, pad: int = 1) -> np.ndarray:
