@@ -127,3 +127,68 @@ def test_bench_branch_rows(tmp_path):
     assert cost["BranchGRPO-Mix"]["nfe_rollout"] == 770 and cost["BranchGRPO-Mix"]["nfe_train"] == 320
     learn = {r["method"]: r for r in rows if r["section"] == "learning"}
     assert learn["BranchGRPO-Mix"]["iterations"] == 5 and learn["flat GRPO"]["iterations"] == 2
+
+
+def test_bench_eb_rows(tmp_path):
+    import torch
+
+    from difrl.worlds import sudoku
+
+    bench = _load("bench_eb")
+    threads = torch.get_num_threads()  # the script sets its own thread count
+    try:
+        rows = bench.main(["--model", str(sudoku.BUNDLED_BASE), "--no-write", "--count", "24", "--blanks", "4", "6",
+                           "--temperatures", "0", "1", "--seeds", "0", "1", "--gammas", "0.1", "3", "--orders", "entropy",
+                           "margin", "--llada-k", "2", "--json", str(tmp_path / "eb.json")])
+    finally:
+        torch.set_num_threads(threads)
+    assert json.loads((tmp_path / "eb.json").read_text()) == rows
+    first = [r for r in rows if r["section"] == "first_pass"]
+    rows = [r for r in rows if r["section"] == "sweep"]
+    for blanks in (4, 6):  # the first-pass entropy bins cover every blank
+        assert abs(sum(r["fraction"] for r in first if r["blanks"] == blanks) - 1.0) < 1e-6
+    keys = {"blanks", "temperature", "method", "sampler", "gamma", "order", "steps", "seeds", "nfe", "nfe_ratio", "cell_accuracy",
+            "cell_accuracy_std", "solve_rate", "solve_rate_std", "cell_loss_points", "solve_loss_points", "tokens_per_pass",
+            "first_pass_tokens", "meets_goal", "llada_cells_at_nfe"}
+    assert all(keys <= set(r) for r in rows)
+    for blanks in (4, 6):
+        for temp in (0.0, 1.0):
+            g = {r["method"]: r for r in rows if r["blanks"] == blanks and r["temperature"] == temp}
+            assert list(g)[:2] == ["LLaDA 1/step", "EB g=0"] and len(g) == 2 + 2 * 2 + 1
+            base = g["LLaDA 1/step"]
+            # one token per forward: NFE = blanks for both one-token decoders, every puzzle
+            assert base["nfe"] == g["EB g=0"]["nfe"] == blanks and base["nfe_ratio"] == 1.0 and base["cell_loss_points"] == 0.0
+            assert g["EB g=0"]["max_pass_tokens"] == 1 and g["EB g=0"]["first_pass_tokens"] == 1.0
+            assert g[f"LLaDA {blanks // 2} steps"]["nfe"] == blanks // 2
+            assert 1 <= g["EB g=3"]["nfe"] <= g["EB g=0.1"]["nfe"] <= blanks  # a larger bound, fewer passes
+            assert len(base["seeds"]) == (1 if temp == 0 else 2)
+    # the evaluation loop is evaluate_sudoku's: the same numbers at its default seed
+    policy = sudoku.load_base()
+    mine = bench.evaluate(policy, 6, 24, "llada", sudoku.EVAL_SEED, steps=sudoku.CELLS, temperature=1.0)
+    ref, _ = sudoku.evaluate_sudoku(policy, 6, 24, temperature=1.0)
+    assert (mine["cell_accuracy"], mine["solve_rate"], mine["nfe"]) == (ref["cell_accuracy"], ref["solve_rate"], ref["nfe"])
+
+
+def test_bench_masked_rows(tmp_path):
+    import torch
+
+    bench = _load("bench_masked")
+    threads = torch.get_num_threads()  # the runs set their own thread count
+    try:
+        rows = bench.main(["--quick", "--no-write", "--parts", "sudoku,erils", "--runs", str(tmp_path / "runs"),
+                           "--every", "3", "--json", str(tmp_path / "m.json")])
+    finally:
+        torch.set_num_threads(threads)
+    assert json.loads((tmp_path / "m.json").read_text()) == rows
+    est = {r["method"]: r for r in rows if r["part"] == "sudoku"}
+    assert list(est) == ["MaskGRPO", "d1", "UniGRPO", "coupled-GRPO"]
+    erils = {r["method"]: r for r in rows if r["part"] == "erils"}
+    assert list(erils) == list(bench.ERILS)
+    for r in rows:
+        budgets = r["budgets_s"]
+        assert len(budgets) == 3 and budgets == sorted(budgets) and r["s_per_iter"] > 0
+        assert 0.0 <= r[f"cell_accuracy@{budgets[-1]:.0f}s"] <= 1.0
+    # every method starts from the same base; the weaker base of the ERILS part is weaker
+    assert len({r["cell_accuracy_before"] for r in est.values()}) == 1
+    assert len({r["cell_accuracy_before"] for r in erils.values()}) == 1
+    assert erils["on-policy only"]["cell_accuracy_before"] < est["MaskGRPO"]["cell_accuracy_before"]
