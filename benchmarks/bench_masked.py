@@ -21,10 +21,11 @@ lr, clip, KL, mu) the same, so the comparison is of estimators, not recipes:
 (``external.source=checkpoint``), both with source normalisation and token-level TIS (cap 2).
 
 Every run is one process on one thread (``threads=1``); two parts may run side by side, each on its
-own core. A method's seconds per iteration is the median over its seeds of each run's own training
-seconds (rollout + reward + update, evaluations excluded, from metrics.jsonl) per iteration, so one
-run slowed by a busy machine does not move it; its accuracy at a wall-clock budget is, per seed, the
-last evaluation (every --every iterations) whose iteration x that median fits in the budget.
+own core. A method's seconds per iteration is the fastest over its seeds of each run's own training
+seconds (rollout + reward + update, evaluations excluded, from metrics.jsonl) per iteration, the
+usual least-disturbed timing, so runs slowed by other work on the machine do not move it (their
+per-seed values are in the JSON rows); its accuracy at a wall-clock budget is, per seed, the last
+evaluation (every --every iterations) whose iteration x that time fits in the budget.
 Budgets are 1/4, 1/2 and all of the slowest method's full run.
 """
 
@@ -106,7 +107,7 @@ def curve(run_dir: Path, keys: tuple[str, ...]) -> dict:
 
 
 def at_budget(points: list, budget: float, s_per_iter: float) -> dict:
-    """The last evaluation whose iteration fits in `budget` seconds at `s_per_iter` (the method's median)."""
+    """The last evaluation whose iteration fits in `budget` seconds at `s_per_iter` (the method's fastest)."""
     inside = [p for p in points if p[1] * s_per_iter <= budget + 1e-9]
     return inside[-1][2]
 
@@ -119,7 +120,7 @@ def mean_std(xs: list[float]) -> str:
 
 def table(title: str, methods: dict, runs: dict, keys: tuple[str, ...], part: str) -> tuple[list[str], list[dict]]:
     """Markdown lines and JSON rows for one part: per method, each key at each budget (mean ± std over seeds)."""
-    spi = {m: statistics.median(c["s_per_iter"] for c in runs[m]) for m in methods if runs.get(m)}
+    spi = {m: min(c["s_per_iter"] for c in runs[m]) for m in methods if runs.get(m)}
     its = {m: max(c["points"][-1][1] for c in runs[m]) for m in spi}
     slowest = max(spi[m] * its[m] for m in spi)
     budgets = [f * slowest for f in BUDGET_FRACTIONS]
@@ -159,6 +160,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--every", type=int, default=20, help="iterations between evaluations")
     ap.add_argument("--weak-steps", type=int, default=45, help="pretraining steps of the ERILS part's weaker base")
     ap.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench_masked")
+    ap.add_argument("--methods", nargs="+", default=None,
+                    help="run only these estimator methods (e.g. coupled-GRPO), to split a part over processes; "
+                         "the table then has only them (assemble all with --reuse)")
     ap.add_argument("--reuse", action="store_true", help="skip runs whose run directory holds a finished run of the same config")
     args = ap.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
@@ -176,7 +180,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         its = [f"train.iterations={args.iterations or ITERATIONS[world]}"]
         runs = {m: [curve(run_one(world, [f"seed={s}", f"eval.every={args.every}", *its, *ov, *quick],
                                   runs_dir / world / f"{m}-s{s}", args.reuse), keys) for s in seeds]
-                for m, ov in ESTIMATORS.items()}
+                for m, ov in ESTIMATORS.items() if args.methods is None or m in args.methods}
         part_lines, part_rows = table(f"Estimators on {world} ({WORLDS[world][0]}, {len(seeds)} seed(s))",
                                       ESTIMATORS, runs, keys, world)
         lines += part_lines
