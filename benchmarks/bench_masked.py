@@ -61,14 +61,17 @@ BUDGET_FRACTIONS = (0.25, 0.5, 1.0)  # of the slowest method's median training s
 
 
 # ---------------------------------------------------------------------------------- runs
-def run_one(world: str, overrides: list[str], run_dir: Path, reuse: bool) -> Path:
+def run_one(world: str, overrides: list[str], run_dir: Path, reuse: bool, only_finished: bool = False) -> Path | None:
     from difrl.train.masked import train
     from difrl.train.masked_config import load_masked_config
 
     cfg = load_masked_config(ROOT / "configs" / WORLDS[world][0], ["threads=1", "checkpoint_every=0", *overrides])
-    if reuse and same_config(cfg, run_dir):
+    if (reuse or only_finished) and same_config(cfg, run_dir):
         print(f"reuse {run_dir}")
         return run_dir
+    if only_finished:
+        print(f"skip {run_dir}: no finished run of this config")
+        return None
     train(cfg, out_dir=run_dir)
     return run_dir
 
@@ -124,14 +127,14 @@ def table(title: str, methods: dict, runs: dict, keys: tuple[str, ...], part: st
     its = {m: max(c["points"][-1][1] for c in runs[m]) for m in spi}
     slowest = max(spi[m] * its[m] for m in spi)
     budgets = [f * slowest for f in BUDGET_FRACTIONS]
-    head = ["method", "s/iter", "rollout NFE"] + [f"{k} @ {b:.0f} s" for b in budgets for k in keys]
+    head = ["method", "seeds", "s/iter", "rollout NFE"] + [f"{k} @ {b:.0f} s" for b in budgets for k in keys]
     lines = [f"**{title}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     rows = []
     for m in methods:
         cs = runs.get(m)
         if not cs:
             continue
-        cells = [m, f"{spi[m]:.2f}", f"{statistics.mean(c['nfe_rollout'] for c in cs):.1f}"]
+        cells = [m, str(len(cs)), f"{spi[m]:.2f}", f"{statistics.mean(c['nfe_rollout'] for c in cs):.1f}"]
         row = {"part": part, "method": m, "seeds": len(cs), "s_per_iter": spi[m], "budgets_s": budgets,
                "s_per_iter_seeds": [c["s_per_iter"] for c in cs]}
         for b in budgets:
@@ -163,6 +166,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--methods", nargs="+", default=None,
                     help="run only these estimator methods (e.g. coupled-GRPO), to split a part over processes; "
                          "the table then has only them (assemble all with --reuse)")
+    ap.add_argument("--only-finished", action="store_true",
+                    help="train nothing: tabulate the finished runs only (each row says how many seeds it has)")
     ap.add_argument("--reuse", action="store_true", help="skip runs whose run directory holds a finished run of the same config")
     args = ap.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
@@ -178,8 +183,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for world in [p for p in parts if p in WORLDS]:
         keys = WORLDS[world][1]
         its = [f"train.iterations={args.iterations or ITERATIONS[world]}"]
-        runs = {m: [curve(run_one(world, [f"seed={s}", f"eval.every={args.every}", *its, *ov, *quick],
-                                  runs_dir / world / f"{m}-s{s}", args.reuse), keys) for s in seeds]
+        runs = {m: [curve(d, keys) for s in seeds
+                    if (d := run_one(world, [f"seed={s}", f"eval.every={args.every}", *its, *ov, *quick],
+                                     runs_dir / world / f"{m}-s{s}", args.reuse, args.only_finished))]
                 for m, ov in ESTIMATORS.items() if args.methods is None or m in args.methods}
         part_lines, part_rows = table(f"Estimators on {world} ({WORLDS[world][0]}, {len(seeds)} seed(s))",
                                       ESTIMATORS, runs, keys, world)
@@ -189,14 +195,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
         keys = WORLDS["sudoku"][1]
         weak = weak_base(runs_dir, args.weak_steps)
         its = f"train.iterations={args.iterations or ITERATIONS['erils']}"
-        runs = {m: [curve(run_one("sudoku", [f"seed={s}", f"eval.every={args.every}", its, f"model.path={weak}", *ov, *quick],
-                                  runs_dir / "erils" / f"{m.split(',')[0].replace(' ', '_')}-{len(ov)}-s{s}", args.reuse), keys)
-                    for s in seeds] for m, ov in ERILS.items()}
+        runs = {m: [curve(d, keys) for s in seeds
+                    if (d := run_one("sudoku", [f"seed={s}", f"eval.every={args.every}", its, f"model.path={weak}", *ov, *quick],
+                                     runs_dir / "erils" / f"{m.split(',')[0].replace(' ', '_')}-{len(ov)}-s{s}", args.reuse,
+                                     args.only_finished))]
+                for m, ov in ERILS.items()}
         part_lines, part_rows = table(f"ERILS vs on-policy only on Sudoku from a weaker base "
                                       f"(pretrain_sudoku.py at {args.weak_steps} steps, {len(seeds)} seed(s))",
                                       ERILS, runs, keys, "erils")
         lines += part_lines
         rows += part_rows
+    lines = ["Each run: one process, one thread. s/iter = the fastest seed's training seconds per iteration (evaluations "
+             "excluded); a cell 'X @ B s' = the last evaluation (every --every iterations) of each seed whose iteration x "
+             "s/iter fits in B seconds, mean ± std over seeds; B = 1/4, 1/2 and all of the slowest method's run. Rollout "
+             "NFE counts the external checkpoint's forwards too.", "", *lines]
     publish(args, BEGIN, END, "Masked diffusion: estimators and external rollouts (bench_masked)", "bench_masked.py",
             argv, lines, rows)
     return rows
