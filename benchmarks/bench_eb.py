@@ -4,6 +4,8 @@ forward passes (NFE) per puzzle and accuracy.
     .venv/bin/python benchmarks/bench_eb.py --json benchmarks/results/bench_eb.json   # ~10 min on 1 thread (4-5 of them training)
     .venv/bin/python benchmarks/bench_eb.py --quick --no-write                         # ~1.5 min (a 40-iteration model)
     .venv/bin/python benchmarks/bench_eb.py --model runs/sudoku/policy.safetensors     # an existing policy: no training
+    .venv/bin/python benchmarks/bench_eb.py --world digit_tokens --threads 2 --model RUN/policy.safetensors \
+        --json benchmarks/results/bench_eb_digits.json      # the 64-token digits world (~5 min), its own block
 
 The model: by default the masked GRPO trainer is run here (configs/sudoku.yaml, threads=1, seed
 --train-seed, --iterations) into --out; --model PATH takes a policy.safetensors instead (the bundled
@@ -307,8 +309,89 @@ def tables(all_rows: list[dict], model: str, notes: bool = False) -> list[str]:
     return out
 
 
+# ---------------------------------------------------------------------------------- digit tokens
+DIGIT_BEGIN, DIGIT_END = "<!-- bench_eb_digits:start -->", "<!-- bench_eb_digits:end -->"
+
+
+def digit_methods(gammas: list[float]) -> list[tuple[str, str, dict]]:
+    """(label, sampler, kwargs) on the 64 pixel tokens; the one-token baseline first."""
+    from difrl.worlds.digit_tokens import SEQ_LEN
+
+    return ([(BASELINE, "llada", {"steps": SEQ_LEN}), ("EB g=0", "eb", {"gamma": 0.0})]
+            + [(f"EB g={g:g}", "eb", {"gamma": g}) for g in gammas]
+            + [("emerge 16 steps (the world's eval)", "emerge", {"steps": 16}), ("LLaDA 16 steps", "llada", {"steps": 16}),
+               ("LLaDA 8 steps", "llada", {"steps": 8})])
+
+
+def digit_rows(policy, seeds: list[int], gammas: list[float], per_digit: int, temperature: float) -> list[dict]:
+    """Every decoder on the digit-tokens eval (per_digit samples of each digit) at each sampler seed."""
+    from difrl.worlds.digit_tokens import evaluate_digit_tokens
+    from difrl.worlds.digits import DigitsWorld
+
+    world = DigitsWorld.load()
+    rows = []
+    for label, sampler, kw in digit_methods(gammas):
+        ms = [evaluate_digit_tokens(policy, world, per_digit, sampler=sampler, seed=s, temperature=temperature, **kw)[0]
+              for s in seeds]
+        row = {"section": "digit_tokens", "method": label, "sampler": sampler, **kw, "temperature": temperature,
+               "seeds": seeds, "samples": ms[0]["samples"]}
+        for k in ("nfe", "accuracy", "fd", "judge_accuracy"):
+            row[k] = statistics.mean(m[k] for m in ms)
+            row[k + "_std"] = statistics.stdev(m[k] for m in ms) if len(ms) > 1 else 0.0
+        rows.append(row)
+        print(f"digit tokens {label}: nfe {row['nfe']:.2f} accuracy {row['accuracy']:.3f} fd {row['fd']:.1f}", flush=True)
+    base = rows[0]
+    for r in rows:
+        r["nfe_ratio"] = base["nfe"] / r["nfe"]
+        r["accuracy_loss_points"] = 100.0 * (base["accuracy"] - r["accuracy"])
+        r["meets_goal"] = r["sampler"] == "eb" and r["nfe_ratio"] >= GOAL_RATIO and r["accuracy_loss_points"] <= GOAL_LOSS
+    return rows
+
+
+def digit_table(rows: list[dict], model: str) -> list[str]:
+    pm = lambda r, k, f: f"{r[k]:{f}} ± {r[k + '_std']:{f}}"  # noqa: E731
+    out = [f"Model: {model}.", "",
+           f"{rows[0]['samples']} samples ({rows[0]['samples'] // 10} per digit, fixed seeds) per decoder and sampler seed, seeds {rows[0]['seeds']}, "
+           f"T = {rows[0]['temperature']:g}; one token per step = 64 forwards. Goal: >= {GOAL_RATIO:g}x fewer NFE than "
+           f"{BASELINE} at <= {GOAL_LOSS:g} point of accuracy loss (FD reported alongside).", "",
+           "| decoder | NFE / sample | × fewer NFE | accuracy | Δ accuracy (pts) | FD | judge accuracy |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['method']}{' ✓' if r['meets_goal'] else ''} | {r['nfe']:.2f} | {r['nfe_ratio']:.2f}× | "
+                   f"{pm(r, 'accuracy', '.3f')} | {-r['accuracy_loss_points'] + 0.0:+.1f} | {pm(r, 'fd', '.1f')} | "
+                   f"{pm(r, 'judge_accuracy', '.3f')} |")
+    met = [r for r in rows if r["meets_goal"]]
+    out += ["", "✓ = meets the goal. " + (
+        f"Met on digit tokens: the smallest-NFE EB row meeting it is {min(met, key=lambda r: r['nfe'])['method']} "
+        f"({min(met, key=lambda r: r['nfe'])['nfe_ratio']:.1f}x fewer NFE)." if met else "Not met on digit tokens."),
+        "EB g=0 is the second one-token decoder (lowest entropy first); the policy was trained on random-order emerge rollouts."]
+    return out
+
+
+def main_digit_tokens(args, argv) -> list[dict]:
+    """--world digit_tokens: EB-Sampler vs one token per step on a GRPO-trained digit-tokens policy."""
+    from difrl.worlds import digit_tokens
+
+    torch.set_num_threads(args.threads)
+    if not args.model:
+        raise SystemExit("bench_eb --world digit_tokens needs --model (a trained digit-tokens policy.safetensors, e.g. "
+                         "the run dir of `difrl train configs/digit_tokens.yaml`)")
+    policy = digit_tokens.load_base(args.model)
+    q = args.quick
+    rows = digit_rows(policy, args.seeds or ([0] if q else [0, 1, 2]),
+                      args.gammas or ([1.0, 10.0] if q else [0.1, 1.0, 3.0, 10.0, 30.0]), 5 if q else 50, 1.0)
+    for r in rows:
+        r["model"] = str(args.model)
+    publish(args, DIGIT_BEGIN, DIGIT_END, "EB-Sampler vs one token per step (digit tokens, masked GRPO policy)",
+            "bench_eb.py", argv, digit_table(rows, f"`{args.model}` (--model)"), rows)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", choices=("sudoku", "digit_tokens"), default="sudoku",
+                    help="digit_tokens: the 64-token digits world (needs --model; its own BENCHMARKS.md block)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for the digit-tokens sweep")
     standard_args(ap, "a 40-iteration model, 2 seeds, T 0 and 1, fewer gammas (~1-2 min)")
     ap.add_argument("--model", type=Path, help="a policy.safetensors to evaluate (skips training)")
     ap.add_argument("--iterations", type=int, help="training iterations (default: configs/sudoku.yaml's 200; --quick 40)")
@@ -325,6 +408,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="LLaDA baselines at about k tokens per step (steps = ceil(blanks / k))")
     ap.add_argument("--count", type=int, default=sudoku.EVAL_PUZZLES, help="test puzzles per blank count")
     args = ap.parse_args(argv)
+    if args.world == "digit_tokens":
+        return main_digit_tokens(args, argv)
     torch.set_num_threads(1)
     q = args.quick
     t0 = time.perf_counter()

@@ -192,3 +192,24 @@ def test_bench_masked_rows(tmp_path):
     assert len({r["cell_accuracy_before"] for r in est.values()}) == 1
     assert len({r["cell_accuracy_before"] for r in erils.values()}) == 1
     assert erils["on-policy only"]["cell_accuracy_before"] < est["MaskGRPO"]["cell_accuracy_before"]
+
+
+def test_bench_eb_digit_tokens_rows(tmp_path):
+    import torch
+
+    from difrl.worlds import digit_tokens
+
+    bench = _load("bench_eb")
+    threads = torch.get_num_threads()
+    try:
+        rows = bench.main(["--world", "digit_tokens", "--quick", "--no-write", "--model", str(digit_tokens.BUNDLED_BASE),
+                           "--gammas", "0.5", "30", "--json", str(tmp_path / "d.json")])
+    finally:
+        torch.set_num_threads(threads)
+    assert json.loads((tmp_path / "d.json").read_text()) == rows
+    g = {r["method"]: r for r in rows}
+    assert list(g)[:2] == ["LLaDA 1/step", "EB g=0"]
+    assert g["LLaDA 1/step"]["nfe"] == g["EB g=0"]["nfe"] == 64 and g["LLaDA 1/step"]["nfe_ratio"] == 1.0
+    assert g["EB g=30"]["nfe"] < g["EB g=0.5"]["nfe"] <= 64 and g["LLaDA 8 steps"]["nfe"] == 8
+    assert all(0.0 <= r["accuracy"] <= 1.0 and r["fd"] > 0 for r in rows)
+    assert all(r["meets_goal"] == (r["sampler"] == "eb" and r["nfe_ratio"] >= 3 and r["accuracy_loss_points"] <= 1) for r in rows)
