@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from difrl.algos import ppo_clip_loss
+from difrl.algos.advantages import group_normalize
 from difrl.config import save_config
 from difrl.correct import METHODS as CORRECTORS
 from difrl.discrete.losses import (ar_fade_mask, coupled_masks, d1_mask, mask_uniforms, maskgrpo_ratios, trace_logp,
@@ -133,9 +134,7 @@ def masked_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, scale: str
         adv = torch.where(base, adv * (count / (count - 1).clamp_min(1.0))[inv], adv)
     elif scale != "mean":
         raise ValueError(f"unknown advantage scale {scale!r}; expected 'std', 'mean' or 'loo'")
-    rmax = torch.full((len(uniq),), -torch.inf, dtype=torch.float64).scatter_reduce(0, inv, r, "amax")
-    rmin = torch.full((len(uniq),), torch.inf, dtype=torch.float64).scatter_reduce(0, inv, r, "amin")
-    zero = (rmax == rmin)[inv]
+    _, zero = group_normalize(rewards, group_ids)  # the shared zero-spread rule (all rewards of the group equal)
     adv = torch.where(zero, torch.zeros_like(adv), adv).clamp(-clip, clip)
     return adv.float(), zero
 
