@@ -221,7 +221,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
         from peft import LoraConfig, get_peft_model
 
         lc = cfg.train.lora
-        net = get_peft_model(base, LoraConfig(r=lc.rank, lora_alpha=lc.alpha, init_lora_weights="gaussian",
+        net = get_peft_model(base, LoraConfig(r=lc.rank, lora_alpha=lc.alpha, init_lora_weights=True if lc.init == "default" else "gaussian",
                                               target_modules=lc.targets or policy.lora_target_modules))
         reference = None  # the same network with the adapter disabled
     else:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from difrl.config import cfg_field, config_error, load_config
-from difrl.train.config import CorrectConfig, RunFields
+from difrl.train.config import CorrectConfig, LoraConfig, RunFields
 
 MASKED_KINDS = ("sudoku", "digit_tokens")  # model.kind values trained by difrl.train.masked (difrl/worlds/masked.py)
 
@@ -78,11 +78,9 @@ class MaskedAdvantageConfig:
 
 
 @dataclass
-class MaskedLoraConfig:
+class MaskedLoraConfig(LoraConfig):
+    """The flow trainer's LoRA keys; off by default (full fine-tuning suits the tiny bundled models)."""
     enabled: bool = cfg_field(False, help="LoRA via peft (False = full fine-tuning; fine for the tiny model)")
-    rank: int = cfg_field(16, ge=1)
-    alpha: float = cfg_field(32.0, gt=0.0)
-    targets: list[str] | None = cfg_field(None, help="module names; None = the adapter's lora_target_modules")
 
 
 @dataclass
