@@ -50,7 +50,7 @@ from difrl.train.masked_config import MaskedConfig, MaskedSamplerConfig
 from difrl.train.state import load_latest_checkpoint, restore_checkpoint, save_checkpoint, trainable_params
 from difrl.utils.io import atomic_write_json, save_safetensors
 from difrl.utils.rng import mix_seed
-from difrl.worlds.masked import MaskedPrompts, build_masked_world
+from difrl.worlds.masked import build_masked_world
 
 __all__ = ["RatioCheckError", "Remask", "masked_advantages", "remask", "sampler_kwargs", "token_logp", "train"]
 
