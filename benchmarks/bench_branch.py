@@ -79,7 +79,7 @@ def trained_edges_per_iteration(cfg) -> int:
     """Edges that reach the backward pass per iteration (pruning included), from the tree structure alone."""
     from difrl.algos.tree import depth_prune, width_prune
     from difrl.train.flow import step_masks
-    from difrl.tree import build_tree
+    from difrl.branching import build_tree
 
     sde, _, _ = step_masks(cfg, 0, 1)
     tree = build_tree(cfg.tree.schedule(cfg.sampler.num_steps), cfg.sampler.num_steps, 1, sde)

@@ -33,99 +33,78 @@ def _split(argv: list[str]) -> tuple[str | None, list[str]]:
 
 
 def _load(path: str | None, overrides: list[str]):
-    from difrl.train.config import FlowConfig, load_flow_config
+    """The typed config of the trainer that model.kind names (a FlowConfig or a MaskedConfig)."""
+    from difrl.train.config import load_train_config
 
-    return load_flow_config(path, overrides) if path else load_flow_config(None, overrides) if overrides else FlowConfig()
+    return load_train_config(path, overrides)
 
 
-def _model_kind(path: str, overrides: list[str]) -> str | None:
-    """model.kind as the YAML (then a model.kind=... override) sets it, without building the config."""
-    from difrl.config import _read_yaml
-
-    model = _read_yaml(path).get("model")
-    kind = model.get("kind") if isinstance(model, dict) else None
-    for o in overrides:
-        key, _, value = o.partition("=")
-        if key.strip() == "model.kind":
-            kind = value.strip()
-    return kind
+def _run_dir_config(path: str | None) -> tuple[Path | None, str | None]:
+    """A run directory stands for its config.yaml (and its trained policy): (run dir or None, config path)."""
+    if path and Path(path).is_dir():
+        run = Path(path)
+        if not (run / "config.yaml").exists():
+            raise FileNotFoundError(f"{run} is not a difrl run directory (no config.yaml)")
+        return run, str(run / "config.yaml")
+    return None, path
 
 
 def cmd_train(args) -> int:
-    from difrl.train.flow import train
-    from difrl.train.masked_config import MASKED_KINDS
+    from difrl.train.config import train_function
 
     path, overrides = _split(args.rest)
     if path is None:
         raise SystemExit("difrl train: give a config file, e.g. difrl train configs/digits.yaml")
-    if _model_kind(path, overrides) in MASKED_KINDS:  # a masked-diffusion world: the masked GRPO trainer
-        from difrl.train.masked import train as train_masked
-        from difrl.train.masked_config import load_masked_config
-
-        summary = train_masked(load_masked_config(path, overrides), out_dir=args.out)
-        before, after = summary["eval_before"], summary["eval_after"]
-        print(f"\ndifrl: {summary['iterations']} iterations")
-        print(f"{'':<16}{'before':>10}{'after':>10}")
-        for key in summary["headline"]:
-            print(f"{key:<16}{before[key]:>10.3f}{after[key]:>10.3f}")
-        run = Path(summary["run_dir"])
-        print(f"results: {run / 'summary.json'}, policy: {run / 'policy.safetensors'}, curve: {run / 'reward_curve.png'}")
-        return 0
     cfg = _load(path, overrides)
-    summary = train(cfg, out_dir=args.out)
+    summary = train_function(cfg)(cfg, out_dir=args.out)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun / accelerate launch, one process reports
         return 0
     before, after = summary["eval_before"], summary["eval_after"]
     run = Path(summary["run_dir"])
     print(f"\ndifrl: {summary['iterations']} iterations" + (f", stopped early: {summary['stopped_early']}" if summary["stopped_early"] else ""))
-    print(f"{'':<16}{'before':>10}{'after':>10}")
-    # the digits world reports accuracy / FD; a diffusers world its rewards
-    keys = [k for k in ("accuracy", "judge_accuracy", "fd", "diversity") if k in after] or \
-        [k for k, v in after.items() if k.startswith("reward") and isinstance(v, (int, float))]
+    # the digits world's accuracy, judge, FD and diversity, or the world's headline metrics, then named rewards
+    keys = [k for k in ("accuracy", "judge_accuracy", "fd", "diversity") if k in after]
+    keys += [k for k in summary["headline"] if k not in keys]
+    keys += [k for k, v in after.items() if k.startswith("reward/") and isinstance(v, (int, float))]
+    width = max(16, *(len(k) + 2 for k in keys))
+    print(f"{'':<{width}}{'before':>10}{'after':>10}")
     for key in keys:
-        print(f"{key:<16}{before[key]:>10.3f}{after[key]:>10.3f}")
+        print(f"{key:<{width}}{before[key]:>10.3f}{after[key]:>10.3f}")
     if "real_diversity" in after:
         print(f"real data diversity {after['real_diversity']:.3f}; FD features: {after['fd_extractor']}")
-    print(f"results: {run / 'summary.json'}, samples: {run / 'samples'}, curve: {run / 'reward_curve.png'}")
+    saved = next((run / f for f in ("policy.safetensors", "lora", "transformer") if (run / f).exists()), run)
+    print(f"results: {run / 'summary.json'}, samples: {run / 'samples'}, trained weights: {saved}, curve: "
+          f"{run / 'reward_curve.png'}")
     return 0
 
 
 def cmd_eval(args) -> int:
     import torch
 
-    from difrl.worlds import build_world
+    from difrl.train.scaffold import cores_available
 
-    path, overrides = _split(args.rest)
-    run = None
-    if path and Path(path).is_dir():  # a run directory: its config and its trained policy
-        run = Path(path)
-        if not (run / "config.yaml").exists():
-            raise FileNotFoundError(f"{run} is not a difrl run directory (no config.yaml)")
-        path = str(run / "config.yaml")
-    from difrl.train.masked_config import MASKED_KINDS
-
-    if path and _model_kind(path, overrides) in MASKED_KINDS:  # Sudoku, digit tokens: the masked world's eval
-        from difrl.train.masked_config import load_masked_config
+    run, path = _run_dir_config(_split(args.rest)[0])
+    cfg = _load(path, _split(args.rest)[1])
+    torch.set_num_threads(cfg.threads or cores_available())
+    if cfg.trainer == "masked":  # Sudoku, digit tokens: the masked world's eval
         from difrl.worlds.masked import build_masked_world
 
-        cfg = load_masked_config(path, overrides)
-        torch.set_num_threads(cfg.threads or len(os.sched_getaffinity(0)))
         if run:  # the run's trained policy, not the base it started from
             cfg.model.path = str(run / "policy.safetensors")
         world = build_masked_world(cfg)
         print(json.dumps(world.evaluate(world.policy), indent=2))
         return 0
-    cfg = _load(path, overrides)
+    from difrl.worlds import build_world
+
     digits = cfg.model.kind == "digits"
     # a run's trained policy: digits writes a merged checkpoint, a diffusers model a LoRA directory on its base
     model_path = str(run / "policy.safetensors") if run and digits else cfg.model.path
-    torch.set_num_threads(cfg.threads or len(os.sched_getaffinity(0)))
     world = build_world(cfg.model.kind, model_path, cfg)
     if run and not digits:
         if not (run / "lora").is_dir():
             raise FileNotFoundError(f"{run} has no lora/ directory (a full fine-tune's transformer/ is not loaded by "
                                     "difrl eval yet)")
-        from difrl.models.diffusers_flow import load_lora
+        from difrl.models.lora_io import load_lora
 
         load_lora(world.policy, run / "lora")
     metrics, images = world.evaluate(world.policy, cfg.eval.per_digit, cfg.eval.num_steps, cfg.eval.seed, cfg.sampler.shift)
@@ -143,12 +122,15 @@ def cmd_sample(args) -> int:
     from difrl.search import SearchConfig, best_of_n, dts
     from difrl.worlds import build_world
 
+    from difrl.train.config import load_flow_config
+    from difrl.train.scaffold import cores_available
+
     path, overrides = _split(args.rest)
-    cfg = _load(path, overrides)
-    torch.set_num_threads(cfg.threads or len(os.sched_getaffinity(0)))
+    cfg = load_flow_config(path, overrides)
+    torch.set_num_threads(cfg.threads or cores_available())
     world = build_world(cfg.model.kind, cfg.model.path, cfg)
     policy = world.policy
-    name = args.reward or next(iter(cfg.reward.weights))
+    name = args.reward or next(iter(cfg.reward.weights or {world.default_reward: 1.0}))
     reward = build_reward(name, **cfg.reward.options.get(name, {}))
     key = name.rsplit(":", 1)[-1]
     prompts = args.prompt or world.prompts
@@ -160,7 +142,7 @@ def cmd_sample(args) -> int:
     sigmas = world.sigmas(cfg.sampler.num_steps, cfg.sampler.shift)
     N = cfg.sampler.num_steps
     scfg = SearchConfig(budget=args.budget, lam=args.lam, children=args.children, root_children=args.root_children,
-                        kernel=cfg.sampler.kind, kernel_kwargs={"noise_level": cfg.sampler.noise_level},
+                        kernel=cfg.sampler.kind, kernel_kwargs=cfg.sampler.kernel_kwargs(),
                         guidance=cfg.sampler.guidance)
     results, images = [], []
     for i, prompt in enumerate(prompts):
@@ -195,19 +177,15 @@ def cmd_sample(args) -> int:
 def cmd_config(args) -> int:
     from difrl.config import config_to_dict, describe_config
     from difrl.train.config import FlowConfig
-
-    from difrl.train.masked_config import MASKED_KINDS, MaskedConfig, load_masked_config
+    from difrl.train.masked_config import MaskedConfig
 
     path, overrides = _split(args.rest)
-    masked = args.masked or (path is not None and _model_kind(path, overrides) in MASKED_KINDS) or \
-        any(o.partition("=")[0].strip() == "model.kind" and o.partition("=")[2].strip() in MASKED_KINDS for o in overrides)
     if path is None and not overrides:
-        print(describe_config(MaskedConfig if masked else FlowConfig))
+        print(describe_config(MaskedConfig if args.masked else FlowConfig))
     else:
         import yaml
 
-        cfg = load_masked_config(path, overrides) if masked else _load(path, overrides)
-        print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+        print(yaml.safe_dump(config_to_dict(_load(path, overrides)), sort_keys=False), end="")
     return 0
 
 

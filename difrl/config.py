@@ -42,7 +42,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-__all__ = ["ConfigError", "cfg_field", "config_error", "load_config", "apply_overrides",
+__all__ = ["ConfigError", "cfg_field", "config_error", "load_config", "load_config_union", "apply_overrides",
            "config_from_dict", "config_to_dict", "save_config", "describe_config"]
 
 MISSING = dataclasses.MISSING
@@ -355,6 +355,34 @@ def load_config(cls: type, path: str | os.PathLike | None, overrides: Sequence[s
     cfg = _build(cls, tree, "", ctx)
     _validate_tree(cfg, "", ctx)
     return cfg
+
+
+def load_config_union(classes: Mapping[str, type], key: str, path: str | os.PathLike | None,
+                      overrides: Sequence[str] = ()) -> Any:
+    """One of several config classes, chosen by the value of the dotted ``key`` (YAML file, then the last
+    override of it; absent: the first class's default for it): a discriminated union such as
+    ``{"digits": FlowConfig, "sudoku": MaskedConfig}`` keyed by ``model.kind``. An unknown value is a
+    ConfigError naming the key, where it came from and the allowed values; then the chosen class is
+    loaded with :func:`load_config` (which checks every other key)."""
+    tree = _read_yaml(path) if path is not None else {}
+    parts, value, source = key.split("."), MISSING, f"in {os.fspath(path)}" if path is not None else "no config file"
+    node: Any = tree
+    for part in parts:
+        node = node.get(part, MISSING) if isinstance(node, Mapping) else MISSING
+    if node is not MISSING:
+        value = node
+    for arg in [overrides] if isinstance(overrides, str) else overrides:
+        opt_parts, cli = _parse_override(arg)
+        if opt_parts == parts:
+            value, source = cli.value, CLI
+    if value is MISSING:
+        return load_config(next(iter(classes.values())), path, overrides)
+    if not isinstance(value, str) or value not in classes:
+        close = difflib.get_close_matches(str(value), list(classes), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"config key {key!r} ({source}) = {_show(value)} is not an allowed choice; {hint}expected one of "
+                          + ", ".join(map(repr, classes)), key, _located=True)
+    return load_config(classes[value], path, overrides)
 
 
 def apply_overrides(cfg: Any, overrides: Sequence[str]) -> Any:

@@ -13,7 +13,9 @@ exactly (Sol-RL, resume, debugging). ``init_seed`` equals ``seed`` unless a grou
 initial noise (then it is the group's seed, derived from the group id, never from prompt text).
 
 Only the trained transitions are stored: ``x, x_next, sigma, sigma_next, log_prob_old, mean_old``
-as ``[B, T, ...]`` with ``step`` ``[B, T]`` saying which step each one is.
+as ``[B, T, ...]`` with ``step`` ``[B, T]`` saying which step each one is. ``recompute(policy, batch,
+kernel)`` scores them under the current policy (the trainer's log-prob), for flat samples and tree
+edges (``difrl.tree_rollout``, rows with ``T = 1``) alike.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from difrl.models.base import Cond, FlowPolicy, cond_select
-from difrl.samplers.kernels import KERNELS, StepOutput
+from difrl.models.base import Cond, FlowPolicy, cond_repeat, cond_select
+from difrl.samplers.kernels import KERNELS, StepOutput, split_step
 from difrl.utils.rng import counter_normal, mix_seed  # noqa: F401  (mix_seed re-exported)
 
 
@@ -183,3 +185,20 @@ def regenerate(policy: FlowPolicy, batch: Rollout, sigmas: torch.Tensor, **kwarg
     """Re-run the trajectories of `batch` from their seeds (same prompts, ids and initial noise)."""
     return rollout(policy, batch.prompts, batch.seeds, sigmas, prompt_ids=batch.prompt_ids,
                    group_ids=batch.group_ids, init_seeds=batch.init_seeds, **kwargs)
+
+
+def recompute(policy: FlowPolicy, batch: Rollout, kernel: str, kernel_kwargs: dict | None = None,
+              guidance: float = 1.0) -> StepOutput:
+    """The stored transitions of `batch` (flat samples or tree edges) under the current policy, one
+    forward over all B*T rows, each scored with its stored ``extras["logprob_scale"]`` (a tree's split
+    edges; 1 where there is none: then this is exactly ``KERNELS[kernel](..., action=x_next)``).
+    The trainer's ``transition_log_prob`` is this. Returns StepOutput with log_prob [B, T],
+    mean [B*T, ...], std [B*T] (the std the log-prob used)."""
+    B, T = batch.step.shape
+    flat = lambda t: t.reshape(B * T, *t.shape[2:])  # noqa: E731
+    x, x_next, sigma, sigma_next = flat(batch.x), flat(batch.x_next), flat(batch.sigma), flat(batch.sigma_next)
+    v = policy.velocity(x, sigma, cond_repeat(batch.cond, T), guidance)
+    scale = batch.extras.get("logprob_scale")
+    scale = 1.0 if scale is None else flat(scale)
+    out = split_step(kernel, x, v, sigma, sigma_next, action=x_next, logprob_scale=scale, **(kernel_kwargs or {}))
+    return StepOutput(out.x_next, out.log_prob.view(B, T), out.mean, out.std)

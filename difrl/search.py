@@ -11,7 +11,7 @@
 
 **Tree.** A dummy root sits above the initial noises; a node at depth d is the latent after d of the
 N steps; leaves (depth N) carry their reward. Node noise is seeded like the BranchGRPO engine
-(difrl.tree.node_seed): child j of a node with seed s gets seed mix_seed(s, j), its initial noise (a
+(difrl.branching.node_seed): child j of a node with seed s gets seed mix_seed(s, j), its initial noise (a
 child of the root) is noise(seed, -1) and the step into it noise(parent-step seed, step), so every
 node is a pure function of (seed, path). Steps 0..N-2 use the stochastic `kernel`, the last step is
 the deterministic Euler step (as the trainer's all_but_last), so a leaf is the clean sample.

@@ -1,17 +1,26 @@
 """Sol-RL pieces (specs/lowprec-and-correctors.md §1): select the trained seeds from a low-precision
 candidate pool, and measure how well the candidates' rewards predict the regenerated ones.
 
+    pool = candidate_pool(policy, rollout_copy, world.prompts, group_prompt, seed, it, 64, 16, sigmas6, score)
+    pool.seeds, pool.reward                                                  # [P * G] chosen, in group order
     idx = select_indices(candidate_rewards, k=16, rule="best_worst")        # [P, N] -> [P, k]
     agree = rank_agreement(candidate_rewards_of_chosen, regenerated)         # per-prompt Spearman / Kendall
 
-The trainer (`rollout.kind=solrl`, difrl/train/flow.py) runs stage 1 (N seeds per prompt through
-the quantized rollout copy, few deterministic steps, rewarded), picks seeds with `select_indices`,
-and regenerates exactly those seeds with the full-precision policy (stage 2) for training.
+The trainer (`rollout.kind=solrl`, difrl/train/flow.py) runs stage 1 (`candidate_pool`: N seeds per
+prompt through the quantized rollout copy, few deterministic steps, rewarded, `select_indices` picks
+G), and regenerates exactly those seeds with the full-precision policy (stage 2) for training.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
+
+from difrl.rollout import rollout
+from difrl.utils.rng import mix_seed
 
 SELECT_RULES = ("best_worst", "random", "mean_deviation", "extremes_random")
 
@@ -92,3 +101,38 @@ def rank_agreement(candidate: torch.Tensor, regenerated: torch.Tensor) -> dict[s
         out[f"{name}_median"] = float(v.quantile(0.5)) if len(v) else float("nan")  # middle two averaged
         out[f"{name}_mean"] = float(v.mean()) if len(v) else float("nan")
     return out
+
+
+@dataclass
+class CandidatePool:
+    seeds: torch.Tensor  # [P * G] the chosen candidates' seeds, in group order (all processes)
+    reward: torch.Tensor  # [P * G] their stage-1 rewards
+    size: int  # P * N candidates sampled (all processes)
+
+
+def candidate_pool(policy, rollout_copy, prompts: list[str], group_prompt: torch.Tensor, seed: int, iteration: int,
+                   candidates: int, group_size: int, preview_sigmas: torch.Tensor,
+                   score: Callable[[torch.Tensor, list[str], torch.Tensor, torch.Tensor], torch.Tensor],
+                   select: str = "best_worst", guidance: float = 1.0, batch: int | None = None, rank: int = 0,
+                   world_size: int = 1, gather: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> CandidatePool:
+    """Sol-RL stage 1 (specs/lowprec-and-correctors.md §1.2). Candidate c of prompt group p (global index
+    p * N + c, split over processes in contiguous slices) gets seed mix_seed(seed, iteration, 6, index) and is
+    sampled by the rollout copy (the policy itself when rollout_copy is None) with the deterministic solver
+    over `preview_sigmas`. `score(images, prompts, prompt_ids, seeds) -> [n]` rewards them (a failed candidate
+    should score -inf: it then ranks last); rewards are gathered and `select` picks `group_size` per prompt.
+    `prompts` are all prompts by id; group_prompt [P] is each group's prompt id."""
+    P, N = len(group_prompt), candidates
+    per = P * N // world_size
+    c = torch.arange(rank * per, (rank + 1) * per)
+    prompt_ids = group_prompt[c // N]
+    seeds = torch.tensor([mix_seed(seed, iteration, 6, int(i)) for i in c])
+    texts = [prompts[i] for i in prompt_ids.tolist()]
+    ode = torch.zeros(len(preview_sigmas) - 1, dtype=torch.bool)
+    with rollout_copy.active(policy) if rollout_copy is not None else nullcontext():
+        cand = rollout(policy, texts, seeds, preview_sigmas, "ode", sde_mask=ode, prompt_ids=prompt_ids,
+                       guidance=guidance, batch_size=batch)
+    total = gather(score(policy.decode(cand.x_final), texts, prompt_ids, seeds)).view(P, N)  # global candidate order
+    idx = select_indices(total, group_size, select, torch.Generator().manual_seed(mix_seed(seed, iteration, 8)))
+    chosen = (torch.arange(P)[:, None] * N + idx).flatten()  # [P * G] global candidate indices, group order
+    chosen_seeds = torch.tensor([mix_seed(seed, iteration, 6, int(i)) for i in chosen])
+    return CandidatePool(chosen_seeds, total.flatten()[chosen], P * N)

@@ -1,11 +1,12 @@
-"""Write a tiny random-initialised diffusers pipeline directory (FLUX.1, SD3 or Wan 2.1), built in code.
+"""Write a tiny random-initialised diffusers pipeline directory (any kind of difrl.models.adapters), built in code.
 
     python scripts/make_tiny_pipeline.py flux runs/tiny_flux
     python scripts/make_tiny_pipeline.py sd3 runs/tiny_sd3 --seed 1
     python scripts/make_tiny_pipeline.py wan runs/tiny_wan
 
-Every component has the real class and on-disk layout (difrl/models/tiny.py), so `model.path` pointing
-here runs the exact real-model code path on a CPU (configs/flux_tiny.yaml). Nothing is downloaded.
+Every component has the real class and on-disk layout (difrl/models/tiny.py; each family file's
+`tiny_pipeline`), so `model.path` pointing here runs the exact real-model code path on a CPU
+(configs/flux_tiny.yaml). Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from difrl.models.tiny import KINDS, make_tiny_pipeline  # noqa: E402
+from difrl.models.adapters import ADAPTERS  # noqa: E402
+from difrl.models.tiny import make_tiny_pipeline  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kind", choices=KINDS)
+    ap.add_argument("kind", choices=tuple(ADAPTERS))
     ap.add_argument("out_dir")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     args = ap.parse_args(argv)

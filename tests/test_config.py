@@ -351,3 +351,29 @@ def test_describe_config_lists_nested_keys():
     assert "one of: ode, flow_sde, dance_sde, cps" in kind
     assert "tuple[int, int] | None" in text
     assert "(required)" in describe_config(NeedsPath)
+
+
+# ---------------------------------------------------------------------------------- the trainers' configs
+def test_the_trainer_is_chosen_from_the_typed_model_kind(tmp_path):
+    from difrl.train.config import FlowConfig, load_train_config
+    from difrl.train.masked_config import MaskedConfig
+
+    root = os.path.join(os.path.dirname(__file__), "..", "configs")
+    assert type(load_train_config(os.path.join(root, "digits.yaml"))) is FlowConfig
+    sudoku = load_train_config(os.path.join(root, "sudoku.yaml"), ["train.iterations=3"])
+    assert type(sudoku) is MaskedConfig and sudoku.trainer == "masked" and sudoku.train.iterations == 3
+    assert type(load_train_config(None, ["model.kind=digit_tokens"])) is MaskedConfig  # an override picks it too
+    assert type(load_train_config(None)) is FlowConfig  # no model.kind: the default world (digits)
+    # the masked sections' defaults: the common TrainConfig with the masked trainer's values
+    m = load_train_config(None, ["model.kind=sudoku"])
+    assert (m.train.lr, m.train.clip_low, m.train.lora.enabled, m.advantage.eps, m.eval.every) == (1e-4, 0.2, False, 1e-5, 0)
+    # an unknown kind names the key, where it came from and the choices
+    with pytest.raises(ConfigError, match=r"'model.kind' \(command line\) = 'sudok'.*did you mean 'sudoku'"):
+        load_train_config(os.path.join(root, "digits.yaml"), ["model.kind=sudok"])
+    path = tmp_path / "x.yaml"
+    path.write_text("model: {kind: fluxx}\n")
+    with pytest.raises(ConfigError, match=rf"'model.kind' \(in {re.escape(str(path))}\) = 'fluxx'.*'flux'"):
+        load_train_config(path)
+    # a key of the other trainer is an unknown key of this one
+    with pytest.raises(ConfigError, match="unknown config key 'estimator'"):
+        load_train_config(os.path.join(root, "digits.yaml"), ["estimator.kind=d1"])

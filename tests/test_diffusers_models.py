@@ -20,9 +20,9 @@ diffusers = pytest.importorskip("diffusers")
 peft = pytest.importorskip("peft")
 
 from difrl.models.base import FlowPolicy  # noqa: E402
-from difrl.models.diffusers_flow import (  # noqa: E402
-    ADAPTERS, LORA_MARKER, ModelKindError, PipelineDirError, check_pipeline_dir, load_flow_policy, load_lora, save_lora,
-)
+from difrl.models.adapters import ADAPTERS, load_flow_policy  # noqa: E402
+from difrl.models.diffusers_base import ModelKindError, PipelineDirError, check_pipeline_dir  # noqa: E402
+from difrl.models.lora_io import LORA_MARKER, load_lora, save_lora  # noqa: E402
 from difrl.models.tiny import make_tiny_pipeline  # noqa: E402
 from difrl.rollout import INIT_STEP, rollout, sample_noise  # noqa: E402
 from difrl.samplers.kernels import KERNELS  # noqa: E402
@@ -309,3 +309,19 @@ def test_lora_from_another_kind_is_refused(kind, tiny_dirs, policies, tmp_path):
 
 def test_adapter_table_is_plain_dict():
     assert set(ADAPTERS) == set(KINDS)
+
+
+def test_every_adapter_is_a_flow_world():
+    from difrl.worlds import FLOW_KINDS, WORLDS
+
+    assert FLOW_KINDS == tuple(WORLDS) and FLOW_KINDS[0] == "digits" and set(FLOW_KINDS[1:]) == set(ADAPTERS)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_quant_preset_skips_name_modules_of_the_transformer(kind, policies):
+    """The trainer quantizes a rollout copy with `policy.quant_preset`: a skip pattern that names no module of
+    the transformer (a typo, or another model's name) would quantize the layer it meant to keep exact."""
+    preset = policies(kind).quant_preset
+    assert set(preset) == {"skip", "min_dim"} and preset["skip"]
+    names = [n for n, _ in policies(kind).module.named_modules()]
+    assert [s for s in preset["skip"] if not any(s in n for n in names)] == []

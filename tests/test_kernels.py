@@ -21,6 +21,7 @@ from difrl.samplers import (
     random_window,
     sigma_schedule,
     sliding_window_start,
+    split_step,
     time_shift,
 )
 
@@ -193,6 +194,22 @@ def test_gaussian_log_prob_zero_where_std_zero():
     mean = torch.zeros(2, 3)
     lp = gaussian_log_prob(torch.ones(2, 3), mean, torch.tensor([0.0, 1.0]))
     assert lp[0] == 0 and lp[1] == pytest.approx(-0.5 - 0.5 * math.log(2 * math.pi))
+
+
+# ---- split_step: a kernel with its std scaled by kappa (BranchGRPO's split steps) -------------------
+
+def test_split_step_with_unit_scales_is_the_kernel():
+    g = torch.Generator().manual_seed(0)
+    x, v, z = (torch.randn(4, 16, generator=g) for _ in range(3))
+    for kind in ("flow_sde", "dance_sde", "cps"):
+        ref = KERNELS[kind](x, v, 0.8, 0.6, z)
+        for scale in (1.0, torch.ones(4)):
+            out = split_step(kind, x, v, 0.8, 0.6, z, noise_scale=scale)
+            for a, b in zip(out, ref):
+                assert torch.equal(a, b), kind
+        # a per-row scale: row 0 is kappa = 2 (its std doubles), the rest equal the kernel
+        mixed = split_step(kind, x, v, 0.8, 0.6, action=ref.x_next, logprob_scale=torch.tensor([2.0, 1, 1, 1]))
+        assert torch.equal(mixed.log_prob[1:], ref.log_prob[1:]) and torch.equal(mixed.std[0], 2 * ref.std[0])
 
 
 # ---- 1-D Gaussian toy: the SDE samplers' marginals match the ODE's ---------------------------------

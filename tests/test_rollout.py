@@ -8,7 +8,7 @@ import torch
 
 from difrl.models.base import cond_repeat
 from difrl.models.digits import DigitsFlowNet, DigitsNetConfig, DigitsPolicy, digit_prompt
-from difrl.rollout import INIT_STEP, regenerate, rollout, sample_noise
+from difrl.rollout import INIT_STEP, recompute, regenerate, rollout, sample_noise
 from difrl.samplers import KERNELS, all_but_last, fixed_window, random_subset, sigma_schedule
 
 N = 6
@@ -86,6 +86,10 @@ def test_recomputed_log_prob_equals_the_rollouts(policy):
     out = KERNELS["flow_sde"](flat(batch.x), v, flat(batch.sigma), flat(batch.sigma_next), action=flat(batch.x_next))
     torch.testing.assert_close(out.log_prob.view(B, T), batch.log_prob_old, rtol=0, atol=1e-6)
     torch.testing.assert_close(out.mean.view_as(batch.mean_old), batch.mean_old, rtol=0, atol=1e-6)
+    # recompute is that forward and scoring (no stored logprob_scale on a flat rollout: the plain kernel)
+    with torch.no_grad():
+        again = recompute(policy, batch, "flow_sde")
+    assert torch.equal(again.log_prob, out.log_prob.view(B, T)) and torch.equal(again.mean, out.mean)
 
 
 def test_shared_initial_noise_per_group(policy):

@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+import difrl.solrl as solrl
 import difrl.train.flow as flow
 from difrl.algos.nft import nft_loss, nft_noised, velocity_kl
 from difrl.config import ConfigError
@@ -102,7 +103,8 @@ def test_solrl_runs_logs_agreement_and_trains_the_regenerated_seeds(tmp_path, mo
                       "quantized": bool(quantized_layers(policy.module)), "args": args, "kwargs": kwargs})
         return out
 
-    monkeypatch.setattr(flow, "rollout", spy)
+    monkeypatch.setattr(solrl, "rollout", spy)  # stage 1: the candidate pool
+    monkeypatch.setattr(flow, "rollout", spy)  # stage 2: the trained rollouts
     train(load_flow_config(None, [*TINY, *SOLRL, "train.lora.enabled=false"]), out_dir=tmp_path)
     cand, regen = calls[0], calls[1]
     # stage 1: 2 prompts x 8 candidates through the NVFP4 copy, 3 deterministic steps
@@ -128,17 +130,17 @@ def test_solrl_runs_logs_agreement_and_trains_the_regenerated_seeds(tmp_path, mo
 
 def test_solrl_best_worst_trains_the_extremes_of_the_pool(tmp_path, monkeypatch):
     picked = {}
-    real = flow._solrl_candidates
+    real = flow.candidate_pool
 
     def spy(*args, **kwargs):
-        seeds, reward, n = real(*args, **kwargs)
-        picked.setdefault("reward", reward)
-        return seeds, reward, n
+        pool = real(*args, **kwargs)
+        picked.setdefault("reward", pool.reward)
+        return pool
 
     scores = []
-    real_select = flow.select_indices
-    monkeypatch.setattr(flow, "select_indices", lambda r, k, rule, g: scores.append(r.clone()) or real_select(r, k, rule, g))
-    monkeypatch.setattr(flow, "_solrl_candidates", spy)
+    real_select = solrl.select_indices
+    monkeypatch.setattr(solrl, "select_indices", lambda r, k, rule, g: scores.append(r.clone()) or real_select(r, k, rule, g))
+    monkeypatch.setattr(flow, "candidate_pool", spy)
     train(load_flow_config(None, [*TINY, *SOLRL, "train.iterations=1"]), out_dir=tmp_path)
     pool = scores[0]  # [2 prompts, 8 candidates]
     chosen = picked["reward"].view(2, 4)

@@ -24,7 +24,7 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 peft = pytest.importorskip("peft")
 
-from difrl.models.diffusers_flow import load_flow_policy  # noqa: E402
+from difrl.models.adapters import load_flow_policy  # noqa: E402
 from difrl.models.tiny import make_tiny_pipeline  # noqa: E402
 from difrl.rollout import INIT_STEP, rollout, sample_noise  # noqa: E402
 from difrl.train import flow  # noqa: E402

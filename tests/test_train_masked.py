@@ -15,7 +15,9 @@ from difrl.cli import main
 from difrl.config import ConfigError
 from difrl.discrete.losses import trace_logp, unigrpo_ratios
 from difrl.discrete.samplers import llada_sample
-from difrl.train.masked import TIMING_KEYS, masked_advantages, remask, token_logp, train
+from difrl.algos import group_normalize
+from difrl.discrete.estimators import remask, token_logp
+from difrl.train.masked import TIMING_KEYS, train
 from difrl.train.masked_config import load_masked_config
 from difrl.utils.io import load_safetensors_checked
 from difrl.worlds import sudoku
@@ -168,6 +170,11 @@ def test_unigrpo_structured_ratios_follow_the_formula():
 
 
 # ---------------------------------------------------------------------------------- advantages
+def masked_advantages(rewards, group_ids, scale, eps, clip, baseline=None):
+    """The masked trainer's advantages: difrl.algos.group_normalize with its scale and baseline."""
+    return group_normalize(rewards, group_ids, "group", eps, clip, scale, baseline)
+
+
 def test_source_normalisation_leaves_the_on_policy_advantages_unchanged():
     gen = torch.Generator().manual_seed(0)
     reward = torch.rand(12, generator=gen)
@@ -255,3 +262,45 @@ def test_accumulation_1x8_equals_8x1(tmp_path):
         assert a["grad_norm"] > 0
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], est
         assert abs(a["policy_loss"] - b["policy_loss"]) < 1e-6 and abs(a["kl"] - b["kl"]) < 1e-7
+
+
+# ---------------------------------------------------------------------------------- the one reward seam
+def cells_nan_for_puzzle_0():
+    """A `module:function` reward factory for the masked worlds: sudoku_cells, NaN for every sample of the
+    first training puzzle of an iteration (its prompt text is the puzzle) and a second named score."""
+    from difrl.rewards.sudoku_cells import sudoku_reward
+
+    def fn(filled, prompts, metadata):
+        puzzles = torch.stack([m["puzzle"] for m in metadata])
+        r = sudoku_reward(filled, puzzles)
+        r[[i for i, p in enumerate(prompts) if p == prompts[0]]] = float("nan")
+        return {"cells_nan_for_puzzle_0": r, "blanks": (puzzles == 0).sum(1).float()}
+
+    return fn
+
+
+def test_masked_world_scores_through_the_registry_with_drop_group(tmp_path):
+    name = f"{__name__}:cells_nan_for_puzzle_0"
+    _, d = run(tmp_path / "r", "train.iterations=2", f"reward.weights={{'{name}': 1.0}}", "reward.on_error=drop_group")
+    rows = metrics(d)
+    for r in rows:  # 2 puzzles x 4 rollouts: the first puzzle's group fails and is dropped, the other one trains
+        assert r["failed_reward_groups"] == 1 and r["trained_samples"] <= 4
+        assert r["reward/cells_nan_for_puzzle_0/blanks"] >= 4  # extra named scores are logged per reward
+        assert r["reward_mean"] == r["reward_mean"]  # finite: failed samples are not a score
+    # on_error=stop (the default): a checkpoint, then an error naming the reward, the failing samples and resume
+    from difrl.rewards import RewardError
+
+    with pytest.raises(RewardError, match=r"iteration 0: non-finite reward.*cells_nan_for_puzzle_0.*resume="):
+        run(tmp_path / "s", f"reward.weights={{'{name}': 1.0}}")
+    assert (tmp_path / "s" / "checkpoints" / "iter-000000").is_dir()
+
+
+def test_masked_reward_weights_combine_and_default_to_the_worlds_reward(tmp_path):
+    # the world's own reward (reward.weights=null) equals naming it; a second reward with weight 0 changes nothing
+    _, a = run(tmp_path / "a", "train.iterations=2")
+    _, b = run(tmp_path / "b", "train.iterations=2", "reward.weights={sudoku_cells: 1.0}")
+    _, c = run(tmp_path / "c", "train.iterations=2", "reward.weights={sudoku_cells: 1.0, brightness: 0.0}")
+    ra, rb, rc = metrics(a), metrics(b), metrics(c)
+    assert ra == rb
+    assert [r["policy_loss"] for r in rc] == [r["policy_loss"] for r in ra] and "reward/brightness" in rc[0]
+    assert all(r["reward/sudoku_cells/solved"] <= r["reward/sudoku_cells"] for r in ra)

@@ -14,7 +14,7 @@ import torch
 
 from difrl.config import ConfigError
 from difrl.train.config import load_flow_config
-from difrl.tree import BranchSchedule, nfe, num_trained_edges
+from difrl.branching import BranchSchedule, nfe, num_trained_edges
 from test_train import TINY, latest_weights, metrics, run
 
 TREE = ("rollout.kind=tree", "tree.split_steps=[0,1]")

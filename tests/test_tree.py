@@ -1,4 +1,5 @@
-"""Tree rollouts (BranchGRPO, branch-cps-guard.md §1): engine, NFE accounting, kappa, fusion, advantages, pruning.
+"""Tree rollouts (BranchGRPO, branch-cps-guard.md §1): counting (difrl.branching), the engine
+(difrl.tree_rollout), kappa, rescoring (difrl.rollout.recompute), fusion, advantages, pruning.
 
     pytest tests/test_tree.py -q
 """
@@ -10,12 +11,12 @@ import torch
 
 from difrl.algos.tree import (depth_prune, depth_pruning_set, depthwise_advantages, edge_advantages, fuse_rewards,
                               width_prune)
+from difrl.branching import BranchSchedule, build_tree, mix_sde_mask, nfe, node_seed, num_edges, num_trained_edges
 from difrl.models.base import cond_repeat
 from difrl.models.digits import DigitsPolicy, digit_prompt
-from difrl.rollout import rollout, sample_noise
+from difrl.rollout import recompute, rollout, sample_noise
 from difrl.samplers import KERNELS, all_but_last, sigma_schedule
-from difrl.tree import (BranchSchedule, build_tree, mix_sde_mask, nfe, node_seed, num_edges, num_trained_edges,
-                        recompute_edges, split_step, tree_rollout)
+from difrl.tree_rollout import tree_rollout
 
 N = 6
 HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
@@ -122,8 +123,8 @@ def test_single_branch_tree_gives_the_flat_loss(policy):
     with torch.no_grad():
         for w in moved.net.parameters():
             w.add_(1e-3 * torch.randn_like(w))
-        lp_flat = recompute_edges(moved, flat, "flow_sde").log_prob  # [3, T]
-        lp_edge = recompute_edges(moved, tr.edges, "flow_sde").log_prob  # [3 * T, 1]
+        lp_flat = recompute(moved, flat, "flow_sde").log_prob  # [3, T]
+        lp_edge = recompute(moved, tr.edges, "flow_sde").log_prob  # [3 * T, 1]
     adv = torch.tensor([1.0, -0.5, 2.0])
     T = flat.step.shape[1]
     pg_flat, _ = ppo_clip_loss(lp_flat, flat.log_prob_old, adv, 1e-3, 1e-3)
@@ -198,27 +199,13 @@ def test_kappa_split_edges_log_prob(policy, mode):
     assert float(e.extras["std_old"][i, 0]) == pytest.approx(s_lp, rel=1e-5)
     # the trainer's recomputation (one forward over all edges, scored with the stored scale) gives ratio 1
     with torch.no_grad():
-        out = recompute_edges(policy, e, "dance_sde", kk)
+        out = recompute(policy, e, "dance_sde", kk)
         v_all = policy.velocity(e.x[:, 0], e.sigma[:, 0], cond_repeat(e.cond, 1), 1.0)
     torch.testing.assert_close(out.log_prob, e.log_prob_old, rtol=0, atol=1e-5)
     # the plain kernel recomputes every edge scored under s: all of them under "reference", only the others under "actual"
     plain = KERNELS["dance_sde"](e.x[:, 0], v_all, e.sigma[:, 0], e.sigma_next[:, 0], action=e.x_next[:, 0], **kk)
     same = (plain.log_prob - e.log_prob_old[:, 0]).abs() < 1e-5
     assert torch.equal(same, ~split if mode == "actual" else torch.ones_like(split))
-
-
-def test_split_step_with_unit_scales_is_the_kernel():
-    g = torch.Generator().manual_seed(0)
-    x, v, z = (torch.randn(4, 16, generator=g) for _ in range(3))
-    for kind in ("flow_sde", "dance_sde", "cps"):
-        ref = KERNELS[kind](x, v, 0.8, 0.6, z)
-        for scale in (1.0, torch.ones(4)):
-            out = split_step(kind, x, v, 0.8, 0.6, z, noise_scale=scale)
-            for a, b in zip(out, ref):
-                assert torch.equal(a, b), kind
-        # a per-row scale: row 0 is kappa = 2 (its std doubles), the rest equal the kernel
-        mixed = split_step(kind, x, v, 0.8, 0.6, action=ref.x_next, logprob_scale=torch.tensor([2.0, 1, 1, 1]))
-        assert torch.equal(mixed.log_prob[1:], ref.log_prob[1:]) and torch.equal(mixed.std[0], 2 * ref.std[0])
 
 
 # ---------------------------------------------------------------------------------- Mix (ODE outside a window)

@@ -2,6 +2,7 @@
 
     loss, m = ppo_clip_loss(log_prob, log_prob_old, adv, clip_low=1e-4, clip_high=1e-4)   # [B, T] each
     kl = gaussian_step_kl(mean, mean_ref, std, h, form="flow_grpo")                      # [B, T]
+    kl = k3_kl(log_prob, log_prob_ref)                                                     # per token (masked)
 
 Per-step surrogate (flow-grpo-family.md §1): rho = exp(l - l_old),
 L = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high)), averaged over valid (sample, step)
@@ -54,3 +55,10 @@ def gaussian_step_kl(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tens
     if form == "flow_grpo":
         return sq * h / (2.0 * var)
     raise ValueError(f"kl form must be 'exact' or 'flow_grpo', got {form!r}")
+
+
+def k3_kl(log_prob: torch.Tensor, log_prob_ref: torch.Tensor) -> torch.Tensor:
+    """Per-token (or per-element) k3 estimator of KL(pi || ref) under pi's samples:
+    exp(l_ref - l) - (l_ref - l) - 1 >= 0 (Schulman's k3; d1 / MaskGRPO use it per answer token)."""
+    d = log_prob_ref - log_prob
+    return torch.exp(d) - d - 1.0

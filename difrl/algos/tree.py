@@ -20,7 +20,8 @@ from typing import Literal
 
 import torch
 
-from difrl.tree import Tree, TreeRollout
+from difrl.branching import Tree
+from difrl.tree_rollout import TreeRollout
 
 FusionMode = Literal["mean", "path_prob", "soft"]
 WidthMode = Literal["per_branch", "best_worst"]
@@ -179,3 +180,37 @@ def depth_prune(tree: Tree, edges: torch.Tensor, depths: set[int] | list[int], i
     active = depth_pruning_set(depths, iteration, interval, stop_depth)
     child_depth = tree.edge_step[edges] + 1
     return ~torch.isin(child_depth, torch.tensor(sorted(active), dtype=torch.long))
+
+
+def tree_train_edges(tr: TreeRollout, scores: dict[str, torch.Tensor], weights: dict[str, float],
+                     leaf_keep: torch.Tensor, iteration: int, tree_cfg, aggregate: str = "reward_sum", eps: float = 1e-4,
+                     clip: float = 5.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """BranchGRPO's trained edges for one process's trees (specs/branch-cps-guard.md §1.3-§1.6). Leaf rewards
+    (`scores`: name -> [L] in tree.leaf_node order) are fused into every node (tree_cfg.fusion), normalised per
+    tree and depth, and each SDE edge takes its child's advantage; `aggregate` "advantage_sum" normalises each
+    reward on its own, then weights them (MixGRPO's multi-reward form). Depth and width pruning (tree_cfg)
+    drop edges from the backward pass, per tree so prompts never mix (§1.10). A tree with a leaf outside
+    `leaf_keep` [L] bool (failed reward, zero spread) keeps its edges with keep = 0, like the flat trainer's
+    samples. Returns (kept rows' indices into tr.edges [E'], their advantages [E'], keep [E'] bool)."""
+    t, tc = tr.tree, tree_cfg
+
+    def node_advantages(leaf_rewards: torch.Tensor) -> torch.Tensor:  # [L] -> [Nn]
+        values = fuse_rewards(t, leaf_rewards, tc.fusion, tc.fusion_lambda, tc.fusion_lambda)
+        return depthwise_advantages(t, values, eps)
+
+    if aggregate == "reward_sum":
+        node_adv = node_advantages(sum(w * scores[n].double() for n, w in weights.items()).float())
+    else:
+        node_adv = sum(w * node_advantages(scores[n]) for n, w in weights.items())
+    adv = edge_advantages(tr, node_adv.clamp(-clip, clip))  # [E]
+    edge_tree = t.tree[t.edge_child[tr.trained_edge]]  # [E] local tree of each edge (tree-major order)
+    keep = leaf_keep.view(t.num_trees, -1).all(1)[edge_tree]
+    sel = torch.ones(len(adv), dtype=torch.bool)
+    if tc.depth_prune:
+        sel &= depth_prune(t, tr.trained_edge, tc.depth_prune, iteration, tc.depth_slide_every, tc.depth_stop)
+    if tc.width_prune != "none":
+        for k in range(t.num_trees):
+            rows = edge_tree == k
+            sel[rows] = width_prune(t, tr.trained_edge[rows], adv[rows], tc.width_prune, tc.width_ratio, mask=sel[rows])
+    kept = sel.nonzero().flatten()
+    return kept, adv[kept], keep[kept]

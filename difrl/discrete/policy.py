@@ -207,7 +207,7 @@ class HFMaskedLM:
         `trust_remote_code` is True *and* `path` is a local directory the user chose."""
         import transformers
 
-        from difrl.models.diffusers_flow import as_dtype
+        from difrl.models.diffusers_base import as_dtype
 
         path = Path(path)
         if not path.is_dir():

@@ -328,4 +328,17 @@ def emerge_sample(policy, tokens: torch.Tensor, cond: Cond | None = None, *, ste
 SAMPLERS = {"llada": llada_sample, "eb": eb_sample, "emerge": emerge_sample}
 
 __all__ = ["DiscreteRollout", "SAMPLERS", "counter_uniform", "draw", "eb_sample", "eb_select", "emerge_sample", "entropy",
-           "llada_sample", "llada_step", "mask_schedule", "restrict", "row_seeds", "transfer_plan"]
+           "llada_sample", "llada_step", "mask_schedule", "merge_rollouts", "restrict", "row_seeds", "transfer_plan"]
+
+
+def merge_rollouts(n: int, parts: list[tuple[torch.Tensor, DiscreteRollout]]) -> DiscreteRollout:
+    """One [n]-row rollout from row-disjoint parts (rows index, rollout of those rows); nfe adds up."""
+    first = parts[0][1]
+    fields = {}
+    for name in ("tokens", "start", "gen_mask", "logp", "policy_logp", "step", "nfe_per_sample", "seeds"):
+        ref = getattr(first, name)
+        out = torch.zeros((n, *ref.shape[1:]), dtype=ref.dtype)
+        for rows, part in parts:
+            out[rows] = getattr(part, name)
+        fields[name] = out
+    return DiscreteRollout(nfe=sum(p.nfe for _, p in parts), **fields)

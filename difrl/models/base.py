@@ -11,12 +11,16 @@ lives behind this protocol; samplers, the rollout engine and the trainer only se
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 Cond = dict[str, torch.Tensor]
+# quantize_module's keyword arguments for a policy's low-precision rollout copy (difrl.quant): a layer is
+# skipped if its name contains one of `skip` or if max(in, out) <= min_dim; this default quantizes every linear
+DEFAULT_QUANT_PRESET: dict = {"skip": (), "min_dim": 0}
 
 
 @runtime_checkable
@@ -25,6 +29,7 @@ class FlowPolicy(Protocol):
 
     latent_shape: tuple[int, ...]  # one sample's latent, e.g. (64,) or (16, 64, 64)
     lora_target_modules: list[str]  # module-name suffixes peft wraps with LoRA
+    quant_preset: dict = DEFAULT_QUANT_PRESET  # {"skip": (...), "min_dim": n} for quantize_module / RolloutCopy
 
     @property
     def module(self) -> nn.Module:
@@ -53,6 +58,18 @@ class HoldsNet:
     @module.setter
     def module(self, m: nn.Module) -> None:
         self.net = m
+
+
+@contextmanager
+def use_module(policy, module: nn.Module):
+    """Run `policy` with another network inside the block (the frozen reference of full fine-tuning, a
+    quantized rollout copy, a merged checkpoint being saved): the one place an adapter's module is swapped."""
+    saved = policy.module
+    policy.module = module
+    try:
+        yield module
+    finally:
+        policy.module = saved
 
 
 def cond_select(cond: Cond, index: torch.Tensor | slice) -> Cond:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from difrl.models.base import Cond, HoldsNet
+from difrl.quant.linear import QUANT_PRESETS
 
 NULL_LABEL = 10
 DIGIT_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
@@ -108,6 +109,7 @@ class DigitsPolicy(HoldsNet):
 
     latent_shape = (64,)
     lora_target_modules = ["x_in", "fc1", "fc2", "ada", "x_out"]
+    quant_preset = QUANT_PRESETS["digits"]  # the input/output projections and the time MLP stay exact
 
     def __init__(self, net: DigitsFlowNet):
         self.net = net
@@ -138,6 +140,10 @@ class DigitsPolicy(HoldsNet):
         null = torch.full_like(cond["label"], NULL_LABEL)
         v_u, v_c = self.net(torch.cat([x, x]), torch.cat([sigma, sigma]), torch.cat([null, cond["label"]])).float().chunk(2)
         return v_u + guidance * (v_c - v_u)
+
+    def state_dict_and_meta(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """The network's weights and its config as safetensors metadata: a checkpoint from_checkpoint loads."""
+        return self.module.state_dict(), {k: str(v) for k, v in vars(self.module.cfg).items()}
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return ((latents.float() + 1.0) / 2.0).clamp(0.0, 1.0).view(-1, 1, 8, 8)

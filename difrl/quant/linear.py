@@ -24,6 +24,7 @@ from difrl.quant import formats as F
 
 # Sol-RL's exclusions (specs §1.4): a layer is skipped if its name contains one of `skip`, or if
 # max(in, out) <= min_dim. Wan and digits are ours: embedders and the output projection stay exact.
+# The trainer reads a policy's own `quant_preset` (difrl/models/: each adapter class names its entry here).
 QUANT_PRESETS: dict[str, dict] = {
     "flux": {"skip": ("x_embedder", "context_embedder", "time_text_embed", "norm_out"), "min_dim": 1000},
     "sd3": {"skip": ("pos_embed", "context_embedder", "time_text_embed", "norm_out", "norm1", "ff_context"), "min_dim": 2432},

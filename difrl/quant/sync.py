@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from difrl.models.base import use_module
 from difrl.quant.linear import QuantReport, quantize_module, quantized_layers
 
 
@@ -119,12 +120,8 @@ class RolloutCopy:
     @contextmanager
     def active(self, policy):
         """Run `policy` (an adapter with a `.module`) on the rollout copy inside the block."""
-        saved = policy.module
-        policy.module = self.module
-        try:
+        with use_module(policy, self.module):
             yield self.module
-        finally:
-            policy.module = saved
 
 
 def _unload_lora(plain: nn.Module) -> nn.Module:

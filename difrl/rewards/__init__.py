@@ -64,6 +64,7 @@ def build_reward(name: str, **options) -> RewardFn:
 def _load_builtins() -> None:
     import difrl.rewards.digits  # noqa: F401  (registers digit_prob)
     import difrl.rewards.simple  # noqa: F401  (registers brightness, color)
+    import difrl.rewards.sudoku_cells  # noqa: F401  (registers sudoku_cells)
 
 
 class RewardError(RuntimeError):

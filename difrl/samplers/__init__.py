@@ -9,6 +9,7 @@ from difrl.samplers.kernels import (
     gaussian_log_prob,
     ode_step,
     reduce_elements,
+    split_step,
 )
 from difrl.samplers.schedules import (
     all_but_last,
@@ -23,6 +24,6 @@ from difrl.samplers.schedules import (
 
 __all__ = [
     "KERNELS", "StepOutput", "cps_step", "dance_sde_step", "flow_sde_step", "gaussian_log_prob", "ode_step",
-    "reduce_elements", "all_but_last", "exponential_time_shift", "fixed_window", "random_subset", "random_window",
+    "reduce_elements", "split_step", "all_but_last", "exponential_time_shift", "fixed_window", "random_subset", "random_window",
     "sigma_schedule", "sliding_window_start", "time_shift",
 ]

@@ -16,6 +16,9 @@ are scalars or ``[B]`` tensors, so one call can evaluate transitions of differen
 *mean* by default (what makes the published clip ranges 1e-4 ... 2e-6 meaningful, §1), or the
 true ``"sum"``. Where ``std == 0`` (an ODE step, noise level 0, CPS's last step) the transition
 is deterministic, ``x_next = mean`` and ``log_prob`` is 0.
+
+``split_step(kind, ...)`` is any kernel with its std scaled by a factor kappa, sampled or scored
+(BranchGRPO's split steps; the rescoring of stored tree edges in ``difrl.rollout.recompute``).
 """
 
 from __future__ import annotations
@@ -146,3 +149,37 @@ def cps_step(x, v, sigma, sigma_next, noise=None, *, noise_level: float = 0.8, a
 
 
 KERNELS = {"ode": ode_step, "flow_sde": flow_sde_step, "dance_sde": dance_sde_step, "cps": cps_step}
+
+
+def split_step(kind: str, x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, noise: torch.Tensor | None = None, *,
+               action: torch.Tensor | None = None, noise_scale: torch.Tensor | float = 1.0,
+               logprob_scale: torch.Tensor | float | None = None, **kernel_kwargs) -> StepOutput:
+    """A kernel step with its std scaled (BranchGRPO's split steps, branch-cps-guard.md §1.2):
+    x_next = mu + noise_scale * s * noise (sampling) or the given `action`, and
+    log_prob = log N(x_next; mu, (logprob_scale * s)^2), where (mu, s) are `kind`'s mean and std.
+    ``logprob_scale`` defaults to ``noise_scale`` (the sampled distribution); 1 gives BranchGRPO's
+    reference log-prob. Scales are floats or [B]. Returns StepOutput with ``std = logprob_scale * s``
+    (the std of the log-prob). With both scales 1 this is exactly ``KERNELS[kind]`` (same ops, same
+    bits); for scale-1 rows of a mixed batch too."""
+    step_fn = KERNELS[kind]
+    if logprob_scale is None:
+        logprob_scale = noise_scale
+    plain = lambda s: isinstance(s, (int, float)) and float(s) == 1.0  # noqa: E731
+    if plain(noise_scale) and plain(logprob_scale):
+        return step_fn(x, v, sigma, sigma_next, noise, action=action, **kernel_kwargs)
+    if kind == "ode":
+        return ode_step(x, v, sigma, sigma_next, action=action)
+    if (noise is None) == (action is None):
+        raise ValueError("pass exactly one of `noise` (to sample) or `action` (to score a stored x_next)")
+    reduce = kernel_kwargs.get("reduce", "mean")
+    base = step_fn(x, v, sigma, sigma_next, action=x if action is None else action, **kernel_kwargs)  # mu, s
+    mean = base.mean
+    per_row = lambda s: _per_sample(s, mean).reshape(-1)  # noqa: E731  a float or [B] scale -> [B] fp32
+    if action is None:
+        x_next = mean + _bcast(base.std, mean) * _bcast(per_row(noise_scale), mean) * noise.to(torch.float32)
+    else:
+        x_next = action.to(torch.float32)
+    std = base.std * per_row(logprob_scale)
+    flow_grpo_cps = kind == "cps" and kernel_kwargs.get("log_prob_form", "gaussian") == "flow_grpo"
+    log_prob_fn = cps_unnormalized_log_prob if flow_grpo_cps else gaussian_log_prob  # the kernel's density form
+    return StepOutput(x_next, log_prob_fn(x_next, mean, std, reduce), mean, std)

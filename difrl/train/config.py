@@ -1,28 +1,149 @@
-"""The flow trainer's typed config: every key, its default, its range (``difrl config`` lists them).
+"""The trainers' typed configs: every key, its default, its range (``difrl config`` lists them).
 
-    cfg = load_flow_config("configs/digits.yaml", ["train.lr=1e-4", "sampler.kind=cps"])
+    cfg = load_train_config("configs/digits.yaml", ["train.lr=1e-4"])   # FlowConfig or MaskedConfig, by model.kind
+    cfg = load_flow_config("configs/digits.yaml", ["sampler.kind=cps"])  # a flow config, whatever it says
+    train = TRAINERS[cfg.trainer]                                           # "difrl.train.flow:train" ...
 
-Defaults follow Flow-GRPO (flow-grpo-family.md §2.8, §8.7) where they carry over to a model of
-this size; the digits YAML sets what the bundled demo needs.
+One base (``TrainerConfig``) holds what every trainer has, defined once: the run keys (seed,
+threads, out, resume, checkpoint_every) and the sections ``reward``, ``advantage``, ``train``
+(common keys; ``FlowTrainConfig`` / ``MaskedTrainConfig`` add their own), ``eval`` and ``model``
+(``kind``, ``path``). A trainer's config sets its own defaults through the section's default
+instance (``MaskedConfig.train`` starts from lr 1e-4, clip 0.2, LoRA off). The trainer is chosen
+from the typed ``model.kind`` (``load_train_config``): the flow kinds come from the world table
+(difrl.worlds.WORLDS), the masked ones from difrl.worlds.masked.MASKED_WORLDS.
+
+Flow defaults follow Flow-GRPO (flow-grpo-family.md §2.8, §8.7) where they carry over to a model
+of this size; the digits YAML sets what the bundled demo needs. The masked sections are in
+difrl/train/masked_config.py.
 """
 
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from difrl.config import cfg_field, config_error, load_config
+from difrl.config import cfg_field, config_error, load_config, load_config_union
 from difrl.correct import METHODS
 from difrl.quant.formats import FORMATS as QUANT_FORMATS
 from difrl.solrl import SELECT_RULES
+from difrl.worlds import FLOW_KINDS
+from difrl.worlds.masked import MASKED_KINDS
+
+
+# ---------------------------------------------------------------------------------- every trainer
 
 
 @dataclass
 class ModelConfig:
+    """The policy's world; its kind also picks the trainer (flow: FLOW_KINDS, masked: MASKED_KINDS)."""
+    kind: str = cfg_field("digits", choices=FLOW_KINDS + MASKED_KINDS,
+                          help="a flow world (digits, or a diffusers pipeline at model.path) or a masked one")
+    path: str | None = cfg_field(None, help="checkpoint / pipeline directory; None = the world's bundled base")
+
+
+@dataclass
+class RewardConfig:
+    """Rewards through the one registry (difrl.rewards): built-ins, `module:function`, `difrl.rewards` entry points."""
+    weights: dict[str, float] | None = cfg_field(None, help="reward name -> weight; None = the world's own reward "
+                                                            "(digits, digit_tokens: digit_prob; sudoku: sudoku_cells)")
+    options: dict[str, dict] = cfg_field(default_factory=dict, help="reward name -> factory keyword options")
+    aggregate: str = cfg_field("reward_sum", choices=("reward_sum", "advantage_sum"), help="multi-reward aggregation")
+    on_error: str = cfg_field("stop", choices=("stop", "drop_group"), help="a reward that raises or is NaN/inf")
+
+    def validate(self) -> None:
+        if self.weights is not None and not self.weights:
+            raise config_error("weights", "at least one reward is needed (or null for the world's own reward)")
+
+
+@dataclass
+class AdvantageConfig:
+    """Group-relative advantages (difrl.algos.group_advantages), groups keyed by explicit ids."""
+    scale: str = cfg_field("std", choices=("std", "mean", "loo"),
+                           help="std: (r - mean) / (std + eps) (GRPO, MaskGRPO); mean: r - mean (d1); loo: "
+                                "leave-one-out r_i - mean of the others (coupled-GRPO)")
+    std_scope: str = cfg_field("group", choices=("group", "global"), help="scale=std: std over the group or the whole batch")
+    eps: float = cfg_field(1e-4, gt=0.0)
+    clip: float = cfg_field(5.0, gt=0.0, help="advantage clip |A| <= clip")
+    drop_zero_spread: bool = cfg_field(True, help="drop groups whose rewards are all equal (no signal)")
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = cfg_field(True, help="LoRA via peft (False = full fine-tuning)")
+    rank: int = cfg_field(16, ge=1)
+    alpha: float = cfg_field(32.0, gt=0.0)
+    targets: list[str] | None = cfg_field(None, help="module names; None = the adapter's lora_target_modules")
+    init: str = cfg_field("gaussian", choices=("gaussian", "default"), help="peft init_lora_weights (B = 0 either way)")
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation keys every trainer has (FlowTrainConfig and MaskedTrainConfig add their own)."""
+    iterations: int = cfg_field(100, ge=0, help="rollout rounds")
+    lr: float = cfg_field(3e-4, gt=0.0)
+    weight_decay: float = cfg_field(1e-4, ge=0.0)
+    betas: tuple[float, float] = cfg_field((0.9, 0.999))
+    adam_eps: float = cfg_field(1e-8, gt=0.0)
+    max_grad_norm: float | None = cfg_field(1.0, gt=0.0)
+    micro_batch: int = cfg_field(16, ge=1, help="samples (flow: with all their trained steps) per forward/backward")
+    grad_accum: int = cfg_field(1, ge=1, help="micro-batches per optimizer update")
+    clip_low: float = cfg_field(1e-4, ge=0.0, help="PPO clip below: rho >= 1 - clip_low")
+    clip_high: float = cfg_field(1e-4, ge=0.0, help="PPO clip above: rho <= 1 + clip_high")
+    kl_beta: float = cfg_field(0.0, ge=0.0, help="weight of the KL to the reference policy (the base model)")
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    ratio_check: bool = cfg_field(True, help="stop if the first on-policy micro-step has ratio != 1")
+    ratio_tol: float = cfg_field(1e-6, gt=0.0)
+
+
+@dataclass
+class EvalConfig:
+    every: int = cfg_field(10, ge=0, help="iterations between evaluations (0 = only before/after)")
+    per_digit: int = cfg_field(50, ge=1, help="samples per prompt (digits, digit_tokens, diffusers models)")
+    seed: int = cfg_field(1234)
+
+
+CORRECT_METHODS = tuple(METHODS)  # the correctors that need only (log_prob, log_prob_rollout, mask)
+
+
+@dataclass
+class CorrectConfig:
+    method: str = cfg_field("none", choices=CORRECT_METHODS,
+                            help="IS correction of rollout/train mismatch (difrl.correct); token_* act per step, seq_* per trajectory")
+    options: dict[str, float] = cfg_field(default_factory=dict, help="keyword options of the method, e.g. {cap: 2.0}")
+
+    def validate(self) -> None:
+        allowed = [k for k in inspect.signature(METHODS[self.method]).parameters
+                   if k not in ("log_prob", "log_prob_rollout", "mask")]
+        for k in self.options:
+            if k not in allowed:
+                raise config_error(f"options.{k}", f"{self.method} takes {allowed}")
+
+
+@dataclass
+class TrainerConfig:
+    """What every trainer's config has; `trainer` names the recipe that runs it (TRAINERS)."""
+    trainer: ClassVar[str] = ""
+    seed: int = cfg_field(0)
+    threads: int | None = cfg_field(None, ge=1, help="torch threads; None = the cores this process may use")
+    out: str | None = cfg_field(None, help="run directory (also --out)")
+    resume: str | None = cfg_field(None, help="a run directory to continue")
+    checkpoint_every: int = cfg_field(0, ge=0, help="iterations between checkpoints (0 = only at the end)")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+# ---------------------------------------------------------------------------------- the flow trainer
+
+
+@dataclass
+class FlowModelConfig(ModelConfig):
     """The policy: the bundled digits world, or a diffusers pipeline directory (flux, sd3, wan; difrl/worlds/diffusers.py)."""
-    kind: str = cfg_field("digits", choices=("digits", "flux", "sd3", "wan"),
+    kind: str = cfg_field("digits", choices=FLOW_KINDS,
                           help="digits world, or a diffusers FLUX.1 / SD3 / Wan 2.1 pipeline at model.path")
-    path: str | None = cfg_field(None, help="checkpoint / pipeline directory; None = the bundled digits base")
     prompts: list[str] | None = cfg_field(None, help="diffusers models: training prompts (or model.prompt_file)")
     prompt_file: str | None = cfg_field(None, help="diffusers models: a text file of training prompts, one per line")
     eval_prompts: list[str] | None = cfg_field(None, help="diffusers models: evaluation prompts; None = the first 8 "
@@ -50,6 +171,13 @@ class SamplerConfig:
     log_prob_reduce: str = cfg_field("mean", choices=("mean", "sum"), help="per-element mean (published clip ranges) or sum")
     cps_log_prob: str = cfg_field("gaussian", choices=("gaussian", "flow_grpo"), help="CPS log-prob: true Gaussian or Flow-GRPO's unnormalised")
     rollout_batch: int | None = cfg_field(None, ge=1, help="model forward batch in rollouts (None = all samples)")
+
+    def kernel_kwargs(self) -> dict:
+        """The step kernel's keyword arguments (difrl.samplers.KERNELS[kind]): the one place they are built."""
+        kw = {"noise_level": self.noise_level, "reduce": self.log_prob_reduce}
+        if self.kind == "cps":
+            kw["log_prob_form"] = self.cps_log_prob
+        return kw
 
 
 @dataclass
@@ -130,7 +258,7 @@ class TreeConfig:
     depth_stop: int | None = cfg_field(None, ge=0, help="sliding depth pruning stops here; None = the last split step")
 
     def schedule(self, num_steps: int):
-        from difrl.tree import BranchSchedule
+        from difrl.branching import BranchSchedule
 
         if self.split_steps is None:
             return BranchSchedule.uniform(self.rounds, num_steps, self.factor) if self.rounds else BranchSchedule((), self.factor)
@@ -138,55 +266,16 @@ class TreeConfig:
 
 
 @dataclass
-class RewardConfig:
-    weights: dict[str, float] = cfg_field(default_factory=lambda: {"digit_prob": 1.0}, help="reward name -> weight")
-    options: dict[str, dict] = cfg_field(default_factory=dict, help="reward name -> factory keyword options")
-    aggregate: str = cfg_field("reward_sum", choices=("reward_sum", "advantage_sum"), help="multi-reward aggregation")
-    on_error: str = cfg_field("stop", choices=("stop", "drop_group"), help="a reward that raises or is NaN/inf")
-
-
-@dataclass
-class AdvantageConfig:
-    std_scope: str = cfg_field("group", choices=("group", "global"), help="std over the group or the whole batch")
-    eps: float = cfg_field(1e-4, gt=0.0)
-    clip: float = cfg_field(5.0, gt=0.0, help="advantage clip |A| <= clip")
-    drop_zero_spread: bool = cfg_field(True, help="drop groups whose rewards are all equal")
-
-
-@dataclass
-class LoraConfig:
-    enabled: bool = cfg_field(True, help="LoRA via peft (False = full fine-tuning)")
-    rank: int = cfg_field(16, ge=1)
-    alpha: float = cfg_field(32.0, gt=0.0)
-    targets: list[str] | None = cfg_field(None, help="module names; None = the adapter's lora_target_modules")
-    init: str = cfg_field("gaussian", choices=("gaussian", "default"), help="peft init_lora_weights (B = 0 either way)")
-
-
-@dataclass
-class TrainConfig:
-    iterations: int = cfg_field(100, ge=0, help="rollout rounds")
-    lr: float = cfg_field(3e-4, gt=0.0)
-    weight_decay: float = cfg_field(1e-4, ge=0.0)
-    betas: tuple[float, float] = cfg_field((0.9, 0.999))
-    adam_eps: float = cfg_field(1e-8, gt=0.0)
-    max_grad_norm: float | None = cfg_field(1.0, gt=0.0)
-    micro_batch: int = cfg_field(16, ge=1, help="samples per forward/backward (all their trained steps at once)")
-    grad_accum: int = cfg_field(1, ge=1, help="micro-batches per optimizer update")
+class FlowTrainConfig(TrainConfig):
     inner_epochs: int = cfg_field(1, ge=1, help="passes over each rollout")
-    clip_low: float = cfg_field(1e-4, ge=0.0, help="PPO clip below: rho >= 1 - clip_low")
-    clip_high: float = cfg_field(1e-4, ge=0.0, help="PPO clip above: rho <= 1 + clip_high")
-    kl_beta: float = cfg_field(0.0, ge=0.0, help="weight of the KL to the reference policy")
     kl_form: str = cfg_field("flow_grpo", choices=("flow_grpo", "exact"))
     ratio_norm: bool = cfg_field(False, help="GRPO-Guard RatioNorm: per-sample, per-step re-centred ratio (clip ~2e-6)")
     step_weight: str = cfg_field("none", choices=("none", "inverse_dt", "tempflow"),
                                  help="per-step loss weight: GRPO-Guard 1/dt, TempFlow 2.25 std, or none")
     ema_decay: float = cfg_field(0.0, ge=0.0, lt=1.0, help="EMA of trainable weights for eval/checkpoints (0 = off)")
-    lora: LoraConfig = field(default_factory=LoraConfig)
     objective: str = cfg_field("grpo", choices=("grpo", "nft"),
                                help="grpo: PPO-clip on the SDE transitions' log-probs; nft: DiffusionNFT on clean samples "
                                     "(likelihood-free, deterministic rollouts; section nft)")
-    ratio_check: bool = cfg_field(True, help="stop if the first on-policy micro-step has ratio != 1")
-    ratio_tol: float = cfg_field(1e-6, gt=0.0)
 
 
 @dataclass
@@ -202,11 +291,8 @@ class NFTConfig:
 
 
 @dataclass
-class EvalConfig:
-    every: int = cfg_field(10, ge=0, help="iterations between evaluations (0 = only before/after)")
-    per_digit: int = cfg_field(50, ge=1, help="samples per prompt")
+class FlowEvalConfig(EvalConfig):
     num_steps: int = cfg_field(10, ge=1, help="ODE steps")
-    seed: int = cfg_field(1234)
 
 
 @dataclass
@@ -217,47 +303,19 @@ class StopConfig:
     min_accuracy: float = cfg_field(0.0, ge=0.0, le=1.0, help="only stop once eval accuracy is at least this")
 
 
-CORRECT_METHODS = tuple(METHODS)  # the correctors that need only (log_prob, log_prob_rollout, mask)
-
-
 @dataclass
-class CorrectConfig:
-    method: str = cfg_field("none", choices=CORRECT_METHODS,
-                            help="IS correction of rollout/train mismatch (difrl.correct); token_* act per step, seq_* per trajectory")
-    options: dict[str, float] = cfg_field(default_factory=dict, help="keyword options of the method, e.g. {cap: 2.0}")
-
-    def validate(self) -> None:
-        allowed = [k for k in inspect.signature(METHODS[self.method]).parameters
-                   if k not in ("log_prob", "log_prob_rollout", "mask")]
-        for k in self.options:
-            if k not in allowed:
-                raise config_error(f"options.{k}", f"{self.method} takes {allowed}")
-
-
-@dataclass
-class RunFields:
-    """The keys every trainer's config starts with (FlowConfig, difrl.train.masked_config.MaskedConfig)."""
-    seed: int = cfg_field(0)
-    threads: int | None = cfg_field(None, ge=1, help="torch threads; None = the cores this process may use")
-    out: str | None = cfg_field(None, help="run directory (also --out)")
-    resume: str | None = cfg_field(None, help="a run directory to continue")
-    checkpoint_every: int = cfg_field(0, ge=0, help="iterations between checkpoints (0 = only at the end)")
-
-
-@dataclass
-class FlowConfig(RunFields):
-    model: ModelConfig = field(default_factory=ModelConfig)
+class FlowConfig(TrainerConfig):
+    trainer: ClassVar[str] = "flow"
+    model: FlowModelConfig = field(default_factory=FlowModelConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     steps: StepsConfig = field(default_factory=StepsConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: FlowTrainConfig = field(default_factory=FlowTrainConfig)
     correct: CorrectConfig = field(default_factory=CorrectConfig)
     solrl: SolRLConfig = field(default_factory=SolRLConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
     nft: NFTConfig = field(default_factory=NFTConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: FlowEvalConfig = field(default_factory=FlowEvalConfig)
     stop: StopConfig = field(default_factory=StopConfig)
 
     def validate(self) -> None:
@@ -308,8 +366,6 @@ class FlowConfig(RunFields):
         if self.train.objective == "nft" and (self.train.ratio_norm or self.train.step_weight != "none"):
             raise config_error("train.objective", "GRPO-Guard options (train.ratio_norm, train.step_weight) act on "
                                                   "log-prob ratios; DiffusionNFT has none")
-        if not self.reward.weights:
-            raise config_error("reward.weights", "at least one reward is needed")
         mc = self.model
         if mc.kind != "digits":
             if mc.path is None:
@@ -326,3 +382,32 @@ class FlowConfig(RunFields):
 
 def load_flow_config(path, overrides=()) -> FlowConfig:
     return load_config(FlowConfig, path, overrides)
+
+
+# ---------------------------------------------------------------------------------- choosing the trainer
+
+TRAINERS = {"flow": "difrl.train.flow:train", "masked": "difrl.train.masked:train"}  # TrainerConfig.trainer -> recipe
+
+
+def config_class(kind: str) -> type:
+    """The config class of the trainer for model.kind."""
+    if kind in MASKED_KINDS:
+        from difrl.train.masked_config import MaskedConfig
+
+        return MaskedConfig
+    return FlowConfig
+
+
+def load_train_config(path, overrides=()) -> TrainerConfig:
+    """The typed config of the trainer that model.kind (YAML, then overrides) names: a FlowConfig or a
+    MaskedConfig. model.kind is checked against every known kind first, with the usual located error."""
+    kinds = FLOW_KINDS + MASKED_KINDS
+    return load_config_union({k: config_class(k) for k in kinds}, "model.kind", path, overrides)
+
+
+def train_function(cfg: TrainerConfig):
+    """The recipe's train(cfg, out_dir=None) for a typed config."""
+    import importlib
+
+    module, _, name = TRAINERS[cfg.trainer].partition(":")
+    return getattr(importlib.import_module(module), name)

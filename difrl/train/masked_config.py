@@ -12,18 +12,18 @@ at t ~ U(t_low, t_high), weights 1/t and 1/(1 - t)). ``mu`` = train.inner_update
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from difrl.config import cfg_field, config_error, load_config
-from difrl.train.config import CorrectConfig, LoraConfig, RunFields
-
-MASKED_KINDS = ("sudoku", "digit_tokens")  # model.kind values trained by difrl.train.masked (difrl/worlds/masked.py)
+from difrl.train.config import (AdvantageConfig, CorrectConfig, EvalConfig, LoraConfig, ModelConfig, TrainConfig,
+                                TrainerConfig)
+from difrl.worlds.masked import MASKED_KINDS
 
 
 @dataclass
-class MaskedModelConfig:
+class MaskedModelConfig(ModelConfig):
     kind: str = cfg_field("sudoku", choices=MASKED_KINDS, help="sudoku: the bundled 4x4 Sudoku world; digit_tokens: the "
                                                                  "8x8 digits as 64 tokens over 17 grey levels")
-    path: str | None = cfg_field(None, help="a masked transformer checkpoint (safetensors); None = the world's bundled weak base")
 
 
 @dataclass
@@ -35,6 +35,16 @@ class MaskedSamplerConfig:
     block_length: int | None = cfg_field(None, ge=1, help="semi-autoregressive block length; None = one block")
     temperature: float = cfg_field(1.0, ge=0.0, help="rollout temperature (0 = greedy: no exploration)")
     gamma: float = cfg_field(0.1, ge=0.0, help="eb: entropy bound (sum H - max H <= gamma)")
+
+    def sampler_kwargs(self, temperature: float | None = None) -> dict:
+        """The rollout sampler's keyword arguments (difrl.discrete.samplers.SAMPLERS[kind]): the one place they are built."""
+        if self.kind == "llada":
+            kw = dict(steps=self.steps, block_length=self.block_length)
+        elif self.kind == "eb":
+            kw = dict(gamma=self.gamma, block_length=self.block_length)
+        else:
+            kw = dict(steps=self.steps, schedule=self.schedule)
+        return kw | {"temperature": self.temperature if temperature is None else temperature}
 
 
 @dataclass
@@ -69,39 +79,6 @@ class EstimatorConfig:
 
 
 @dataclass
-class MaskedAdvantageConfig:
-    scale: str = cfg_field("std", choices=("std", "mean", "loo"),
-                           help="std: (r - mean) / (std + eps) (MaskGRPO); mean: r - mean (d1); loo: leave-one-out (coupled)")
-    eps: float = cfg_field(1e-5, gt=0.0)
-    clip: float = cfg_field(5.0, gt=0.0, help="|A| <= clip")
-    drop_zero_spread: bool = cfg_field(True, help="drop groups whose rewards are all equal (no signal)")
-
-
-@dataclass
-class MaskedLoraConfig(LoraConfig):
-    """The flow trainer's LoRA keys; off by default (full fine-tuning suits the tiny bundled models)."""
-    enabled: bool = cfg_field(False, help="LoRA via peft (False = full fine-tuning; fine for the tiny model)")
-
-
-@dataclass
-class MaskedTrainConfig:
-    iterations: int = cfg_field(100, ge=0, help="rollout rounds")
-    lr: float = cfg_field(1e-4, gt=0.0)
-    weight_decay: float = cfg_field(0.0, ge=0.0)
-    betas: tuple[float, float] = cfg_field((0.9, 0.999))
-    max_grad_norm: float | None = cfg_field(1.0, gt=0.0)
-    micro_batch: int = cfg_field(64, ge=1, help="samples per forward/backward")
-    grad_accum: int = cfg_field(1, ge=1, help="micro-batches per optimizer update")
-    inner_updates: int = cfg_field(4, ge=1, help="mu: passes over each rollout, each with its own re-mask")
-    clip_low: float = cfg_field(0.2, ge=0.0, help="PPO clip below: rho >= 1 - clip_low")
-    clip_high: float = cfg_field(0.2, ge=0.0, help="PPO clip above: rho <= 1 + clip_high")
-    kl_beta: float = cfg_field(0.0, ge=0.0, help="weight of the per-token k3 KL to the reference (the base model)")
-    lora: MaskedLoraConfig = field(default_factory=MaskedLoraConfig)
-    ratio_check: bool = cfg_field(True, help="stop if the first on-policy micro-step has ratio != 1")
-    ratio_tol: float = cfg_field(1e-5, gt=0.0)
-
-
-@dataclass
 class ExternalConfig:
     """External rollouts (ERILS): K of every group's G rollouts come from another policy."""
     source: str = cfg_field("none", choices=("none", "solver", "checkpoint"),
@@ -123,24 +100,31 @@ class ExternalConfig:
 
 
 @dataclass
-class MaskedEvalConfig:
-    every: int = cfg_field(0, ge=0, help="iterations between evaluations (0 = only before/after)")
-    num_blanks: int = cfg_field(8, ge=1, le=16, help="sudoku: blanks of the fixed test puzzles")
-    count: int = cfg_field(256, ge=1, help="sudoku: test puzzles (cut from the test solutions)")
-    per_digit: int = cfg_field(50, ge=1, help="digit_tokens: samples per digit")
-    seed: int = cfg_field(1234)
+class MaskedTrainConfig(TrainConfig):
+    inner_updates: int = cfg_field(4, ge=1, help="mu: passes over each rollout, each with its own re-mask")
 
 
 @dataclass
-class MaskedConfig(RunFields):
+class MaskedEvalConfig(EvalConfig):
+    num_blanks: int = cfg_field(8, ge=1, le=16, help="sudoku: blanks of the fixed test puzzles")
+    count: int = cfg_field(256, ge=1, help="sudoku: test puzzles (cut from the test solutions)")
+
+
+@dataclass
+class MaskedConfig(TrainerConfig):
+    """The masked trainer's config: the common sections with masked defaults (full fine-tuning, PPO clip 0.2, the
+    k3 KL per token), plus the sampler, rollout, estimator and external sections."""
+    trainer: ClassVar[str] = "masked"
     model: MaskedModelConfig = field(default_factory=MaskedModelConfig)
     sampler: MaskedSamplerConfig = field(default_factory=MaskedSamplerConfig)
     rollout: MaskedRolloutConfig = field(default_factory=MaskedRolloutConfig)
     estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
-    advantage: MaskedAdvantageConfig = field(default_factory=MaskedAdvantageConfig)
+    advantage: AdvantageConfig = field(default_factory=lambda: AdvantageConfig(eps=1e-5))
     external: ExternalConfig = field(default_factory=ExternalConfig)
-    train: MaskedTrainConfig = field(default_factory=MaskedTrainConfig)
-    eval: MaskedEvalConfig = field(default_factory=MaskedEvalConfig)
+    train: MaskedTrainConfig = field(default_factory=lambda: MaskedTrainConfig(
+        lr=1e-4, weight_decay=0.0, micro_batch=64, clip_low=0.2, clip_high=0.2, ratio_tol=1e-5,
+        lora=LoraConfig(enabled=False)))  # full fine-tuning suits the tiny bundled models
+    eval: MaskedEvalConfig = field(default_factory=lambda: MaskedEvalConfig(every=0))
 
     def validate(self) -> None:
         n = self.rollout.prompts_per_iter * self.rollout.group_size

@@ -7,7 +7,8 @@
     sigmas = world.sigmas(28, 1.0)                           # the schedule the trainer samples on
 
 A plain dict maps the config's ``model.kind`` to a builder ``(model_path, cfg) -> World``; new
-worlds add an entry (the diffusers ones live in ``difrl/worlds/diffusers.py``).
+worlds add an entry. The diffusers entries come from the adapter table (``difrl.models.adapters.ADAPTERS``),
+one per model kind, all built by ``difrl/worlds/diffusers.py``; ``FLOW_KINDS`` lists every key.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from difrl.models.adapters import ADAPTERS  # the adapter classes only: diffusers is imported when a model loads
 from difrl.samplers.schedules import sigma_schedule
 
 
@@ -32,6 +34,8 @@ class World:
     device: str = "auto"  # "cpu": the trainer keeps every process on the CPU even where a GPU exists
     sigmas: Callable[[int, float], torch.Tensor] = sigma_schedule  # (num_steps, shift) -> [num_steps + 1] sigmas
     save_lora: Callable[[object, Path], Path] | None = None  # (policy, dir): the model's own LoRA format; None = merged
+    default_reward: str | None = None  # the reward of reward.weights=null (None: the config must name one)
+    headline: tuple[str, ...] = ("reward",)  # eval keys shown in the progress bar, the CLI table and the plot
 
 
 def _digits(model_path: str | None, cfg=None) -> World:
@@ -53,7 +57,8 @@ def _digits(model_path: str | None, cfg=None) -> World:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Image.fromarray(image_grid(rows, nrow=min(per, 10))).save(path)
 
-    return World("digits", policy, list(PROMPTS), evaluate, save_grid, lambda pid: {"digit": pid}, device="cpu")
+    return World("digits", policy, list(PROMPTS), evaluate, save_grid, lambda pid: {"digit": pid}, device="cpu",
+                 default_reward="digit_prob", headline=("accuracy", "fd"))
 
 
 def _diffusers(kind: str) -> Callable[..., World]:
@@ -65,8 +70,9 @@ def _diffusers(kind: str) -> Callable[..., World]:
     return build
 
 
-WORLDS: dict[str, Callable[..., World]] = {"digits": _digits, "flux": _diffusers("flux"), "sd3": _diffusers("sd3"),
-                                           "wan": _diffusers("wan")}
+# one entry per diffusers adapter: a new model kind in difrl/models/adapters.py is a world (and a flow-config choice)
+WORLDS: dict[str, Callable[..., World]] = {"digits": _digits, **{kind: _diffusers(kind) for kind in ADAPTERS}}
+FLOW_KINDS: tuple[str, ...] = tuple(WORLDS)  # the model.kind values the flow trainer runs (difrl/train/config.py)
 
 
 def build_world(kind: str, model_path: str | None = None, cfg=None) -> World:

@@ -5,12 +5,21 @@
     world.save_grid(images, run_dir / "samples" / "after.png")       # Wan: a GIF beside that name
     world.save_lora(world.policy, run_dir / "lora")                   # pipe.load_lora_weights(run_dir / "lora")
 
-The policy is `load_flow_policy(kind, model.path, ...)` (difrl/models/diffusers_flow.py), on this
+The policy is `load_flow_policy(kind, model.path, ...)` (difrl/models/adapters.py), on this
 process's GPU when there is one. Training prompts come from `model.prompts` or `model.prompt_file`
 (one per line); prompt id = index. The evaluation is a fixed-seed ODE rollout of `eval.per_digit`
 samples for each evaluation prompt, scored by the run's own rewards (`reward.weights`): a mean
 weighted reward and each reward's mean. There is no held-out judge or FD here (real reward models
 and their evaluations are their own issue), so FD early stopping is refused by the config.
+
+`cfg` is read duck-typed (a FlowConfig from difrl/train/config.py; this layer imports nothing from
+difrl.train). The attributes it reads:
+
+- `cfg.model`: `dtype`, `height`, `width`, `max_sequence_length`, `negative_prompt`, `cache_prompts`,
+  `prompts`, `prompt_file`, `eval_prompts`, `schedule` ("pipeline" or "shift"), and the adapter's own
+  `model_options` (Wan: `num_frames`);
+- `cfg.reward`: `weights` (name -> weight), `options` (name -> keyword arguments);
+- `cfg.sampler`: `guidance`, `rollout_batch` (None = the whole evaluation batch).
 """
 
 from __future__ import annotations
@@ -53,21 +62,25 @@ def policy_device() -> str | None:
 
 
 def diffusers_world(kind: str, model_path: str | None, cfg=None) -> World:
+    """The world of the diffusers pipeline directory `model_path` (model `kind`, a key of ADAPTERS), set up
+    from `cfg` (see the module docstring for the attributes read)."""
     from PIL import Image
 
-    from difrl.models.diffusers_flow import load_flow_policy, save_lora
-    from difrl.train.config import FlowConfig
+    from difrl.models.adapters import ADAPTERS, load_flow_policy
+    from difrl.models.lora_io import save_lora
     from difrl.worlds.digits import image_grid
 
-    cfg = cfg or FlowConfig()
-    mc = cfg.model
     if model_path is None:
         raise ValueError(f"model.kind={kind} needs model.path: a local diffusers pipeline directory")
+    if cfg is None:
+        raise ValueError(f"model.kind={kind} needs the run's config (cfg.model's prompts and size, cfg.reward, "
+                         "cfg.sampler): build_world(kind, path, cfg)")
+    mc = cfg.model
     options = dict(dtype=mc.dtype, height=mc.height, width=mc.width, device=policy_device(),
                    max_sequence_length=mc.max_sequence_length, negative_prompt=mc.negative_prompt,
                    cache_prompts=mc.cache_prompts)
-    if kind == "wan":
-        options["num_frames"] = mc.num_frames
+    extra = ADAPTERS[kind].model_options if kind in ADAPTERS else ()  # an unknown kind: load_flow_policy says so
+    options.update({name: getattr(mc, name) for name in extra})
     policy = load_flow_policy(kind, model_path, **options)
     prompts = read_prompts(mc)
     eval_prompts = list(mc.eval_prompts) if mc.eval_prompts is not None else prompts[:MAX_EVAL_PROMPTS]

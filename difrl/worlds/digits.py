@@ -19,16 +19,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
 from difrl.eval.metrics import frechet_distance, within_class_diversity
 from difrl.models.digits import digit_prompt
+from difrl.rewards.digits import BUNDLED_CLASSIFIER, DigitClassifier, load_classifier  # noqa: F401  (the reward model)
 from difrl.rollout import rollout
 from difrl.utils.rng import mix_seed
 from difrl.samplers.schedules import sigma_schedule
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
-BUNDLED_CLASSIFIER = ASSETS / "digits_classifier.safetensors"
 FEATURE_EXTRACTOR = "difrl-digits-cnn-penultimate-64d"
 PROMPTS = [digit_prompt(d) for d in range(10)]
 
@@ -48,25 +47,6 @@ def load_split() -> dict[str, torch.Tensor]:
 def images_to_latents(images: torch.Tensor) -> torch.Tensor:
     """[N, 1, 8, 8] in [0, 1] -> [N, 64] in [-1, 1] (the generator's latent space)."""
     return images.flatten(1) * 2.0 - 1.0
-
-
-class DigitClassifier(nn.Module):
-    """Small CNN: [B, 1, 8, 8] in [0, 1] -> logits [B, 10]; `features` is the 64-d penultimate layer."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        )
-        self.fc = nn.Linear(64 * 2 * 2, 64)
-        self.head = nn.Linear(64, 10)
-
-    def features(self, images: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.fc(self.conv(images).flatten(1)))
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(images))
 
 
 @dataclass
@@ -89,18 +69,6 @@ class DigitsWorld:
 
     def judge_predict(self, images: torch.Tensor) -> torch.Tensor:
         return torch.as_tensor(self.judge.predict(images.flatten(1).double().numpy()))
-
-
-def load_classifier(path: str | Path | None = None) -> DigitClassifier:
-    from difrl.utils.io import load_safetensors_checked
-
-    path = Path(path) if path else BUNDLED_CLASSIFIER
-    tensors, _ = load_safetensors_checked(path, what="digits classifier checkpoint")
-    clf = DigitClassifier()
-    missing, unexpected = clf.load_state_dict(tensors, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{path} is not a digits classifier checkpoint: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    return clf.eval().requires_grad_(False)
 
 
 @lru_cache(maxsize=1)

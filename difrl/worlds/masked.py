@@ -1,17 +1,23 @@
 """Masked-diffusion worlds: what the masked GRPO trainer needs from a bundled discrete task.
 
     world = build_masked_world(cfg)                  # cfg: a MaskedConfig; cfg.model.kind picks the world
-    batch = world.prompts(16, seed)                  # MaskedPrompts: start tokens, cond, reward context
-    r = world.reward(out.tokens, batch)              # {"reward": [N] fp32, other per-sample metrics ...}
+    batch = world.prompts(16, seed)                  # MaskedPrompts: start tokens, cond, prompt texts, metadata
+    samples = world.decode(out.tokens)               # what rewards score (Sudoku: digits; digit tokens: images)
+    scores = score_all(rewards, samples, batch.texts, batch.metadata, seeds, prompt_ids)   # difrl.rewards
     metrics = world.evaluate(world.policy)           # the world's fixed evaluation (summary.json keys)
 
-A plain dict (``MASKED_WORLDS``) maps ``model.kind`` to a builder ``cfg -> MaskedWorld``. Two worlds:
+Rewards are scored through the one reward registry (difrl.rewards), like the flow worlds', so
+``module:function`` plug-ins, multi-reward weights and ``reward.on_error`` work here too; a reward
+gets ``world.decode(tokens)``, the prompt texts and each sample's metadata. A plain dict
+(``MASKED_WORLDS``) maps ``model.kind`` to a builder ``cfg -> MaskedWorld``. Two worlds:
 
 - ``sudoku`` (difrl/worlds/sudoku.py): prompt = the puzzle's givens (token positions that are
-  never masked), context = the puzzles; eval keys ``cell_accuracy`` and ``solve_rate``.
+  never masked; text "12.4/..3./...." row by row, "." = blank), samples = filled digits [N, 16],
+  metadata ``{"puzzle": [16]}``; reward ``sudoku_cells``; eval keys ``cell_accuracy`` and ``solve_rate``.
 - ``digit_tokens`` (difrl/worlds/digit_tokens.py): prompt = the digit label (``cond["label"]``, no
-  token position is prompt), context = the labels; eval keys those of the flow digits world
-  (``accuracy``, ``fd``, ...).
+  token position is prompt; text "a handwritten 3"), samples = images [N, 1, 8, 8] in [0, 1],
+  metadata ``{"digit": d}``; reward ``digit_prob`` (the flow digits world's); eval keys those of the
+  flow digits world (``accuracy``, ``fd``, ...).
 """
 
 from __future__ import annotations
@@ -25,10 +31,11 @@ import torch
 
 @dataclass
 class MaskedPrompts:
-    """n prompts of a masked world (rows of every tensor are samples)."""
+    """n prompts of a masked world (rows of every tensor and list are samples)."""
     tokens: torch.Tensor  # [n, L] long: the rollout's start (mask id at every position to generate)
     cond: dict  # "prompt_mask" [n, L] bool (+ "label" [n] long for label-conditioned worlds)
-    context: torch.Tensor  # [n, ...]: what the reward needs (Sudoku: the puzzles; digit tokens: the labels)
+    texts: list[str]  # the prompt as text, what a reward reads (Sudoku: the puzzle; digit tokens: "a handwritten 3")
+    metadata: list[dict]  # per-sample reward metadata (Sudoku: {"puzzle": [16]}; digit tokens: {"digit": d})
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -36,10 +43,13 @@ class MaskedPrompts:
     def repeat(self, g: int) -> "MaskedPrompts":
         """Each prompt g times in a row: sample k belongs to group k // g."""
         rep = lambda t: t.repeat_interleave(g, dim=0)
-        return MaskedPrompts(rep(self.tokens), {k: rep(v) for k, v in self.cond.items()}, rep(self.context))
+        return MaskedPrompts(rep(self.tokens), {k: rep(v) for k, v in self.cond.items()},
+                             [t for t in self.texts for _ in range(g)], [m for m in self.metadata for _ in range(g)])
 
     def select(self, idx: torch.Tensor) -> "MaskedPrompts":
-        return MaskedPrompts(self.tokens[idx], {k: v[idx] for k, v in self.cond.items()}, self.context[idx])
+        rows = idx.tolist()
+        return MaskedPrompts(self.tokens[idx], {k: v[idx] for k, v in self.cond.items()},
+                             [self.texts[i] for i in rows], [self.metadata[i] for i in rows])
 
     @property
     def prompt(self) -> torch.Tensor:
@@ -57,7 +67,8 @@ class MaskedWorld:
     name: str
     policy: object  # a MaskedPolicy
     prompts: Callable[[int, int], MaskedPrompts]  # (n, seed) -> n training prompts, a pure function of seed
-    reward: Callable[[torch.Tensor, MaskedPrompts], dict[str, torch.Tensor]]  # "reward" [N] + other [N] metrics
+    decode: Callable[[torch.Tensor], torch.Tensor]  # tokens [N, L] -> the samples rewards score
+    default_reward: str  # the reward of reward.weights=null
     evaluate: Callable[[object], dict]  # policy -> the world's fixed evaluation
     headline: tuple[str, ...]  # eval keys shown in the progress bar, the CLI table and the plot
     load_policy: Callable[[str | Path | None], object]  # checkpoint path (None = bundled base) -> a policy
@@ -71,22 +82,18 @@ def _sudoku(cfg) -> MaskedWorld:
     def prompts(n: int, seed: int) -> MaskedPrompts:
         puzzles, _ = sudoku.sample_training_puzzles(n, tuple(cfg.rollout.num_blanks), seed=seed)
         tokens, prompt = sudoku.encode(puzzles)
-        return MaskedPrompts(tokens, {"prompt_mask": prompt}, puzzles)
-
-    def reward(tokens: torch.Tensor, batch: MaskedPrompts) -> dict[str, torch.Tensor]:
-        filled = sudoku.decode(tokens)
-        return {"reward": sudoku.sudoku_reward(filled, batch.context),
-                "solve_rate_train": sudoku.solved(filled, batch.context).float()}
+        return MaskedPrompts(tokens, {"prompt_mask": prompt}, [sudoku.puzzle_text(p) for p in puzzles],
+                             [{"puzzle": p} for p in puzzles])
 
     def evaluate(policy) -> dict:
         return sudoku.evaluate_sudoku(policy, cfg.eval.num_blanks, cfg.eval.count, seed=cfg.eval.seed)[0]
 
-    return MaskedWorld("sudoku", sudoku.load_base(cfg.model.path), prompts, reward, evaluate,
-                       ("cell_accuracy", "solve_rate"), sudoku.load_base,
-                       external={"solver": sudoku.solver_sample})
+    return MaskedWorld("sudoku", sudoku.load_base(cfg.model.path), prompts, sudoku.decode, "sudoku_cells", evaluate,
+                       ("cell_accuracy", "solve_rate"), sudoku.load_base, external={"solver": sudoku.solver_sample})
 
 
 def _digit_tokens(cfg) -> MaskedWorld:
+    from difrl.models.digits import digit_prompt
     from difrl.worlds import digit_tokens as dt
     from difrl.worlds.digits import DigitsWorld
 
@@ -95,12 +102,8 @@ def _digit_tokens(cfg) -> MaskedWorld:
     def prompts(n: int, seed: int) -> MaskedPrompts:
         labels = dt.sample_training_labels(n, seed)
         tokens, cond = dt.start_tokens(labels)
-        return MaskedPrompts(tokens, cond, labels)
-
-    def reward(tokens: torch.Tensor, batch: MaskedPrompts) -> dict[str, torch.Tensor]:
-        probs = images_world.classifier_probs(dt.tokens_to_images(tokens))
-        return {"reward": probs[torch.arange(len(batch)), batch.context].float(),
-                "accuracy_train": (probs.argmax(-1) == batch.context).float()}
+        return MaskedPrompts(tokens, cond, [digit_prompt(d) for d in labels.tolist()],
+                             [{"digit": d} for d in labels.tolist()])
 
     def evaluate(policy) -> dict:
         return dt.evaluate_digit_tokens(policy, images_world, cfg.eval.per_digit, seed=cfg.eval.seed)[0]
@@ -109,11 +112,12 @@ def _digit_tokens(cfg) -> MaskedWorld:
         _, images = dt.evaluate_digit_tokens(policy, images_world, min(cfg.eval.per_digit, 10), seed=cfg.eval.seed)
         dt.save_grid(images, path)
 
-    return MaskedWorld("digit_tokens", dt.load_base(cfg.model.path), prompts, reward, evaluate,
-                       ("accuracy", "fd"), dt.load_base, save_samples)
+    return MaskedWorld("digit_tokens", dt.load_base(cfg.model.path), prompts, dt.tokens_to_images, "digit_prob",
+                       evaluate, ("accuracy", "fd"), dt.load_base, save_samples)
 
 
 MASKED_WORLDS: dict[str, Callable[..., MaskedWorld]] = {"sudoku": _sudoku, "digit_tokens": _digit_tokens}
+MASKED_KINDS = tuple(MASKED_WORLDS)  # the model.kind values the masked trainer runs (difrl/train/masked_config.py)
 
 
 def build_masked_world(cfg) -> MaskedWorld:
@@ -123,4 +127,4 @@ def build_masked_world(cfg) -> MaskedWorld:
     return MASKED_WORLDS[kind](cfg)
 
 
-__all__ = ["MASKED_WORLDS", "MaskedPrompts", "MaskedWorld", "build_masked_world"]
+__all__ = ["MASKED_KINDS", "MASKED_WORLDS", "MaskedPrompts", "MaskedWorld", "build_masked_world"]

@@ -23,25 +23,14 @@ from pathlib import Path
 
 import torch
 
+from difrl.rewards.sudoku_cells import CELLS, PEERS, SIZE, cell_valid, solved, sudoku_reward  # noqa: F401  (the verifier)
 from difrl.utils.rng import mix_seed
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED_BASE = ASSETS / "sudoku_base.safetensors"
-SIZE, CELLS = 4, 16
 VOCAB, MASK_ID = 5, 4
 SPLIT_SEED, N_TEST_SOLUTIONS = 7, 88  # 200 train / 88 test solution grids
 EVAL_BLANKS, EVAL_PUZZLES, EVAL_SEED = 8, 256, 1234
-
-
-def _peers() -> torch.Tensor:
-    """[16, 16] bool: cells sharing a row, column or 2x2 box (a cell is not its own peer)."""
-    r, c = torch.arange(CELLS) // SIZE, torch.arange(CELLS) % SIZE
-    b = (r // 2) * 2 + c // 2
-    same = (r[:, None] == r[None]) | (c[:, None] == c[None]) | (b[:, None] == b[None])
-    return same & ~torch.eye(CELLS, dtype=torch.bool)
-
-
-PEERS = _peers()
 
 
 @lru_cache(maxsize=1)
@@ -111,28 +100,15 @@ def encode(puzzles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(prompt, puzzles - 1, torch.full_like(puzzles, MASK_ID)), prompt
 
 
+def puzzle_text(puzzle: torch.Tensor) -> str:
+    """A puzzle [16] (0 = blank) as text, row by row: "12.4/..3./4.../...1" with "." for a blank."""
+    cells = ["." if int(d) == 0 else str(int(d)) for d in puzzle.tolist()]
+    return "/".join("".join(cells[r * SIZE:(r + 1) * SIZE]) for r in range(SIZE))
+
+
 def decode(tokens: torch.Tensor) -> torch.Tensor:
     """Tokens [N, 16] -> digits [N, 16] (0 where still masked)."""
     return torch.where(tokens == MASK_ID, torch.zeros_like(tokens), tokens + 1)
-
-
-def cell_valid(grid: torch.Tensor) -> torch.Tensor:
-    """[N, 16] digits -> [N, 16] bool: the cell holds 1..4 and no peer holds the same digit."""
-    same = (grid[:, :, None] == grid[:, None, :]) & PEERS[None]
-    return (grid >= 1) & (grid <= SIZE) & ~same.any(-1)
-
-
-def sudoku_reward(filled: torch.Tensor, puzzles: torch.Tensor) -> torch.Tensor:
-    """[N] fp32: fraction of the puzzle's blanks filled with a digit that conflicts with no peer.
-    The givens are taken from the puzzle whatever `filled` holds there."""
-    blank = puzzles == 0
-    grid = torch.where(blank, filled, puzzles)
-    return (cell_valid(grid) & blank).sum(1).float() / blank.sum(1).clamp_min(1).float()
-
-
-def solved(filled: torch.Tensor, puzzles: torch.Tensor) -> torch.Tensor:
-    """[N] bool: the completed grid is a valid Sudoku (every cell valid)."""
-    return cell_valid(torch.where(puzzles == 0, filled, puzzles)).all(1)
 
 
 def solver_sample(tokens: torch.Tensor, cond: dict | None = None, *, seeds, **_) -> "DiscreteRollout":
@@ -207,5 +183,5 @@ def evaluate_sudoku(policy, num_blanks: int | tuple[int, int] = EVAL_BLANKS, cou
 
 
 __all__ = ["BUNDLED_BASE", "CELLS", "EVAL_BLANKS", "MASK_ID", "PEERS", "VOCAB", "cell_valid", "decode", "encode",
-           "evaluate_sudoku", "load_base", "make_puzzles", "sample_training_puzzles", "solution_split", "solutions",
+           "evaluate_sudoku", "load_base", "make_puzzles", "puzzle_text", "sample_training_puzzles", "solution_split", "solutions",
            "solved", "solver_sample", "sudoku_reward", "test_puzzles"]

@@ -1,0 +1,30 @@
+"""The adapter table: diffusers model kind -> its adapter class (one family file each), and the loader.
+
+    from difrl.models.adapters import ADAPTERS, load_flow_policy
+    policy = load_flow_policy("sd3", "/models/sd3.5-medium", dtype="fp16", height=512, width=512)
+
+A new diffusers model is one family file in difrl/models/ and one line here (docs/adding-a-model.md). The
+model kinds the flow trainer accepts (difrl.worlds.FLOW_KINDS), the tiny test pipelines
+(difrl/models/tiny.py) and the quantization presets (each class's `quant_preset`) all come from this
+table. Importing it does not import diffusers or transformers: the family files import them where used.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from difrl.models.diffusers_base import DiffusersFlowPolicy
+from difrl.models.flux import FluxPolicy
+from difrl.models.sd3 import SD3Policy
+from difrl.models.wan import WanPolicy
+
+ADAPTERS: dict[str, type[DiffusersFlowPolicy]] = {"flux": FluxPolicy, "sd3": SD3Policy, "wan": WanPolicy}
+
+
+def load_flow_policy(kind: str, path: str | Path, **options) -> DiffusersFlowPolicy:
+    """The adapter for model `kind` (a key of ADAPTERS) loaded from the local pipeline directory `path`.
+    Options go to the adapter's from_pretrained (dtype, height, width, num_frames, device, ...)."""
+    if kind not in ADAPTERS:
+        raise ValueError(f"unknown model kind {kind!r}; expected one of {sorted(ADAPTERS)}")
+    return ADAPTERS[kind].from_pretrained(path, **options)
+

@@ -1,0 +1,260 @@
+"""The shared part of the diffusers flow adapters: the base class `DiffusersFlowPolicy`, pipeline-directory
+checks, dtype names and the errors. One file per model family holds the rest (diffusers' single-file policy):
+FLUX.1 in `flux.py`, SD3 / SD3.5 in `sd3.py`, Wan 2.1 text-to-video in `wan.py`; `adapters.py` lists them.
+
+    from difrl.models.adapters import load_flow_policy
+    from difrl.models.lora_io import load_lora, save_lora
+    policy = load_flow_policy("flux", "/models/FLUX.1-dev", dtype="bf16", height=512, width=512)
+    sigmas = policy.sigma_schedule(28)                   # the pipeline's own schedule (Flux: shift mu)
+    batch = rollout(policy, prompts, seeds, sigmas, kernel="flow_sde", guidance=3.5, ...)
+    images = policy.decode(batch.x_final)                # [B, 3, H, W] in [0, 1] (Wan: [B, 3, F, H, W])
+    save_lora(policy, "run/lora")                        # diffusers LoRA dir: pipe.load_lora_weights("run/lora")
+    load_lora(other_policy, "run/lora")                  # refuses a LoRA made for another model kind
+
+One class per model family holds everything model-specific (DESIGN.md seam 1): prompt encoding
+(through the pipeline's own `encode_prompt`, so embeddings are the pipeline's bit for bit),
+timestep scaling, Flux's 2x2 latent packing and position ids, classifier-free guidance, and VAE
+decoding with the pipeline's scaling / shift factors. Samplers only see `velocity(x, sigma, cond,
+guidance) -> v = eps - x0` in fp32, whatever dtype the model runs in.
+
+What `guidance` means follows the pipelines' own conventions, so a config value means what it means
+there. The base class's default (SD3 and Wan): true classifier-free guidance when `guidance > 1` (the
+pipelines' `guidance_scale > 1` test): one batched forward over [uncond; cond], `v = v_u + w (v_c - v_u)`
+in fp32. `guidance <= 1` is one conditional forward. The negative prompt (default "", Flow-GRPO's choice,
+spec §2.6) is set per policy (`negative_prompt=`), embedded once and cached. FLUX overrides this
+(`flux.py`: embedded distilled guidance). Each family file gives its latent shape and timestep scaling.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from difrl.models.base import DEFAULT_QUANT_PRESET, Cond
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+class PipelineDirError(FileNotFoundError):
+    """A pipeline directory (or a LoRA directory) is missing, or lacks a component."""
+
+
+class ModelKindError(ValueError):
+    """A directory holds another model kind than the one asked for."""
+
+
+@functools.lru_cache(maxsize=1)
+def dtype_keyword() -> str:
+    """diffusers >= 0.42 takes `dtype=` in from_pretrained and warns on the older `torch_dtype=`."""
+    try:
+        from diffusers.utils import deprecation_utils
+    except ImportError:
+        return "torch_dtype"
+    return "dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype"
+
+
+def as_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)} or a torch.dtype")
+    return DTYPES[dtype]
+
+
+# ---- pipeline directories ------------------------------------------------------------------------
+
+def check_pipeline_dir(path: str | Path, kind: str) -> Path:
+    """Check that `path` is a diffusers pipeline directory of model `kind` with every component the
+    adapter needs, before diffusers' own (less specific) errors. Returns the path."""
+    from difrl.models.adapters import ADAPTERS  # the table imports the family files, which import this one
+
+    cls = ADAPTERS[kind] if kind in ADAPTERS else None
+    if cls is None:
+        raise ValueError(f"unknown model kind {kind!r}; expected one of {sorted(ADAPTERS)}")
+    path = Path(path)
+    if not path.is_dir():
+        raise PipelineDirError(f"{path}: no such directory (expected a diffusers {cls.pipeline_class} directory "
+                               f"for kind {kind!r})")
+    index_file = path / "model_index.json"
+    if not index_file.is_file():
+        raise PipelineDirError(f"{path} has no model_index.json: not a diffusers pipeline directory (one saved with "
+                               f"{cls.pipeline_class}.save_pretrained, or a hub snapshot)")
+    try:
+        index = json.loads(index_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{index_file} is not valid JSON: {e}") from None
+    found = index.get("_class_name")
+    if found not in cls.accepted_classes:
+        hint = next((f"; that is kind {k!r}" for k, c in ADAPTERS.items() if found in c.accepted_classes), "")
+        raise ModelKindError(f"{path} holds a {found} (model_index.json _class_name), not a {cls.pipeline_class} "
+                             f"as kind {kind!r} needs{hint}")
+    for comp in cls.required_components:
+        entry = index.get(comp)
+        if not entry or entry[0] is None:
+            raise PipelineDirError(f"{path} has no component {comp!r} (model_index.json lists none); "
+                                   f"{cls.pipeline_class} needs {', '.join(cls.required_components)}")
+        if not (path / comp).is_dir():
+            raise PipelineDirError(f"{path} is missing component {comp!r}: no {comp}/ folder")
+    return path
+
+
+def present_targets(module: nn.Module, candidates: tuple[str, ...]) -> list[str]:
+    """The candidate LoRA target suffixes that name at least one nn.Linear in `module` (peft matches
+    `name == t or name.endswith('.' + t)`); e.g. SD3's last block has no `to_add_out`."""
+    names = [n for n, m in module.named_modules() if isinstance(m, nn.Linear)]
+    return [t for t in candidates if any(n == t or n.endswith("." + t) for n in names)]
+
+
+# ---- the shared adapter ----------------------------------------------------------------------------
+
+class DiffusersFlowPolicy:
+    """FlowPolicy over a diffusers pipeline object; subclasses fill in the model-specific parts."""
+
+    kind: str = ""
+    pipeline_class: str = ""
+    accepted_classes: tuple[str, ...] = ()
+    required_components: tuple[str, ...] = ()
+    lora_candidates: tuple[str, ...] = ()
+    quant_preset: dict = DEFAULT_QUANT_PRESET  # quantize_module's skip / min_dim for a low-precision rollout copy
+    model_options: tuple[str, ...] = ()  # further config fields (cfg.model.<name>) that from_pretrained takes
+
+    def __init__(self, pipe, *, height: int, width: int, negative_prompt: str = "", max_sequence_length: int = 512,
+                 cache_prompts: bool = False):
+        self.pipe = pipe
+        self.height, self.width = int(height), int(width)
+        self.negative_prompt = negative_prompt
+        self.max_sequence_length = int(max_sequence_length)
+        self.cache_prompts = cache_prompts  # text encoders are frozen here, so a prompt's embedding never changes
+        self._cache: dict[str, Cond] = {}
+        self._negative: Cond | None = None
+        self._transformer = pipe.transformer
+        self.transformer_config = pipe.transformer.config  # read through this: a peft wrapper hides .config
+        pipe.set_progress_bar_config(disable=True)
+        self.lora_target_modules = present_targets(pipe.transformer, self.lora_candidates)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The transformer's dtype: its inputs are cast to it, its outputs back to fp32."""
+        return self.pipe.transformer.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.pipe.transformer.device
+
+    # -- FlowPolicy -------------------------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        return self._transformer
+
+    @module.setter
+    def module(self, m: nn.Module) -> None:  # peft / accelerate wrap the transformer in place of the plain module
+        self._transformer = m
+
+    @classmethod
+    def _load_pipeline(cls, path: str | Path, dtype: torch.dtype, device, **pipe_kwargs):
+        import diffusers
+
+        pipe_cls = getattr(diffusers, cls.pipeline_class)
+        pipe = pipe_cls.from_pretrained(str(path), local_files_only=True, **{dtype_keyword(): dtype}, **pipe_kwargs)
+        if device is not None:
+            pipe.to(device)
+        for name, comp in pipe.components.items():
+            if isinstance(comp, nn.Module):
+                comp.eval()  # no dropout: a step's log-prob must be recomputable exactly
+                if name != "transformer":
+                    comp.requires_grad_(False)  # text encoders and VAE are frozen; the transformer is trained
+        return pipe
+
+    def encode(self, prompts: list[str]) -> Cond:
+        """Prompt embeddings as the pipeline computes them, [B, ...] on the model's device."""
+        prompts = list(prompts)
+        if not self.cache_prompts:
+            with torch.no_grad():
+                return self._encode_batch(prompts)
+        missing = list(dict.fromkeys(p for p in prompts if p not in self._cache))
+        if missing:
+            with torch.no_grad():
+                fresh = self._encode_batch(missing)
+            for i, p in enumerate(missing):
+                self._cache[p] = {k: v[i:i + 1] for k, v in fresh.items()}
+        return {k: torch.cat([self._cache[p][k] for p in prompts]) for k in self._cache[prompts[0]]}
+
+    def negative_cond(self, batch: int) -> Cond:
+        """The negative prompt's embeddings (encoded once), expanded to `batch` rows."""
+        if self._negative is None:
+            with torch.no_grad():
+                self._negative = self._encode_batch([self.negative_prompt])
+        return {k: v.expand(batch, *v.shape[1:]) for k, v in self._negative.items()}
+
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Cond, guidance: float = 1.0) -> torch.Tensor:
+        """v = eps - x0, fp32 [B, *latent_shape]; true CFG in one batched forward over [uncond; cond]
+        when _cfg_scale(guidance) gives a scale (the combination in fp32)."""
+        home, dev = x.device, self.device  # the rollout's tensors may live elsewhere (CPU) than the model (GPU)
+        x, cond = x.to(dev), {k: v.to(dev) for k, v in cond.items()}
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=dev).expand(x.shape[0])
+        scale = self._cfg_scale(guidance)
+        if scale is not None:
+            both = {k: torch.cat([u, cond[k]]) for k, u in self.negative_cond(x.shape[0]).items()}
+            v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), both, guidance).float().chunk(2)
+            return (v_u + scale * (v_c - v_u)).to(home)
+        return self._forward(x, sigma, cond, guidance).float().to(home)
+
+    def _cfg_scale(self, guidance: float) -> float | None:
+        """The CFG scale for this `guidance`, or None for one conditional forward (the pipelines'
+        `do_classifier_free_guidance = guidance_scale > 1`)."""
+        return float(guidance) if guidance > 1.0 else None
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents -> images [B, 3, H, W] (Wan: videos [B, 3, F, H, W]) in [0, 1], fp32."""
+        vae = self.pipe.vae
+        with torch.no_grad():
+            z = self._vae_latents(latents.to(vae.device, vae.dtype))
+            out = vae.decode(z, return_dict=False)[0]
+        return (out.float() * 0.5 + 0.5).clamp(0, 1).to(latents.device)  # the image processors' denormalize
+
+    # -- helpers shared by the kinds ----------------------------------------------------------------
+    def sigma_schedule(self, num_steps: int) -> torch.Tensor:
+        """[num_steps + 1] fp32 sigmas (1 -> 0) exactly as the pipeline's scheduler sets them for
+        `num_steps` (shift or dynamic shift included), so `pipe(..., num_inference_steps=num_steps)`
+        and a difrl rollout over these sigmas take the same steps."""
+        sched = self._euler_scheduler()
+        self._set_timesteps(sched, num_steps)
+        return sched.sigmas.detach().to("cpu", torch.float32)
+
+    def _euler_scheduler(self):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        s = self.pipe.scheduler
+        if isinstance(s, FlowMatchEulerDiscreteScheduler):
+            return FlowMatchEulerDiscreteScheduler.from_config(s.config)  # a copy: the pipeline's stays untouched
+        raise ValueError(f"{type(s).__name__} is not a flow-matching Euler scheduler; difrl's samplers take Euler "
+                         "steps, so set pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=...) to compare")
+
+    def _set_timesteps(self, sched, num_steps: int) -> None:
+        sched.set_timesteps(num_steps)
+
+    def _check_batch(self, cond: Cond, batch: int) -> None:
+        for k, v in cond.items():
+            if v.shape[0] != batch:
+                raise ValueError(f"cond[{k!r}] has {v.shape[0]} rows for a batch of {batch}")
+
+    @staticmethod
+    def tiny_pipeline():
+        """This family's tiny random pipeline object for tests, built in code (difrl/models/tiny.py seeds the
+        weights, sets eval mode and saves it). Real component classes, 1-2 layers, tokenizers built in code."""
+        raise NotImplementedError
+
+    # subclasses: _encode_batch(prompts) -> Cond, _forward(x, sigma, cond, guidance) -> raw model output,
+    # _vae_latents(latents) -> what vae.decode takes, latent_shape, from_pretrained(path, dtype, ...)
+
+
+def vae_scale(pipe) -> int:
+    """The VAE's spatial scale factor (8 for the real image VAEs, 2 for the tiny ones)."""
+    return 2 ** (len(pipe.vae.config.block_out_channels) - 1)

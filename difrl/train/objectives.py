@@ -1,0 +1,122 @@
+"""The flow trainer's per-micro-batch losses: GRPO on stored SDE transitions, DiffusionNFT on clean samples.
+
+    loss = grpo_micro_loss(policy, sub, adv, keep, correction, m, check, denom, cfg, reference_ctx)
+    loss = nft_micro_loss(policy, sub, adv, keep, m, denom, cfg, nft_sigmas, old, reference_ctx)
+    batch, correction = proximal_correction(policy, batch, cfg)    # rollouts from a copy: pi_old and IS weights
+
+Each loss is summed over its micro-batch's elements and divided by a denominator fixed per optimizer
+update (the update's records x steps), so gradient accumulation 1x8 equals 8x1; metrics go into `m`
+(difrl.train.scaffold.Metrics). `reference_ctx()` is the context in which the policy computes the
+reference (difrl.train.scaffold.reference_policy).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from difrl.algos import gaussian_step_kl, ppo_clip_loss, ratio_norm_log_ratio, step_weights
+from difrl.algos.nft import nft_loss, nft_noised, velocity_kl
+from difrl.correct import METHODS as CORRECTORS
+from difrl.models.base import cond_repeat
+from difrl.rollout import Rollout, recompute
+from difrl.train.scaffold import check_ratio
+from difrl.utils.rng import counter_normal, mix_seed_tensor
+
+
+def transition_log_prob(policy, batch: Rollout, cfg):
+    """Recompute the stored transitions of `batch` (samples or tree edges) under the current policy.
+    Returns (log_prob [B, T], mean [B*T, ...], std [B*T])."""
+    out = recompute(policy, batch, cfg.sampler.kind, cfg.sampler.kernel_kwargs(), cfg.sampler.guidance)
+    return out.log_prob, out.mean, out.std
+
+
+def grpo_micro_loss(policy, sub: Rollout, adv: torch.Tensor, keep: torch.Tensor, correction, m, check: bool,
+                    denom: int, cfg, reference_ctx) -> torch.Tensor:
+    """PPO-clip on the recomputed log-probs of `sub`'s transitions (Flow-GRPO), optionally with GRPO-Guard's
+    RatioNorm / step weights, IS weights from difrl.correct (`correction` = (weights, keep) [b, T]) and the KL
+    to the reference. adv, keep: [b]."""
+    log_prob, mean, std = transition_log_prob(policy, sub, cfg)
+    if check:
+        m.add("first_step_max_abs_log_ratio", torch.tensor(check_ratio(log_prob, sub.log_prob_old, cfg.train.ratio_tol)))
+    elem_keep = keep[:, None].expand_as(log_prob)
+    is_weight = 1.0
+    if correction is not None:  # detached IS weights and rejections
+        is_weight, correct_keep = correction
+        elem_keep = elem_keep * correct_keep.float()
+    # GRPO-Guard options (difrl.algos.guard): re-centred per-step ratio and/or per-step weights
+    step_std = std.view_as(log_prob)
+    weight = step_weights(cfg.train.step_weight, sub.sigma, sub.sigma_next, step_std)
+    lp_new, lp_old = log_prob, sub.log_prob_old
+    mask = elem_keep.bool()
+    if cfg.train.ratio_norm:
+        raw = torch.exp(log_prob.detach() - sub.log_prob_old)
+        m.add("raw_ratio", raw, mask)
+        m.add_ratio(raw, sub.step, mask, "raw_ratio_per_step")  # the left shift, per step
+        lp_new = ratio_norm_log_ratio(log_prob, sub.log_prob_old, mean.view_as(sub.mean_old), sub.mean_old,
+                                      step_std, cfg.sampler.log_prob_reduce)
+        lp_old = torch.zeros_like(lp_new)  # the normalised log-ratio is already relative to old
+    pg, pm = ppo_clip_loss(lp_new, lp_old, adv, cfg.train.clip_low, cfg.train.clip_high, weight=weight)
+    loss = (pg * is_weight * elem_keep).sum() / denom
+    if cfg.train.kl_beta > 0:
+        with torch.no_grad(), reference_ctx():
+            _, mean_ref, _ = transition_log_prob(policy, sub, cfg)
+        h = (sub.sigma - sub.sigma_next).reshape(-1)
+        kl = gaussian_step_kl(mean, mean_ref, std, h, cfg.train.kl_form).view_as(log_prob)
+        loss = loss + cfg.train.kl_beta * (kl * elem_keep).sum() / denom
+        m.add("kl", kl, mask)
+    m.add("policy_loss", pg, mask)
+    for name in ("approx_kl", "clip_high", "clip_low", "ratio"):
+        m.add(name, pm[name], mask)
+    m.add_ratio(pm["ratio"], sub.step, mask)
+    return loss
+
+
+def nft_micro_loss(policy, sub: Rollout, adv: torch.Tensor, keep: torch.Tensor, m, denom: int, cfg,
+                   sigmas: torch.Tensor, old, reference_ctx) -> torch.Tensor:
+    """DiffusionNFT (difrl.algos.nft): each clean sample of `sub` noised afresh at the T trained `sigmas`
+    (noise from its seed), the implicit positive/negative policies around the old policy's velocity (`old`:
+    the EMA holding it), plus ref_beta * the velocity KL to the reference."""
+    B, Tn = len(sub), len(sigmas)
+    x0 = sub.x_final.repeat_interleave(Tn, dim=0)  # [B*T, *latent], sample-major like cond_repeat
+    sigma = sigmas.repeat(B)
+    eps = counter_normal(mix_seed_tensor(sub.seeds, 7), list(range(Tn)), tuple(policy.latent_shape))  # [T, B, ...]
+    x_sigma = nft_noised(x0, sigma, eps.transpose(0, 1).reshape(x0.shape))
+    cond = cond_repeat(sub.cond, Tn)
+    with torch.no_grad():  # before the graph is built: swapping weights in place would invalidate it
+        with old.swapped():
+            v_old = policy.velocity(x_sigma, sigma, cond, cfg.sampler.guidance)
+        v_ref = None
+        if cfg.nft.ref_beta > 0:
+            with reference_ctx():
+                v_ref = policy.velocity(x_sigma, sigma, cond, cfg.sampler.guidance)
+    v = policy.velocity(x_sigma, sigma, cond, cfg.sampler.guidance)
+    per, nm = nft_loss(v, v_old, x_sigma, x0, sigma, adv.repeat_interleave(Tn), cfg.nft.beta, cfg.nft.adv_clip)
+    w = keep.repeat_interleave(Tn)
+    loss = (per * w).sum() / denom
+    if v_ref is not None:
+        kl = velocity_kl(v, v_ref)
+        loss = loss + cfg.nft.ref_beta * (kl * w).sum() / denom
+        m.add("kl", kl, w.bool())
+    m.add("policy_loss", per, w.bool())
+    for name, value in nm.items():
+        m.add(name, value, w.bool())
+    return loss
+
+
+def nft_sigmas(cfg, sigmas: torch.Tensor) -> torch.Tensor:
+    """DiffusionNFT's trained sigmas: the first timestep_fraction of the rollout schedule (Sol-RL: 6 of 10)."""
+    return sigmas[:max(1, int(cfg.sampler.num_steps * cfg.nft.timestep_fraction))]
+
+
+@torch.no_grad()
+def proximal_correction(policy, batch: Rollout, cfg):
+    """Rollouts that came from another policy mu (a quantized or stale copy): recompute the proximal policy's
+    log-probs and means (PPO's ratio and the first-step check are against it) and weigh each transition by
+    pi_old / mu through difrl.correct. In micro-batches: a real model cannot take all B*T transitions at once.
+    Returns (batch with log_prob_old / mean_old replaced, the Correction)."""
+    parts = [transition_log_prob(policy, batch.select(torch.arange(lo, min(lo + cfg.train.micro_batch, len(batch)))), cfg)
+             for lo in range(0, len(batch), cfg.train.micro_batch)]
+    lp_prox, mean_prox = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    log_prob_rollout = batch.log_prob_old
+    batch.log_prob_old, batch.mean_old = lp_prox, mean_prox.view_as(batch.mean_old)
+    return batch, CORRECTORS[cfg.correct.method](lp_prox, log_prob_rollout, None, **cfg.correct.options)

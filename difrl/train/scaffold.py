@@ -1,0 +1,331 @@
+"""The scaffold every trainer shares (difrl/train/flow.py, difrl/train/masked.py): what is not the method.
+
+    net, reference = wrap_policy(policy, cfg.train.lora, cfg.seed, need_reference=cfg.train.kl_beta > 0)
+    optimizer = make_optimizer(trainable_params(net), cfg.train)
+    run = Run.open(cfg, run_dir, net, optimizer, ema, extras, accelerator)   # resume, config.yaml, metrics cut back
+    with reference_policy(policy, net, reference): ...                     # the KL's reference (LoRA off / frozen copy)
+    scores, bad = score_rewards(rewards, samples, prompts, metadata, seeds, ids, cfg.reward.on_error, stop, where)
+    m = Metrics(); m.add("kl", kl, mask); row |= m.result(accelerator)
+    run.log(row); run.checkpoint(iteration); run.finish(summary, headline)   # summary.json + reward_curve.png
+
+A recipe (the loop) calls these in its banner sections; none of them knows which method runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from difrl.config import save_config
+from difrl.models.base import use_module
+from difrl.rewards import RewardError, build_reward, score_all
+from difrl.train.state import load_latest_checkpoint, restore_checkpoint, save_checkpoint
+from difrl.utils.io import atomic_write_json, save_safetensors
+from difrl.utils.rng import mix_seed
+
+# the metric-row keys that measure time (tests strip them before comparing runs)
+TIMING_KEYS = ("seconds", "seconds_rollout", "seconds_reward", "seconds_update", "seconds_eval", "seconds_sampling",
+               "seconds_candidates", "seconds_regenerate")
+
+
+def cores_available() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+# ---------------------------------------------------------------------------------- policy, reference, optimizer
+
+
+def wrap_policy(policy, lora, seed: int, need_reference: bool):
+    """The trained network for `policy.module` (not yet installed): a peft LoRA wrapper on the adapter's
+    lora_target_modules (train.lora.targets overrides) or the module itself (full fine-tuning). Returns
+    (net, reference): reference is None under LoRA (the base is the network with its adapter disabled) and a
+    frozen copy under full fine-tuning when need_reference (a KL to the base), else None."""
+    base = policy.module
+    torch.manual_seed(mix_seed(seed, 5))  # LoRA init draws from the global RNG: same seed, same start
+    if lora.enabled:
+        from peft import LoraConfig, get_peft_model
+
+        net = get_peft_model(base, LoraConfig(r=lora.rank, lora_alpha=lora.alpha,
+                                              init_lora_weights=True if lora.init == "default" else "gaussian",
+                                              target_modules=lora.targets or policy.lora_target_modules))
+        return net, None
+    return base, copy.deepcopy(base).requires_grad_(False) if need_reference else None
+
+
+def make_optimizer(params: dict, train) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params.values(), lr=train.lr, betas=train.betas, eps=train.adam_eps,
+                             weight_decay=train.weight_decay)
+
+
+def reference_policy(policy, net, reference):
+    """Context: `policy` computes the reference policy (the base): LoRA disabled, or the frozen copy swapped in."""
+    if reference is None:
+        return net.disable_adapter()
+    return use_module(policy, reference)
+
+
+def clip_and_step(optimizer, params: dict, max_grad_norm: float | None, clip_grad_norm_=None) -> torch.Tensor | None:
+    """Gradient clipping (returns the pre-clip norm, or None when off), optimizer step, zero grad."""
+    norm = None
+    if max_grad_norm is not None:
+        clip = clip_grad_norm_ or torch.nn.utils.clip_grad_norm_
+        norm = torch.as_tensor(clip(params.values(), max_grad_norm))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+# ---------------------------------------------------------------------------------- the ratio check
+
+
+class RatioCheckError(RuntimeError):
+    pass
+
+
+def check_ratio(log_prob: torch.Tensor, log_prob_old: torch.Tensor, tol: float) -> float:
+    """max |log_prob - log_prob_old| of the first on-policy micro-step; raises if exp of it - 1 exceeds tol."""
+    err = float((log_prob.detach() - log_prob_old).abs().max())
+    if not math.isfinite(err) or math.expm1(err) > tol:
+        raise RatioCheckError(
+            f"on-policy ratio check failed: the first micro-step's |ratio - 1| is {math.expm1(err):.3g} > {tol:g}. "
+            "The log-prob recomputed for training differs from the rollout's. Likely causes: dropout or another "
+            "train/eval-mode difference in the model, a batch-size-dependent kernel (compare rollout and training "
+            "batch sizes), bf16/fp16 step math, torch.compile, or non-deterministic attention. Set "
+            "train.ratio_check=false only if you know why.")
+    return err
+
+
+# ---------------------------------------------------------------------------------- rewards
+
+
+def build_rewards(reward_cfg, default: str | None) -> tuple[dict, dict[str, float]]:
+    """(name -> reward fn, score key -> weight) from the config's reward section; weights=None means the world's
+    own reward `default`."""
+    weights = reward_cfg.weights
+    if weights is None:
+        if default is None:
+            from difrl.config import ConfigError
+
+            raise ConfigError("config key 'reward.weights' is null but this world has no reward of its own: name one, "
+                              "e.g. reward.weights={brightness: 1.0} or a module:function", "reward.weights")
+        weights = {default: 1.0}
+    rewards = {name: build_reward(name, **reward_cfg.options.get(name, {})) for name in weights}
+    return rewards, {name.rsplit(":", 1)[-1]: w for name, w in weights.items()}
+
+
+def score_rewards(rewards: dict, samples, prompts: list[str], metadata: list[dict], seeds: torch.Tensor,
+                  prompt_ids: torch.Tensor, on_error: str, stop, where: str, run_dir: Path,
+                  log=print) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Every reward's [B] scores and `bad` [B] bool, the samples whose reward raised or was NaN/inf.
+    on_error="stop": call stop() (a checkpoint: nothing is lost) and raise a RewardError naming the samples
+    and how to resume; "drop_group": log it and return with the failed scores set to 0 (the caller drops their
+    groups). A failed reward is never a score that trains."""
+    try:
+        return score_all(rewards, samples, prompts, metadata, seeds, prompt_ids), torch.zeros(len(prompts), dtype=torch.bool)
+    except RewardError as e:
+        if on_error == "stop":
+            stop()
+            raise RewardError(f"{where}: {e}. The run stopped (reward.on_error=stop) after saving a checkpoint; resume "
+                              f"with resume={run_dir}, or set reward.on_error=drop_group.", e.bad) from e
+        log(f"{where}: {e}; dropping their groups (reward.on_error=drop_group)")
+        if e.scores is None:  # a reward raised: every sample of the batch failed
+            return {name.rsplit(":", 1)[-1]: torch.zeros(len(prompts)) for name in rewards}, e.bad
+        names = {name.rsplit(":", 1)[-1] for name in rewards}  # the scores that train: 0 for every failed sample
+        return {k: torch.where(e.bad if k in names else ~torch.isfinite(v), 0.0, v) for k, v in e.scores.items()}, e.bad
+
+
+# ---------------------------------------------------------------------------------- metrics
+
+
+class Metrics:
+    """Means over one iteration's micro-steps (all processes together), plus per-step ratio mean/std
+    when constructed with the number of steps."""
+
+    def __init__(self, num_steps: int | None = None):
+        self.num_steps = num_steps
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.per_step: dict[str, torch.Tensor] = {}  # name -> [sum, sum of squares, count] x steps
+
+    def add(self, name: str, value: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        v = value.detach().double()
+        if mask is not None:
+            v = v[mask]
+        self.sums[name] = self.sums.get(name, 0.0) + float(v.sum())
+        self.counts[name] = self.counts.get(name, 0) + v.numel()
+
+    def add_ratio(self, ratio: torch.Tensor, steps: torch.Tensor, mask: torch.Tensor, name: str = "ratio_per_step") -> None:
+        acc = self.per_step.setdefault(name, torch.zeros(3, self.num_steps, dtype=torch.float64))
+        r, j = ratio.detach().double()[mask], steps[mask]
+        acc[0].index_add_(0, j, r)
+        acc[1].index_add_(0, j, r**2)
+        acc[2].index_add_(0, j, torch.ones_like(r))
+
+    def result(self, accelerator=None) -> dict:
+        names = sorted(self.sums)  # every process logs the same names
+        packed = torch.tensor([[self.sums[k] for k in names], [float(self.counts[k]) for k in names]], dtype=torch.float64)
+        if accelerator is not None and accelerator.num_processes > 1:
+            packed = accelerator.reduce(packed.to(accelerator.device), "sum").cpu()
+            self.per_step = {k: accelerator.reduce(v.to(accelerator.device), "sum").cpu() for k, v in sorted(self.per_step.items())}
+        out = {k: float(packed[0, i] / max(packed[1, i], 1.0)) for i, k in enumerate(names)}
+        for name, acc in self.per_step.items():
+            per_step = {}
+            for j in (acc[2] > 0).nonzero().flatten().tolist():
+                s, sq, n = acc[:, j].tolist()
+                mean = s / n
+                per_step[str(j)] = [mean, math.sqrt(max(sq / n - mean**2, 0.0))]
+            out[name] = per_step
+        if self.num_steps is not None:
+            out.setdefault("ratio_per_step", {})
+        return out
+
+
+def pooled_std(per_step: dict) -> float:
+    """The std of all ratios from per-step [mean, std] pairs (equal counts per step)."""
+    if not per_step:
+        return 0.0
+    means = [v[0] for v in per_step.values()]
+    sq = [v[1] ** 2 + v[0] ** 2 for v in per_step.values()]
+    mu = sum(means) / len(means)
+    return math.sqrt(max(sum(sq) / len(sq) - mu**2, 0.0))
+
+
+def progress(bar, reward_mean: float, last_eval: dict, headline: tuple[str, ...]) -> None:
+    """The progress bar's postfix: this iteration's train reward and the last evaluation's headline metrics."""
+    bar.set_postfix({"reward": f"{reward_mean:.3f}",
+                     **{f"eval {k}": f"{last_eval.get(k, float('nan')):.3f}" for k in headline}})
+
+
+def fmt_eval(ev: dict, headline: tuple[str, ...]) -> str:
+    keys = list(headline) + [k for k in ("judge_accuracy", "diversity", "real_diversity") if k in ev and k not in headline]
+    text = ", ".join(f"{k} {ev[k]:.3f}" for k in keys if k in ev)
+    if "fd_extractor" in ev:
+        text += f" (FD features: {ev['fd_extractor']})"
+    if "num_puzzles" in ev:
+        text += f" ({ev['num_puzzles']} test puzzles, {ev['num_blanks']} blanks)"
+    elif "samples" in ev:
+        text += f" ({ev['samples']} samples)"
+    return text
+
+
+# ---------------------------------------------------------------------------------- the run directory
+
+
+class Run:
+    """A run directory: config.yaml, metrics.jsonl (one JSON row per iteration), checkpoints/, summary.json,
+    reward_curve.png. Only the main process writes; every process takes part in a checkpoint's barrier."""
+
+    def __init__(self, run_dir: Path, net, optimizer, ema, extras: dict, accelerator, state: dict, start: int):
+        self.dir, self.net, self.optimizer, self.ema, self.extras = run_dir, net, optimizer, ema, extras
+        self.accelerator, self.state, self.start = accelerator, state, start
+        self.is_main = accelerator is None or accelerator.is_main_process
+
+    @classmethod
+    def open(cls, cfg, run_dir: Path, net, optimizer, ema=None, extras: dict | None = None, accelerator=None,
+             state: dict | None = None) -> "Run":
+        """Resume (cfg.resume: weights, optimizer, EMA, extras, RNG, counters and `state`'s keys from the latest
+        checkpoint), write config.yaml, cut metrics.jsonl back to the checkpoint's iteration."""
+        state = {"eval_before": None, "last_eval": None, **(state or {})}
+        start, say = 0, print if accelerator is None else accelerator.print
+        ckpt = load_latest_checkpoint(run_dir) if cfg.resume else None
+        if cfg.resume and ckpt is None:
+            raise FileNotFoundError(f"resume={cfg.resume}: no checkpoint found in {run_dir / 'checkpoints'}")
+        if ckpt is not None:
+            restore_checkpoint(ckpt, net, optimizer, ema, extras or None)
+            start = ckpt.iteration
+            state.update({k: ckpt.state[k] for k in state if k in ckpt.state})
+            say(f"difrl: resumed from {ckpt.path} after iteration {start}")
+        run = cls(run_dir, net, optimizer, ema, extras or {}, accelerator, state, start)
+        if run.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, run_dir / "config.yaml")
+            truncate_metrics(run_dir / "metrics.jsonl", start)
+            (run_dir / "metrics.jsonl").touch()
+        run.barrier()
+        return run
+
+    def barrier(self) -> None:
+        if self.accelerator is not None:
+            self.accelerator.wait_for_everyone()
+
+    def checkpoint(self, iteration: int) -> None:
+        if self.is_main:
+            save_checkpoint(self.dir, iteration, self.net, self.optimizer, self.ema, self.state, extras=self.extras or None)
+        self.barrier()
+
+    def log(self, row: dict) -> None:
+        if self.is_main:
+            with open(self.dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def finish(self, summary: dict, headline: tuple[str, ...]) -> None:
+        """summary.json and reward_curve.png (main process)."""
+        if self.is_main:
+            atomic_write_json(self.dir / "summary.json", summary)
+            plot_reward_curve(self.dir / "metrics.jsonl", self.dir / "reward_curve.png", summary, headline)
+
+
+def truncate_metrics(path: Path, keep_iterations: int) -> None:
+    """On resume, drop metric rows written after the checkpoint (a crash between the two)."""
+    if not path.exists():
+        return
+    rows = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    kept = [ln for ln in rows if json.loads(ln)["iteration"] <= keep_iterations]
+    if len(kept) != len(rows):
+        path.write_text("".join(ln + "\n" for ln in kept))
+
+
+def save_policy(policy, net, lora_enabled: bool, path: Path, ema=None) -> None:
+    """A plain checkpoint of the trained network (EMA weights if on, LoRA merged) that loads as model.path:
+    the adapter's own `state_dict_and_meta()` format."""
+    with ema.swapped() if ema is not None else nullcontext():
+        module = copy.deepcopy(net).merge_and_unload() if lora_enabled else net
+        with use_module(policy, module):
+            tensors, meta = policy.state_dict_and_meta()
+    save_safetensors(tensors, path, meta)
+
+
+# ---------------------------------------------------------------------------------- the reward curve
+
+
+def plot_reward_curve(metrics_path: Path, out: Path, summary: dict, headline: tuple[str, ...]) -> None:
+    """Train reward and the headline eval metrics (before, every eval, after); those outside [0, 1] (FD) on a
+    right-hand axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(ln) for ln in metrics_path.read_text().splitlines() if ln.strip()]
+    ev = ([(0, summary["eval_before"])]
+          + [(r["iteration"], {k: r[f"eval/{k}"] for k in headline}) for r in rows if all(f"eval/{k}" in r for k in headline)]
+          + [(summary["iterations"], summary["eval_after"])])
+    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    ax.plot([r["iteration"] for r in rows], [r["reward_mean"] for r in rows], label="train reward (mean)")
+    right = None
+    for key in headline:
+        xs, ys = [e[0] for e in ev], [e[1][key] for e in ev]
+        if max(ys) <= 1.0:
+            ax.plot(xs, ys, "o-", label=f"eval {key}")
+        else:
+            right = right or ax.twinx()
+            right.plot(xs, ys, "s--", color="tab:red", label=f"eval {key}")
+            right.set_ylabel(key)
+    ax.set_xlabel("iteration")
+    ax.grid(alpha=0.3)
+    handles = ax.get_legend_handles_labels()
+    if right is not None:
+        handles = [a + b for a, b in zip(handles, right.get_legend_handles_labels())]
+    ax.legend(*handles, fontsize=8, loc="center right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
