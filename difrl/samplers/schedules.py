@@ -2,6 +2,7 @@
 
     sigmas = sigma_schedule(10, shift=3.0)           # [11], 1 -> 0
     mask = all_but_last(10)                          # [10] bool: which steps are SDE and trained
+    sde, train, start = step_masks(cfg.steps, 10, seed, iteration, batch)   # one iteration's masks, any mode
 
 A schedule holds N+1 sigmas from 1 to 0 (diffusers' ``linspace(1, 1/N, N)`` plus the appended
 terminal 0 is the same grid). A step mask says which of the N transitions are stochastic and
@@ -15,6 +16,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from difrl.utils.rng import mix_seed
 
 
 def time_shift(sigma: torch.Tensor, shift: float) -> torch.Tensor:
@@ -88,3 +91,29 @@ def random_subset(batch: int, num_steps: int, fraction: float, generator: torch.
     mask = torch.zeros(batch, num_steps, dtype=torch.bool)
     mask.scatter_(1, picked, True)
     return mask
+
+
+def step_masks(steps, num_steps: int, seed: int, iteration: int, num_samples: int
+               ) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+    """(sde_mask [N], train_mask [B, N], window start or None) of one iteration: which steps are stochastic and
+    which transitions are trained, a pure function of (seed, iteration). `steps`: the config's steps section
+    (mode all_but_last = Flow-GRPO, fixed_window, random_window = Flow-GRPO-Fast, sliding_window = MixGRPO,
+    random_subset = DanceGRPO; window_size, window_start, window_range, advance_every, stride, roll_back,
+    fraction)."""
+    n, s = num_steps, steps
+    gen = torch.Generator().manual_seed(mix_seed(seed, iteration, 2))
+    if s.mode == "all_but_last":
+        m = all_but_last(n)
+        return m, m.expand(num_samples, n), None
+    if s.mode == "random_subset":  # DanceGRPO: every step SDE, a random subset per sample trained
+        return torch.ones(n, dtype=torch.bool), random_subset(num_samples, n, s.fraction, gen), None
+    if s.mode == "fixed_window":
+        start = s.window_start
+    elif s.mode == "random_window":
+        lo, hi = s.window_range or (0, max(s.window_size, n // 2))
+        m = random_window(n, s.window_size, lo, hi, gen)
+        start = int(m.nonzero()[0])
+    else:  # sliding_window (MixGRPO progressive)
+        start = sliding_window_start(iteration, s.window_size, n, s.advance_every, s.stride, s.window_start, s.roll_back)
+    m = fixed_window(n, start, s.window_size)
+    return m, m.expand(num_samples, n), start

@@ -31,7 +31,7 @@ from difrl.branching import num_trained_edges
 from difrl.correct.core import Correction
 from difrl.quant import RolloutCopy
 from difrl.rollout import rollout
-from difrl.samplers import all_but_last, fixed_window, random_subset, random_window, sliding_window_start
+from difrl.samplers import step_masks as sampler_step_masks
 from difrl.solrl import candidate_pool, rank_agreement
 from difrl.train.config import FlowConfig
 from difrl.train.objectives import grpo_micro_loss, nft_micro_loss, nft_sigmas, proximal_correction
@@ -316,27 +316,12 @@ def plan(cfg: FlowConfig, world, world_size: int, run_dir: Path, say) -> tuple[i
 
 
 def step_masks(cfg: FlowConfig, iteration: int, num_samples: int) -> tuple[torch.Tensor, torch.Tensor, int | None]:
-    """(sde_mask [N], train_mask [B, N], window start or None) for one iteration, from (seed, iteration)."""
-    n, s = cfg.sampler.num_steps, cfg.steps
+    """(sde_mask [N], train_mask [B, N], window start or None) for one iteration (difrl.samplers.step_masks)."""
+    n = cfg.sampler.num_steps
     if cfg.train.objective == "nft":  # DiffusionNFT: deterministic rollouts, nothing stored but the clean sample
         none = torch.zeros(n, dtype=torch.bool)
         return none, none.expand(num_samples, n), None
-    gen = torch.Generator().manual_seed(mix_seed(cfg.seed, iteration, 2))
-    if s.mode == "all_but_last":
-        m = all_but_last(n)
-        return m, m.expand(num_samples, n), None
-    if s.mode == "random_subset":  # DanceGRPO: every step SDE, a random subset per sample trained
-        return torch.ones(n, dtype=torch.bool), random_subset(num_samples, n, s.fraction, gen), None
-    if s.mode == "fixed_window":
-        start = s.window_start
-    elif s.mode == "random_window":
-        lo, hi = s.window_range or (0, max(s.window_size, n // 2))
-        m = random_window(n, s.window_size, lo, hi, gen)
-        start = int(m.nonzero()[0])
-    else:  # sliding_window (MixGRPO progressive)
-        start = sliding_window_start(iteration, s.window_size, n, s.advance_every, s.stride, s.window_start, s.roll_back)
-    m = fixed_window(n, start, s.window_size)
-    return m, m.expand(num_samples, n), start
+    return sampler_step_masks(cfg.steps, n, cfg.seed, iteration, num_samples)
 
 
 def build_rollout_copy(cfg: FlowConfig, policy, unwrapped, say) -> tuple[RolloutCopy | None, EMA | None]:
