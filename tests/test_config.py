@@ -377,3 +377,10 @@ def test_the_trainer_is_chosen_from_the_typed_model_kind(tmp_path):
     # a key of the other trainer is an unknown key of this one
     with pytest.raises(ConfigError, match="unknown config key 'estimator'"):
         load_train_config(os.path.join(root, "digits.yaml"), ["estimator.kind=d1"])
+
+
+def test_a_diffusers_world_must_name_its_reward():
+    from difrl.train.config import load_train_config
+
+    with pytest.raises(ConfigError, match=r"'reward.weights'.*model.kind=flux has no reward of its own"):
+        load_train_config(None, ["model.kind=flux", "model.path=/nowhere", "model.prompts=[a cat]"])

@@ -2,7 +2,7 @@
 
     cfg = load_train_config("configs/digits.yaml", ["train.lr=1e-4"])   # FlowConfig or MaskedConfig, by model.kind
     cfg = load_flow_config("configs/digits.yaml", ["sampler.kind=cps"])  # a flow config, whatever it says
-    train = TRAINERS[cfg.trainer]                                           # "difrl.train.flow:train" ...
+    train = train_function(cfg)                                             # difrl.train.flow.train or .masked
 
 One base (``TrainerConfig``) holds what every trainer has, defined once: the run keys (seed,
 threads, out, resume, checkpoint_every) and the sections ``reward``, ``advantage``, ``train``
@@ -122,7 +122,7 @@ class CorrectConfig:
 
 @dataclass
 class TrainerConfig:
-    """What every trainer's config has; `trainer` names the recipe that runs it (TRAINERS)."""
+    """What every trainer's config has; `trainer` names the recipe that runs it (train_function)."""
     trainer: ClassVar[str] = ""
     seed: int = cfg_field(0)
     threads: int | None = cfg_field(None, ge=1, help="torch threads; None = the cores this process may use")
@@ -376,6 +376,9 @@ class FlowConfig(TrainerConfig):
             if mc.schedule == "pipeline" and self.sampler.shift != 1.0:
                 raise config_error("sampler.shift", "model.schedule=pipeline samples on the pipeline scheduler's own "
                                                     "shift; set model.schedule=shift to use sampler.shift")
+            if self.reward.weights is None:
+                raise config_error("reward.weights", f"model.kind={mc.kind} has no reward of its own: name one, e.g. "
+                                                     "reward.weights={brightness: 1.0} or a module:function")
             if self.stop.fd_rise is not None:
                 raise config_error("stop.fd_rise", "FD early stopping needs the digits world's features")
 
@@ -385,9 +388,6 @@ def load_flow_config(path, overrides=()) -> FlowConfig:
 
 
 # ---------------------------------------------------------------------------------- choosing the trainer
-
-TRAINERS = {"flow": "difrl.train.flow:train", "masked": "difrl.train.masked:train"}  # TrainerConfig.trainer -> recipe
-
 
 def config_class(kind: str) -> type:
     """The config class of the trainer for model.kind."""
@@ -406,8 +406,9 @@ def load_train_config(path, overrides=()) -> TrainerConfig:
 
 
 def train_function(cfg: TrainerConfig):
-    """The recipe's train(cfg, out_dir=None) for a typed config."""
-    import importlib
-
-    module, _, name = TRAINERS[cfg.trainer].partition(":")
-    return getattr(importlib.import_module(module), name)
+    """The recipe that runs a typed config: train(cfg, out_dir=None) of difrl.train.flow or difrl.train.masked."""
+    if cfg.trainer == "masked":
+        from difrl.train.masked import train
+    else:
+        from difrl.train.flow import train
+    return train

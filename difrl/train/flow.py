@@ -75,6 +75,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
     rollout_copy, copy_source = build_rollout_copy(cfg, policy, unwrapped, accelerator.print)
     extras = {k: v for k, v in (("old", old), ("rollout_source", copy_source)) if v is not None}
     reference_ctx = lambda: reference_policy(policy, unwrapped, reference)  # noqa: E731
+    train_sigmas = nft_sigmas(cfg, sigmas) if nft else None  # DiffusionNFT's trained sigmas [T]
 
     run = Run.open(cfg, run_dir, unwrapped, optimizer, ema, extras, accelerator, state={"best_fd": None, "bad_evals": 0})
     if run.state["eval_before"] is None:
@@ -187,7 +188,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
                 with (nullcontext() if sync else accelerator.no_sync(net)):
                     if nft:
                         loss = nft_micro_loss(policy, sub, advantages[idx], keep[idx].float(), m, denom, cfg,
-                                              nft_sigmas(cfg, sigmas), old, reference_ctx)
+                                              train_sigmas, old, reference_ctx)
                     else:
                         loss = grpo_micro_loss(policy, sub, advantages[idx], keep[idx].float(),
                                                None if correction is None else (correction.weights[idx], correction.keep[idx]),

@@ -142,7 +142,8 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
         adv = group_advantages(scores, weights, group_ids, cfg.reward.aggregate, cfg.advantage.std_scope,
                                cfg.advantage.eps, cfg.advantage.clip, cfg.advantage.scale, baseline)
         advantages, reward = adv.advantages, adv.reward
-        keep = ~torch.isin(group_ids, group_ids[bad].unique())
+        bad_groups = group_ids[bad].unique()
+        keep = ~torch.isin(group_ids, bad_groups)
         if cfg.advantage.drop_zero_spread:
             keep &= ~adv.zero_spread
 
@@ -195,7 +196,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
             **{f"reward/{k}": float(v[on_mask].float().mean()) for k, v in scores.items()},
             "adv_mean": float(advantages.mean()), "adv_abs_max": float(advantages.abs().max()),
             "zero_spread_groups": int(group_ids[adv.zero_spread].unique().numel()),
-            "failed_reward_groups": int(group_ids[bad].unique().numel()),
+            "failed_reward_groups": int(bad_groups.numel()),
             "trained_samples": int(keep.sum()),
             "nfe_rollout": out.nfe,
             **upd,
