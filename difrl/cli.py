@@ -189,6 +189,13 @@ def cmd_config(args) -> int:
     return 0
 
 
+def cmd_rewards(args) -> int:
+    from difrl.rewards import describe_rewards
+
+    print(describe_rewards())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from difrl.config import ConfigError
     from difrl.rewards import RewardError
@@ -222,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                                                          "masked CONFIG or model.kind=sudoku selects them too")
     p.add_argument("rest", nargs="*", help="[CONFIG] [key=value ...]")
     p.set_defaults(fn=cmd_config)
+    p = sub.add_parser("rewards", help="list the rewards found by name: built-ins and installed entry points")
+    p.set_defaults(fn=cmd_rewards)
     args = ap.parse_args(argv)
     try:
         return args.fn(args)

@@ -78,6 +78,25 @@ class Rollout:
         )
 
 
+def chunk_slices(n: int, chunks: int) -> list[slice]:
+    """`chunks` consecutive slices covering range(n), sizes differing by at most one (empty ones left out)."""
+    bounds = [n * k // chunks for k in range(chunks + 1)]
+    return [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+
+
+def cat_rollouts(parts: list[Rollout]) -> Rollout:
+    """Rollouts of consecutive chunks -> one Rollout (rows in order); flat rollouts (no extras) only."""
+    if len(parts) == 1:
+        return parts[0]
+    if any(p.extras for p in parts):
+        raise ValueError("cat_rollouts joins flat rollouts; these carry extras (tree edges?)")
+    cat = lambda name: torch.cat([getattr(p, name) for p in parts])  # noqa: E731
+    return Rollout(
+        prompts=[t for p in parts for t in p.prompts], cond={k: torch.cat([p.cond[k] for p in parts]) for k in parts[0].cond},
+        **{name: cat(name) for name in ("prompt_ids", "group_ids", "seeds", "init_seeds", "x_final", "step", "x", "x_next",
+                                        "sigma", "sigma_next", "log_prob_old", "mean_old")})
+
+
 def _as_train_mask(train_mask: torch.Tensor | None, batch: int, num_steps: int) -> torch.Tensor:
     if train_mask is None:
         return torch.zeros(batch, num_steps, dtype=torch.bool)

@@ -84,7 +84,7 @@ def pipe_output(kind, pipe, latents, guidance, output_type, **extra):
               output_type=output_type, max_sequence_length=TEXT_LEN, **extra)
     if kind == "wan":
         out = pipe(PROMPTS, num_frames=FRAMES, **kw).frames
-        return out.transpose(1, 2) if output_type == "pt" else out  # pipeline [B, F, C, H, W] -> ours [B, C, F, H, W]
+        return out  # [B, F, C, H, W]: difrl's video layout too
     return pipe(PROMPTS, **kw).images
 
 
@@ -104,7 +104,7 @@ def test_loads_from_path_with_protocol_shapes(kind, policies):
     assert v.dtype == torch.float32 and v.shape == x.shape and torch.isfinite(v).all()
     img = policy.decode(x)
     assert img.dtype == torch.float32 and 0 <= img.min() and img.max() <= 1
-    assert img.shape == ((2, 3, FRAMES, 32, 32) if kind == "wan" else (2, 3, 32, 32))
+    assert img.shape == ((2, FRAMES, 3, 32, 32) if kind == "wan" else (2, 3, 32, 32))
 
 
 @pytest.mark.parametrize("kind", KINDS)

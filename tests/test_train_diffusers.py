@@ -67,11 +67,11 @@ def policy_options(cfg) -> dict:
 
 
 def pipe_images(kind: str, pipe, prompts, latents, guidance, cfg) -> torch.Tensor:
-    """The pipeline's own call: [B, 3, H, W] (Wan: [B, 3, F, H, W]) in [0, 1]."""
+    """The pipeline's own call: [B, 3, H, W] (Wan: [B, F, 3, H, W]) in [0, 1]."""
     kw = dict(height=cfg.model.height, width=cfg.model.width, num_inference_steps=N_STEPS, guidance_scale=guidance,
               latents=latents.clone(), output_type="pt", max_sequence_length=cfg.model.max_sequence_length)
     if kind == "wan":
-        return pipe(prompts, num_frames=cfg.model.num_frames, **kw).frames.transpose(1, 2)
+        return pipe(prompts, num_frames=cfg.model.num_frames, **kw).frames
     return pipe(prompts, **kw).images
 
 
@@ -210,7 +210,7 @@ def test_simple_rewards_score_images_and_videos():
     assert torch.allclose(build_reward("brightness", target=0.5)(img, ["a", "b"], [])["brightness"],
                           torch.tensor([1 - 1 / 6, 1.0]))
     assert torch.allclose(build_reward("color", channel="red")(img, ["a", "b"], [])["color"], torch.tensor([1.0, 0.0]))
-    video = img[:, :, None].expand(2, 3, 5, 4, 4)  # [B, C, F, H, W]: per clip
+    video = img[:, None].expand(2, 5, 3, 4, 4)  # [B, F, C, H, W]: per clip
     assert torch.allclose(build_reward("color")(video, ["a", "b"], [])["color"], torch.tensor([1.0, 0.0]))
     with pytest.raises(ValueError, match="channel must be one of"):
         build_reward("color", channel="pink")

@@ -7,7 +7,7 @@ FLUX.1 in `flux.py`, SD3 / SD3.5 in `sd3.py`, Wan 2.1 text-to-video in `wan.py`;
     policy = load_flow_policy("flux", "/models/FLUX.1-dev", dtype="bf16", height=512, width=512)
     sigmas = policy.sigma_schedule(28)                   # the pipeline's own schedule (Flux: shift mu)
     batch = rollout(policy, prompts, seeds, sigmas, kernel="flow_sde", guidance=3.5, ...)
-    images = policy.decode(batch.x_final)                # [B, 3, H, W] in [0, 1] (Wan: [B, 3, F, H, W])
+    images = policy.decode(batch.x_final)                # [B, 3, H, W] in [0, 1] (Wan: [B, F, 3, H, W])
     save_lora(policy, "run/lora")                        # diffusers LoRA dir: pipe.load_lora_weights("run/lora")
     load_lora(other_policy, "run/lora")                  # refuses a LoRA made for another model kind
 
@@ -212,11 +212,14 @@ class DiffusersFlowPolicy:
         return float(guidance) if guidance > 1.0 else None
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents -> images [B, 3, H, W] (Wan: videos [B, 3, F, H, W]) in [0, 1], fp32."""
+        """Latents -> images [B, 3, H, W] (Wan: videos [B, F, 3, H, W], the layout of the pipelines' `.frames` and of
+        difrl's video rewards) in [0, 1], fp32."""
         vae = self.pipe.vae
         with torch.no_grad():
             z = self._vae_latents(latents.to(vae.device, vae.dtype))
             out = vae.decode(z, return_dict=False)[0]
+        if out.ndim == 5:  # a video VAE decodes [B, 3, F, H, W]
+            out = out.transpose(1, 2)
         return (out.float() * 0.5 + 0.5).clamp(0, 1).to(latents.device)  # the image processors' denormalize
 
     # -- helpers shared by the kinds ----------------------------------------------------------------

@@ -1,13 +1,17 @@
 """Reward plug-ins (DESIGN.md seam 4): found by name, extended by third-party packages.
 
     fn = build_reward("digit_prob")                          # or "mypkg.rewards:brightness"
-    scores = fn(images, prompts, metadata)                  # {"digit_prob": [B] tensor}
+    scores = fn(images, prompts, metadata)                  # {"digit_prob": [B] float32 CPU tensor, ...}
 
 A reward factory takes keyword options (from the config's ``reward.options.<name>``) and returns
-a callable ``(images [B, C, (F,) H, W] in [0, 1], prompts, metadata) -> dict[str, [B] tensor]``;
-its main score is the entry named like the reward. Factories are found, in order, in the
-built-in table, as a ``module:function`` path, or under the ``difrl.rewards`` entry-point
-group of installed packages::
+a callable ``(samples, prompts, metadata) -> [B] tensor | dict[str, [B] tensor]``: images
+[B, 3, H, W] in [0, 1], videos [B, F, 3, H, W], token sequences for masked worlds. A dict's main
+score is the entry named like the reward; its other entries are logged as ``<name>/<key>``. The
+callable may declare ``modality``, ``device``, ``dtype``, ``batch_size`` (subclass
+``difrl.rewards.base.RewardModel``); ``build_reward`` wraps it in a ``Reward`` that scores in
+chunks on that device, under inference mode, and checks the shapes. Factories are found, in
+order, in the built-in table, as a ``module:function`` path, or under the ``difrl.rewards``
+entry-point group of installed packages::
 
     [project.entry-points."difrl.rewards"]
     brightness = "myreward:brightness"
@@ -16,11 +20,15 @@ group of installed packages::
 from __future__ import annotations
 
 import importlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import lru_cache
 from importlib.metadata import entry_points
 from typing import Callable
 
 import torch
+
+from difrl.rewards.base import MODALITIES, RewardConfigError, RewardModel, sha256_files  # noqa: F401
 
 RewardFn = Callable[..., dict[str, torch.Tensor]]
 REWARDS: dict[str, Callable[..., RewardFn]] = {}
@@ -57,60 +65,241 @@ def find_reward_factory(name: str) -> Callable[..., RewardFn]:
                      "(or give a 'module:function' path)")
 
 
-def build_reward(name: str, **options) -> RewardFn:
-    return find_reward_factory(name)(**options)
+def describe_rewards() -> str:
+    """One line per known reward (built-ins, then entry points): name, modality, options, summary."""
+    import inspect
+
+    _load_builtins()
+    lines = []
+    entries = [(n, f) for n, f in sorted(REWARDS.items())] + [(n, ep) for n, ep in sorted(_entry_point_rewards().items())
+                                                               if n not in REWARDS]
+    for name, factory in entries:
+        if not callable(factory):  # an entry point: described without importing it
+            lines.append(f"{name:24s} entry point {factory.value}")
+            continue
+        try:
+            params = ", ".join(f"{p.name}={p.default!r}" if p.default is not p.empty else p.name
+                               for p in inspect.signature(factory).parameters.values())
+        except (TypeError, ValueError):
+            params = "?"
+        doc = (inspect.getdoc(factory) or "").split("\n")[0]
+        lines.append(f"{name:24s} [{getattr(factory, 'modality', 'any')}] ({params})\n{'':24s} {doc}")
+    return "\n".join(lines)
+
+
+def build_reward(name: str, **options) -> "Reward":
+    factory = find_reward_factory(name)
+    try:
+        fn = factory(**options)
+    except TypeError as e:  # an unknown or missing option: say which reward and what it takes
+        import inspect
+
+        try:
+            accepted = ", ".join(inspect.signature(factory).parameters)
+        except (TypeError, ValueError):
+            accepted = "?"
+        raise RewardConfigError(f"reward {name!r}: bad options {sorted(options)} ({e}); it takes: {accepted}") from e
+    return Reward(name, fn)
+
+
+class Reward:
+    """A built reward: calls the plug-in in chunks of its ``batch_size``, with the samples moved to its
+    ``device`` and ``dtype``, in eval mode under ``torch.inference_mode()``, and returns
+    ``{key: float32 [B] on the CPU, "key/extra": ...}`` where ``key`` is the reward's name (the part after
+    ``:`` for a ``module:function``). A plug-in without those attributes scores the whole batch at once."""
+
+    def __init__(self, name: str, fn):
+        self.name, self.fn = name, fn
+        self.key = name.rsplit(":", 1)[-1]
+        self.modality = getattr(fn, "modality", "any")
+        if self.modality not in MODALITIES:
+            raise RewardConfigError(f"reward {name!r} declares modality {self.modality!r}; expected one of {MODALITIES}")
+        self.device = getattr(fn, "device", None)
+        self.dtype = getattr(fn, "dtype", None)
+        self.batch_size = getattr(fn, "batch_size", None)
+        if isinstance(fn, torch.nn.Module):
+            fn.eval()
+
+    def __repr__(self) -> str:
+        return f"Reward({self.name!r}, modality={self.modality}, device={self.device}, batch_size={self.batch_size})"
+
+    def info(self) -> dict:
+        """Name, declared input and the weights' identity (for run reports and the reward server)."""
+        return {"name": self.name, "key": self.key, "modality": self.modality,
+                "device": None if self.device is None else str(self.device),
+                "dtype": None if self.dtype is None else str(self.dtype).replace("torch.", ""),
+                "batch_size": self.batch_size, "version": str(getattr(self.fn, "version", "1")),
+                "weights_sha256": sha256_files(getattr(self.fn, "weight_files", []))}
+
+    def _check(self, samples) -> None:
+        if self.modality in ("image", "video"):
+            want = 4 if self.modality == "image" else 5
+            if not torch.is_tensor(samples) or samples.ndim != want or samples.shape[-3] != 3:
+                shape = tuple(samples.shape) if torch.is_tensor(samples) else type(samples).__name__
+                layout = "[B, 3, H, W]" if want == 4 else "[B, F, 3, H, W]"
+                raise ValueError(f"reward {self.name!r} scores {self.modality}s {layout} in [0, 1]; got {shape}"
+                                 + (" (a video reward over image frames: use reward 'video' with image_reward=...)"
+                                    if self.modality == "image" and torch.is_tensor(samples) and samples.ndim == 5 else ""))
+
+    def _prepare(self, chunk):
+        if not torch.is_tensor(chunk) or self.modality in ("tokens", "any"):
+            return chunk if self.device is None or not torch.is_tensor(chunk) else chunk.to(self.device)
+        return chunk.to(device=self.device or chunk.device, dtype=self.dtype or chunk.dtype)
+
+    def __call__(self, samples, prompts: list[str], metadata: list[dict] | None = None) -> dict[str, torch.Tensor]:
+        self._check(samples)
+        B = len(prompts)
+        metadata = metadata if metadata is not None else [{} for _ in range(B)]
+        bs = self.batch_size or max(B, 1)
+        parts: list[dict[str, torch.Tensor]] = []
+        with torch.inference_mode():
+            for lo in range(0, B, bs):
+                res = self.fn(self._prepare(samples[lo:lo + bs]), prompts[lo:lo + bs], metadata[lo:lo + bs])
+                parts.append(self._as_dict(res, min(bs, B - lo)))
+        if not parts:
+            return {self.key: torch.zeros(0)}
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+    def _as_dict(self, res, n: int) -> dict[str, torch.Tensor]:
+        if not isinstance(res, dict):
+            res = {self.key: res}
+        if self.key not in res:
+            raise ValueError(f"reward {self.name!r} must return a [B] tensor or a dict with its score under "
+                             f"{self.key!r}, got keys {sorted(res)}")
+        out = {}
+        for k, v in res.items():
+            t = torch.as_tensor(v).detach().to("cpu", torch.float32).flatten()
+            if t.shape[0] != n:
+                raise ValueError(f"reward {self.name!r} returned {t.shape[0]} values under {k!r} for {n} samples")
+            out[k] = t
+        return out
 
 
 def _load_builtins() -> None:
-    import difrl.rewards.digits  # noqa: F401  (registers digit_prob)
-    import difrl.rewards.simple  # noqa: F401  (registers brightness, color)
-    import difrl.rewards.sudoku_cells  # noqa: F401  (registers sudoku_cells)
+    # each module registers its rewards; heavy packages (open_clip, transformers, rapidocr) import only when
+    # a reward is built
+    from difrl.rewards import digits, simple, sudoku_cells, video, imagereward  # noqa: F401
+    for optional in ("clip", "hps", "ocr", "jpeg", "geneval"):
+        importlib.import_module(f"difrl.rewards.{optional}")
 
 
 class RewardError(RuntimeError):
-    """A reward raised, or returned NaN/inf, for some samples; names them."""
+    """A reward raised, or returned NaN/inf or the wrong shape, for some samples; names them."""
 
     def __init__(self, message: str, bad: torch.Tensor, scores: dict[str, torch.Tensor] | None = None):
         super().__init__(message)
         self.bad = bad  # [B] bool
-        self.scores = scores  # every reward's [B] scores (non-finite where bad), or None if one raised
+        self.scores = scores  # every reward's [B] scores, NaN where bad
 
 
-def score_all(rewards: dict[str, RewardFn], images, prompts: list[str], metadata: list[dict],
-              seeds: torch.Tensor, prompt_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Run every reward; each must return a finite [B] score under its own name.
+@dataclass
+class _Failed:
+    """One reward's failure on some samples (kept as a value so a scoring thread can hand it back)."""
+    error: BaseException
+    bad: torch.Tensor  # [n] bool
 
-    A reward that raises or returns NaN/inf raises RewardError naming the reward and the
-    prompt ids and seeds of the failing samples (`bad` marks them, so a caller may drop their groups)."""
-    out: dict[str, torch.Tensor] = {}
-    B = len(prompts)
-    bad = torch.zeros(B, dtype=torch.bool)
-    problems = []
+
+def call_rewards(rewards: dict, samples, prompts: list[str], metadata: list[dict], decode=None) -> dict:
+    """name -> that reward's output dict, or _Failed: nothing raises here (this may run in a scoring thread).
+    `decode` (latents -> samples) runs first when given, so the decode also leaves the sampling thread."""
+    n = len(prompts)
+    try:
+        samples = decode(samples) if decode is not None else samples
+    except Exception as e:  # the decode failed: every reward fails on every sample of the chunk
+        return {name: _Failed(e, torch.ones(n, dtype=torch.bool)) for name in rewards}
+    out = {}
     for name, fn in rewards.items():
         try:
-            res = fn(images, prompts, metadata)
+            out[name] = (fn if isinstance(fn, Reward) else Reward(name, fn))(samples, prompts, metadata)
         except Exception as e:
-            raise RewardError(f"reward {name!r} raised {type(e).__name__}: {e} on a batch of {B} samples "
-                              f"(prompt ids {sorted(set(prompt_ids.tolist()))[:8]}, seeds {seeds.tolist()[:8]})",
-                              torch.ones(B, dtype=torch.bool)) from e
+            out[name] = _Failed(e, torch.ones(n, dtype=torch.bool))
+    return out
+
+
+class Scoring:
+    """Scores a rollout chunk by chunk as the chunks are sampled; with ``overlap`` in one background thread,
+    so chunk k is decoded and scored while chunk k + 1 samples (ddpo-pytorch's executor pattern). Each reward sees
+    the same chunks either way, so the scores equal serial scoring wherever the reward's CPU kernels do not depend
+    on the thread count (the thread runs torch with one intra-op thread; identical on the digits world, tested).
+
+        scoring = Scoring(rewards, overlap=True)
+        for chunk in chunks: scoring.submit(latents, prompts, metadata, decode=policy.decode)
+        scores = scoring.result(prompt_ids, seeds)      # name -> [B], or RewardError naming the samples
+    """
+
+    def __init__(self, rewards: dict, overlap: bool = False):
+        self.rewards = rewards
+        # the scoring thread gets ONE torch intra-op thread (torch.set_num_threads is per OS thread): with the
+        # sampler's full count there too, the two OpenMP teams oversubscribe the cores and spin against each other
+        # (measured: a 4x slowdown on 2 cores). Reward models on a GPU or in onnxruntime keep their own threads.
+        self.pool = (ThreadPoolExecutor(1, thread_name_prefix="difrl-reward", initializer=torch.set_num_threads,
+                                        initargs=(1,)) if overlap else None)
+        self.parts: list = []  # per chunk: a Future or the finished dict
+
+    def submit(self, samples, prompts: list[str], metadata: list[dict], decode=None) -> None:
+        job = (call_rewards, self.rewards, samples, list(prompts), list(metadata), decode)
+        self.parts.append(self.pool.submit(*job) if self.pool is not None else job[0](*job[1:]))
+
+    def result(self, prompt_ids: torch.Tensor, seeds: torch.Tensor) -> dict[str, torch.Tensor]:
+        parts = [p.result() if isinstance(p, Future) else p for p in self.parts]
+        self.parts = []
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+        merged = {}
+        for name in self.rewards:
+            chunks = [p[name] for p in parts]
+            failed = [c for c in chunks if isinstance(c, _Failed)]
+            if failed:
+                bad = torch.cat([c.bad if isinstance(c, _Failed) else torch.zeros(len(next(iter(c.values()))), dtype=torch.bool)
+                                 for c in chunks])
+                merged[name] = _Failed(failed[0].error, bad)
+            else:
+                merged[name] = {k: torch.cat([c[k] for c in chunks]) for k in chunks[0]}
+        return check_scores(merged, prompt_ids, seeds)
+
+
+def _where(prompt_ids: torch.Tensor, seeds: torch.Tensor, bad: torch.Tensor) -> str:
+    idx = bad.nonzero().flatten()
+    return (f"{len(idx)} of {len(bad)} samples (prompt ids {sorted(set(prompt_ids[idx].tolist()))[:8]}, "
+            f"seeds {seeds[idx].tolist()[:8]})")
+
+
+def check_scores(results: dict, prompt_ids: torch.Tensor, seeds: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every reward's outputs -> {key: [B], "key/extra": [B]}; raises RewardError when a reward raised or
+    returned NaN/inf, with `bad` marking the failed samples and `scores` holding NaN for them (never 0)."""
+    B = len(prompt_ids)
+    out: dict[str, torch.Tensor] = {}
+    bad = torch.zeros(B, dtype=torch.bool)
+    problems = []
+    for name, res in results.items():
         key = name.rsplit(":", 1)[-1]
-        if not isinstance(res, dict) or key not in res:
-            raise RewardError(f"reward {name!r} must return a dict with a [B] tensor under {key!r}, got "
-                              f"{type(res).__name__} {list(res) if isinstance(res, dict) else ''}",
-                              torch.ones(B, dtype=torch.bool))
-        score = torch.as_tensor(res[key], dtype=torch.float32).flatten()
-        if score.shape[0] != B:
-            raise RewardError(f"reward {name!r} returned {score.shape[0]} scores for {B} samples", torch.ones(B, dtype=torch.bool))
+        if isinstance(res, _Failed):
+            e = res.error
+            problems.append(f"reward {name!r} raised {type(e).__name__}: {e} on {_where(prompt_ids, seeds, res.bad)}")
+            bad |= res.bad
+            out[key] = torch.full((B,), float("nan"))
+            continue
+        score = res[key]
         nonfinite = ~torch.isfinite(score)
         if nonfinite.any():
             idx = nonfinite.nonzero().flatten()
-            problems.append(f"reward {name!r} returned {score[idx][:4].tolist()} for prompt ids "
-                            f"{prompt_ids[idx].tolist()[:8]} with seeds {seeds[idx].tolist()[:8]}")
+            problems.append(f"non-finite reward {name!r}: {score[idx][:4].tolist()} for {_where(prompt_ids, seeds, nonfinite)}")
             bad |= nonfinite
         out[key] = score
-        for k, v in res.items():
-            if k != key:
-                out[f"{key}/{k}"] = torch.as_tensor(v, dtype=torch.float32).flatten()
+        out.update({f"{key}/{k}": v for k, v in res.items() if k != key})
     if problems:
-        raise RewardError("non-finite reward: " + "; ".join(problems), bad, out)
+        for k in out:  # a failed sample has no score under any reward
+            out[k] = torch.where(bad, float("nan"), out[k])
+        raise RewardError("; ".join(problems), bad, out)
     return out
+
+
+def score_all(rewards: dict, samples, prompts: list[str], metadata: list[dict],
+              seeds: torch.Tensor, prompt_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Run every reward on one batch; each must return a finite [B] score under its own name.
+
+    A reward that raises, returns NaN/inf or the wrong number of scores raises RewardError naming the
+    reward and the prompt ids and seeds of the failing samples (`bad` marks them, so a caller may drop
+    their groups)."""
+    return check_scores(call_rewards(rewards, samples, prompts, metadata), prompt_ids, seeds)

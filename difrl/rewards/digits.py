@@ -53,6 +53,7 @@ def load_classifier(path: str | Path | None = None) -> DigitClassifier:
 
 @register_reward("digit_prob")
 def digit_prob(classifier_path: str | None = None):
+    """p(prompted digit) under the digits classifier (the digits worlds' reward), plus `correct` (argmax = digit)."""
     clf = load_classifier(classifier_path)
 
     @torch.no_grad()

@@ -5,7 +5,7 @@
     fn = build_reward("color", channel="red")              # mean red minus mean of green and blue, in [-1, 1]
     fn(images, prompts, metadata)["brightness"]            # [B]
 
-Images are [B, C, H, W] and videos [B, C, F, H, W] in [0, 1]; every statistic is a mean over
+Images are [B, C, H, W] and videos [B, F, C, H, W] in [0, 1]; every statistic is a mean over
 everything but the batch (and, for `color`, the channel) dimension, so videos score per clip.
 They stand in for a real reward model in tests and in the tiny configs; they are not preferences.
 """
@@ -46,9 +46,9 @@ def color(channel: str = "red"):
 
     @torch.no_grad()
     def score(images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> dict[str, torch.Tensor]:
-        if images.shape[1] != 3:
-            raise ValueError(f"color reward needs RGB images [B, 3, ...], got {tuple(images.shape)}")
-        means = torch.stack([_per_sample_mean(images[:, k]) for k in range(3)], 1)  # [B, 3]
+        if images.ndim not in (4, 5) or images.shape[-3] != 3:
+            raise ValueError(f"color reward needs RGB images [B, 3, H, W] or videos [B, F, 3, H, W], got {tuple(images.shape)}")
+        means = torch.stack([_per_sample_mean(images[..., k, :, :]) for k in range(3)], 1)  # [B, 3]
         others = [k for k in range(3) if k != c]
         return {"color": means[:, c] - means[:, others].mean(1)}
 

@@ -50,6 +50,8 @@ class RewardConfig:
     options: dict[str, dict] = cfg_field(default_factory=dict, help="reward name -> factory keyword options")
     aggregate: str = cfg_field("reward_sum", choices=("reward_sum", "advantage_sum"), help="multi-reward aggregation")
     on_error: str = cfg_field("stop", choices=("stop", "drop_group"), help="a reward that raises or is NaN/inf")
+    overlap: bool = cfg_field(False, help="score rollout chunks in a background thread while the next chunk samples "
+                                          "(rollout.chunks > 1; the scores equal serial scoring)")
 
     def validate(self) -> None:
         if self.weights is not None and not self.weights:
@@ -145,7 +147,8 @@ class FlowModelConfig(ModelConfig):
     kind: str = cfg_field("digits", choices=FLOW_KINDS,
                           help="digits world, or a diffusers FLUX.1 / SD3 / Wan 2.1 pipeline at model.path")
     prompts: list[str] | None = cfg_field(None, help="diffusers models: training prompts (or model.prompt_file)")
-    prompt_file: str | None = cfg_field(None, help="diffusers models: a text file of training prompts, one per line")
+    prompt_file: str | None = cfg_field(None, help="diffusers models: training prompts, one per line, or a .jsonl "
+                                                                  "file of {\"prompt\": ..., <metadata>} objects (GenEval, OCR sets)")
     eval_prompts: list[str] | None = cfg_field(None, help="diffusers models: evaluation prompts; None = the first 8 "
                                                           "training prompts")
     height: int = cfg_field(512, ge=8, help="diffusers models: image / video height")
@@ -203,6 +206,8 @@ class RolloutConfig:
     prompts_per_iter: int = cfg_field(10, ge=1, help="groups (prompts) per iteration, all processes together")
     group_size: int = cfg_field(16, ge=2, help="trained samples per prompt")
     same_init_noise: bool = cfg_field(False, help="one initial noise per group (diversity from SDE noise only)")
+    chunks: int = cfg_field(1, ge=1, help="flat rollouts: sample each process's samples in this many sequential chunks; "
+                                          "with reward.overlap, chunk k is decoded and scored while chunk k + 1 samples")
     precision: str = cfg_field("fp32", choices=("fp32",) + QUANT_FORMATS,
                                help="the rollout copy's format (difrl.quant: weights and linear-layer inputs). flat: the "
                                     "trained rollouts come from it (a mismatch; the trainer recomputes the proximal "

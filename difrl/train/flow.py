@@ -25,19 +25,19 @@ from pathlib import Path
 
 import torch
 
-from difrl.algos import group_advantages
 from difrl.algos.tree import tree_train_edges
 from difrl.branching import num_trained_edges
 from difrl.correct.core import Correction
 from difrl.quant import RolloutCopy
-from difrl.rollout import rollout
+from difrl.rewards import Scoring, score_all
+from difrl.rollout import cat_rollouts, chunk_slices, rollout
 from difrl.samplers import step_masks as sampler_step_masks
 from difrl.solrl import candidate_pool, rank_agreement
 from difrl.train.config import FlowConfig
 from difrl.train.objectives import grpo_micro_loss, nft_micro_loss, nft_sigmas, proximal_correction
 from difrl.train.scaffold import (TIMING_KEYS, Metrics, RatioCheckError, Run, build_rewards, clip_and_step,  # noqa: F401
                                   cores_available, fmt_eval, make_optimizer, progress, pooled_std, reference_policy,
-                                  save_policy, score_rewards, wrap_policy)
+                                  reward_stats, save_policy, score_rewards, valid_group_advantages, wrap_policy)
 from difrl.train.state import EMA, trainable_params
 from difrl.tree_rollout import tree_rollout
 from difrl.utils.rng import mix_seed
@@ -98,6 +98,8 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
         init_seeds = (torch.tensor([mix_seed(cfg.seed, it, 3, int(g)) for g in k // G]) if cfg.rollout.same_init_noise else seeds)
         sde_mask, train_mask, window_start = step_masks(cfg, it, n_total)
         prompts = [world.prompts[i] for i in prompt_ids.tolist()]
+        metadata = [world.metadata(i) for i in prompt_ids.tolist()]
+        scoring = Scoring(rewards, overlap=cfg.reward.overlap)  # the trained samples' rewards, submitted as sampled
         unwrapped.eval()
         stage = {"nfe_lowprec": 0, "nfe_full": 0}  # network evaluations per iteration (all processes) and stage times
         nfe = 2 if cfg.sampler.guidance != 1.0 else 1  # per sample and step: CFG batches [uncond; cond]
@@ -123,13 +125,18 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
                                       cfg.sampler.kernel_kwargs(), cfg.tree.noise_scale, cfg.tree.kappa_logprob,
                                       sde_mask, group_prompt[trees], it * cfg.rollout.prompts_per_iter + trees,
                                       guidance=cfg.sampler.guidance, batch_size=cfg.sampler.rollout_batch)
-                    batch, samples = tr.edges, tr.x_leaf  # trained records: the SDE edges; rewarded: the leaves
+                    batch = tr.edges  # trained records: the SDE edges; rewarded: the leaves
                     seeds = tr.node_seed[tr.leaf_node]
-                else:
-                    batch = rollout(policy, prompts, seeds, sigmas, cfg.sampler.kind, cfg.sampler.kernel_kwargs(),
-                                    sde_mask, train_mask[rank * per_proc:(rank + 1) * per_proc], prompt_ids, group_ids,
-                                    init_seeds, cfg.sampler.guidance, batch_size=cfg.sampler.rollout_batch)
-                    samples = batch.x_final
+                    scoring.submit(tr.x_leaf, prompts, metadata, decode=policy.decode)
+                else:  # in chunks: each chunk's decode + reward starts (in a thread with reward.overlap) as it is done
+                    parts = []
+                    for sl in chunk_slices(per_proc, cfg.rollout.chunks):
+                        own_mask = train_mask[rank * per_proc:(rank + 1) * per_proc][sl]
+                        parts.append(rollout(policy, prompts[sl], seeds[sl], sigmas, cfg.sampler.kind,
+                                             cfg.sampler.kernel_kwargs(), sde_mask, own_mask, prompt_ids[sl], group_ids[sl],
+                                             init_seeds[sl], cfg.sampler.guidance, batch_size=cfg.sampler.rollout_batch))
+                        scoring.submit(parts[-1].x_final, prompts[sl], metadata[sl], decode=policy.decode)
+                    batch = cat_rollouts(parts)
             low = on_copy and cfg.rollout.precision != "fp32"
             evaluations = tr.evaluations * world_size if tree_mode else n_total * cfg.sampler.num_steps
             stage["nfe_lowprec" if low else "nfe_full"] += evaluations * nfe
@@ -141,29 +148,28 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
         t_reward = time.perf_counter()
 
         # ==================================================================== reward
-        scores, bad = score_rewards(rewards, policy.decode(samples), prompts, [world.metadata(int(p)) for p in prompt_ids],
-                                    seeds, prompt_ids, cfg.reward.on_error, lambda: run.checkpoint(it), f"iteration {it}",
-                                    run_dir, accelerator.print)
+        scores, bad = score_rewards(lambda: scoring.result(prompt_ids, seeds), len(prompts), cfg.reward.on_error,
+                                    lambda: run.checkpoint(it), f"iteration {it}", run_dir, accelerator.print)
         t_adv = time.perf_counter()
 
         # ==================================================================== advantage
-        all_scores = {name: accelerator.gather(scores[name]) for name in weights}
+        all_scores = {name: accelerator.gather(v) for name, v in scores.items()}
         all_groups, all_bad = accelerator.gather(group_ids), accelerator.gather(bad.long()).bool()
-        bad_groups = all_groups[all_bad].unique()
-        adv = group_advantages(all_scores, weights, all_groups, cfg.reward.aggregate, cfg.advantage.std_scope,
-                               cfg.advantage.eps, cfg.advantage.clip, cfg.advantage.scale)
-        keep_all = ~torch.isin(all_groups, bad_groups)
+        adv, failed = valid_group_advantages(all_scores, weights, all_groups, all_bad, cfg.advantage, cfg.reward.aggregate)
+        bad_groups = all_groups[failed].unique()
+        keep_all = ~failed
         if cfg.advantage.drop_zero_spread:
             keep_all &= ~adv.zero_spread
         own = slice(rank * per_proc, (rank + 1) * per_proc)
         advantages, keep = adv.advantages[own], keep_all[own]
         if solrl:  # does the low-precision ranking predict the full-precision rewards?
-            regenerated = sum(w * all_scores[n] for n, w in weights.items())
-            stage.update({f"solrl/{k}": v for k, v in rank_agreement(pool.reward.view(-1, G), regenerated.view(-1, G)).items()})
+            # a failed group's NaN rewards give a NaN agreement, which rank_agreement leaves out
+            stage.update({f"solrl/{k}": v for k, v in rank_agreement(pool.reward.view(-1, G), adv.reward.view(-1, G)).items()})
             stage["solrl/candidate_reward_mean"] = float(pool.reward.mean())
         if tree_mode:  # BranchGRPO: fused node rewards, advantages per tree and depth, edges pruned (§1.3-§1.6)
             kept, advantages, keep = tree_train_edges(tr, scores, weights, keep, it, cfg.tree, cfg.reward.aggregate,
                                                       cfg.advantage.eps, cfg.advantage.clip)
+            advantages = torch.where(keep, advantages, 0.0)  # a failed leaf's NaN stays in its own (dropped) tree
             batch = tr.edges.select(kept)
             if correction is not None:
                 correction = Correction(correction.weights[kept], correction.keep[kept], correction.diagnostics)
@@ -210,8 +216,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
         upd = m.result(accelerator)
         row = {
             "iteration": it + 1,
-            "reward_mean": float(adv.reward.mean()), "reward_std": float(adv.reward.std(unbiased=False)),
-            **{f"reward/{k}": float(v.mean()) for k, v in all_scores.items()},
+            **reward_stats(adv.reward, all_scores, weights, all_groups, cfg.advantage),
             **adv.stats(),
             "zero_spread_groups": int(all_groups[adv.zero_spread].unique().numel()),
             "dropped_groups": int(all_groups[~keep_all].unique().numel()),
@@ -357,9 +362,10 @@ def candidate_reward(cfg: FlowConfig, world, rewards, weights, run: Run, it: int
                      seeds) -> torch.Tensor:
     """Sol-RL stage 1's score: the weighted reward of each candidate; a failed one ranks last (-inf) under
     reward.on_error=drop_group (stage 2 re-scores and drops what still fails)."""
-    scores, bad = score_rewards(rewards, images, prompts, [world.metadata(int(p)) for p in prompt_ids], seeds,
-                                prompt_ids, cfg.reward.on_error, lambda: run.checkpoint(it),
-                                f"iteration {it}, Sol-RL candidates", run.dir, say)
+    metadata = [world.metadata(int(p)) for p in prompt_ids]
+    scores, bad = score_rewards(lambda: score_all(rewards, images, prompts, metadata, seeds, prompt_ids), len(prompts),
+                                cfg.reward.on_error, lambda: run.checkpoint(it), f"iteration {it}, Sol-RL candidates",
+                                run.dir, say)
     total = sum(w * scores[n] for n, w in weights.items())
     return torch.where(bad, -float("inf"), total)
 

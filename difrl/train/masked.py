@@ -35,15 +35,17 @@ from pathlib import Path
 
 import torch
 
-from difrl.algos import group_advantages, k3_kl, ppo_clip_loss
+from difrl.algos import k3_kl, ppo_clip_loss
 from difrl.correct import METHODS as CORRECTORS
 from difrl.discrete.estimators import remask, token_logp
 from difrl.discrete.losses import trace_logp
 from difrl.discrete.samplers import SAMPLERS, merge_rollouts
+from difrl.rewards import score_all
 from difrl.train.masked_config import MaskedConfig
 from difrl.train.scaffold import (TIMING_KEYS, Metrics, RatioCheckError, Run, build_rewards, check_ratio,  # noqa: F401
                                   clip_and_step, cores_available, fmt_eval, make_optimizer, progress, reference_policy,
-                                  save_policy, score_rewards, wrap_policy)
+                                  finite_mean_std, reward_stats, save_policy, score_rewards,
+                                  valid_group_advantages, wrap_policy)
 from difrl.train.state import trainable_params
 from difrl.utils.rng import mix_seed
 from difrl.worlds.masked import build_masked_world
@@ -133,17 +135,17 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
         t_reward = time.perf_counter()
 
         # ==================================================================== reward
-        scores, bad = score_rewards(rewards, world.decode(tokens), batch.texts, batch.metadata, seeds, group_ids,
-                                    cfg.reward.on_error, lambda: run.checkpoint(it), f"iteration {it}", run_dir)
+        scores, bad = score_rewards(lambda: score_all(rewards, world.decode(tokens), batch.texts, batch.metadata, seeds,
+                                                      group_ids), N, cfg.reward.on_error, lambda: run.checkpoint(it),
+                                    f"iteration {it}", run_dir)
         t_adv = time.perf_counter()
 
         # ==================================================================== advantage
         baseline = ~is_ext if (K and ext.normalize == "source") else None
-        adv = group_advantages(scores, weights, group_ids, cfg.reward.aggregate, cfg.advantage.std_scope,
-                               cfg.advantage.eps, cfg.advantage.clip, cfg.advantage.scale, baseline)
+        adv, failed = valid_group_advantages(scores, weights, group_ids, bad, cfg.advantage, cfg.reward.aggregate, baseline)
         advantages, reward = adv.advantages, adv.reward
-        bad_groups = group_ids[bad].unique()
-        keep = ~torch.isin(group_ids, bad_groups)
+        bad_groups = group_ids[failed].unique()
+        keep = ~failed
         if cfg.advantage.drop_zero_spread:
             keep &= ~adv.zero_spread
 
@@ -192,8 +194,8 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
         on_mask = ~is_ext
         row = {
             "iteration": it + 1,
-            "reward_mean": float(reward[on_mask].mean()), "reward_std": float(reward[on_mask].std(unbiased=False)),
-            **{f"reward/{k}": float(v[on_mask].float().mean()) for k, v in scores.items()},
+            **reward_stats(reward[on_mask], {k: v[on_mask] for k, v in scores.items()}, weights, group_ids[on_mask],
+                           cfg.advantage),
             "adv_mean": float(advantages.mean()), "adv_abs_max": float(advantages.abs().max()),
             "zero_spread_groups": int(group_ids[adv.zero_spread].unique().numel()),
             "failed_reward_groups": int(bad_groups.numel()),
@@ -206,7 +208,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
         }
         row.pop("ratio", None)
         if K:  # on-policy reward above, the external source's here
-            row.update({"external/reward_mean": float(reward[is_ext].mean()),
+            row.update({"external/reward_mean": finite_mean_std(reward[is_ext])[0],
                         "external/adv_mean": float(advantages[is_ext].mean()),
                         **{f"external/{k}": float(v) for k, v in correction.diagnostics.items()}})
         if cfg.eval.every and (it + 1) % cfg.eval.every == 0 and it + 1 < cfg.train.iterations:

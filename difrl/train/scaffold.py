@@ -24,7 +24,8 @@ import torch
 
 from difrl.config import save_config
 from difrl.models.base import use_module
-from difrl.rewards import RewardError, build_reward, score_all
+from difrl.algos import Advantages, group_advantages, group_normalize
+from difrl.rewards import RewardError, build_reward
 from difrl.train.state import load_latest_checkpoint, restore_checkpoint, save_checkpoint
 from difrl.utils.io import atomic_write_json, save_safetensors
 from difrl.utils.rng import mix_seed
@@ -122,25 +123,59 @@ def build_rewards(reward_cfg, default: str | None) -> tuple[dict, dict[str, floa
     return rewards, {name.rsplit(":", 1)[-1]: w for name, w in weights.items()}
 
 
-def score_rewards(rewards: dict, samples, prompts: list[str], metadata: list[dict], seeds: torch.Tensor,
-                  prompt_ids: torch.Tensor, on_error: str, stop, where: str, run_dir: Path,
+def score_rewards(score, num_samples: int, on_error: str, stop, where: str, run_dir: Path,
                   log=print) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Every reward's [B] scores and `bad` [B] bool, the samples whose reward raised or was NaN/inf.
-    on_error="stop": call stop() (a checkpoint: nothing is lost) and raise a RewardError naming the samples
-    and how to resume; "drop_group": log it and return with the failed scores set to 0 (the caller drops their
-    groups). A failed reward is never a score that trains."""
+    """`score()` (difrl.rewards.score_all or Scoring.result) -> every reward's [B] scores and `bad` [B] bool,
+    the samples whose reward raised or was NaN/inf. on_error="stop": call stop() (a checkpoint: nothing is
+    lost) and raise a RewardError naming the reward, the samples and how to resume; "drop_group": log it and
+    return with the failed samples' scores NaN (the caller drops their groups). A failed reward never becomes
+    a score: not 0, not a sentinel."""
     try:
-        return score_all(rewards, samples, prompts, metadata, seeds, prompt_ids), torch.zeros(len(prompts), dtype=torch.bool)
+        return score(), torch.zeros(num_samples, dtype=torch.bool)
     except RewardError as e:
         if on_error == "stop":
             stop()
             raise RewardError(f"{where}: {e}. The run stopped (reward.on_error=stop) after saving a checkpoint; resume "
-                              f"with resume={run_dir}, or set reward.on_error=drop_group.", e.bad) from e
+                              f"with resume={run_dir}, or set reward.on_error=drop_group.", e.bad, e.scores) from e
         log(f"{where}: {e}; dropping their groups (reward.on_error=drop_group)")
-        if e.scores is None:  # a reward raised: every sample of the batch failed
-            return {name.rsplit(":", 1)[-1]: torch.zeros(len(prompts)) for name in rewards}, e.bad
-        names = {name.rsplit(":", 1)[-1] for name in rewards}  # the scores that train: 0 for every failed sample
-        return {k: torch.where(e.bad if k in names else ~torch.isfinite(v), 0.0, v) for k, v in e.scores.items()}, e.bad
+        return e.scores, e.bad
+
+
+def valid_group_advantages(scores: dict[str, torch.Tensor], weights: dict[str, float], group_ids: torch.Tensor,
+                           bad: torch.Tensor, adv_cfg, aggregate: str, baseline: torch.Tensor | None = None):
+    """group_advantages over the groups without a failed reward only (a failed sample's NaN never reaches
+    another group's mean or a global std); the failed groups get advantage 0, zero_spread False and reward NaN.
+    Returns (Advantages over all N samples, failed_groups [N] bool)."""
+    failed = torch.isin(group_ids, group_ids[bad].unique())
+    ok = ~failed
+    N = len(group_ids)
+    advantages, zero, reward = torch.zeros(N), torch.zeros(N, dtype=torch.bool), torch.full((N,), float("nan"))
+    if ok.any():
+        sub = group_advantages({k: v[ok] for k, v in scores.items() if k in weights}, weights, group_ids[ok], aggregate,
+                               adv_cfg.std_scope, adv_cfg.eps, adv_cfg.clip, adv_cfg.scale,
+                               None if baseline is None else baseline[ok])
+        advantages[ok], zero[ok], reward[ok] = sub.advantages, sub.zero_spread, sub.reward
+    return Advantages(advantages, zero, reward), failed
+
+
+def finite_mean_std(v: torch.Tensor) -> tuple[float, float]:
+    v = v[torch.isfinite(v)]  # failed samples (NaN) have no score
+    return (float(v.mean()), float(v.std(unbiased=False))) if len(v) else (float("nan"), float("nan"))
+
+
+def reward_stats(reward: torch.Tensor, scores: dict[str, torch.Tensor], weights: dict[str, float],
+                 group_ids: torch.Tensor, adv_cfg) -> dict[str, float]:
+    """The log's reward columns: the aggregated reward's mean and std, each reward's (and extra's) raw mean,
+    and with several rewards each one's group-normalised |value| (how much of the advantage it drives), all
+    over the samples whose rewards did not fail."""
+    mean, std = finite_mean_std(reward)  # reward [N]: the aggregated (weighted-sum) reward, NaN where failed
+    row = {"reward_mean": mean, "reward_std": std, **{f"reward/{k}": finite_mean_std(v)[0] for k, v in scores.items()}}
+    ok = torch.isfinite(reward)
+    if len(weights) > 1 and ok.any():
+        for k in weights:
+            norm, _ = group_normalize(scores[k][ok], group_ids[ok], adv_cfg.std_scope, adv_cfg.eps, None, adv_cfg.scale)
+            row[f"reward_norm/{k}"] = float(norm.abs().mean())
+    return row
 
 
 # ---------------------------------------------------------------------------------- metrics

@@ -24,6 +24,7 @@ difrl.train). The attributes it reads:
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -38,20 +39,36 @@ from difrl.worlds import World
 MAX_EVAL_PROMPTS = 8  # model.eval_prompts = None: the first this many training prompts
 
 
-def read_prompts(mc) -> list[str]:
-    """model.prompts, or the non-empty lines of model.prompt_file."""
+def read_prompts(mc) -> tuple[list[str], list[dict]]:
+    """(prompts, each prompt's metadata) from model.prompts, or model.prompt_file: a text file (one prompt per
+    line, metadata {}) or a .jsonl file of objects with a "prompt" key, the rest of each object being its
+    metadata (GenEval's evaluation_metadata.jsonl, an OCR set's {"prompt": ..., "text": ...})."""
     if mc.prompts is not None:
-        prompts = [str(p) for p in mc.prompts]
+        prompts, meta = [str(p) for p in mc.prompts], [{} for _ in mc.prompts]
         source = "model.prompts"
     else:
         path = Path(mc.prompt_file)
         if not path.is_file():
-            raise FileNotFoundError(f"model.prompt_file {path}: no such file (a text file, one prompt per line)")
-        prompts = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
+            raise FileNotFoundError(f"model.prompt_file {path}: no such file (a text file, one prompt per line, or "
+                                    "a .jsonl file of {\"prompt\": ..., <metadata>} objects)")
         source = f"model.prompt_file {path}"
+        lines = [(n, ln.strip()) for n, ln in enumerate(path.read_text().splitlines(), 1) if ln.strip()]
+        if path.suffix == ".jsonl":
+            meta = []
+            for n, ln in lines:
+                try:
+                    rec = json.loads(ln)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{source}, line {n}: not JSON ({e})") from e
+                if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
+                    raise ValueError(f"{source}, line {n}: expected an object with a string \"prompt\"")
+                meta.append(rec)
+            prompts = [m["prompt"] for m in meta]
+        else:
+            prompts, meta = [ln for _, ln in lines], [{} for _ in lines]
     if not prompts:
         raise ValueError(f"{source} holds no prompts")
-    return prompts
+    return prompts, meta
 
 
 def policy_device() -> str | None:
@@ -82,7 +99,8 @@ def diffusers_world(kind: str, model_path: str | None, cfg=None) -> World:
     extra = ADAPTERS[kind].model_options if kind in ADAPTERS else ()  # an unknown kind: load_flow_policy says so
     options.update({name: getattr(mc, name) for name in extra})
     policy = load_flow_policy(kind, model_path, **options)
-    prompts = read_prompts(mc)
+    prompts, prompt_meta = read_prompts(mc)
+    meta_by_prompt = dict(zip(prompts, prompt_meta))
     eval_prompts = list(mc.eval_prompts) if mc.eval_prompts is not None else prompts[:MAX_EVAL_PROMPTS]
 
     def sigmas(num_steps: int, shift: float) -> torch.Tensor:
@@ -109,15 +127,15 @@ def diffusers_world(kind: str, model_path: str | None, cfg=None) -> World:
                             sde_mask=torch.zeros(num_steps, dtype=torch.bool), guidance=cfg.sampler.guidance)
             images.append(policy.decode(batch.x_final).cpu())
         images = torch.cat(images)
-        scores = score_all(rewards, images, texts, [{"prompt_id": int(i), "prompt": t} for i, t in zip(ids, texts)],
-                           seeds, ids)
+        scores = score_all(rewards, images, texts, [{**meta_by_prompt.get(t, {}), "prompt_id": int(i), "prompt": t}
+                                                    for i, t in zip(ids, texts)], seeds, ids)
         metrics = {"reward": float(sum(w * scores[n] for n, w in weights.items()).mean()),
                    **{f"reward/{k}": float(v.mean()) for k, v in scores.items()},
                    "samples": len(texts), "num_steps": num_steps}
         return metrics, images
 
     def save_grid(images: torch.Tensor, path: Path) -> None:
-        """One row per evaluation prompt. Images: a PNG; videos [N, 3, F, H, W]: a GIF of frame grids (path.gif)."""
+        """One row per evaluation prompt. Images: a PNG; videos [N, F, 3, H, W]: a GIF of frame grids (path.gif)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         per = max(1, images.shape[0] // max(1, len(eval_prompts)))
@@ -125,8 +143,8 @@ def diffusers_world(kind: str, model_path: str | None, cfg=None) -> World:
         if images.ndim == 4:
             Image.fromarray(image_grid(images, nrow=per, scale=scale)).save(path)
             return
-        frames = [Image.fromarray(image_grid(images[:, :, f], nrow=per, scale=scale)) for f in range(images.shape[2])]
+        frames = [Image.fromarray(image_grid(images[:, f], nrow=per, scale=scale)) for f in range(images.shape[1])]
         frames[0].save(path.with_suffix(".gif"), save_all=True, append_images=frames[1:], duration=125, loop=0)
 
-    return World(kind, policy, prompts, evaluate, save_grid, lambda pid: {"prompt_id": pid, "prompt": prompts[pid]},
+    return World(kind, policy, prompts, evaluate, save_grid, lambda pid: {**prompt_meta[pid], "prompt_id": pid, "prompt": prompts[pid]},
                  sigmas=sigmas, save_lora=save_lora)

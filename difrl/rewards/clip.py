@@ -1,0 +1,281 @@
+"""CLIP-family rewards on transformers' CLIPModel, from local `save_pretrained` directories (nothing is downloaded).
+
+    fn = build_reward("clip_score", model_dir="/ckpt/clip-vit-large-patch14")             # plain cosine
+    fn = build_reward("clip_score", model_dir=..., scale="clipscore")                      # 2.5 * max(cos, 0)
+    fn = build_reward("pickscore", model_dir="/ckpt/PickScore_v1",
+                      processor_dir="/ckpt/CLIP-ViT-H-14-laion2B-s32B-b79K")                # logit_scale.exp() * cos / 26
+    fn = build_reward("aesthetic", clip_dir="/ckpt/clip-vit-large-patch14", mlp_path="/ckpt/sac+logos+ava1-l14-linearMSE.pth")
+    fn(images [B, 3, H, W] in [0, 1], prompts, metadata)   # {"clip_score": [B], "cos": [B]} (logged as clip_score/cos)
+
+Every reward takes `device` ("cpu" default, "auto" = first GPU), `dtype` ("float32" default; "bfloat16"/"float16"
+on a GPU), `batch_size` (images per forward, default 32). The text rewards take `text_cache_size` (prompts whose
+embedding is kept, default 4096; 0 disables): a GRPO group repeats its prompt G times.
+
+Images are preprocessed on tensors with the processor's own settings (shortest side to `size`, centre crop,
+normalise with its mean/std; see difrl.rewards.vision): bicubic `F.interpolate` with antialias instead of PIL's
+bicubic on uint8 images, so scores differ slightly (third decimal of a cosine) from the reference scorers that
+go through PIL. Score conventions (rewards-eval.md §1.2, §1.3, §1.5, §3.3) are options, and `version`
+names the one in use, since the "same" reward means different numbers in different repos.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from difrl.rewards import register_reward
+from difrl.rewards.base import RewardConfigError, RewardModel, load_state_dict_file, local_dir, local_file
+from difrl.rewards.vision import TextEmbeddingCache, feature_tensor, hf_image_settings, preprocess_clip
+
+_HF_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".txt", ".model")
+
+
+def _hf_files(d: Path, tokenizer: bool = True) -> list[Path]:
+    """The files from_pretrained may read in a save_pretrained directory (configs, weights and, with `tokenizer`,
+    the tokenizer's), sorted; `.bin` weights are left out when `.safetensors` ones exist (transformers prefers
+    those). They are the reward's identity in `Reward.info()["weights_sha256"]`."""
+    files = sorted(p for p in d.iterdir() if p.is_file() and p.suffix in _HF_FILE_SUFFIXES)
+    if not tokenizer:
+        files = [p for p in files if p.suffix in (".safetensors", ".bin")
+                 or p.name in ("config.json", "preprocessor_config.json", "model.safetensors.index.json")]
+    if any(p.suffix == ".safetensors" for p in files):
+        files = [p for p in files if p.suffix != ".bin"]
+    return files
+
+
+def _check_processor_dir(path, reward: str, option: str, text: bool, note: str = "") -> Path:
+    """A CLIP processor directory: preprocessor_config.json, and a tokenizer when the reward reads prompts."""
+    try:
+        p = local_dir(path, "the CLIP processor (image processor" + (" + tokenizer)" if text else ")"), option, reward,
+                      needs=("preprocessor_config.json",))
+    except RewardConfigError as e:
+        if not note:
+            raise
+        raise RewardConfigError(f"{e}; {note}") from e
+    if text and not ((p / "tokenizer.json").is_file() or ((p / "vocab.json").is_file() and (p / "merges.txt").is_file())):
+        raise RewardConfigError(f"reward {reward!r}: the processor directory {str(p)!r} (reward.options.{reward}.{option}) "
+                                "has no tokenizer (tokenizer.json, or vocab.json + merges.txt)" + (f"; {note}" if note else ""))
+    return p
+
+
+def _clip_config(d: Path, reward: str, option: str) -> dict:
+    """The config.json of a CLIPModel directory, checked to be one (read before the weights load)."""
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise RewardConfigError(f"reward {reward!r}: cannot read {str(d / 'config.json')!r} "
+                                f"(reward.options.{reward}.{option}): {e}") from e
+    if cfg.get("model_type") != "clip":
+        raise RewardConfigError(f"reward {reward!r}: {str(d)!r} (reward.options.{reward}.{option}) holds a "
+                                f"{cfg.get('model_type')!r} model, not a transformers CLIPModel ('clip')")
+    return cfg
+
+
+def _load_clip_model(model_dir, reward: str, option: str, vision_only: bool = False):
+    """transformers CLIPModel from a local directory, in eval mode; `vision_only` drops the text tower after
+    loading (CLIPVisionModelWithProjection would read projection_dim from the vision sub-config, which a
+    CLIPModel config need not set, and reports every text key as unexpected)."""
+    from transformers import CLIPModel
+
+    d = local_dir(model_dir, "the CLIP model", option, reward)
+    _clip_config(d, reward, option)
+    model = CLIPModel.from_pretrained(str(d), local_files_only=True)
+    if vision_only:  # get_image_features reads vision_model + visual_projection only
+        model.text_model = model.text_projection = None
+    return model.eval().requires_grad_(False), d
+
+
+class _HFClipReward(RewardModel):
+    """Shared loading and scoring of the transformers-CLIP rewards: image and text embeddings, L2-normalised,
+    and their cosine. Subclasses turn the cosine into their score."""
+
+    modality = "image"
+    name = "clip"
+
+    def __init__(self, model_dir, processor_dir=None, *, device="cpu", dtype="float32", batch_size=32,
+                 text_cache_size: int = 4096, processor_note: str = ""):
+        super().__init__(device=device, dtype=dtype, batch_size=batch_size)
+        from transformers import AutoTokenizer, CLIPImageProcessor
+
+        mdir = local_dir(model_dir, "the CLIP model", "model_dir", self.name)
+        pdir = _check_processor_dir(processor_dir if processor_dir not in (None, "") else mdir, self.name,
+                                    "processor_dir" if processor_dir not in (None, "") else "model_dir",
+                                    text=True, note=processor_note)  # before the (GBs) model loads
+        self.model, _ = _load_clip_model(mdir, self.name, "model_dir")
+        self.tokenizer = AutoTokenizer.from_pretrained(str(pdir), local_files_only=True)
+        self.image_settings = hf_image_settings(CLIPImageProcessor.from_pretrained(str(pdir), local_files_only=True))
+        self.model.to(device=self.device, dtype=self.dtype)
+        self.max_length = int(self.model.config.text_config.max_position_embeddings)  # 77 for every CLIP
+        self.text_cache = TextEmbeddingCache(self.encode_text, max_size=max(int(text_cache_size), 1),
+                                             enabled=int(text_cache_size) > 0)
+        self.weight_files = _hf_files(mdir) + (_hf_files(pdir) if pdir != mdir else [])
+
+    def encode_text(self, prompts: list[str]) -> torch.Tensor:
+        """[N] prompts -> [N, D] L2-normalised float32 text embeddings (truncated to 77 tokens, as peers do)."""
+        tok = self.tokenizer(list(prompts), padding=True, truncation=True, max_length=self.max_length,
+                             return_tensors="pt").to(self.device)
+        out = self.model.get_text_features(input_ids=tok["input_ids"], attention_mask=tok.get("attention_mask"))
+        return F.normalize(feature_tensor(out).float(), dim=-1)
+
+    def encode_image(self, images: torch.Tensor) -> torch.Tensor:
+        """[B, 3, H, W] in [0, 1] -> [B, D] L2-normalised float32 image embeddings."""
+        x = preprocess_clip(images, self.image_settings).to(self.dtype)
+        return F.normalize(feature_tensor(self.model.get_image_features(pixel_values=x)).float(), dim=-1)
+
+    def cosine(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """[B] cosine between each image and its own prompt."""
+        if len(prompts) != images.shape[0]:
+            raise ValueError(f"reward {self.name!r}: {images.shape[0]} images but {len(prompts)} prompts")
+        return (self.encode_image(images) * self.text_cache(prompts)).sum(-1)
+
+
+CLIP_SCALES = ("cos", "clipscore", "x100")
+
+
+@register_reward("clip_score")
+class ClipScore(_HFClipReward):
+    """Image-prompt agreement under a CLIP model (e.g. openai/clip-vit-large-patch14 saved locally).
+
+    Options: `model_dir` (CLIPModel save_pretrained directory), `processor_dir` (tokenizer + image processor;
+    default `model_dir`), `scale`:
+      - "cos" (default): the plain cosine, as flow_grpo / DiffusionNFT `clip_scorer.py` (logits_per_image / 100);
+      - "clipscore": 2.5 * max(cos, 0), Hessel et al. 2021 "CLIPScore" (with ViT-B/32 in the paper);
+      - "x100": 100 * max(cos, 0), torchmetrics `CLIPScore`.
+    Returns {"clip_score": [B], "cos": [B]} (the raw cosine is always logged)."""
+
+    name = "clip_score"
+
+    def __init__(self, model_dir=None, processor_dir=None, scale: str = "cos", device="cpu", dtype="float32",
+                 batch_size=32, text_cache_size: int = 4096):
+        if scale not in CLIP_SCALES:
+            raise RewardConfigError(f"reward 'clip_score': scale must be one of {CLIP_SCALES}, got {scale!r}")
+        super().__init__(model_dir, processor_dir, device=device, dtype=dtype, batch_size=batch_size,
+                         text_cache_size=text_cache_size)
+        self.scale = scale
+        self.version = {"cos": "cos", "clipscore": "2.5*max(cos,0)", "x100": "100*max(cos,0)"}[scale]
+
+    def score(self, images, prompts, metadata):
+        cos = self.cosine(images, prompts)
+        if self.scale == "cos":
+            s = cos
+        else:
+            s = (2.5 if self.scale == "clipscore" else 100.0) * cos.clamp(min=0)
+        return {"clip_score": s, "cos": cos}
+
+
+PICK_SCALES = ("div26", "logit")
+
+
+@register_reward("pickscore")
+class PickScore(_HFClipReward):
+    """PickScore (Kirstain et al. 2023): a CLIP ViT-H-14 fine-tuned on Pick-a-Pic preferences.
+
+    Options: `model_dir` (yuvalkirstain/PickScore_v1 saved locally), `processor_dir` (PickScore has no processor
+    of its own: the laion/CLIP-ViT-H-14-laion2B-s32B-b79K tokenizer + image processor, saved locally), `scale`:
+      - "div26" (default): logit_scale.exp() * cos / 26, as flow_grpo `pickscore_scorer.py`, Flow-Factory
+        `rewards/pick_score.py` and verl-omni `pickscore_reward.py` ("normalise to about 0-1");
+      - "logit": logit_scale.exp() * cos, the paper's score (typically 18-24 for PickScore_v1, whose
+        logit_scale.exp() is ~100).
+    Returns {"pickscore": [B], "cos": [B], "logit": [B]}."""
+
+    name = "pickscore"
+
+    def __init__(self, model_dir=None, processor_dir=None, scale: str = "div26", device="cpu", dtype="float32",
+                 batch_size=32, text_cache_size: int = 4096):
+        if scale not in PICK_SCALES:
+            raise RewardConfigError(f"reward 'pickscore': scale must be one of {PICK_SCALES}, got {scale!r}")
+        super().__init__(model_dir, processor_dir, device=device, dtype=dtype, batch_size=batch_size,
+                         text_cache_size=text_cache_size,
+                         processor_note="PickScore uses the laion/CLIP-ViT-H-14-laion2B-s32B-b79K processor: "
+                                        "save it locally and set processor_dir")
+        self.scale = scale
+        self.version = {"div26": "exp(logit_scale)*cos/26", "logit": "exp(logit_scale)*cos"}[scale]
+
+    def score(self, images, prompts, metadata):
+        cos = self.cosine(images, prompts)
+        logit = self.model.logit_scale.detach().float().exp() * cos
+        return {"pickscore": logit / 26.0 if self.scale == "div26" else logit, "cos": cos, "logit": logit}
+
+
+class AestheticMLP(nn.Module):
+    """The LAION improved-aesthetic-predictor head (christophschuhmann/improved-aesthetic-predictor
+    `simple_inference.py`): in_dim -> 1024 -> 128 -> 64 -> 16 -> 1 with dropouts in between, and no
+    activations (so it is affine in eval mode). The module layout matches the released `.pth` state dicts:
+    `layers.{0,2,4,6,7}.{weight,bias}`. Input: [B, in_dim] L2-normalised CLIP image embeddings."""
+
+    def __init__(self, in_dim: int = 768):
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(in_dim, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
+            nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, in_dim] -> [B, 1]
+        return self.layers(x)
+
+
+def load_aesthetic_mlp(path, reward: str = "aesthetic", option: str = "mlp_path") -> AestheticMLP:
+    """Our AestheticMLP with the weights of a LAION-layout `.pth` (or `.safetensors`) file, strictly; the input
+    width is read from the file (768 for ViT-L/14). A {"state_dict": ...} wrapper and a DDP `module.` prefix are
+    accepted; any other key mismatch is a RewardConfigError naming the option and the path."""
+    sd = load_state_dict_file(path, "the aesthetic MLP weights", option, reward)
+    p = Path(path)
+    expected = {f"layers.{i}.{w}" for i in (0, 2, 4, 6, 7) for w in ("weight", "bias")}
+    if set(sd) != expected:
+        raise RewardConfigError(
+            f"reward {reward!r}: {str(p)!r} (reward.options.{reward}.{option}) is not a LAION aesthetic MLP state "
+            f"dict: missing {sorted(expected - set(sd))[:6]}, unexpected {sorted(set(sd) - expected)[:6]} "
+            "(expected layers.0/2/4/6/7.weight/bias)")
+    mlp = AestheticMLP(int(sd["layers.0.weight"].shape[1]))
+    try:
+        mlp.load_state_dict(sd, strict=True)
+    except RuntimeError as e:
+        raise RewardConfigError(f"reward {reward!r}: {str(p)!r} (reward.options.{reward}.{option}) has the LAION "
+                                f"key layout but wrong shapes: {e}") from e
+    return mlp.eval().requires_grad_(False)
+
+
+@register_reward("aesthetic")
+class Aesthetic(RewardModel):
+    """LAION improved aesthetic predictor (the reward of DDPO, flow_grpo, DiffusionNFT): an MLP on the
+    L2-normalised CLIP ViT-L/14 image embedding, scores typically 4-7 (a 1-10 rating scale). Prompts are ignored.
+
+    Options: `clip_dir` (openai/clip-vit-large-patch14 saved locally; the text tower is dropped after loading),
+    `processor_dir` (its image processor; default `clip_dir`), `mlp_path` (e.g. `sac+logos+ava1-l14-linearMSE.pth`,
+    the file ddpo-pytorch and flow_grpo ship in their assets).
+    Returns {"aesthetic": [B]}; the embedding is computed in the CLIP's dtype, the MLP runs in float32."""
+
+    modality = "image"
+    version = "laion-v2-mlp(l2norm clip)"
+
+    def __init__(self, clip_dir=None, mlp_path=None, processor_dir=None, device="cpu", dtype="float32",
+                 batch_size=32):
+        super().__init__(device=device, dtype=dtype, batch_size=batch_size)
+        from transformers import CLIPImageProcessor
+
+        mlp_file = local_file(mlp_path, "the aesthetic MLP weights", "mlp_path", "aesthetic")
+        self.mlp = load_aesthetic_mlp(mlp_file)  # first: a wrong file fails before the CLIP loads
+        cdir = local_dir(clip_dir, "the CLIP model", "clip_dir", "aesthetic")
+        pdir = _check_processor_dir(processor_dir if processor_dir not in (None, "") else cdir, "aesthetic",
+                                    "processor_dir" if processor_dir not in (None, "") else "clip_dir", text=False)
+        dim = int(_clip_config(cdir, "aesthetic", "clip_dir").get("projection_dim", 512))  # CLIPConfig's default
+        in_dim = self.mlp.layers[0].in_features
+        if in_dim != dim:
+            raise RewardConfigError(f"reward 'aesthetic': the MLP {str(mlp_file)!r} (reward.options.aesthetic.mlp_path) "
+                                    f"takes {in_dim}-d embeddings but the CLIP in {str(cdir)!r} (clip_dir) makes "
+                                    f"{dim}-d ones (the LAION MLP goes with CLIP ViT-L/14: 768-d)")
+        self.clip, _ = _load_clip_model(cdir, "aesthetic", "clip_dir", vision_only=True)
+        assert int(self.clip.config.projection_dim) == dim
+        self.image_settings = hf_image_settings(CLIPImageProcessor.from_pretrained(str(pdir), local_files_only=True))
+        self.clip.to(device=self.device, dtype=self.dtype)
+        self.mlp.to(device=self.device)
+        self.weight_files = _hf_files(cdir, tokenizer=False) + (_hf_files(pdir, tokenizer=False) if pdir != cdir else []) \
+            + [mlp_file]
+
+    def score(self, images, prompts, metadata):
+        x = preprocess_clip(images, self.image_settings).to(self.dtype)
+        emb = F.normalize(feature_tensor(self.clip.get_image_features(pixel_values=x)).float(), dim=-1)  # [B, D]
+        return {"aesthetic": self.mlp(emb).squeeze(-1)}
