@@ -118,7 +118,7 @@ def cmd_sample(args) -> int:
     """Samples of the config's model per prompt: the base sampler (none), best-of-N, DTS or DTS* at an NFE budget."""
     import torch
 
-    from difrl.rewards import build_reward
+    from difrl.rewards import build_reward, reward_key
     from difrl.search import SearchConfig, best_of_n, dts
     from difrl.worlds import build_world
 
@@ -132,7 +132,7 @@ def cmd_sample(args) -> int:
     policy = world.policy
     name = args.reward or next(iter(cfg.reward.weights or {world.default_reward: 1.0}))
     reward = build_reward(name, **cfg.reward.options.get(name, {}))
-    key = name.rsplit(":", 1)[-1]
+    key = reward_key(name)
     prompts = args.prompt or world.prompts
     meta = {p: world.metadata(world.prompts.index(p)) if p in world.prompts else {} for p in prompts}
 
@@ -196,6 +196,12 @@ def cmd_rewards(args) -> int:
     return 0
 
 
+def cmd_reward_server(args) -> int:
+    from difrl.rewards.server import main as serve_main
+
+    return serve_main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     from difrl.config import ConfigError
     from difrl.rewards import RewardError
@@ -231,6 +237,20 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_config)
     p = sub.add_parser("rewards", help="list the rewards found by name: built-ins and installed entry points")
     p.set_defaults(fn=cmd_rewards)
+    p = sub.add_parser("reward-server", help="serve rewards over HTTP (msgpack) to trainers: reward.weights={remote: 1}")
+    p.add_argument("--reward", required=True, help="NAME[,NAME...]: rewards to serve (names as in reward.weights)")
+    p.add_argument("--options", help="a YAML file: reward name -> its options (as reward.options)")
+    p.add_argument("--options-json", help="the same as a JSON string (merged over --options)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address; anything but loopback needs a token")
+    p.add_argument("--port", type=int, default=8765, help="0 = any free port (printed at start)")
+    p.add_argument("--token-file", help="bearer token file (else $DIFRL_REWARD_TOKEN; none = no auth, loopback only)")
+    p.add_argument("--max-body-mb", type=float, default=256.0, help="request body limit (413 beyond)")
+    p.add_argument("--max-items", type=int, default=512, help="items per request (413 beyond)")
+    p.add_argument("--max-pixels", type=int, default=4096 * 4096, help="pixels per item, frames together (413 beyond)")
+    p.add_argument("--max-concurrency", type=int, default=64, help="requests in flight (503 + Retry-After beyond)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per request, queueing included (504 beyond)")
+    p.add_argument("--max-wait-ms", type=float, default=5.0, help="how long a batch waits for other requests' items")
+    p.set_defaults(fn=cmd_reward_server)
     args = ap.parse_args(argv)
     try:
         return args.fn(args)

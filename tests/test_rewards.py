@@ -283,6 +283,7 @@ def test_drop_group_keeps_training_finite_in_every_rollout_mode(mode, tmp_path, 
 
     name = registered("test_fail_nan", failing("nan"))
     cfg = load_flow_config(None, [*TINY, *mode, f"reward.weights={{{name}: 1.0}}", "reward.on_error=drop_group",
+                                  "reward.max_failed_frac=0.5",
                                   "advantage.std_scope=global"])
     train(cfg, out_dir=tmp_path / "r")
     for r in rows(tmp_path / "r"):
@@ -293,6 +294,23 @@ def test_drop_group_keeps_training_finite_in_every_rollout_mode(mode, tmp_path, 
     ckpt = tmp_path / "r" / "checkpoints" / (tmp_path / "r" / "checkpoints" / "latest").read_text().strip()
     weights, _ = load_safetensors_checked(ckpt / "trainable.safetensors", "test")
     assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_broken_rewards_stop_even_under_drop_group(tmp_path, registered):
+    """drop_group is for flaky scores: a contract violation (wrong length) stops the run, a reward failing on every
+    sample stops it, and so does a failed fraction above reward.max_failed_frac; each after a checkpoint."""
+    from difrl.train.config import load_flow_config
+    from difrl.train.flow import train
+
+    cases = {"short": ("test_fail_short", [], "breaks its contract"),
+             "raise": ("test_fail_raise", [], "every sample's reward failed"),
+             "nan": ("test_fail_nan", ["reward.max_failed_frac=0.1"], r"1 of 8 samples \(12.5%\) failed so far")}
+    for kind, (name, extra, message) in cases.items():
+        registered(name, failing(kind))
+        cfg = load_flow_config(None, [*TINY, f"reward.weights={{{name}: 1.0}}", "reward.on_error=drop_group", *extra])
+        with pytest.raises(RewardError, match=message):
+            train(cfg, out_dir=tmp_path / kind)
+        assert (tmp_path / kind / "checkpoints" / "iter-000000").is_dir(), kind
 
 
 def test_tiny_flux_trains_with_two_reward_models(tmp_path):

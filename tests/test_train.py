@@ -202,6 +202,7 @@ def test_nan_reward_stops_with_prompt_and_seed(tmp_path, nan_reward):
 
 def test_nan_reward_drop_group(tmp_path, nan_reward):
     summary, d = run(tmp_path / "r", f"reward.weights={{{nan_reward}: 1.0}}", "reward.on_error=drop_group",
+                     "reward.max_failed_frac=0.5",
                      "train.iterations=2")
     rows = metrics(d)
     assert [r["failed_reward_groups"] for r in rows] == [1, 1]

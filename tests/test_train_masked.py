@@ -281,7 +281,8 @@ def cells_nan_for_puzzle_0():
 
 def test_masked_world_scores_through_the_registry_with_drop_group(tmp_path):
     name = f"{__name__}:cells_nan_for_puzzle_0"
-    _, d = run(tmp_path / "r", "train.iterations=2", f"reward.weights={{'{name}': 1.0}}", "reward.on_error=drop_group")
+    _, d = run(tmp_path / "r", "train.iterations=2", f"reward.weights={{'{name}': 1.0}}", "reward.on_error=drop_group",
+               "reward.max_failed_frac=0.5")
     rows = metrics(d)
     for r in rows:  # 2 puzzles x 4 rollouts: the first puzzle's group fails and is dropped, the other one trains
         assert r["failed_reward_groups"] == 1 and r["trained_samples"] <= 4

@@ -6,7 +6,9 @@
 A reward factory takes keyword options (from the config's ``reward.options.<name>``) and returns
 a callable ``(samples, prompts, metadata) -> [B] tensor | dict[str, [B] tensor]``: images
 [B, 3, H, W] in [0, 1], videos [B, F, 3, H, W], token sequences for masked worlds. A dict's main
-score is the entry named like the reward; its other entries are logged as ``<name>/<key>``. The
+score is the entry named like the reward; its other entries are logged as ``<name>/<key>``.
+``name@alias`` builds the reward ``name`` and files its scores under ``alias`` (one reward twice with
+other options, ``remote@hps`` and ``remote@ocr``, each with its ``reward.options.<name@alias>``). The
 callable may declare ``modality``, ``device``, ``dtype``, ``batch_size`` (subclass
 ``difrl.rewards.base.RewardModel``); ``build_reward`` wraps it in a ``Reward`` that scores in
 chunks on that device, under inference mode, and checks the shapes. Factories are found, in
@@ -47,7 +49,15 @@ def _entry_point_rewards() -> dict:
     return {ep.name: ep for ep in entry_points(group="difrl.rewards")}
 
 
+def reward_key(name: str) -> str:
+    """The name a reward's scores are filed under: the alias of ``name@alias``, else the function of
+    ``module:function``, else the name."""
+    base, _, alias = name.partition("@")
+    return alias or base.rsplit(":", 1)[-1]
+
+
 def find_reward_factory(name: str) -> Callable[..., RewardFn]:
+    name = name.partition("@")[0]
     _load_builtins()
     if name in REWARDS:
         return REWARDS[name]
@@ -102,6 +112,11 @@ def build_reward(name: str, **options) -> "Reward":
     return Reward(name, fn)
 
 
+class RewardContractError(ValueError):
+    """A reward broke the protocol (samples of the wrong modality, a missing score key, the wrong number of
+    scores): a bug to fix, so it stops the run under every reward.on_error policy."""
+
+
 class Reward:
     """A built reward: calls the plug-in in chunks of its ``batch_size``, with the samples moved to its
     ``device`` and ``dtype``, in eval mode under ``torch.inference_mode()``, and returns
@@ -110,7 +125,8 @@ class Reward:
 
     def __init__(self, name: str, fn):
         self.name, self.fn = name, fn
-        self.key = name.rsplit(":", 1)[-1]
+        self.key = reward_key(name)  # where the scores are filed
+        self.own_key = name.partition("@")[0].rsplit(":", 1)[-1]  # where the plug-in puts its main score
         self.modality = getattr(fn, "modality", "any")
         if self.modality not in MODALITIES:
             raise RewardConfigError(f"reward {name!r} declares modality {self.modality!r}; expected one of {MODALITIES}")
@@ -129,7 +145,7 @@ class Reward:
                 "device": None if self.device is None else str(self.device),
                 "dtype": None if self.dtype is None else str(self.dtype).replace("torch.", ""),
                 "batch_size": self.batch_size, "version": str(getattr(self.fn, "version", "1")),
-                "weights_sha256": sha256_files(getattr(self.fn, "weight_files", []))}
+                "weights_sha256": getattr(self.fn, "weights_sha256", None) or sha256_files(getattr(self.fn, "weight_files", []))}
 
     def _check(self, samples) -> None:
         if self.modality in ("image", "video"):
@@ -137,7 +153,7 @@ class Reward:
             if not torch.is_tensor(samples) or samples.ndim != want or samples.shape[-3] != 3:
                 shape = tuple(samples.shape) if torch.is_tensor(samples) else type(samples).__name__
                 layout = "[B, 3, H, W]" if want == 4 else "[B, F, 3, H, W]"
-                raise ValueError(f"reward {self.name!r} scores {self.modality}s {layout} in [0, 1]; got {shape}"
+                raise RewardContractError(f"reward {self.name!r} scores {self.modality}s {layout} in [0, 1]; got {shape}"
                                  + (" (a video reward over image frames: use reward 'video' with image_reward=...)"
                                     if self.modality == "image" and torch.is_tensor(samples) and samples.ndim == 5 else ""))
 
@@ -162,15 +178,17 @@ class Reward:
 
     def _as_dict(self, res, n: int) -> dict[str, torch.Tensor]:
         if not isinstance(res, dict):
-            res = {self.key: res}
-        if self.key not in res:
-            raise ValueError(f"reward {self.name!r} must return a [B] tensor or a dict with its score under "
-                             f"{self.key!r}, got keys {sorted(res)}")
+            res = {self.own_key: res}
+        if self.own_key not in res:
+            raise RewardContractError(f"reward {self.name!r} must return a [B] tensor or a dict with its score under "
+                             f"{self.own_key!r}, got keys {sorted(res)}")
         out = {}
         for k, v in res.items():
+            k = self.key if k == self.own_key else k
             t = torch.as_tensor(v).detach().to("cpu", torch.float32).flatten()
             if t.shape[0] != n:
-                raise ValueError(f"reward {self.name!r} returned {t.shape[0]} values under {k!r} for {n} samples")
+                raise RewardContractError(f"reward {self.name!r} returned {t.shape[0]} values under {k!r} for {n} "
+                                          "samples")
             out[k] = t
         return out
 
@@ -178,7 +196,7 @@ class Reward:
 def _load_builtins() -> None:
     # each module registers its rewards; heavy packages (open_clip, transformers, rapidocr) import only when
     # a reward is built
-    from difrl.rewards import digits, simple, sudoku_cells, video, imagereward  # noqa: F401
+    from difrl.rewards import digits, imagereward, remote, simple, sudoku_cells, video  # noqa: F401
     for optional in ("clip", "hps", "ocr", "jpeg", "geneval"):
         importlib.import_module(f"difrl.rewards.{optional}")
 
@@ -186,10 +204,12 @@ def _load_builtins() -> None:
 class RewardError(RuntimeError):
     """A reward raised, or returned NaN/inf or the wrong shape, for some samples; names them."""
 
-    def __init__(self, message: str, bad: torch.Tensor, scores: dict[str, torch.Tensor] | None = None):
+    def __init__(self, message: str, bad: torch.Tensor, scores: dict[str, torch.Tensor] | None = None,
+                 contract: bool = False):
         super().__init__(message)
         self.bad = bad  # [B] bool
         self.scores = scores  # every reward's [B] scores, NaN where bad
+        self.contract = contract  # a RewardContractError among the causes: never dropped, always stops
 
 
 @dataclass
@@ -271,11 +291,12 @@ def check_scores(results: dict, prompt_ids: torch.Tensor, seeds: torch.Tensor) -
     B = len(prompt_ids)
     out: dict[str, torch.Tensor] = {}
     bad = torch.zeros(B, dtype=torch.bool)
-    problems = []
+    problems, contract = [], False
     for name, res in results.items():
-        key = name.rsplit(":", 1)[-1]
+        key = reward_key(name)
         if isinstance(res, _Failed):
             e = res.error
+            contract |= isinstance(e, RewardContractError)
             problems.append(f"reward {name!r} raised {type(e).__name__}: {e} on {_where(prompt_ids, seeds, res.bad)}")
             bad |= res.bad
             out[key] = torch.full((B,), float("nan"))
@@ -291,7 +312,7 @@ def check_scores(results: dict, prompt_ids: torch.Tensor, seeds: torch.Tensor) -
     if problems:
         for k in out:  # a failed sample has no score under any reward
             out[k] = torch.where(bad, float("nan"), out[k])
-        raise RewardError("; ".join(problems), bad, out)
+        raise RewardError("; ".join(problems), bad, out, contract)
     return out
 
 

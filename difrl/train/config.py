@@ -50,6 +50,9 @@ class RewardConfig:
     options: dict[str, dict] = cfg_field(default_factory=dict, help="reward name -> factory keyword options")
     aggregate: str = cfg_field("reward_sum", choices=("reward_sum", "advantage_sum"), help="multi-reward aggregation")
     on_error: str = cfg_field("stop", choices=("stop", "drop_group"), help="a reward that raises or is NaN/inf")
+    max_failed_frac: float = cfg_field(0.1, ge=0.0, le=1.0,
+                                       help="reward.on_error=drop_group: stop when more than this fraction of the run's "
+                                            "samples failed (or every sample of one iteration did)")
     overlap: bool = cfg_field(False, help="score rollout chunks in a background thread while the next chunk samples "
                                           "(rollout.chunks > 1; the scores equal serial scoring)")
 

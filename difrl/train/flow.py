@@ -37,7 +37,8 @@ from difrl.train.config import FlowConfig
 from difrl.train.objectives import grpo_micro_loss, nft_micro_loss, nft_sigmas, proximal_correction
 from difrl.train.scaffold import (TIMING_KEYS, Metrics, RatioCheckError, Run, build_rewards, clip_and_step,  # noqa: F401
                                   cores_available, fmt_eval, make_optimizer, progress, pooled_std, reference_policy,
-                                  reward_stats, save_policy, score_rewards, valid_group_advantages, wrap_policy)
+                                  reward_stats, save_policy, score_rewards, track_reward_failures,
+                                  valid_group_advantages, wrap_policy)
 from difrl.train.state import EMA, trainable_params
 from difrl.tree_rollout import tree_rollout
 from difrl.utils.rng import mix_seed
@@ -155,6 +156,8 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
         # ==================================================================== advantage
         all_scores = {name: accelerator.gather(v) for name, v in scores.items()}
         all_groups, all_bad = accelerator.gather(group_ids), accelerator.gather(bad.long()).bool()
+        failed_frac = track_reward_failures(run.state, int(all_bad.sum()), len(all_bad), cfg.reward.max_failed_frac,
+                                            f"iteration {it}", lambda: run.checkpoint(it), run_dir)
         adv, failed = valid_group_advantages(all_scores, weights, all_groups, all_bad, cfg.advantage, cfg.reward.aggregate)
         bad_groups = all_groups[failed].unique()
         keep_all = ~failed
@@ -220,7 +223,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
             **adv.stats(),
             "zero_spread_groups": int(all_groups[adv.zero_spread].unique().numel()),
             "dropped_groups": int(all_groups[~keep_all].unique().numel()),
-            "failed_reward_groups": int(bad_groups.numel()),
+            "failed_reward_groups": int(bad_groups.numel()), "failed_reward_frac": failed_frac,
             "trained_samples": int(keep_all.sum()),
             "nfe_train": int(accelerator.gather(torch.tensor([len(batch)])).sum()) * T * cfg.train.inner_epochs * nfe,
             "loss": upd.get("policy_loss", 0.0) + (cfg.nft.ref_beta if nft else cfg.train.kl_beta) * upd.get("kl", 0.0),

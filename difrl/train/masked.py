@@ -45,7 +45,7 @@ from difrl.train.masked_config import MaskedConfig
 from difrl.train.scaffold import (TIMING_KEYS, Metrics, RatioCheckError, Run, build_rewards, check_ratio,  # noqa: F401
                                   clip_and_step, cores_available, fmt_eval, make_optimizer, progress, reference_policy,
                                   finite_mean_std, reward_stats, save_policy, score_rewards,
-                                  valid_group_advantages, wrap_policy)
+                                  track_reward_failures, valid_group_advantages, wrap_policy)
 from difrl.train.state import trainable_params
 from difrl.utils.rng import mix_seed
 from difrl.worlds.masked import build_masked_world
@@ -142,6 +142,8 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
 
         # ==================================================================== advantage
         baseline = ~is_ext if (K and ext.normalize == "source") else None
+        failed_frac = track_reward_failures(run.state, int(bad.sum()), len(bad), cfg.reward.max_failed_frac,
+                                            f"iteration {it}", lambda: run.checkpoint(it), run_dir)
         adv, failed = valid_group_advantages(scores, weights, group_ids, bad, cfg.advantage, cfg.reward.aggregate, baseline)
         advantages, reward = adv.advantages, adv.reward
         bad_groups = group_ids[failed].unique()
@@ -198,7 +200,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
                            cfg.advantage),
             "adv_mean": float(advantages.mean()), "adv_abs_max": float(advantages.abs().max()),
             "zero_spread_groups": int(group_ids[adv.zero_spread].unique().numel()),
-            "failed_reward_groups": int(bad_groups.numel()),
+            "failed_reward_groups": int(bad_groups.numel()), "failed_reward_frac": failed_frac,
             "trained_samples": int(keep.sum()),
             "nfe_rollout": out.nfe,
             **upd,

@@ -25,7 +25,7 @@ import torch
 from difrl.config import save_config
 from difrl.models.base import use_module
 from difrl.algos import Advantages, group_advantages, group_normalize
-from difrl.rewards import RewardError, build_reward
+from difrl.rewards import RewardError, build_reward, reward_key
 from difrl.train.state import load_latest_checkpoint, restore_checkpoint, save_checkpoint
 from difrl.utils.io import atomic_write_json, save_safetensors
 from difrl.utils.rng import mix_seed
@@ -120,7 +120,13 @@ def build_rewards(reward_cfg, default: str | None) -> tuple[dict, dict[str, floa
                               "e.g. reward.weights={brightness: 1.0} or a module:function", "reward.weights")
         weights = {default: 1.0}
     rewards = {name: build_reward(name, **reward_cfg.options.get(name, {})) for name in weights}
-    return rewards, {name.rsplit(":", 1)[-1]: w for name, w in weights.items()}
+    keys = [reward_key(name) for name in weights]
+    if len(set(keys)) < len(keys):
+        from difrl.config import ConfigError
+
+        raise ConfigError(f"config key 'reward.weights': two rewards file their scores under the same name ({keys}); "
+                          "give one an alias, name@alias", "reward.weights")
+    return rewards, dict(zip(keys, weights.values()))
 
 
 def score_rewards(score, num_samples: int, on_error: str, stop, where: str, run_dir: Path,
@@ -133,12 +139,35 @@ def score_rewards(score, num_samples: int, on_error: str, stop, where: str, run_
     try:
         return score(), torch.zeros(num_samples, dtype=torch.bool)
     except RewardError as e:
+        if e.contract:  # a broken plug-in, not a flaky score: dropping groups would hide it for the whole run
+            stop()
+            raise RewardError(f"{where}: {e}. A reward that breaks its contract stops the run under every "
+                              f"reward.on_error (a checkpoint was saved; fix the reward, then resume={run_dir}).",
+                              e.bad, e.scores, True) from e
         if on_error == "stop":
             stop()
             raise RewardError(f"{where}: {e}. The run stopped (reward.on_error=stop) after saving a checkpoint; resume "
                               f"with resume={run_dir}, or set reward.on_error=drop_group.", e.bad, e.scores) from e
         log(f"{where}: {e}; dropping their groups (reward.on_error=drop_group)")
         return e.scores, e.bad
+
+
+def track_reward_failures(state: dict, failed: int, total: int, max_frac: float, where: str, stop,
+                          run_dir: Path) -> float:
+    """Count failed samples over the run (state survives resume) and stop the run when an iteration had no
+    valid reward at all or the run's failed fraction exceeds `max_frac` (reward.max_failed_frac): dropping
+    groups is for a flaky reward, not a broken one. Returns the run's failed fraction so far."""
+    state["reward_failed"] += int(failed)
+    state["reward_scored"] += int(total)
+    frac = state["reward_failed"] / max(1, state["reward_scored"])
+    if failed and (failed == total or frac > max_frac):
+        stop()
+        why = ("every sample's reward failed" if failed == total else
+               f"{state['reward_failed']} of {state['reward_scored']} samples ({frac:.1%}) failed so far, above "
+               f"reward.max_failed_frac={max_frac}")
+        raise RewardError(f"{where}: {why}; the run stopped after saving a checkpoint (resume={run_dir} once the "
+                          "reward is fixed)", torch.ones(total, dtype=torch.bool))
+    return frac
 
 
 def valid_group_advantages(scores: dict[str, torch.Tensor], weights: dict[str, float], group_ids: torch.Tensor,
@@ -269,7 +298,7 @@ class Run:
              state: dict | None = None) -> "Run":
         """Resume (cfg.resume: weights, optimizer, EMA, extras, RNG, counters and `state`'s keys from the latest
         checkpoint), write config.yaml, cut metrics.jsonl back to the checkpoint's iteration."""
-        state = {"eval_before": None, "last_eval": None, **(state or {})}
+        state = {"eval_before": None, "last_eval": None, "reward_failed": 0, "reward_scored": 0, **(state or {})}
         start, say = 0, print if accelerator is None else accelerator.print
         ckpt = load_latest_checkpoint(run_dir) if cfg.resume else None
         if cfg.resume and ckpt is None:

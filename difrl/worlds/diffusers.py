@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from difrl.rewards import build_reward, score_all
+from difrl.rewards import build_reward, reward_key, score_all
 from difrl.rollout import rollout
 from difrl.samplers.schedules import sigma_schedule
 from difrl.utils.rng import mix_seed
@@ -108,7 +108,7 @@ def diffusers_world(kind: str, model_path: str | None, cfg=None) -> World:
             return policy.sigma_schedule(num_steps)
         return sigma_schedule(num_steps, shift)
 
-    weights = {name.rsplit(":", 1)[-1]: w for name, w in cfg.reward.weights.items()}
+    weights = {reward_key(name): w for name, w in cfg.reward.weights.items()}
     rewards: dict = {}  # built on first evaluation
 
     @torch.no_grad()
