@@ -92,8 +92,29 @@ def cmd_eval(args) -> int:
         if run:  # the run's trained policy, not the base it started from
             cfg.model.path = str(run / "policy.safetensors")
         world = build_masked_world(cfg)
-        print(json.dumps(world.evaluate(world.policy), indent=2))
+        metrics = world.evaluate(world.policy)
+        if args.pass_k:  # pass@k over --samples draws per problem with the training sampler (difrl.eval.passk)
+            from difrl.eval.passk import masked_pass_at_k, sudoku_eval_prompts
+
+            if cfg.model.kind != "sudoku":
+                raise ValueError(f"--pass-k needs a verifier: only model.kind=sudoku has one, not {cfg.model.kind!r}")
+            try:
+                ks = [int(k) for k in args.pass_k.split(",") if k.strip()]
+            except ValueError:
+                raise ValueError(f"--pass-k takes comma-separated integers such as 1,8, got {args.pass_k!r}") from None
+            temperature = cfg.sampler.temperature if args.temperature is None else args.temperature
+            res = masked_pass_at_k(world, world.policy, cfg.sampler.kind, cfg.sampler.sampler_kwargs(),
+                                   8 if args.samples is None else args.samples, ks,
+                                   temperature, cfg.eval.seed, args.problems, None,
+                                   prompts=sudoku_eval_prompts(cfg.eval.num_blanks, cfg.eval.count, cfg.eval.seed),
+                                   per_problem=False)
+            metrics["pass_at_k"] = res
+        elif args.samples is not None or args.temperature is not None or args.problems is not None:
+            raise ValueError("--samples, --temperature and --problems go with --pass-k")
+        print(json.dumps(metrics, indent=2))
         return 0
+    if args.pass_k:
+        raise ValueError("--pass-k is for masked worlds (model.kind=sudoku)")
     from difrl.worlds import build_world
 
     digits = cfg.model.kind == "digits"
@@ -215,6 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("eval", help="evaluate a config's model or a run's trained policy")
     p.add_argument("--grid", help="also write a PNG grid of the samples here")
+    p.add_argument("--pass-k", help="masked worlds (sudoku): also report unbiased pass@k for these k, e.g. 1,8")
+    p.add_argument("--samples", type=int, help="--pass-k: samples per problem, n (default 8)")
+    p.add_argument("--temperature", type=float, help="--pass-k: sampling temperature (default: the config's "
+                                                     "sampler.temperature; 0 with llada/eb = greedy, one sample)")
+    p.add_argument("--problems", type=int, help="--pass-k: the first N evaluation problems (default: all eval.count)")
     p.add_argument("rest", nargs="*", help="CONFIG|RUN_DIR [key=value ...]")
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("sample", help="sample a config's model per prompt: base, best-of-N, DTS or DTS* search")

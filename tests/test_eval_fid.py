@@ -1,0 +1,362 @@
+"""difrl.eval.fid: Fréchet distance against closed forms, scipy and torchmetrics; KID against torchmetrics and the
+direct formula; cached reference statistics; the Inception / CLIP / DINOv2 / module extractors, all offline."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from difrl.eval import fid as F
+from difrl.eval.metrics import _sqrt_psd, frechet_distance
+
+
+def _spd(d: int, seed: int, cond: float = 50.0) -> torch.Tensor:
+    """A random symmetric positive definite [d, d] float64 matrix with eigenvalues in [1/cond, 1]."""
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+    w = torch.logspace(0, -math.log10(cond), d, dtype=torch.float64)
+    return (q * w) @ q.T
+
+
+# --- Fréchet distance -------------------------------------------------------------------------------------------
+
+def test_fd_closed_form_commuting_covariances():
+    # S_a = R diag(a) R^T, S_b = R diag(b) R^T commute, so FD = |mu_a - mu_b|^2 + sum (sqrt(a) - sqrt(b))^2 exactly
+    d = 16
+    g = torch.Generator().manual_seed(0)
+    r, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+    a = torch.rand(d, generator=g, dtype=torch.float64) * 3 + 0.1
+    b = torch.rand(d, generator=g, dtype=torch.float64) * 3 + 0.1
+    mu_a, mu_b = torch.randn(d, generator=g, dtype=torch.float64), torch.randn(d, generator=g, dtype=torch.float64)
+    got = F.frechet_distance_from_stats((mu_a, (r * a) @ r.T), (mu_b, (r * b) @ r.T))
+    want = float(((mu_a - mu_b) ** 2).sum() + ((a.sqrt() - b.sqrt()) ** 2).sum())
+    assert got == pytest.approx(want, rel=1e-10)
+    # identical distributions: 0 (up to round-off); a scaled copy: (1 - c)^2 tr S
+    s = _spd(d, 1)
+    assert abs(F.frechet_distance_from_stats((mu_a, s), (mu_a, s))) < 1e-10
+    assert F.frechet_distance_from_stats((mu_a, s), (mu_a, 4 * s)) == pytest.approx(float(torch.trace(s)), rel=1e-10)
+
+
+def test_sqrtm_and_fd_match_scipy():
+    import scipy.linalg
+
+    m = _spd(32, 2)
+    assert np.abs(_sqrt_psd(m).numpy() - scipy.linalg.sqrtm(m.numpy()).real).max() < 1e-10
+    # general (non-commuting) covariances: the pytorch-fid / EDM2 form with scipy.linalg.sqrtm(S_a S_b)
+    sa, sb = _spd(32, 3), _spd(32, 4, cond=1e3)
+    mu_a, mu_b = torch.zeros(32, dtype=torch.float64), torch.full((32,), 0.1, dtype=torch.float64)
+    covmean = scipy.linalg.sqrtm(sa.numpy() @ sb.numpy())
+    want = float(((mu_a - mu_b) ** 2).sum()) + float(np.trace(sa.numpy() + sb.numpy() - 2 * covmean.real))
+    assert F.frechet_distance_from_stats((mu_a, sa), (mu_b, sb)) == pytest.approx(want, rel=1e-9)
+
+
+def test_fd_of_samples_approaches_the_gaussians_fd():
+    g = torch.Generator().manual_seed(5)
+    d, n = 3, 40000
+    sa, sb = _spd(d, 6), 2.0 * _spd(d, 7)
+    mu_b = torch.tensor([0.5, -0.5, 0.25], dtype=torch.float64)
+    xa = torch.randn(n, d, generator=g, dtype=torch.float64) @ torch.linalg.cholesky(sa).T
+    xb = torch.randn(n, d, generator=g, dtype=torch.float64) @ torch.linalg.cholesky(sb).T + mu_b
+    want = F.frechet_distance_from_stats((torch.zeros(d, dtype=torch.float64), sa), (mu_b, sb))
+    got = F.fid_report(xa, xb, kid_subsets=1, kid_subset_size=10)["fd"]
+    assert got == pytest.approx(want, rel=0.03)  # sampling error of 40k draws (~1%)
+
+
+def test_stats_reproduce_metrics_frechet_distance_bit_for_bit():
+    g = torch.Generator().manual_seed(8)
+    a, b = torch.randn(300, 12, generator=g), torch.randn(200, 12, generator=g) * 1.3 + 0.2
+    assert F.frechet_distance_from_stats(F.stats_of(a), F.stats_of(b)) == frechet_distance(a, b)
+    # the streaming accumulator (uneven batches) agrees with the two-pass statistics to round-off
+    acc = F.StatsAccumulator()
+    for chunk in torch.split(a, [1, 7, 100, 192]):
+        acc.add(chunk)
+    s, ref = acc.stats(), F.stats_of(a)
+    assert s.n == 300
+    np.testing.assert_allclose(s.mu, ref.mu, rtol=0, atol=1e-14)
+    np.testing.assert_allclose(s.sigma, ref.sigma, rtol=0, atol=1e-13)
+
+
+# --- KID --------------------------------------------------------------------------------------------------------
+
+def _mmd2_loops(x: np.ndarray, y: np.ndarray, degree=3, coef=1.0) -> float:
+    """The unbiased MMD^2 written out as sums over index pairs (Gretton et al. 2012, eq. 3)."""
+    gamma = 1.0 / x.shape[1]
+    k = lambda u, v: (gamma * float(u @ v) + coef) ** degree
+    m, n = len(x), len(y)
+    sxx = sum(k(x[i], x[j]) for i in range(m) for j in range(m) if i != j) / (m * (m - 1))
+    syy = sum(k(y[i], y[j]) for i in range(n) for j in range(n) if i != j) / (n * (n - 1))
+    sxy = sum(k(x[i], y[j]) for i in range(m) for j in range(n)) / (m * n)
+    return sxx + syy - 2 * sxy
+
+
+def test_kid_full_subset_equals_the_direct_formula():
+    g = torch.Generator().manual_seed(9)
+    x, y = torch.randn(25, 6, generator=g, dtype=torch.float64), torch.randn(30, 6, generator=g, dtype=torch.float64)
+    y[:, 0] += 0.7
+    assert F.mmd2_unbiased(x, y) == pytest.approx(_mmd2_loops(x.numpy(), y.numpy()), rel=1e-12)
+    # one subset holding all rows (equal sizes): the permutation cannot matter
+    mean, std = F.kid(x, y[:25], subsets=1, subset_size=25)
+    assert mean == pytest.approx(_mmd2_loops(x.numpy(), y[:25].numpy()), rel=1e-12) and std == 0.0
+    with pytest.raises(ValueError, match="subset_size"):
+        F.kid(x, y, subset_size=26)
+
+
+# --- the digits world against torchmetrics ----------------------------------------------------------------------
+
+class _DoubleFeatures(torch.nn.Module):
+    """The digits classifier's 64-d penultimate features in float64 (so torchmetrics' KID runs in float64 too)."""
+
+    num_features = 64
+
+    def __init__(self, clf):
+        super().__init__()
+        self.clf = clf
+
+    def forward(self, x):
+        return self.clf.features(x).double()
+
+
+@pytest.fixture(scope="module")
+def digits():
+    from difrl.rewards.digits import load_classifier
+    from difrl.worlds.digits import load_split
+
+    split = load_split()
+    real = split["x_test"]  # [360, 1, 8, 8] in [0, 1]
+    g = torch.Generator().manual_seed(11)
+    # "generated-like": training digits, blurred a little and noised (a distribution close to, not equal to, real)
+    x = split["x_train"][:500]
+    blur = torch.nn.functional.avg_pool2d(torch.nn.functional.pad(x, (1, 1, 1, 1), mode="replicate"), 3, stride=1)
+    gen = (0.6 * x + 0.4 * blur + 0.05 * torch.randn(x.shape, generator=g)).clamp(0, 1)
+    return load_classifier(), real, gen
+
+
+@pytest.mark.filterwarnings("ignore:Metric `Kernel Inception Distance` will save")
+def test_digits_fd_and_kid_match_torchmetrics(digits, tmp_path):
+    from torchmetrics.image.fid import FrechetInceptionDistance
+    from torchmetrics.image.kid import KernelInceptionDistance
+
+    from difrl.worlds.digits import FEATURE_EXTRACTOR
+
+    clf, real, gen = digits
+    ext = F.ModuleExtractor(clf, FEATURE_EXTRACTOR, method="features", num_features=64)
+    ref = F.reference_stats(ext, real, tmp_path, "digits-test", 8, batch_size=100)
+    gen_feats = F.extract_features(ext, gen, batch_size=128)
+    rep = F.fid_report(gen_feats, ref, ext, kid_subsets=1, kid_subset_size=10)
+    # the digits world's own number (difrl.worlds.digits.image_metrics: frechet_distance on clf.features)
+    world_fd = frechet_distance(clf.features(gen), clf.features(real))
+    # streamed reference statistics vs two-pass ones differ by ~1e-13 in sigma; dead ReLU units make the covariance
+    # singular, and the square root of its ~0 eigenvalues turns that into ~1e-8 relative in FD
+    assert rep["fd"] == pytest.approx(world_fd, rel=1e-6)
+
+    # torchmetrics with the same module as `feature=` (it reads num_features; custom modules get the images as-is)
+    tm = FrechetInceptionDistance(feature=ext, normalize=True)
+    tm.update(real, real=True)
+    tm.update(gen, real=False)
+    tm_fd = float(tm.compute())
+    assert abs(rep["fd"] - tm_fd) / tm_fd < 1e-3, (rep["fd"], tm_fd)
+
+    # KID: the same subsets (torchmetrics draws from the global generator, real first) and the same estimator
+    tk = KernelInceptionDistance(feature=_DoubleFeatures(clf), subsets=20, subset_size=100)
+    tk.update(real, real=True)
+    tk.update(gen, real=False)
+    torch.manual_seed(123)
+    tk_mean, tk_std = (float(v) for v in tk.compute())
+    mean, std = F.kid(clf.features(real), clf.features(gen), subsets=20, subset_size=100, seed=123)
+    assert mean == pytest.approx(tk_mean, rel=1e-9) and std == pytest.approx(tk_std, rel=1e-9)
+    assert mean > 0
+
+
+def test_fid_report_fields_and_feature_space_check(digits, tmp_path):
+    clf, real, gen = digits
+    ext = F.ModuleExtractor(clf, "digits-penultimate", method="features")
+    ref = F.reference_stats(ext, real, tmp_path, "digits-test", 8, keep_features=True)
+    rep = F.fid_report(F.extract_features(ext, gen), ref, ext, kid_subsets=5, kid_subset_size=100)
+    assert set(rep) == {"metric", "fd", "kid_mean", "kid_std", "kid_subsets", "kid_subset_size", "extractor",
+                        "weights_sha256", "resize_mode", "dim", "n_gen", "n_ref", "ref_stats_sha256"}
+    assert (rep["n_gen"], rep["n_ref"], rep["dim"], rep["kid_subset_size"]) == (500, 360, 64, 100)
+    assert rep["weights_sha256"] == F.state_dict_sha256(clf) and rep["ref_stats_sha256"] == ref.sha256
+    # statistics only (no raw generated features): no KID
+    assert "kid_mean" not in F.fid_report(F.stats_of(F.extract_features(ext, gen)), ref, ext)
+    other = F.ModuleExtractor(torch.nn.Linear(64, 64), "digits-penultimate")  # same name, other weights
+    with pytest.raises(ValueError, match="two feature spaces"):
+        F.fid_report(F.extract_features(ext, gen), ref, other)
+
+
+# --- statistics files and the cache -----------------------------------------------------------------------------
+
+def test_feature_stats_round_trip_and_hash(tmp_path):
+    feats = torch.randn(50, 5, generator=torch.Generator().manual_seed(12))
+    st = F.stats_of(feats, provenance={"dataset": "x", "note": "ü"}, keep_features=True)
+    h = st.sha256
+    p = st.save(tmp_path / "a.npz")
+    back = F.FeatureStats.load(p)
+    assert back.mu.dtype == np.float64 and back.sigma.dtype == np.float64 and back.sigma.shape == (5, 5)
+    np.testing.assert_array_equal(back.mu, st.mu)
+    np.testing.assert_array_equal(back.sigma, st.sigma)
+    np.testing.assert_array_equal(back.features, feats.numpy())
+    assert back.n == 50 and back.provenance == {"dataset": "x", "note": "ü"} and back.sha256 == h
+    with np.load(p, allow_pickle=False) as z:  # a plain npz: no pickles
+        assert z["mu"].dtype == np.float64
+    # the hash is of the numbers: the same features give the same hash, other provenance too; a change of n does not
+    assert F.stats_of(feats, provenance={"other": 1}, keep_features=True).sha256 == h
+    assert F.stats_of(feats).sha256 != h  # features not kept
+    assert F.stats_of(feats[:49]).sha256 != F.stats_of(feats).sha256
+    with pytest.raises(F.EvalConfigError, match="not found"):
+        F.FeatureStats.load(tmp_path / "missing.npz")
+
+
+def test_reference_stats_cache_hit_miss_and_provenance(tmp_path):
+    g = torch.Generator().manual_seed(13)
+    images = torch.rand(40, 3, 4, 4, generator=g)
+    ext = F.ModuleExtractor(torch.nn.Flatten(), "flatten-48", resize_mode="none")
+    calls = []
+
+    def load_images():
+        calls.append(1)
+        return [(images[:25], None), (images[25:], None)]  # (images, labels) batches
+
+    st = F.reference_stats(ext, load_images, tmp_path, "toy set", 4, batch_size=16)
+    assert (st.cache_hit, len(calls), st.n) == (False, 1, 40)
+    path = F.reference_stats_path(tmp_path, ext, "toy set", 4)
+    assert st.cache_file == str(path) and path.name.startswith("toy-set-4px-fd-")
+    prov = F.FeatureStats.load(path).provenance
+    for k, v in {"dataset": "toy set", "resolution": "4", "extractor": "flatten-48", "n": 40, "dim": 48,
+                 "weights_sha256": ext.weights_sha256, "resize_mode": "none", "format": F.STATS_FORMAT}.items():
+        assert prov[k] == v
+    assert {"created_utc", "torch_version", "difrl_version"} <= set(prov)
+    np.testing.assert_allclose(st.sigma, F.stats_of(images.flatten(1)).sigma, atol=1e-14)
+
+    hit = F.reference_stats(ext, load_images, tmp_path, "toy set", 4)
+    assert (hit.cache_hit, len(calls), hit.sha256) == (True, 1, st.sha256)
+    # another resolution, dataset or extractor (weights) is another file
+    F.reference_stats(ext, load_images, tmp_path, "toy set", (4, 8))
+    other = F.ModuleExtractor(torch.nn.Flatten(), "flatten-48", weights_sha256="0" * 64)
+    assert F.reference_stats_path(tmp_path, other, "toy set", 4) != path
+    assert len(calls) == 2
+    # asking for the features re-extracts once and caches them
+    kept = F.reference_stats(ext, images, tmp_path, "toy set", 4, keep_features=True)
+    assert kept.features is not None and not kept.cache_hit
+    assert F.reference_stats(ext, images, tmp_path, "toy set", 4, keep_features=True).cache_hit
+    # a file whose provenance disagrees with its key is refused
+    bad = F.FeatureStats.load(path)
+    bad.provenance["dataset"] = "something else"
+    bad.save(path)
+    with pytest.raises(ValueError, match="were made for"):
+        F.reference_stats(ext, images, tmp_path, "toy set", 4)
+    assert not F.reference_stats(ext, images, tmp_path, "toy set", 4, recompute=True).cache_hit
+
+
+# --- extractors -------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def inception_weights(tmp_path_factory):
+    return F.save_random_inception_weights(tmp_path_factory.mktemp("inception") / "weights-random-inception.pth")
+
+
+def test_inception_extractor_offline(inception_weights, monkeypatch):
+    import torch_fidelity.feature_extractor_inceptionv3 as tfi
+    from torchmetrics.image.fid import NoTrainInceptionV3
+
+    def no_download(*a, **k):
+        raise AssertionError("tried to download")
+
+    monkeypatch.setattr(tfi, "load_state_dict_from_url", no_download)
+    monkeypatch.setattr(torch.hub, "load_state_dict_from_url", no_download)
+    ext = F.InceptionExtractor(inception_weights)
+    assert ext.num_features == 2048 and ext.metric == "fid" and "tf1-bilinear" in ext.name
+    assert ext.weights_sha256 == F.sha256_file(inception_weights)
+    images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(14))
+    with torch.no_grad():
+        feats = ext(images)
+        assert feats.shape == (2, 2048) and feats.dtype == torch.float32 and torch.isfinite(feats).all()
+        assert feats.std() > 1e-3  # He-initialised random weights: activations keep their scale
+        # the same network as torchmetrics' FID extractor with antialias=False, on the rounded uint8 pixels
+        tm = NoTrainInceptionV3("inception-v3-compat", ["2048"], str(inception_weights), antialias=False)
+        torch.testing.assert_close(feats, tm(F.to_uint8(images)), rtol=1e-5, atol=1e-6)
+        # torchmetrics' default resize (torch bilinear with antialias) is another feature space, named apart
+        aa = F.InceptionExtractor(inception_weights, antialias=True)
+        assert aa.name != ext.name and "antialias" in aa.resize_mode and aa.weights_sha256 == ext.weights_sha256
+        assert not torch.allclose(aa(images[:1]), feats[:1], atol=1e-4)
+
+
+def test_inception_extractor_errors(tmp_path):
+    with pytest.raises(F.EvalConfigError, match="not found at .*nowhere.pth"):
+        F.InceptionExtractor(tmp_path / "nowhere.pth")
+    with pytest.raises(F.EvalConfigError, match="needs the Inception weights"):
+        F.InceptionExtractor(None)
+    bad = tmp_path / "bad.pth"
+    torch.save({"w": torch.zeros(1)}, bad)
+    with pytest.raises(F.EvalConfigError, match="not torch-fidelity's Inception"):
+        F.InceptionExtractor(bad)
+
+
+@pytest.fixture(scope="module")
+def tiny_clip(tmp_path_factory):
+    from difrl.rewards.tiny import tiny_reward_options
+
+    return tiny_reward_options(tmp_path_factory.mktemp("tiny_rewards"))["clip_score"]
+
+
+def test_clip_extractor_matches_the_clip_reward(tiny_clip):
+    from difrl.rewards.clip import ClipScore
+
+    ext = F.ClipExtractor(tiny_clip["model_dir"], processor_dir=tiny_clip["processor_dir"])
+    g = torch.Generator().manual_seed(15)
+    images = torch.randint(0, 256, (3, 3, 40, 48), generator=g).float() / 255  # on the uint8 grid
+    with torch.no_grad():
+        feats = ext(images)
+        assert feats.shape == (3, 16) and ext.num_features == 16 and ext.metric == "fd_clip"
+        # the same embedding as the CLIP reward (which L2-normalises it)
+        ref = ClipScore(model_dir=tiny_clip["model_dir"], processor_dir=tiny_clip["processor_dir"]).encode_image(images)
+        torch.testing.assert_close(torch.nn.functional.normalize(feats, dim=-1), ref, rtol=1e-5, atol=1e-6)
+        # without a processor: CLIP's recipe at the model's image size (the tiny processor's settings too)
+        bare = F.ClipExtractor(tiny_clip["model_dir"])
+        torch.testing.assert_close(bare(images), feats)
+    assert bare.weights_sha256 != ext.weights_sha256  # the processor config is part of the identity
+    with pytest.raises(F.EvalConfigError, match="directory not found at .*no-clip"):
+        F.ClipExtractor("/definitely/no-clip")
+
+
+@pytest.fixture(scope="module")
+def tiny_dinov2(tmp_path_factory):
+    from transformers import Dinov2Config, Dinov2Model
+
+    cfg = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2, image_size=56,
+                       patch_size=14)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(16)
+        model = Dinov2Model(cfg)
+        with torch.no_grad():
+            model.embeddings.position_embeddings.normal_(0, 1.0)  # make interpolation visible
+    d = tmp_path_factory.mktemp("tiny_dinov2") / "dinov2-tiny"
+    model.save_pretrained(str(d))
+    return d
+
+
+def test_dinov2_extractor(tiny_dinov2, tiny_clip):
+    from transformers import Dinov2Model
+
+    images = torch.rand(2, 3, 40, 40, generator=torch.Generator().manual_seed(17))
+    model = Dinov2Model.from_pretrained(str(tiny_dinov2), local_files_only=True).eval()
+    mean, std = torch.tensor(F.IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(F.IMAGENET_STD).view(1, 3, 1, 1)
+    with torch.no_grad():
+        # at the model's native grid (56 / 14 = 4) no position interpolation: the plain model on EDM2's preprocessing
+        ext = F.DinoV2Extractor(tiny_dinov2, image_size=56)
+        x = torch.nn.functional.interpolate(F.to_uint8(images).float(), size=(56, 56), mode="bicubic", antialias=True)
+        want = model(pixel_values=(x / 255 - mean) / std).pooler_output
+        feats = ext(images)
+        assert feats.shape == (2, 32) and ext.metric == "fd_dinov2" and ext.num_features == 32
+        torch.testing.assert_close(feats, want)
+        # at 112 (an 8 x 8 grid) the hub-style position interpolation differs a little from transformers' own
+        hub = F.DinoV2Extractor(tiny_dinov2, image_size=112)(images)
+        hf = F.DinoV2Extractor(tiny_dinov2, image_size=112, pos_interp="transformers")(images)
+        rel = float((hub - hf).norm() / hf.norm())
+        assert 0 < rel < 0.01, rel  # 1.4e-4 here
+        tf1 = F.DinoV2Extractor(tiny_dinov2, image_size=56, resize="tf1-bilinear")
+        assert tf1(images).shape == (2, 32) and tf1.name != ext.name
+    with pytest.raises(F.EvalConfigError, match="not 'dinov2'"):
+        F.DinoV2Extractor(tiny_clip["model_dir"])
+    with pytest.raises(F.EvalConfigError, match="directory not found"):
+        F.DinoV2Extractor("/definitely/no-dinov2")
