@@ -78,13 +78,34 @@ def cmd_train(args) -> int:
     return 0
 
 
+# `difrl eval --preset`: the reward that scores each published protocol's prompt set (its weights via --preset-options)
+EVAL_PRESETS = {"ocr": "ocr", "geneval": "geneval", "pickscore": "pickscore", "hpsv2": "hpsv2", "clip_score": "clip_score",
+                "aesthetic": "aesthetic"}
+
+
 def cmd_eval(args) -> int:
     import torch
 
     from difrl.train.scaffold import cores_available
 
     run, path = _run_dir_config(_split(args.rest)[0])
-    cfg = _load(path, _split(args.rest)[1])
+    overrides = list(_split(args.rest)[1])
+    if args.reference:  # sugar for the config keys, so a finished run can be measured against another reference
+        overrides.append(f"eval.fid.reference={args.reference}")
+    if args.preset:  # a published protocol's prompt set (a local file) scored by its reward, as the held-out panel
+        if not args.prompts:
+            raise ValueError(f"--preset {args.preset} needs --prompts: the protocol's prompt file (e.g. Flow-GRPO's "
+                             "ocr/test.txt, GenEval's evaluation_metadata.jsonl), a local file")
+        try:
+            options = json.loads(args.preset_options or "{}")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--preset-options is not JSON: {e}") from e
+        overrides.append("eval.rewards=" + json.dumps({EVAL_PRESETS[args.preset]: options}))
+    cfg = _load(path, overrides)
+    if args.prompts:
+        if cfg.trainer == "masked" or cfg.model.kind == "digits":
+            raise ValueError("--prompts is for diffusers models (the bundled worlds have their own evaluation sets)")
+        cfg.model.eval_prompt_file = args.prompts
     torch.set_num_threads(cfg.threads or cores_available())
     if cfg.trainer == "masked":  # Sudoku, digit tokens: the masked world's eval
         from difrl.worlds.masked import build_masked_world
@@ -111,7 +132,7 @@ def cmd_eval(args) -> int:
             metrics["pass_at_k"] = res
         elif args.samples is not None or args.temperature is not None or args.problems is not None:
             raise ValueError("--samples, --temperature and --problems go with --pass-k")
-        print(json.dumps(metrics, indent=2))
+        _write_eval(run, args.out, metrics)
         return 0
     if args.pass_k:
         raise ValueError("--pass-k is for masked worlds (model.kind=sudoku)")
@@ -121,18 +142,38 @@ def cmd_eval(args) -> int:
     # a run's trained policy: digits writes a merged checkpoint, a diffusers model a LoRA directory on its base
     model_path = str(run / "policy.safetensors") if run and digits else cfg.model.path
     world = build_world(cfg.model.kind, model_path, cfg)
-    if run and not digits:
-        if not (run / "lora").is_dir():
-            raise FileNotFoundError(f"{run} has no lora/ directory (a full fine-tune's transformer/ is not loaded by "
+    lora = Path(args.checkpoint) if args.checkpoint else (run / "lora" if run and not digits else None)
+    if lora is not None:
+        if digits:
+            raise ValueError("--checkpoint is a LoRA directory of a diffusers run; for digits give a policy.safetensors "
+                             "as model.path=...")
+        if not lora.is_dir():
+            raise FileNotFoundError(f"{lora} is not a LoRA directory (a full fine-tune's transformer/ is not loaded by "
                                     "difrl eval yet)")
         from difrl.models.lora_io import load_lora
 
-        load_lora(world.policy, run / "lora")
+        load_lora(world.policy, lora)
     metrics, images = world.evaluate(world.policy, cfg.eval.per_digit, cfg.eval.num_steps, cfg.eval.seed, cfg.sampler.shift)
     if args.grid:
         world.save_grid(images, Path(args.grid))
-    print(json.dumps(metrics, indent=2))
+    metrics = {**metrics, "policy": str(lora or model_path or "bundled base"),
+               "eval_prompts": cfg.model.eval_prompt_file or cfg.model.eval_prompts,
+               "resolution": None if digits else [cfg.model.height, cfg.model.width]}
+    _write_eval(run, args.out, metrics)
     return 0
+
+
+def _write_eval(run: Path | None, out: str | None, metrics: dict) -> None:
+    """Print the evaluation; write it to --out, or append it to a run directory's eval.json (tag "difrl-eval")."""
+    print(json.dumps(metrics, indent=2, default=str))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(metrics, indent=2, default=str) + "\n")
+    elif run is not None:
+        from difrl.train.scaffold import record_eval
+
+        summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
+        record_eval(run, "difrl-eval", int(summary.get("iterations", 0)), json.loads(json.dumps(metrics, default=str)))
 
 
 def cmd_sample(args) -> int:
@@ -217,6 +258,13 @@ def cmd_rewards(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from difrl.report import write_report
+
+    print(f"report: {write_report(args.run_dir)}")
+    return 0
+
+
 def cmd_reward_server(args) -> int:
     from difrl.rewards.server import main as serve_main
 
@@ -236,6 +284,14 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("eval", help="evaluate a config's model or a run's trained policy")
     p.add_argument("--grid", help="also write a PNG grid of the samples here")
+    p.add_argument("--out", help="write the metrics JSON here (default for a RUN_DIR: append to its eval.json)")
+    p.add_argument("--checkpoint", help="diffusers models: a LoRA directory to evaluate (default: RUN_DIR/lora)")
+    p.add_argument("--prompts", help="diffusers models: evaluation prompts, a text or .jsonl file (model.eval_prompts)")
+    p.add_argument("--reference", help="diffusers models: reference images or stats for FD / KID (eval.fid.reference)")
+    p.add_argument("--preset", choices=sorted(EVAL_PRESETS), help="diffusers models: score --prompts with this "
+                   "protocol's reward as the held-out panel (Flow-GRPO OCR / PickScore sets, GenEval metadata); the "
+                   "sampler settings stay the run's eval.*")
+    p.add_argument("--preset-options", help="JSON options of the preset's reward, e.g. '{\"model_dir\": \"/w/pick\"}'")
     p.add_argument("--pass-k", help="masked worlds (sudoku): also report unbiased pass@k for these k, e.g. 1,8")
     p.add_argument("--samples", type=int, help="--pass-k: samples per problem, n (default 8)")
     p.add_argument("--temperature", type=float, help="--pass-k: sampling temperature (default: the config's "
@@ -261,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
                                                          "masked CONFIG or model.kind=sudoku selects them too")
     p.add_argument("rest", nargs="*", help="[CONFIG] [key=value ...]")
     p.set_defaults(fn=cmd_config)
+    p = sub.add_parser("report", help="write RUN_DIR/report.html: config, curves, eval table, samples (self-contained)")
+    p.add_argument("run_dir", help="a run directory")
+    p.set_defaults(fn=cmd_report)
     p = sub.add_parser("rewards", help="list the rewards found by name: built-ins and installed entry points")
     p.set_defaults(fn=cmd_rewards)
     p = sub.add_parser("reward-server", help="serve rewards over HTTP (msgpack) to trainers: reward.weights={remote: 1}")
@@ -276,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-concurrency", type=int, default=64, help="requests in flight (503 + Retry-After beyond)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request, queueing included (504 beyond)")
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="how long a batch waits for other requests' items")
+    p.add_argument("--threads", type=int, help="torch CPU threads of the inference thread (default: torch's)")
     p.set_defaults(fn=cmd_reward_server)
     args = ap.parse_args(argv)
     try:

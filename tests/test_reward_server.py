@@ -82,7 +82,7 @@ def token_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(token_file):
     s = Server(SERVED, "--max-body-mb", "1", "--max-items", "64", "--max-pixels", str(128 * 128),
-               "--max-wait-ms", "50", token_file=token_file)
+               "--max-wait-ms", "50", "--threads", "1", token_file=token_file)  # threads: as the trainer's below
     yield s
     s.stop()
 
@@ -112,7 +112,9 @@ def test_remote_scores_equal_in_process(server, token_file):
     r = remote(server, token_file, "digit_prob", encoding="raw32")
     assert r.info()["version"] == "1" and r.fn.remote == "digit_prob"
     got, want = r(digits, p), build_reward("digit_prob")(digits, p)
-    assert torch.equal(got["digit_prob"], want["digit_prob"]) and torch.equal(got["correct"], want["correct"])
+    # the same float32 inputs; the CNN's CPU kernels may round differently under the server's thread count
+    assert torch.allclose(got["digit_prob"], want["digit_prob"], rtol=1e-5, atol=1e-7)
+    assert torch.equal(got["correct"], want["correct"])
     # a masked world's samples: integer grids, with tensors in the metadata (the puzzle)
     grids = torch.randint(1, 5, (4, 16), generator=g)
     meta = [{"puzzle": torch.where(torch.rand(16, generator=g) < 0.5, grids[i], 0)} for i in range(4)]

@@ -48,6 +48,7 @@ class ServerConfig:
     max_concurrency: int = 64  # requests in flight; more get 503
     timeout_s: float = 120.0  # per request, queueing included; then 504
     max_wait_ms: float = 5.0  # how long a batch waits for items of other requests
+    threads: int | None = None  # torch intra-op threads of the inference thread (None: torch's default)
 
 
 def is_loopback(host: str) -> bool:
@@ -135,7 +136,10 @@ def make_app(rewards: dict[str, Reward], config: ServerConfig):
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
-    executor = ThreadPoolExecutor(1, thread_name_prefix="difrl-reward-server")  # one inference thread
+    # one inference thread; torch's thread count is per OS thread, so it is set in that thread
+    executor = ThreadPoolExecutor(1, thread_name_prefix="difrl-reward-server",
+                                  **({"initializer": torch.set_num_threads, "initargs": (config.threads,)}
+                                     if config.threads else {}))
     decode_pool = ThreadPoolExecutor(2, thread_name_prefix="difrl-reward-decode")  # msgpack, PNG/JPEG, to tensors
     batchers = {name: Batcher(r, executor, config.max_wait_ms / 1000.0) for name, r in rewards.items()}
     infos = {name: r.info() for name, r in rewards.items()}
@@ -293,7 +297,8 @@ def main(args) -> int:
     names = [n for n in args.reward.split(",") if n]
     config = ServerConfig(limits=Limits(max_body_bytes=int(args.max_body_mb * (1 << 20)), max_items=args.max_items,
                                         max_pixels=args.max_pixels),
-                          max_concurrency=args.max_concurrency, timeout_s=args.timeout, max_wait_ms=args.max_wait_ms)
+                          max_concurrency=args.max_concurrency, timeout_s=args.timeout, max_wait_ms=args.max_wait_ms,
+                          threads=args.threads)  # CPU kernels may round differently per thread count
     serve(names, options, args.host, args.port, read_token(args.token_file), config,
           log=lambda *a, **k: print(*a, file=sys.stderr, **k))
     return 0

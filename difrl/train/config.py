@@ -134,11 +134,21 @@ class TrainerConfig:
     out: str | None = cfg_field(None, help="run directory (also --out)")
     resume: str | None = cfg_field(None, help="a run directory to continue")
     checkpoint_every: int = cfg_field(0, ge=0, help="iterations between checkpoints (0 = only at the end)")
+    log_with: list[str] = cfg_field(default_factory=list, help="trackers beside metrics.jsonl (accelerate's): "
+                                                               "tensorboard (RUN_DIR/tensorboard), wandb (if installed)")
     model: ModelConfig = field(default_factory=ModelConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def validate(self) -> None:
+        bad = [t for t in self.log_with if t not in TRACKERS]
+        if bad:
+            raise config_error("log_with", f"{bad}: not a tracker difrl starts; use {list(TRACKERS)}")
+
+
+TRACKERS = ("tensorboard", "wandb")
 
 
 # ---------------------------------------------------------------------------------- the flow trainer
@@ -154,6 +164,9 @@ class FlowModelConfig(ModelConfig):
                                                                   "file of {\"prompt\": ..., <metadata>} objects (GenEval, OCR sets)")
     eval_prompts: list[str] | None = cfg_field(None, help="diffusers models: evaluation prompts; None = the first 8 "
                                                           "training prompts")
+    eval_prompt_file: str | None = cfg_field(None, help="diffusers models: held-out evaluation prompts from a file (text "
+                                                        "or .jsonl with metadata: GenEval, OCR sets); wins over "
+                                                        "eval_prompts")
     height: int = cfg_field(512, ge=8, help="diffusers models: image / video height")
     width: int = cfg_field(512, ge=8, help="diffusers models: image / video width")
     num_frames: int = cfg_field(33, ge=1, help="wan: frames per video (4k + 1)")
@@ -299,8 +312,31 @@ class NFTConfig:
 
 
 @dataclass
+class FidConfig:
+    """Fréchet distance (and KID) of the evaluation samples against a reference image set (difrl.eval.fid);
+    diffusers worlds (the digits world has its own FD on its classifier's features)."""
+    extractor: str = cfg_field("inception", choices=("inception", "clip", "dinov2"),
+                               help="inception: FID (TF1 resize, antialias=False); clip / dinov2: FD_CLIP / FD_DINOv2")
+    weights: str | None = cfg_field(None, help="inception: the local weights file (pt_inception-2015-12-05 / "
+                                               "weights-inception-2015-12-05-6726825d.pth); clip / dinov2: a "
+                                               "save_pretrained directory")
+    reference: str | None = cfg_field(None, help="a directory of reference images (resized to the samples' size) or "
+                                                 "a .npz of FeatureStats; None = no FD")
+    reference_clips: str | None = cfg_field(None, help="videos: a directory of reference clips (GIF / animated "
+                                                       "WebP) for the clip-level FD (fd_clip); None = per-frame FD only")
+    cache_dir: str = cfg_field("~/.cache/difrl/fid", help="reference statistics, one file per (dataset, extractor, "
+                                                          "weights, resolution)")
+    kid_subset_size: int = cfg_field(1000, ge=2, help="KID subsets of at most this many samples (100 subsets)")
+
+
+@dataclass
 class FlowEvalConfig(EvalConfig):
     num_steps: int = cfg_field(10, ge=1, help="ODE steps")
+    rewards: dict[str, dict] = cfg_field(default_factory=dict,
+                                         help="held-out reward panel: reward name (or name@alias) -> options; scored "
+                                              "on the evaluation samples as heldout/<name>, never trained on (the "
+                                              "reward-hacking monitor, side by side with the training reward)")
+    fid: FidConfig = field(default_factory=FidConfig)
 
 
 @dataclass
@@ -327,6 +363,7 @@ class FlowConfig(TrainerConfig):
     stop: StopConfig = field(default_factory=StopConfig)
 
     def validate(self) -> None:
+        super().validate()
         n, s = self.sampler.num_steps, self.steps
         if s.mode in ("fixed_window", "sliding_window") and s.window_start + s.window_size > n - 1:
             raise config_error("steps.window_start", f"window [{s.window_start}, {s.window_start + s.window_size}) must fit "
@@ -389,6 +426,10 @@ class FlowConfig(TrainerConfig):
                                                      "reward.weights={brightness: 1.0} or a module:function")
             if self.stop.fd_rise is not None:
                 raise config_error("stop.fd_rise", "FD early stopping needs the digits world's features")
+        elif self.eval.rewards or self.eval.fid.reference is not None:
+            raise config_error("eval.rewards" if self.eval.rewards else "eval.fid.reference",
+                               "the digits world evaluates with its own classifier, unseen judge and FD; the held-out "
+                               "reward panel and eval.fid are for diffusers models")
 
 
 def load_flow_config(path, overrides=()) -> FlowConfig:

@@ -37,7 +37,7 @@ from difrl.train.config import FlowConfig
 from difrl.train.objectives import grpo_micro_loss, nft_micro_loss, nft_sigmas, proximal_correction
 from difrl.train.scaffold import (TIMING_KEYS, Metrics, RatioCheckError, Run, build_rewards, clip_and_step,  # noqa: F401
                                   cores_available, fmt_eval, make_optimizer, progress, pooled_std, reference_policy,
-                                  reward_stats, save_policy, score_rewards, track_reward_failures,
+                                  record_eval, reward_stats, save_policy, score_rewards, track_reward_failures,
                                   valid_group_advantages, wrap_policy)
 from difrl.train.state import EMA, trainable_params
 from difrl.tree_rollout import tree_rollout
@@ -388,6 +388,7 @@ def evaluate(world, policy, ema: EMA | None, cfg: FlowConfig, run: Run, tag: str
         metrics, images = world.evaluate(policy, cfg.eval.per_digit, cfg.eval.num_steps, cfg.eval.seed, cfg.sampler.shift)
     if run.is_main:
         world.save_grid(images, run.dir / "samples" / f"{tag}-iter-{iteration:06d}.png")
+        record_eval(run.dir, tag, iteration, metrics)
     return metrics
 
 

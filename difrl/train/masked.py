@@ -44,7 +44,7 @@ from difrl.rewards import score_all
 from difrl.train.masked_config import MaskedConfig
 from difrl.train.scaffold import (TIMING_KEYS, Metrics, RatioCheckError, Run, build_rewards, check_ratio,  # noqa: F401
                                   clip_and_step, cores_available, fmt_eval, make_optimizer, progress, reference_policy,
-                                  finite_mean_std, reward_stats, save_policy, score_rewards,
+                                  finite_mean_std, record_eval, reward_stats, save_policy, score_rewards,
                                   track_reward_failures, valid_group_advantages, wrap_policy)
 from difrl.train.state import trainable_params
 from difrl.utils.rng import mix_seed
@@ -89,6 +89,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
     run = Run.open(cfg, run_dir, net, optimizer)
     if run.state["eval_before"] is None:
         run.state["eval_before"] = run.state["last_eval"] = world.evaluate(policy)
+        record_eval(run_dir, "before", 0, run.state["eval_before"])
         print("eval before: " + fmt_eval(run.state["eval_before"], world.headline))
         if world.save_samples is not None:
             world.save_samples(policy, run_dir / "samples" / "iter-0000.png")
@@ -216,6 +217,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
         if cfg.eval.every and (it + 1) % cfg.eval.every == 0 and it + 1 < cfg.train.iterations:
             t_eval = time.perf_counter()
             run.state["last_eval"] = ev = world.evaluate(policy)
+            record_eval(run_dir, "eval", it + 1, ev)
             row.update({f"eval/{k}": v for k, v in ev.items() if isinstance(v, (int, float))})
             row["seconds_eval"] = time.perf_counter() - t_eval
         row["seconds"] = time.perf_counter() - t_iter
@@ -231,6 +233,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
     done = it + 1 if cfg.train.iterations > run.start else run.start
     run.checkpoint(done)
     eval_after = world.evaluate(policy)
+    record_eval(run_dir, "after", done, eval_after)
     print("eval after:  " + fmt_eval(eval_after, world.headline))
     if world.save_samples is not None:
         world.save_samples(policy, run_dir / "samples" / f"iter-{done:04d}.png")

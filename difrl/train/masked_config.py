@@ -127,6 +127,7 @@ class MaskedConfig(TrainerConfig):
     eval: MaskedEvalConfig = field(default_factory=lambda: MaskedEvalConfig(every=0))
 
     def validate(self) -> None:
+        super().validate()
         n = self.rollout.prompts_per_iter * self.rollout.group_size
         per_update = self.train.micro_batch * self.train.grad_accum
         if n % per_update:

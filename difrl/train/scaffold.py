@@ -292,6 +292,7 @@ class Run:
         self.dir, self.net, self.optimizer, self.ema, self.extras = run_dir, net, optimizer, ema, extras
         self.accelerator, self.state, self.start = accelerator, state, start
         self.is_main = accelerator is None or accelerator.is_main_process
+        self.trackers: list = []
 
     @classmethod
     def open(cls, cfg, run_dir: Path, net, optimizer, ema=None, extras: dict | None = None, accelerator=None,
@@ -312,7 +313,9 @@ class Run:
         if run.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, run_dir / "config.yaml")
+            run.trackers = start_trackers(cfg, run_dir)
             truncate_metrics(run_dir / "metrics.jsonl", start)
+            truncate_evals(run_dir / "eval.json", start)
             (run_dir / "metrics.jsonl").touch()
         run.barrier()
         return run
@@ -330,12 +333,60 @@ class Run:
         if self.is_main:
             with open(self.dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
+            scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            for t in self.trackers:
+                t.log(scalars, step=row["iteration"])
 
     def finish(self, summary: dict, headline: tuple[str, ...]) -> None:
-        """summary.json and reward_curve.png (main process)."""
+        """summary.json, reward_curve.png and report.html (main process)."""
         if self.is_main:
             atomic_write_json(self.dir / "summary.json", summary)
             plot_reward_curve(self.dir / "metrics.jsonl", self.dir / "reward_curve.png", summary, headline)
+            for t in self.trackers:
+                t.finish()
+            from difrl.report import write_report
+
+            try:
+                write_report(self.dir)
+            except OSError as e:  # a report must never cost a finished run
+                print(f"difrl: report.html not written: {e}")
+
+
+def start_trackers(cfg, run_dir: Path) -> list:
+    """accelerate's trackers named in cfg.log_with, started, with the config's scalars as hyperparameters:
+    TensorBoard writes RUN_DIR/tensorboard/; W&B logs to the project "difrl" under the run directory's name."""
+    from difrl.config import ConfigError, config_to_dict
+
+    known = {"tensorboard": ("tensorboard", "TensorBoardTracker"), "wandb": ("wandb", "WandBTracker")}  # TRACKERS
+    trackers = []
+    for name in cfg.log_with:
+        package, cls_name = known[name]
+        try:
+            __import__(package)
+        except ImportError as e:
+            raise ConfigError(f"config key 'log_with': {name} needs the package {package!r} ({e}); pip install "
+                              f"'difrl[{name}]'", "log_with") from e
+        from accelerate import tracking
+
+        tracker = (getattr(tracking, cls_name)("tensorboard", run_dir) if name == "tensorboard"
+                   else getattr(tracking, cls_name)("difrl", name=run_dir.name, dir=str(run_dir)))
+        tracker.start()
+        flat = {}
+
+        def walk(prefix, value):
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    walk(f"{prefix}{k}.", v)
+            elif isinstance(value, (bool, int, float, str)):
+                flat[prefix[:-1]] = value
+            elif value is None:  # TensorBoard's hparams take no None
+                flat[prefix[:-1]] = "null"
+            else:  # lists and other values: as text
+                flat[prefix[:-1]] = json.dumps(value)
+        walk("", config_to_dict(cfg))
+        tracker.store_init_configuration(flat)
+        trackers.append(tracker)
+    return trackers
 
 
 def truncate_metrics(path: Path, keep_iterations: int) -> None:
@@ -346,6 +397,26 @@ def truncate_metrics(path: Path, keep_iterations: int) -> None:
     kept = [ln for ln in rows if json.loads(ln)["iteration"] <= keep_iterations]
     if len(kept) != len(rows):
         path.write_text("".join(ln + "\n" for ln in kept))
+
+
+def record_eval(run_dir: Path, tag: str, iteration: int, metrics: dict) -> None:
+    """Append one evaluation ({"tag", "iteration", every metric with its provenance}) to run_dir/eval.json, a
+    JSON list; an earlier entry with the same tag and iteration (a resumed run redoing it) is replaced."""
+    path = run_dir / "eval.json"
+    rows = json.loads(path.read_text()) if path.exists() else []
+    rows = [r for r in rows if (r.get("tag"), r.get("iteration")) != (tag, iteration)]
+    rows.append({"tag": tag, "iteration": iteration, **metrics})
+    atomic_write_json(path, rows)
+
+
+def truncate_evals(path: Path, keep_iterations: int) -> None:
+    """On resume, drop evaluations recorded after the checkpoint (the "after" one of a finished run included)."""
+    if not path.exists():
+        return
+    rows = json.loads(path.read_text())
+    kept = [r for r in rows if r.get("iteration", 0) <= keep_iterations and r.get("tag") != "after"]
+    if len(kept) != len(rows):
+        atomic_write_json(path, kept)
 
 
 def save_policy(policy, net, lora_enabled: bool, path: Path, ema=None) -> None:

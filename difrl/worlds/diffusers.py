@@ -7,18 +7,22 @@
 
 The policy is `load_flow_policy(kind, model.path, ...)` (difrl/models/adapters.py), on this
 process's GPU when there is one. Training prompts come from `model.prompts` or `model.prompt_file`
-(one per line); prompt id = index. The evaluation is a fixed-seed ODE rollout of `eval.per_digit`
-samples for each evaluation prompt, scored by the run's own rewards (`reward.weights`): a mean
-weighted reward and each reward's mean. There is no held-out judge or FD here (real reward models
-and their evaluations are their own issue), so FD early stopping is refused by the config.
+(one per line, or .jsonl with metadata); prompt id = index. The evaluation is a fixed-seed ODE
+rollout of `eval.per_digit` samples for each evaluation prompt, scored by the run's own rewards
+(`reward.weights`): a mean weighted reward and each reward's mean. The evaluation panel
+(difrl.eval.panel) adds `eval.rewards`, held-out rewards never trained on, as `heldout/<name>`, and
+with `eval.fid.reference` the Fréchet distance / KID of the samples on a named extractor (`fd`,
+`kid`, `fd_report` with its provenance). FD early stopping stays refused by the config here (it
+watches the digits world's accuracy too).
 
 `cfg` is read duck-typed (a FlowConfig from difrl/train/config.py; this layer imports nothing from
 difrl.train). The attributes it reads:
 
 - `cfg.model`: `dtype`, `height`, `width`, `max_sequence_length`, `negative_prompt`, `cache_prompts`,
-  `prompts`, `prompt_file`, `eval_prompts`, `schedule` ("pipeline" or "shift"), and the adapter's own
+  `prompts`, `prompt_file`, `eval_prompts`, `eval_prompt_file`, `schedule` ("pipeline" or "shift"), and the adapter's own
   `model_options` (Wan: `num_frames`);
 - `cfg.reward`: `weights` (name -> weight), `options` (name -> keyword arguments);
+- `cfg.eval`: `rewards` (the held-out panel), `fid` (extractor, weights, reference, cache_dir, kid_subset_size);
 - `cfg.sampler`: `guidance`, `rollout_batch` (None = the whole evaluation batch).
 """
 
@@ -26,10 +30,12 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 from pathlib import Path
 
 import torch
 
+from difrl.eval.panel import EvalPanel
 from difrl.rewards import build_reward, reward_key, score_all
 from difrl.rollout import rollout
 from difrl.samplers.schedules import sigma_schedule
@@ -39,7 +45,7 @@ from difrl.worlds import World
 MAX_EVAL_PROMPTS = 8  # model.eval_prompts = None: the first this many training prompts
 
 
-def read_prompts(mc) -> tuple[list[str], list[dict]]:
+def read_prompts(mc, key: str = "model.prompt_file") -> tuple[list[str], list[dict]]:
     """(prompts, each prompt's metadata) from model.prompts, or model.prompt_file: a text file (one prompt per
     line, metadata {}) or a .jsonl file of objects with a "prompt" key, the rest of each object being its
     metadata (GenEval's evaluation_metadata.jsonl, an OCR set's {"prompt": ..., "text": ...})."""
@@ -49,9 +55,9 @@ def read_prompts(mc) -> tuple[list[str], list[dict]]:
     else:
         path = Path(mc.prompt_file)
         if not path.is_file():
-            raise FileNotFoundError(f"model.prompt_file {path}: no such file (a text file, one prompt per line, or "
+            raise FileNotFoundError(f"{key} {path}: no such file (a text file, one prompt per line, or "
                                     "a .jsonl file of {\"prompt\": ..., <metadata>} objects)")
-        source = f"model.prompt_file {path}"
+        source = f"{key} {path}"
         lines = [(n, ln.strip()) for n, ln in enumerate(path.read_text().splitlines(), 1) if ln.strip()]
         if path.suffix == ".jsonl":
             meta = []
@@ -102,6 +108,10 @@ def diffusers_world(kind: str, model_path: str | None, cfg=None) -> World:
     prompts, prompt_meta = read_prompts(mc)
     meta_by_prompt = dict(zip(prompts, prompt_meta))
     eval_prompts = list(mc.eval_prompts) if mc.eval_prompts is not None else prompts[:MAX_EVAL_PROMPTS]
+    if getattr(mc, "eval_prompt_file", None):  # held-out prompts with their own metadata (GenEval records, OCR text)
+        eval_prompts, eval_meta = read_prompts(SimpleNamespace(prompts=None, prompt_file=mc.eval_prompt_file),
+                                               "model.eval_prompt_file")
+        meta_by_prompt.update(zip(eval_prompts, eval_meta))
 
     def sigmas(num_steps: int, shift: float) -> torch.Tensor:
         if mc.schedule == "pipeline":  # the scheduler's own shift (FLUX: dynamic, from the image sequence length)
@@ -110,6 +120,7 @@ def diffusers_world(kind: str, model_path: str | None, cfg=None) -> World:
 
     weights = {reward_key(name): w for name, w in cfg.reward.weights.items()}
     rewards: dict = {}  # built on first evaluation
+    panel = EvalPanel(cfg.eval, (mc.height, mc.width), policy_device() or "cpu")  # held-out rewards, FD / KID
 
     @torch.no_grad()
     def evaluate(policy, per_digit=4, num_steps=10, seed=1234, shift=1.0):
@@ -127,10 +138,11 @@ def diffusers_world(kind: str, model_path: str | None, cfg=None) -> World:
                             sde_mask=torch.zeros(num_steps, dtype=torch.bool), guidance=cfg.sampler.guidance)
             images.append(policy.decode(batch.x_final).cpu())
         images = torch.cat(images)
-        scores = score_all(rewards, images, texts, [{**meta_by_prompt.get(t, {}), "prompt_id": int(i), "prompt": t}
-                                                    for i, t in zip(ids, texts)], seeds, ids)
+        meta = [{**meta_by_prompt.get(t, {}), "prompt_id": int(i), "prompt": t} for i, t in zip(ids, texts)]
+        scores = score_all(rewards, images, texts, meta, seeds, ids)
         metrics = {"reward": float(sum(w * scores[n] for n, w in weights.items()).mean()),
                    **{f"reward/{k}": float(v.mean()) for k, v in scores.items()},
+                   **panel(images, texts, meta, seeds, ids),
                    "samples": len(texts), "num_steps": num_steps}
         return metrics, images
 
