@@ -74,7 +74,7 @@ def cmd_train(args) -> int:
         print(f"real data diversity {after['real_diversity']:.3f}; FD features: {after['fd_extractor']}")
     saved = next((run / f for f in ("policy.safetensors", "lora", "transformer") if (run / f).exists()), run)
     print(f"results: {run / 'summary.json'}, samples: {run / 'samples'}, trained weights: {saved}, curve: "
-          f"{run / 'reward_curve.png'}")
+          f"{run / 'reward_curve.png'}, report: {run / 'report.html'}")
     return 0
 
 

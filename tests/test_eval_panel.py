@@ -56,6 +56,7 @@ def test_tiny_flux_eval_json_holds_fid_kid_and_the_heldout_panel(tmp_path):
         assert rep["fd"] == e["fd"] and rep["n_gen"] == 8 and rep["n_ref"] == 6 and rep["kid_subset_size"] == 4
         assert rep["extractor"] == e["fd_extractor"] and "inception" in rep["extractor"].lower()
         assert len(rep["weights_sha256"]) == 64 and len(rep["ref_stats_sha256"]) == 64 and rep["per_frame"] is False
+        assert rep["resolution"] == [32, 32]
     assert evals[1]["fd"] == summary["eval_after"]["fd"]
     assert len(list((tmp_path / "cache").glob("*.npz"))) == 1  # the reference statistics: computed once, cached
     # the held-out panel is not the training reward: it never reaches the advantage

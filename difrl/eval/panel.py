@@ -130,7 +130,7 @@ class EvalPanel:
         frames = images.flatten(0, 1) if images.ndim == 5 else images  # videos: every frame against the images
         gen = extract_features(self.extractor, frames)
         rep = fid_report(gen, self.reference, self.extractor, kid_subset_size=fc.kid_subset_size)
-        rep["per_frame"] = images.ndim == 5
+        rep["per_frame"], rep["resolution"] = images.ndim == 5, list(images.shape[-2:])
         out = {"fd": rep["fd"], "fd_extractor": rep["extractor"], "fd_report": rep}
         if "kid_mean" in rep:
             out["kid"] = rep["kid_mean"]
