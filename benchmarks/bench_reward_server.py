@@ -594,7 +594,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.quick:
         args.clients, args.requests, args.a_batch = 24, 2, 2
         args.b_requests, args.batch, args.repeats, args.pool = 8, 4, 2, 16
-        args.no_write = True  # only a full run writes the published block
 
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:

@@ -200,7 +200,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     if args.quick:
         args.repeats, args.seeds, args.iterations, args.batch = 3, 2, 6, 16
-        args.no_write = True  # only a full run writes the published block
     if args.threads:
         torch.set_num_threads(args.threads)
 

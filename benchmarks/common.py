@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -50,9 +51,18 @@ def write_block(path: Path, begin: str, end: str, body: list[str]) -> None:
     path.write_text(text)
 
 
+class _Quick(argparse.Action):
+    """--quick also means --no-write: only a full run may replace the published block in BENCHMARKS.md."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        namespace.quick, namespace.no_write = True, True
+
+
 def standard_args(ap, quick_help: str) -> None:
-    """The options every benchmark takes: --quick (a reduced run), --json PATH (its rows), --no-write."""
-    ap.add_argument("--quick", action="store_true", help=quick_help)
+    """The options every benchmark takes: --quick (a reduced run that never writes BENCHMARKS.md), --json PATH
+    (its rows), --no-write."""
+    ap.add_argument("--quick", action=_Quick, nargs=0, default=False,
+                    help=quick_help + " (never writes BENCHMARKS.md: only a full run publishes)")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
     ap.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
 

@@ -330,8 +330,9 @@ def _read_yaml(path: str | os.PathLike) -> dict:
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
         what = getattr(e, "problem", None) or str(e)
         raise ConfigError(f"invalid YAML in {os.fspath(path)}{where}: {what}") from None
-    if data is None:
-        return {}
+    if data is None:  # an empty file would silently train the defaults (the digits world): say so instead
+        raise ConfigError(f"config file {os.fspath(path)} is empty; give at least model.kind (e.g. copy "
+                          "configs/digits.yaml), or run without a file for the defaults")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {os.fspath(path)} must contain a mapping at the top level, "
                           f"got {type(data).__name__}")

@@ -167,10 +167,6 @@ def test_literal():
         load_config(RootConfig, None, ["sampler.mode=test"])
 
 
-def test_empty_yaml_file(tmp_path):
-    assert load_config(RootConfig, write(tmp_path, "")) == RootConfig()
-
-
 # ------------------------------------------------------------------ errors
 def test_unknown_key_suggestion(tmp_path):
     path = write(tmp_path, "train:\n  lrr: 0.1\n")
@@ -384,3 +380,13 @@ def test_a_diffusers_world_must_name_its_reward():
 
     with pytest.raises(ConfigError, match=r"'reward.weights'.*model.kind=flux has no reward of its own"):
         load_train_config(None, ["model.kind=flux", "model.path=/nowhere", "model.prompts=[a cat]"])
+
+
+def test_empty_config_file_is_refused(tmp_path):
+    from difrl.config import ConfigError
+    from difrl.train.config import load_train_config
+
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing here\n")
+    with pytest.raises(ConfigError, match="is empty"):
+        load_train_config(empty)

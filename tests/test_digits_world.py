@@ -23,6 +23,7 @@ from difrl.worlds.digits import ASSETS, FEATURE_EXTRACTOR, PROMPTS, DigitsWorld,
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # end to end, several seconds: left out by `make test-fast`
 def test_pretrain_script_reproduces_bundled_assets(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "pretrain_digits.py"), "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)

@@ -65,6 +65,7 @@ def _assert_same_runs(one: Path, two: Path, exact: tuple[str, ...], reduced: tup
         torch.testing.assert_close(w1[k], w2[k], rtol=rtol, atol=atol, msg=k)
 
 
+@pytest.mark.slow  # end to end, several seconds: left out by `make test-fast`
 def test_two_processes_equal_one(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     _train(one, 1, "train.grad_accum=4")
@@ -77,6 +78,7 @@ def test_two_processes_equal_one(tmp_path):
     assert any(float(w.abs().max()) > 1e-3 for k, w in _weights(one, 2).items() if "lora_B" in k)  # training moved B
 
 
+@pytest.mark.slow  # end to end, several seconds: left out by `make test-fast`
 def test_two_processes_equal_one_for_solrl_with_nft(tmp_path):
     # the candidate pool is split over processes too: its rewards are gathered before seeds are selected. Candidates
     # at fp32 here: NVFP4 scales activations per tensor, i.e. over each process's forward batch (as TE does), so an
@@ -90,6 +92,7 @@ def test_two_processes_equal_one_for_solrl_with_nft(tmp_path):
                                  "nfe_full"), ("loss", "nft_loss_pos", "kl", "grad_norm"))
 
 
+@pytest.mark.slow  # end to end, several seconds: left out by `make test-fast`
 def test_two_processes_equal_one_for_trees(tmp_path):
     # one tree per process; the 20 edges of both trees form one update (advantages are per tree, so no
     # process needs another's rewards): 1 x (4 micro-batches of 5) == 2 x (2 of 5), gradients averaged by DDP
@@ -101,6 +104,7 @@ def test_two_processes_equal_one_for_trees(tmp_path):
                                  "tree/edge_adv_abs_mean"), ("kl", "loss", "grad_norm", "clip_high", "clip_low"))
 
 
+@pytest.mark.slow  # end to end, several seconds: left out by `make test-fast`
 def test_resume_under_two_processes(tmp_path):
     # 2 iterations, stop, resume to 3 (both under 2 processes) == 3 iterations without a stop
     full, part = tmp_path / "full", tmp_path / "part"

@@ -23,6 +23,7 @@ pytest.importorskip("torch_fidelity")
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # end to end, several seconds: left out by `make test-fast`
 def test_tiny_flux_eval_json_holds_fid_kid_and_the_heldout_panel(tmp_path):
     from PIL import Image
 

@@ -219,6 +219,7 @@ def test_response_checks(server, token_file):
             fn._check({**ok, **change}, "q", ["a"], ["p"])
 
 
+@pytest.mark.slow  # end to end, several seconds: left out by `make test-fast`
 def test_server_killed_mid_request_and_hung_server(token_file):
     s = Server("reward_plugins:sleepy", "--options-json", json.dumps({"reward_plugins:sleepy": {"seconds": 3.0}}),
                token_file=token_file)

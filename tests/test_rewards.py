@@ -313,6 +313,7 @@ def test_broken_rewards_stop_even_under_drop_group(tmp_path, registered):
         assert (tmp_path / kind / "checkpoints" / "iter-000000").is_dir(), kind
 
 
+@pytest.mark.slow  # end to end, several seconds: left out by `make test-fast`
 def test_tiny_flux_trains_with_two_reward_models(tmp_path):
     """Tiny FLUX trained on two plug-in reward models at once (HPSv2 and CLIP score on tiny backbones in their real
     file layouts), weighted sum and GDPO-style; then tiny Wan on a video reward over its frames."""

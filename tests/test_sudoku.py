@@ -127,6 +127,7 @@ def test_eval_with_other_samplers_runs():
     assert out.nfe == 1  # everything in one pass
 
 
+@pytest.mark.slow  # end to end, several seconds: left out by `make test-fast`
 def test_pretrain_script_reproduces_bundled_base(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "pretrain_sudoku.py"), "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})

@@ -173,6 +173,7 @@ def _launch(out: Path, nproc: int, path: Path, grad_accum: int) -> None:
         assert f"{nproc} process(es)" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # end to end, several seconds: left out by `make test-fast`
 def test_accelerate_launch_two_processes_equal_one(tiny_dirs, tmp_path):
     path = tiny_dirs("flux")
     one, two = tmp_path / "one", tmp_path / "two"
