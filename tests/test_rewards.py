@@ -20,7 +20,7 @@ import difrl.rewards as rewards_mod
 from difrl.rewards import REWARDS, Reward, RewardError, Scoring, build_reward, register_reward, score_all
 from difrl.rewards.base import RewardConfigError, RewardModel
 from difrl.rewards.video import frame_indices, temporal_consistency
-from difrl.train.scaffold import valid_group_advantages
+from difrl.train.reward_stage import valid_group_advantages
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -35,10 +35,11 @@ from difrl.samplers import step_masks as sampler_step_masks
 from difrl.solrl import candidate_pool, rank_agreement
 from difrl.train.config import FlowConfig
 from difrl.train.objectives import grpo_micro_loss, nft_micro_loss, nft_sigmas, proximal_correction
-from difrl.train.scaffold import (TIMING_KEYS, Metrics, RatioCheckError, Run, build_rewards, clip_and_step,  # noqa: F401
-                                  cores_available, fmt_eval, make_optimizer, progress, pooled_std, reference_policy,
-                                  record_eval, reward_stats, save_policy, score_rewards, track_reward_failures,
-                                  valid_group_advantages, wrap_policy)
+from difrl.train.reward_stage import (build_rewards, reward_stats, score_rewards, track_reward_failures,
+                                     valid_group_advantages)
+from difrl.train.scaffold import (TIMING_KEYS, Metrics, RatioCheckError, Run, clip_and_step, cores_available,  # noqa: F401
+                                  fmt_eval, make_optimizer, progress, pooled_std, record_eval, reference_policy,
+                                  save_policy, wrap_policy)
 from difrl.train.state import EMA, trainable_params
 from difrl.tree_rollout import tree_rollout
 from difrl.utils.rng import mix_seed

@@ -42,10 +42,11 @@ from difrl.discrete.losses import trace_logp
 from difrl.discrete.samplers import SAMPLERS, merge_rollouts
 from difrl.rewards import score_all
 from difrl.train.masked_config import MaskedConfig
-from difrl.train.scaffold import (TIMING_KEYS, Metrics, RatioCheckError, Run, build_rewards, check_ratio,  # noqa: F401
-                                  clip_and_step, cores_available, fmt_eval, make_optimizer, progress, reference_policy,
-                                  finite_mean_std, record_eval, reward_stats, save_policy, score_rewards,
-                                  track_reward_failures, valid_group_advantages, wrap_policy)
+from difrl.train.reward_stage import (build_rewards, finite_mean_std, reward_stats, score_rewards,
+                                     track_reward_failures, valid_group_advantages)
+from difrl.train.scaffold import (TIMING_KEYS, Metrics, RatioCheckError, Run, check_ratio, clip_and_step,  # noqa: F401
+                                  cores_available, fmt_eval, make_optimizer, progress, record_eval, reference_policy,
+                                  save_policy, wrap_policy)
 from difrl.train.state import trainable_params
 from difrl.utils.rng import mix_seed
 from difrl.worlds.masked import build_masked_world

@@ -4,11 +4,11 @@
     optimizer = make_optimizer(trainable_params(net), cfg.train)
     run = Run.open(cfg, run_dir, net, optimizer, ema, extras, accelerator)   # resume, config.yaml, metrics cut back
     with reference_policy(policy, net, reference): ...                     # the KL's reference (LoRA off / frozen copy)
-    scores, bad = score_rewards(rewards, samples, prompts, metadata, seeds, ids, cfg.reward.on_error, stop, where)
     m = Metrics(); m.add("kl", kl, mask); row |= m.result(accelerator)
-    run.log(row); run.checkpoint(iteration); run.finish(summary, headline)   # summary.json + reward_curve.png
+    run.log(row); run.checkpoint(iteration); run.finish(summary, headline)   # summary.json, curve, report.html
 
-A recipe (the loop) calls these in its banner sections; none of them knows which method runs.
+A recipe (the loop) calls these in its banner sections; none of them knows which method runs. The
+reward stage (build, score, failures, advantages over valid groups) is difrl/train/reward_stage.py.
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ import torch
 
 from difrl.config import save_config
 from difrl.models.base import use_module
-from difrl.algos import Advantages, group_advantages, group_normalize
-from difrl.rewards import RewardError, build_reward, reward_key
 from difrl.train.state import load_latest_checkpoint, restore_checkpoint, save_checkpoint
 from difrl.utils.io import atomic_write_json, save_safetensors
 from difrl.utils.rng import mix_seed
@@ -103,108 +101,6 @@ def check_ratio(log_prob: torch.Tensor, log_prob_old: torch.Tensor, tol: float) 
             "batch sizes), bf16/fp16 step math, torch.compile, or non-deterministic attention. Set "
             "train.ratio_check=false only if you know why.")
     return err
-
-
-# ---------------------------------------------------------------------------------- rewards
-
-
-def build_rewards(reward_cfg, default: str | None) -> tuple[dict, dict[str, float]]:
-    """(name -> reward fn, score key -> weight) from the config's reward section; weights=None means the world's
-    own reward `default`."""
-    weights = reward_cfg.weights
-    if weights is None:
-        if default is None:
-            from difrl.config import ConfigError
-
-            raise ConfigError("config key 'reward.weights' is null but this world has no reward of its own: name one, "
-                              "e.g. reward.weights={brightness: 1.0} or a module:function", "reward.weights")
-        weights = {default: 1.0}
-    rewards = {name: build_reward(name, **reward_cfg.options.get(name, {})) for name in weights}
-    keys = [reward_key(name) for name in weights]
-    if len(set(keys)) < len(keys):
-        from difrl.config import ConfigError
-
-        raise ConfigError(f"config key 'reward.weights': two rewards file their scores under the same name ({keys}); "
-                          "give one an alias, name@alias", "reward.weights")
-    return rewards, dict(zip(keys, weights.values()))
-
-
-def score_rewards(score, num_samples: int, on_error: str, stop, where: str, run_dir: Path,
-                  log=print) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """`score()` (difrl.rewards.score_all or Scoring.result) -> every reward's [B] scores and `bad` [B] bool,
-    the samples whose reward raised or was NaN/inf. on_error="stop": call stop() (a checkpoint: nothing is
-    lost) and raise a RewardError naming the reward, the samples and how to resume; "drop_group": log it and
-    return with the failed samples' scores NaN (the caller drops their groups). A failed reward never becomes
-    a score: not 0, not a sentinel."""
-    try:
-        return score(), torch.zeros(num_samples, dtype=torch.bool)
-    except RewardError as e:
-        if e.contract:  # a broken plug-in, not a flaky score: dropping groups would hide it for the whole run
-            stop()
-            raise RewardError(f"{where}: {e}. A reward that breaks its contract stops the run under every "
-                              f"reward.on_error (a checkpoint was saved; fix the reward, then resume={run_dir}).",
-                              e.bad, e.scores, True) from e
-        if on_error == "stop":
-            stop()
-            raise RewardError(f"{where}: {e}. The run stopped (reward.on_error=stop) after saving a checkpoint; resume "
-                              f"with resume={run_dir}, or set reward.on_error=drop_group.", e.bad, e.scores) from e
-        log(f"{where}: {e}; dropping their groups (reward.on_error=drop_group)")
-        return e.scores, e.bad
-
-
-def track_reward_failures(state: dict, failed: int, total: int, max_frac: float, where: str, stop,
-                          run_dir: Path) -> float:
-    """Count failed samples over the run (state survives resume) and stop the run when an iteration had no
-    valid reward at all or the run's failed fraction exceeds `max_frac` (reward.max_failed_frac): dropping
-    groups is for a flaky reward, not a broken one. Returns the run's failed fraction so far."""
-    state["reward_failed"] += int(failed)
-    state["reward_scored"] += int(total)
-    frac = state["reward_failed"] / max(1, state["reward_scored"])
-    if failed and (failed == total or frac > max_frac):
-        stop()
-        why = ("every sample's reward failed" if failed == total else
-               f"{state['reward_failed']} of {state['reward_scored']} samples ({frac:.1%}) failed so far, above "
-               f"reward.max_failed_frac={max_frac}")
-        raise RewardError(f"{where}: {why}; the run stopped after saving a checkpoint (resume={run_dir} once the "
-                          "reward is fixed)", torch.ones(total, dtype=torch.bool))
-    return frac
-
-
-def valid_group_advantages(scores: dict[str, torch.Tensor], weights: dict[str, float], group_ids: torch.Tensor,
-                           bad: torch.Tensor, adv_cfg, aggregate: str, baseline: torch.Tensor | None = None):
-    """group_advantages over the groups without a failed reward only (a failed sample's NaN never reaches
-    another group's mean or a global std); the failed groups get advantage 0, zero_spread False and reward NaN.
-    Returns (Advantages over all N samples, failed_groups [N] bool)."""
-    failed = torch.isin(group_ids, group_ids[bad].unique())
-    ok = ~failed
-    N = len(group_ids)
-    advantages, zero, reward = torch.zeros(N), torch.zeros(N, dtype=torch.bool), torch.full((N,), float("nan"))
-    if ok.any():
-        sub = group_advantages({k: v[ok] for k, v in scores.items() if k in weights}, weights, group_ids[ok], aggregate,
-                               adv_cfg.std_scope, adv_cfg.eps, adv_cfg.clip, adv_cfg.scale,
-                               None if baseline is None else baseline[ok])
-        advantages[ok], zero[ok], reward[ok] = sub.advantages, sub.zero_spread, sub.reward
-    return Advantages(advantages, zero, reward), failed
-
-
-def finite_mean_std(v: torch.Tensor) -> tuple[float, float]:
-    v = v[torch.isfinite(v)]  # failed samples (NaN) have no score
-    return (float(v.mean()), float(v.std(unbiased=False))) if len(v) else (float("nan"), float("nan"))
-
-
-def reward_stats(reward: torch.Tensor, scores: dict[str, torch.Tensor], weights: dict[str, float],
-                 group_ids: torch.Tensor, adv_cfg) -> dict[str, float]:
-    """The log's reward columns: the aggregated reward's mean and std, each reward's (and extra's) raw mean,
-    and with several rewards each one's group-normalised |value| (how much of the advantage it drives), all
-    over the samples whose rewards did not fail."""
-    mean, std = finite_mean_std(reward)  # reward [N]: the aggregated (weighted-sum) reward, NaN where failed
-    row = {"reward_mean": mean, "reward_std": std, **{f"reward/{k}": finite_mean_std(v)[0] for k, v in scores.items()}}
-    ok = torch.isfinite(reward)
-    if len(weights) > 1 and ok.any():
-        for k in weights:
-            norm, _ = group_normalize(scores[k][ok], group_ids[ok], adv_cfg.std_scope, adv_cfg.eps, None, adv_cfg.scale)
-            row[f"reward_norm/{k}"] = float(norm.abs().mean())
-    return row
 
 
 # ---------------------------------------------------------------------------------- metrics
