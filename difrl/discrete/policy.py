@@ -253,20 +253,36 @@ class HFMaskedLM:
             raise ValueError(f"the model returned logits {tuple(logits.shape)} for tokens {tuple(tokens.shape)}; "
                              f"expected [B, L, {self.vocab_size}]")
         logits[..., self.mask_id] = NEG
-        return logits
+        return logits.to(tokens.device)  # on the caller's device (the masked trainer keeps its tensors on the CPU)
 
     def prompt_mask(self, tokens: torch.Tensor, cond: Cond | None = None) -> torch.Tensor:
         return prompt_mask_of(tokens, self.mask_id, cond)
 
-    def encode(self, prompts: list[str], gen_length: int) -> tuple[torch.Tensor, Cond]:
+    def chat_prompts(self, prompts: list[str]) -> list[str]:
+        """Each prompt as one user turn of the tokenizer's chat template plus the assistant's generation
+        prompt (LLaDA-Instruct's layout); the prompts unchanged when the tokenizer has no template."""
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            return list(prompts)
+        return [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+                for p in prompts]
+
+    def encode(self, prompts: list[str], gen_length: int, *, chat: bool = True,
+               width: int | None = None) -> tuple[torch.Tensor, Cond]:
         """Left-padded prompt ids followed by `gen_length` mask tokens, and cond with the attention mask
-        (padding excluded) and the prompt mask (prompt and padding: never generated)."""
+        (padding excluded) and the prompt mask (prompt and padding: never generated). chat: wrap each
+        prompt in the tokenizer's chat template when it has one; width: the prompt region's fixed width
+        (None = the longest prompt), so that every batch of a task has the same layout."""
         if self.tokenizer is None:
             raise ValueError("this model directory has no tokenizer; build token ids yourself")
         tok = self.tokenizer
-        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        texts = self.chat_prompts(prompts) if chat else prompts
+        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in texts]
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-        width = max(len(x) for x in ids)
+        longest = max(len(x) for x in ids)
+        if width is not None and longest > width:
+            raise ValueError(f"a prompt has {longest} tokens, more than the prompt width {width}")
+        width = longest if width is None else int(width)
         body = torch.tensor([[pad] * (width - len(x)) + x for x in ids], dtype=torch.long)
         att = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], dtype=torch.long)
         tokens = torch.cat([body, torch.full((len(prompts), gen_length), self.mask_id, dtype=torch.long)], dim=1)
@@ -276,8 +292,38 @@ class HFMaskedLM:
         return tokens, {"attention_mask": att, "prompt_mask": prompt}
 
     def decode(self, tokens: torch.Tensor, cond: Cond) -> list[str]:
+        """The generated part of each row as text, cut at its first EOS (what follows EOS is padding, as in
+        LLaDA's generations), special tokens dropped."""
         gen = ~cond["prompt_mask"].bool()
-        return [self.tokenizer.decode(row[g].tolist(), skip_special_tokens=True) for row, g in zip(tokens, gen)]
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        out = []
+        for row, g in zip(tokens, gen):
+            ids = row[g].tolist()
+            if eos is not None and eos in ids:
+                ids = ids[:ids.index(eos)]
+            out.append(self.tokenizer.decode(ids, skip_special_tokens=True))
+        return out
+
+    def state_dict_and_meta(self, **extra) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """The plain model's weights (merge LoRA first) and its transformers config as JSON metadata: what
+        the masked trainer's policy.safetensors holds; ``load_weights`` puts it back on the base directory."""
+        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        meta = {"hf_config": model.config.to_json_string()} | {k: str(v) for k, v in extra.items()}
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}, meta  # clone: tied weights share memory
+
+    def load_weights(self, path: str | Path) -> "HFMaskedLM":
+        """Load a ``state_dict_and_meta`` safetensors file (a trained run's policy.safetensors) into this model;
+        a file for another architecture raises, naming it."""
+        from difrl.utils.io import load_safetensors_checked
+
+        tensors, _ = load_safetensors_checked(path, what="masked LM weights")
+        try:
+            missing, unexpected = self.model.load_state_dict(tensors, strict=False)
+        except RuntimeError as e:  # shape mismatches
+            raise ValueError(f"{path} does not fit the model at hand: {str(e)[:300]}") from e
+        if unexpected or [k for k in missing if k in dict(self.model.named_parameters())]:
+            raise ValueError(f"{path} does not fit the model at hand: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        return self
 
 
 def count_parameters(module: nn.Module) -> int:

@@ -241,5 +241,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
     summary = {"eval_before": run.state["eval_before"], "eval_after": eval_after, "iterations": done,
                "stopped_early": None, "run_dir": str(run_dir), "headline": list(world.headline)}
     save_policy(policy, net, cfg.train.lora.enabled, run_dir / "policy.safetensors")
+    if cfg.train.lora.enabled:  # also the adapter alone in peft's own format: PeftModel.from_pretrained(base, run_dir/"lora")
+        net.save_pretrained(str(run_dir / "lora"))
     run.finish(summary, world.headline)
     return summary

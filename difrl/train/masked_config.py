@@ -23,7 +23,18 @@ from difrl.worlds.masked import MASKED_KINDS
 @dataclass
 class MaskedModelConfig(ModelConfig):
     kind: str = cfg_field("sudoku", choices=MASKED_KINDS, help="sudoku: the bundled 4x4 Sudoku world; digit_tokens: the "
-                                                                 "8x8 digits as 64 tokens over 17 grey levels")
+                                                                 "8x8 digits as 64 tokens over 17 grey levels; hf_masked: a "
+                                                                 "local transformers masked LM on a text task")
+    # hf_masked only (difrl/worlds/text_tasks.py): model.path is the transformers directory (None = the bundled tiny MLM)
+    task: str = cfg_field("arithmetic", choices=("arithmetic", "countdown", "sudoku_text"), help="hf_masked: text task")
+    problems: str | None = cfg_field(None, help="hf_masked: training problems (JSONL); None = the task's bundled set")
+    gen_length: int = cfg_field(4, ge=2, help="hf_masked: answer block length in tokens (the answer, then EOS padding)")
+    chat_template: bool = cfg_field(True, help="hf_masked: wrap the question in the tokenizer's chat template if it has one")
+    trust_remote_code: bool = cfg_field(False, help="hf_masked: run the directory's own modelling code (LLaDA, Dream)")
+    dtype: str = cfg_field("auto", choices=("auto", "fp32", "bf16", "fp16"),
+                           help="hf_masked: weights dtype; auto = bf16 on a CUDA device that supports it, else fp32")
+    gradient_checkpointing: bool = cfg_field(False, help="hf_masked: transformers gradient checkpointing")
+    mask_id: int | None = cfg_field(None, ge=0, help="hf_masked: mask token id; None = the tokenizer's / config's")
 
 
 @dataclass
@@ -107,7 +118,15 @@ class MaskedTrainConfig(TrainConfig):
 @dataclass
 class MaskedEvalConfig(EvalConfig):
     num_blanks: int = cfg_field(8, ge=1, le=16, help="sudoku: blanks of the fixed test puzzles")
-    count: int = cfg_field(256, ge=1, help="sudoku: test puzzles (cut from the test solutions)")
+    count: int = cfg_field(256, ge=1, help="sudoku: test puzzles (cut from the test solutions); hf_masked: at most this "
+                                           "many test problems")
+    problems: str | None = cfg_field(None, help="hf_masked: test problems (JSONL); None = the task's bundled test set")
+    samples: int = cfg_field(8, ge=1, help="hf_masked: n samples per test problem for pass@k")
+    pass_k: list[int] = cfg_field([1, 8], help="hf_masked: the k of pass@k (unbiased estimator), each <= eval.samples")
+
+    def validate(self) -> None:
+        if not self.pass_k or any(not 1 <= k <= self.samples for k in self.pass_k):
+            raise config_error("pass_k", f"{self.pass_k}: each k must lie in [1, eval.samples={self.samples}]")
 
 
 @dataclass
@@ -140,6 +159,13 @@ class MaskedConfig(TrainerConfig):
                                                      f"group of rollout.group_size={self.rollout.group_size}")
         if ext.source == "solver" and self.model.kind != "sudoku":
             raise config_error("external.source", f"the solver source exists for model.kind=sudoku only, not {self.model.kind!r}")
+        bl, gl = self.sampler.block_length, self.model.gen_length
+        if self.model.kind == "hf_masked" and bl is not None and gl % bl:
+            raise config_error("sampler.block_length", f"{bl} does not divide model.gen_length={gl} (LLaDA's blocks tile "
+                                                       "the answer)")
+        if self.model.kind == "hf_masked" and self.sampler.kind == "llada" and self.sampler.steps % (gl // (bl or gl)):
+            raise config_error("sampler.steps", f"{self.sampler.steps} is not divisible by the number of blocks "
+                                                f"{gl // (bl or gl)} (model.gen_length / sampler.block_length)")
 
 
 def load_masked_config(path, overrides=()) -> MaskedConfig:

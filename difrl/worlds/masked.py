@@ -9,7 +9,7 @@
 Rewards are scored through the one reward registry (difrl.rewards), like the flow worlds', so
 ``module:function`` plug-ins, multi-reward weights and ``reward.on_error`` work here too; a reward
 gets ``world.decode(tokens)``, the prompt texts and each sample's metadata. A plain dict
-(``MASKED_WORLDS``) maps ``model.kind`` to a builder ``cfg -> MaskedWorld``. Two worlds:
+(``MASKED_WORLDS``) maps ``model.kind`` to a builder ``cfg -> MaskedWorld``. Three worlds:
 
 - ``sudoku`` (difrl/worlds/sudoku.py): prompt = the puzzle's givens (token positions that are
   never masked; text "12.4/..3./...." row by row, "." = blank), samples = filled digits [N, 16],
@@ -18,6 +18,9 @@ gets ``world.decode(tokens)``, the prompt texts and each sample's metadata. A pl
   token position is prompt; text "a handwritten 3"), samples = images [N, 1, 8, 8] in [0, 1],
   metadata ``{"digit": d}``; reward ``digit_prob`` (the flow digits world's); eval keys those of the
   flow digits world (``accuracy``, ``fd``, ...).
+- ``hf_masked`` (difrl/worlds/text_tasks.py): any local transformers masked LM on a text task (model.task),
+  prompt = the question in the chat template, left-padded; samples = completions as text cut at EOS;
+  metadata = the problem; reward ``text_correct`` (+ ``text_format``); eval keys ``pass@k``, ``greedy_accuracy``.
 """
 
 from __future__ import annotations
@@ -116,7 +119,14 @@ def _digit_tokens(cfg) -> MaskedWorld:
                        evaluate, ("accuracy", "fd"), dt.load_base, save_samples)
 
 
-MASKED_WORLDS: dict[str, Callable[..., MaskedWorld]] = {"sudoku": _sudoku, "digit_tokens": _digit_tokens}
+def _hf_masked(cfg) -> MaskedWorld:
+    from difrl.worlds.text_tasks import build_text_world
+
+    return build_text_world(cfg)
+
+
+MASKED_WORLDS: dict[str, Callable[..., MaskedWorld]] = {"sudoku": _sudoku, "digit_tokens": _digit_tokens,
+                                                        "hf_masked": _hf_masked}
 MASKED_KINDS = tuple(MASKED_WORLDS)  # the model.kind values the masked trainer runs (difrl/train/masked_config.py)
 
 
