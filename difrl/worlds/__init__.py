@@ -61,6 +61,38 @@ def _digits(model_path: str | None, cfg=None) -> World:
                  default_reward="digit_prob", headline=("accuracy", "fd"))
 
 
+def _moving_digits(model_path: str | None, cfg=None) -> World:
+    from difrl.models.video_flow import MovingDigitsPolicy, parse_moving_prompt
+    from difrl.worlds.moving_digits import PROMPTS, MovingDigitsWorld, evaluate_moving_digits, grid_order, save_gif
+
+    world = MovingDigitsWorld.load()
+    policy = MovingDigitsPolicy.from_checkpoint(model_path)
+    prompts = list(PROMPTS)  # model.prompts (if set): train on those; the eval always covers all 40
+    if cfg is not None and getattr(cfg.model, "prompts", None):
+        prompts = [str(p) for p in cfg.model.prompts]
+        for p in prompts:
+            parse_moving_prompt(p)  # an unreadable prompt stops the run here, named
+    ev = getattr(cfg, "eval", None)
+    if ev is not None and (getattr(ev, "rewards", None) or getattr(getattr(ev, "fid", None), "reference", None)):
+        raise ValueError("model.kind=moving_digits evaluates with its own classifier, unseen judge and clip FD; "
+                         "eval.rewards and eval.fid are for diffusers models (they would be ignored here)")
+
+    def evaluate(policy, per_digit=10, num_steps=10, seed=1234, shift=1.0):
+        return evaluate_moving_digits(policy, world, per_digit, num_steps, seed, shift)
+
+    def save_grid(videos: torch.Tensor, path: Path) -> None:
+        # a GIF beside the trainer's .png name: row = digit, columns = left, right, up, down x 3 samples
+        per = videos.shape[0] // len(PROMPTS)
+        save_gif(videos[grid_order(per)], Path(path).with_suffix(".gif"), nrow=4 * min(per, 3))
+
+    def metadata(pid: int) -> dict:
+        digit, direction = parse_moving_prompt(prompts[pid])
+        return {"digit": digit, "direction": direction, "prompt_id": pid}
+
+    return World("moving_digits", policy, prompts, evaluate, save_grid, metadata, device="cpu",
+                 default_reward="moving_digit", headline=("accuracy", "motion_accuracy", "fd"))
+
+
 def _diffusers(kind: str) -> Callable[..., World]:
     def build(model_path: str | None, cfg=None) -> World:
         from difrl.worlds.diffusers import diffusers_world
@@ -71,7 +103,8 @@ def _diffusers(kind: str) -> Callable[..., World]:
 
 
 # one entry per diffusers adapter: a new model kind in difrl/models/adapters.py is a world (and a flow-config choice)
-WORLDS: dict[str, Callable[..., World]] = {"digits": _digits, **{kind: _diffusers(kind) for kind in ADAPTERS}}
+WORLDS: dict[str, Callable[..., World]] = {"digits": _digits, "moving_digits": _moving_digits,
+                                           **{kind: _diffusers(kind) for kind in ADAPTERS}}
 FLOW_KINDS: tuple[str, ...] = tuple(WORLDS)  # the model.kind values the flow trainer runs (difrl/train/config.py)
 
 

@@ -1,0 +1,160 @@
+"""Flat GRPO vs BranchGRPO vs Sol-RL on the moving-digits video world: cost per iteration and learning at
+equal wall-clock, several seeds, in one run.
+
+    .venv/bin/python benchmarks/bench_video.py --json benchmarks/results/bench_video.json   # full: 3 seeds (long)
+    .venv/bin/python benchmarks/bench_video.py --quick                                       # ~2 min, never writes
+
+Every method starts from the bundled base with configs/moving_digits.yaml (8 prompts x 16 clips per
+iteration, flow-SDE a = 1.0, 8 steps, PPO-clip, KL 0.1, LoRA r16, the three video rewards, per-reward
+advantages); only the rollout differs (--quick: 4 prompts per iteration, small evaluations):
+  flat GRPO   16 independent SDE samples per prompt, 7 trained steps each
+  BranchGRPO  one tree per prompt, splits at steps 0, 2, 4, 6 (x2) -> 16 leaves; every SDE edge trained with
+              its child's depth-wise advantage (specs/branch-cps-guard.md §1)
+  Sol-RL      32 candidate seeds per prompt from an NVFP4 rollout copy in 4 ODE steps, rewarded; the 8 best
+              and 8 worst regenerated at full precision and trained with the same GRPO loss
+              (specs/lowprec-and-correctors.md §1; the NVFP4 copy is the exact CPU emulation, so it saves no time here)
+
+Cost: the median seconds per iteration (evaluations excluded) and the network evaluations per iteration
+(rollout + low-precision candidates + update forwards), as ratios to flat GRPO's, from the learning runs
+themselves. Learning at equal wall-clock: the budget is flat GRPO's mean training seconds; each run is read
+at its last evaluation inside that budget of its own cumulative training seconds (all runs in this one
+process, one thread each, one after the other: a busy machine slows all of them, not one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import publish, standard_args  # noqa: E402
+
+from difrl.train.config import load_flow_config  # noqa: E402
+from difrl.train.flow import train  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+BEGIN, END = "<!-- bench_video:start -->", "<!-- bench_video:end -->"
+CONFIG = ROOT / "configs" / "moving_digits.yaml"
+METHODS = {
+    "flat GRPO": [],
+    "BranchGRPO": ["rollout.kind=tree", "tree.split_steps=[0,2,4,6]", "tree.factor=2"],
+    "Sol-RL": ["rollout.kind=solrl", "rollout.precision=nvfp4", "solrl.candidates=32", "solrl.preview_steps=4",
+               "solrl.select=best_worst"],
+}
+METRICS = ("accuracy", "motion_accuracy", "fd", "judge_accuracy", "judge_motion_accuracy")
+
+
+def train_seconds(r: dict) -> float:
+    return r["seconds"] - r.get("seconds_eval", 0.0)
+
+
+def nfe(r: dict) -> int:
+    return r.get("nfe_full", 0) + r.get("nfe_lowprec", 0) + r["nfe_train"]
+
+
+def one_run(name: str, seed: int, iterations: int, every: int, out: Path, extra: list[str]) -> tuple[list[dict], dict]:
+    cfg = load_flow_config(CONFIG, [*METHODS[name], f"seed={seed}", f"train.iterations={iterations}",
+                                    f"eval.every={every}", "threads=1", *extra])
+    d = out / name.replace(" ", "_") / f"seed{seed}"
+    summary = train(cfg, out_dir=d)
+    rows = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    return rows, summary
+
+
+def at_budget(rows: list[dict], summary: dict, budget: float) -> dict:
+    """The last evaluation (before, every `every`, after) within `budget` cumulative training seconds."""
+    t, best = 0.0, {"seconds": 0.0, "iteration": 0, **{k: summary["eval_before"][k] for k in METRICS}}
+    for r in rows:
+        t += train_seconds(r)
+        if t > budget * 1.0001:
+            return best
+        if "eval/accuracy" in r:
+            best = {"seconds": t, "iteration": r["iteration"], **{k: r[f"eval/{k}"] for k in METRICS}}
+    return {"seconds": t, "iteration": summary["iterations"], **{k: summary["eval_after"][k] for k in METRICS}}
+
+
+def spread_sentence(name: str, key: str, rows: dict, higher_is_better: bool) -> str:
+    """`name` vs flat GRPO on `key` at the budget: better / worse only beyond both spreads (mean +- std)."""
+    a, b = rows[name], rows["flat GRPO"]
+    ma, sa, mb, sb = a[f"{key}_mean"], a[f"{key}_std"], b[f"{key}_mean"], b[f"{key}_std"]
+    gap = ma - mb if higher_is_better else mb - ma
+    if len(a["seeds"]) < 2:
+        return (f"- {name}: {key} at equal wall-clock {ma:.3f} vs flat GRPO's {mb:.3f} (one seed: no spread over "
+                "seeds, so no better / worse claim)")
+    if abs(ma - mb) <= sa + sb:
+        verdict = f"within the spread over seeds of flat GRPO's ({ma:.3f} ± {sa:.3f} vs {mb:.3f} ± {sb:.3f})"
+    else:
+        verdict = (f"{'better' if gap > 0 else 'worse'} than flat GRPO's beyond the spread over seeds "
+                   f"({ma:.3f} ± {sa:.3f} vs {mb:.3f} ± {sb:.3f})")
+    return f"- {name}: {key} at equal wall-clock is {verdict}."
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    standard_args(ap, "one seed, 6 iterations, small evaluations (~2 min)")
+    ap.add_argument("--seeds", type=int, nargs="+", help="training seeds (default 0 1 2; --quick 0)")
+    ap.add_argument("--iterations", type=int, help="iterations of every run (default: the config's; --quick 6)")
+    ap.add_argument("--every", type=int, help="evaluation interval (default 10; --quick 3)")
+    ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_video")
+    args = ap.parse_args(argv)
+    q = args.quick
+    seeds = args.seeds or ([0] if q else [0, 1, 2])
+    iterations = args.iterations or (6 if q else load_flow_config(CONFIG).train.iterations)
+    every = args.every or (3 if q else 10)
+    extra = ["rollout.prompts_per_iter=4", "eval.per_digit=2", "eval.num_steps=6"] if q else []
+    methods = ["flat GRPO", *[m for m in args.methods if m != "flat GRPO"]]
+
+    runs = {name: [one_run(name, s, iterations, every, args.out, extra) for s in seeds] for name in methods}
+    budget = statistics.mean(sum(train_seconds(r) for r in rows) for rows, _ in runs["flat GRPO"])
+    table = {}
+    for name, rs in runs.items():
+        per_iter = statistics.median(train_seconds(r) for rows, _ in rs for r in rows)
+        nfe_iter = statistics.median(nfe(r) for rows, _ in rs for r in rows)
+        eq = [at_budget(rows, s, budget) for rows, s in rs]
+        row = {"method": name, "seeds": seeds, "iterations": iterations, "seconds_per_iter": per_iter,
+               "nfe_per_iter": nfe_iter, "budget_seconds": budget,
+               "iterations_at_budget": statistics.mean(e["iteration"] for e in eq)}
+        for k in METRICS:
+            row[f"{k}_mean"] = statistics.mean(e[k] for e in eq)
+            row[f"{k}_std"] = statistics.pstdev(e[k] for e in eq)
+            row[f"{k}_before"] = rs[0][1]["eval_before"][k]
+            row[f"{k}_final"] = statistics.mean(s["eval_after"][k] for _, s in rs)
+        table[name] = row
+    flat = table["flat GRPO"]
+    for row in table.values():
+        row["seconds_ratio"] = row["seconds_per_iter"] / flat["seconds_per_iter"]
+        row["nfe_ratio"] = row["nfe_per_iter"] / flat["nfe_per_iter"]
+
+    lines = [f"Moving-digits world (configs/moving_digits.yaml), {iterations} iterations per run, seeds {seeds}, "
+             f"evaluation every {every}; budget = flat GRPO's {budget:.0f} s of training (mean over seeds). "
+             f"Base: accuracy {flat['accuracy_before']:.3f}, motion accuracy {flat['motion_accuracy_before']:.3f}, "
+             f"FD {flat['fd_before']:.1f}.", "",
+             "| method | s / iter | × flat | NFE / iter | × flat | iterations at budget | accuracy at budget | "
+             "motion accuracy at budget | FD at budget | judge (frames / motion) at budget | final accuracy | final motion |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in table.values():
+        lines.append(f"| {r['method']} | {r['seconds_per_iter']:.2f} | {r['seconds_ratio']:.2f}× | {r['nfe_per_iter']:.0f} | "
+                     f"{r['nfe_ratio']:.2f}× | {r['iterations_at_budget']:.0f} | {r['accuracy_mean']:.3f} ± "
+                     f"{r['accuracy_std']:.3f} | {r['motion_accuracy_mean']:.3f} ± {r['motion_accuracy_std']:.3f} | "
+                     f"{r['fd_mean']:.1f} ± {r['fd_std']:.1f} | {r['judge_accuracy_mean']:.3f} / "
+                     f"{r['judge_motion_accuracy_mean']:.3f} | {r['accuracy_final']:.3f} | {r['motion_accuracy_final']:.3f} |")
+    lines.append("")
+    for name in table:
+        if name != "flat GRPO":
+            lines += [spread_sentence(name, "accuracy", table, True), spread_sentence(name, "motion_accuracy", table, True)]
+    lines += ["", "'iterations at budget' 0 means the base: the method's first evaluation came after flat GRPO's budget.",
+              "", "CPU only (no GPU used); seconds are single-thread timings on a machine that may have been shared, "
+              "so the seconds ratios are the comparable part. The NVFP4 rollout copy is an exact emulation on the CPU "
+              "(slower than fp32 there): Sol-RL's candidate stage saves no time on this machine."]
+    rows = list(table.values())
+    publish(args, BEGIN, END, "Video: flat GRPO vs BranchGRPO vs Sol-RL (moving-digits world)", "bench_video.py", argv,
+            lines, rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
