@@ -36,6 +36,15 @@ def sample_noise(seeds: torch.Tensor, step: int | list[int], shape: tuple[int, .
 
 
 INIT_STEP = -1  # the "step" whose noise is the initial latent
+
+
+def initial_latents(seeds: torch.Tensor, latent_shape, device="cpu") -> torch.Tensor:
+    """[B, *latent_shape] fp32: the initial noise x_1 of difrl's samples with initial-noise seeds `seeds`
+    (Rollout.init_seeds; an evaluation's seeds are mix_seed(eval.seed, i) for its i-th sample). It is in the
+    pipeline's own latent layout (policy.latent_shape: FLUX packed [tokens, 4C], SD3 [C, h, w], Wan
+    [C, f, h, w]), so plain diffusers reproduces a difrl ODE sample with
+    `pipe(prompt, latents=initial_latents(seeds, policy.latent_shape), num_inference_steps=N, ...)`."""
+    return sample_noise(torch.as_tensor(seeds, dtype=torch.long), INIT_STEP, tuple(latent_shape), device)
 _ONE_DRAW_MAX_ELEMENTS = 1 << 22  # draw all steps' noise at once up to 4M elements (about 100 MB of fp64 temporaries)
 
 
@@ -145,7 +154,7 @@ def rollout(
     bs = batch_size or B
 
     lat = tuple(policy.latent_shape)
-    x = sample_noise(init_seeds, INIT_STEP, lat, device)
+    x = initial_latents(init_seeds, lat, device)
     # small latents: every SDE step's noise in one vectorised draw ([S, B, *latent]; per-call overhead
     # dominates there). Large ones: step by step, so the fp64 intermediates stay one step's size.
     sde_steps = sde_mask.nonzero().flatten().tolist()

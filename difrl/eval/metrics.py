@@ -41,3 +41,18 @@ def within_class_diversity(x: torch.Tensor, labels: torch.Tensor) -> float:
         d = torch.cdist(xc, xc)
         per_class.append(d.sum() / (n * (n - 1)))
     return float(torch.stack(per_class).mean()) if per_class else float("nan")
+
+
+def change_over_noise(before: dict, after: dict, key: str = "reward") -> dict | None:
+    """after - before of an evaluation mean with its sampling noise, for a run's summary.
+
+    Each evaluation reports `<key>` (a mean over n fixed-seed samples) and `<key>_sem` (the samples'
+    std / sqrt(n)); noise = sqrt(sem_before^2 + sem_after^2) is the standard error of the difference
+    if the two evaluations' samples were independent (they share seeds, so it overstates the noise of
+    a paired difference: a conservative yardstick). None when either evaluation lacks the sem."""
+    if f"{key}_sem" not in before or f"{key}_sem" not in after:
+        return None
+    delta = float(after[key]) - float(before[key])
+    noise = (float(before[f"{key}_sem"]) ** 2 + float(after[f"{key}_sem"]) ** 2) ** 0.5
+    return {"key": key, "before": float(before[key]), "after": float(after[key]), "delta": delta, "noise": noise,
+            "delta_over_noise": delta / noise if noise > 0 else None}

@@ -41,7 +41,10 @@ def main(kind: str, argv: list[str] | None = None, description: str | None = Non
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
         before, after = summary["eval_before"], summary["eval_after"]
-        print(f"\n{name}: {summary['iterations']} iterations; eval reward {before['reward']:.4f} -> {after['reward']:.4f}")
+        change = summary.get("reward_change")
+        noise = (f" ({change['delta']:+.4f}; sampling noise of the difference {change['noise']:.4f}, "
+                 f"{after.get('samples', '?')} fixed-seed samples)") if change else ""
+        print(f"\n{name}: {summary['iterations']} iterations; eval reward {before['reward']:.4f} -> {after['reward']:.4f}{noise}")
         run = Path(summary["run_dir"])
         saved = run / ("lora" if cfg.train.lora.enabled else "transformer")
         print(f"results: {run / 'summary.json'}, samples: {run / 'samples'}, trained weights: {saved}")

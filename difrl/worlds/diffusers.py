@@ -9,7 +9,8 @@ The policy is `load_flow_policy(kind, model.path, ...)` (difrl/models/adapters.p
 process's GPU when there is one. Training prompts come from `model.prompts` or `model.prompt_file`
 (one per line, or .jsonl with metadata); prompt id = index. The evaluation is a fixed-seed ODE
 rollout of `eval.per_digit` samples for each evaluation prompt, scored by the run's own rewards
-(`reward.weights`): a mean weighted reward and each reward's mean. The evaluation panel
+(`reward.weights`): a mean weighted reward with its standard error over the samples (`reward_sem`;
+the run's summary reports after - before against it, difrl.eval.metrics.change_over_noise) and each reward's mean. The evaluation panel
 (difrl.eval.panel) adds `eval.rewards`, held-out rewards never trained on, as `heldout/<name>`, and
 with `eval.fid.reference` the Fréchet distance / KID of the samples on a named extractor (`fd`,
 `kid`, `fd_report` with its provenance). FD early stopping stays refused by the config here (it
@@ -140,7 +141,9 @@ def diffusers_world(kind: str, model_path: str | None, cfg=None) -> World:
         images = torch.cat(images)
         meta = [{**meta_by_prompt.get(t, {}), "prompt_id": int(i), "prompt": t} for i, t in zip(ids, texts)]
         scores = score_all(rewards, images, texts, meta, seeds, ids)
-        metrics = {"reward": float(sum(w * scores[n] for n, w in weights.items()).mean()),
+        total = sum(w * scores[n] for n, w in weights.items())  # [N] the weighted reward of each sample
+        metrics = {"reward": float(total.mean()),
+                   "reward_sem": float(total.std() / len(total) ** 0.5) if len(total) > 1 else 0.0,  # sampling noise
                    **{f"reward/{k}": float(v.mean()) for k, v in scores.items()},
                    **panel(images, texts, meta, seeds, ids),
                    "samples": len(texts), "num_steps": num_steps}
