@@ -3,8 +3,10 @@
     .venv/bin/python benchmarks/bench_quant.py            # full run (~2-3 min on 2 cores), updates BENCHMARKS.md
     .venv/bin/python benchmarks/bench_quant.py --quick --json /tmp/quant.json --no-write
 
-Three tables, every format of ``difrl.quant.FORMATS`` (bf16, fp8, fp8_block, mxfp8, nvfp4), all with the
-exact pure-torch emulation that CI runs (Transformer Engine numerics, forward path):
+Three tables, every format of ``difrl.quant.FORMATS`` (bf16, fp8, fp8_block, mxfp8, mxfp8_floor, nvfp4,
+nvfp4_single), all with the pure-torch emulation that CI runs. It is written from Transformer Engine's documented
+forward recipes (specs/lowprec-and-correctors.md §2-3) but has never been run against Transformer Engine (no GPU
+was used); tests/test_quant.py compares it with torchao's quantizers bit for bit (see README "Low precision"):
 
 (a) error of one linear layer, digits-size (in 128, out 512, 256 tokens) and FLUX-size (the MLP's first
     projection: weight [12288, 3072], activations [1024 tokens (--quick: 256), 3072]); N(0,1) activations,
@@ -41,8 +43,10 @@ from difrl.quant import FORMATS, QUANT_PRESETS, RolloutCopy, qdq, quantize, rela
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- bench_quant:start -->", "<!-- bench_quant:end -->"
-ROW_BLOCK = {"bf16": "-", "fp8": "tensor", "fp8_block": "1x128", "mxfp8": "1x32", "nvfp4": "1x16"}
-WEIGHT_BLOCK = {"bf16": "-", "fp8": "tensor", "fp8_block": "128x128", "mxfp8": "1x32", "nvfp4": "16x16"}
+ROW_BLOCK = {"bf16": "-", "fp8": "tensor", "fp8_block": "1x128", "mxfp8": "1x32", "mxfp8_floor": "1x32", "nvfp4": "1x16",
+             "nvfp4_single": "1x16"}
+WEIGHT_BLOCK = {"bf16": "-", "fp8": "tensor", "fp8_block": "128x128", "mxfp8": "1x32", "mxfp8_floor": "1x32",
+                "nvfp4": "16x16", "nvfp4_single": "16x16"}
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -154,6 +158,48 @@ def tables(res: dict) -> str:
     return "\n".join(out)
 
 
+def reading(res: dict) -> str:
+    """The block's interpretation, every number from this run's rows."""
+    def pct(v):
+        return f"{100 * v:.2f}%"
+
+    def span(vals, fmt=pct):
+        lo, hi = fmt(min(vals)), fmt(max(vals))
+        return lo if lo == hi else f"{lo}-{hi}"
+
+    lay, mem = res["layers"], res["storage"]
+    parts = ["**Reading it.**"]
+    for label, fmts in (("The E4M3 recipes that scale to avoid overflow (fp8 per tensor, fp8_block, mxfp8)",
+                         ("fp8", "fp8_block", "mxfp8")), ("mxfp8_floor (up to 2x overflow, saturated)", ("mxfp8_floor",))):
+        rs = [r for r in lay if r["format"] in fmts]
+        if rs:
+            parts.append(f"{label}: {span([v for r in rs for v in (r['act_err'], r['weight_err'])])} per operand, "
+                         f"{span([r['gemm_err'] for r in rs])} on the GEMM.")
+    nv = {(r["layer"], r["format"]): r for r in lay if r["format"].startswith("nvfp4")}
+    for layer in dict.fromkeys(r["layer"] for r in lay):
+        two, one = nv.get((layer, "nvfp4")), nv.get((layer, "nvfp4_single"))
+        if two:
+            parts.append(f"{layer}: NVFP4 {pct(two['act_err'])} (activations), {pct(two['weight_err'])} (weights), "
+                         f"{pct(two['gemm_err'])} (GEMM)" + (f"; single-level NVFP4 {pct(one['act_err'])}, "
+                                                             f"{pct(one['weight_err'])}, {pct(one['gemm_err'])}." if one else "."))
+    nvm = [r for r in mem if r["format"] == "nvfp4"]
+    if nvm:
+        parts.append(f"An NVFP4 weight takes {span([r['x_bf16'] for r in nvm], lambda v: f'{v:.3f}')}× "
+                     f"its BF16 bytes with one scale per 16×16 tile, {max(r['row_layout_x_bf16'] for r in nvm):.3f}× "
+                     "with a scale per 1×16 row block (TE's GEMM layout).")
+    dig = {r["format"]: r for r in res["digits"]}
+    slow = [r for r in res["digits"] if r["format"] != "fp32"]
+    if slow:
+        fast, slowest = min(slow, key=lambda r: r["x_fp32_time"]), max(slow, key=lambda r: r["x_fp32_time"])
+        parts.append(f"The emulated digits copy's forward costs {fast['x_fp32_time']:.1f}× ({fast['format']}) to "
+                     f"{slowest['x_fp32_time']:.1f}× ({slowest['format']}) the fp32 forward on this CPU; the emulation "
+                     "fake-quantizes every activation in plain torch, so these times say nothing about GPU kernels.")
+    if "nvfp4" in dig:
+        parts.append(f"The NVFP4 digits copy is {dig['nvfp4']['x_bf16']:.2f}× its BF16 size (embedders, output "
+                     "projection and biases stay fp32).")
+    return " ".join(parts)
+
+
 def write_markdown(res: dict, command: str, path: Path) -> None:
     d = res["digits"][0]
     block = "\n".join([
@@ -164,13 +210,17 @@ def write_markdown(res: dict, command: str, path: Path) -> None:
         f"Date: {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}  ",
         f"Machine: {machine()}",
         "",
-        "Exact pure-torch emulation of Transformer Engine's forward numerics (`difrl.quant`), N(0,1) activations, "
-        "N(0, 1/in) weights, seed 0. NVFP4 = E2M1 with an E4M3 scale per 16 and an FP32 tensor scale; MXFP8 = E4M3 "
-        "with an E8M0 scale per 32; fp8 = E4M3 with one current-amax scale per tensor; fp8_block = E4M3 with "
+        "Pure-torch emulation (`difrl.quant`) written from Transformer Engine's documented forward recipes; it has "
+        "never been run against Transformer Engine (no GPU was used). N(0,1) activations, N(0, 1/in) weights, seed 0. "
+        "NVFP4 = E2M1 with an E4M3 scale per 16 and an FP32 tensor scale (nvfp4_single: the E4M3 block scale only, "
+        "torchao's single-level mode); MXFP8 = E4M3 with an E8M0 scale per 32, rounded up (RCEIL; mxfp8_floor: the "
+        "OCP spec's floor exponent); fp8 = E4M3 with one current-amax scale per tensor; fp8_block = E4M3 with "
         f"power-of-two scales. Digits: batch {d['batch']}, {d['repeats']} round-robin repeats; the emulation fake-"
         "quantizes activations in plain torch on every call, so it is slower than fp32 on a CPU by design.",
         "",
         tables(res),
+        "",
+        reading(res),
         END,
     ])
     write_block(path, BEGIN, END, block.split("\n")[1:-1])

@@ -42,7 +42,7 @@ def test_bench_quant_rows_and_markdown(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "ROOT", tmp_path)
     small = ["--flux-dims", "256", "1024", "--tokens", "32", "--small-tokens", "32", "--batch", "16", "--repeats", "2"]
     res = bench.main(["--quick", *small, "--json", str(tmp_path / "quant.json")])
-    fmts = ("bf16", "fp8", "fp8_block", "mxfp8", "nvfp4")
+    fmts = ("bf16", "fp8", "fp8_block", "mxfp8", "mxfp8_floor", "nvfp4", "nvfp4_single")
     assert [r["format"] for r in res["layers"]] == list(fmts) * 2
     assert [r["format"] for r in res["storage"]] == list(fmts) * 2
     assert [r["format"] for r in res["digits"]] == ["fp32", *fmts]
@@ -65,6 +65,8 @@ def test_bench_quant_rows_and_markdown(tmp_path, monkeypatch):
     md = (tmp_path / "BENCHMARKS.md").read_text()
     assert md.count(bench.BEGIN) == 1 and "Command: `python benchmarks/bench_quant.py --flux-dims" in md
     assert "| nvfp4 |" in md
+    nv = err["FLUX-size", "nvfp4"]  # the reading is computed from the run's rows (the last run's, equal here)
+    assert f"FLUX-size: NVFP4 {100 * nv['act_err']:.2f}% (activations)" in md
 
 
 def test_gpu_lowprec_without_a_gpu_says_so_and_exits_0(tmp_path):

@@ -12,21 +12,28 @@ import torch
 
 from difrl.correct import (
     METHODS,
+    POLICY_LOSSES,
     ais,
     aspo_loss,
     ctpo_log_ratio,
+    ctpo_loss,
     ess_fraction,
     geo_rs,
     gspo_log_ratio,
+    gspo_loss,
     k2_rs,
     k3_rs,
     minpro,
+    option_problems,
     seq_mis,
     seq_tis,
+    seq_tis_bn,
     token_mis,
     token_tis,
+    token_tis_bn,
     vcpo_lr_scale,
     vespo,
+    vespo_loss,
 )
 
 # rho = pi / mu per token; row 1's last position is padding (its value must never matter)
@@ -163,6 +170,83 @@ def test_ais_limits():
     assert 0.2 < lam < 1.0 and mid.keep.all()  # reliable weights: mixed, nothing masked
 
 
+def test_k3_keeps_its_value_for_tiny_mismatches():
+    """K3 ~ (log rho)^2 / 2: at log rho = 1e-5 that is 5e-11, which exp(lr) - lr - 1 in fp32 rounds to exactly 0."""
+    lp_mu = torch.zeros(2, 4)
+    lp = lp_mu + torch.tensor([[1e-5, -1e-5, 2e-5, 0.0], [3e-4, 1e-6, -1e-6, 1e-5]])
+    expect = (lp - lp_mu).double() ** 2 / 2
+    c = token_tis(lp, lp_mu)
+    assert c.diagnostics["kl_k3"].item() == pytest.approx(float(expect.mean()), rel=1e-3)
+    lam = ais(lp, lp_mu, kl_scale=1e-9).diagnostics["ais_lambda"].item()
+    assert lam == pytest.approx(1 - math.exp(-float(expect.mean()) / 1e-9), rel=1e-3)
+    assert k3_rs(lp, lp_mu, threshold=float(expect[0].max()) * 0.99, aggregate="token").keep[0].tolist() == [True, True, False, True]
+
+
+def test_batch_normalised_tis_divides_by_the_batch_mean():
+    # token level: min(rho, 2) = [[2, .5, 1], [2, 1, -]], mean over the 5 valid tokens 6.5 / 5 = 1.3
+    c = token_tis_bn(LP, LP_MU, MASK, cap=2.0)
+    close(c.weights, [[2 / 1.3, 0.5 / 1.3, 1 / 1.3], [2 / 1.3, 1 / 1.3, 0.0]])
+    close(c.diagnostics["batch_mean_weight"], 1.3)
+    close((c.weights * MASK).sum() / MASK.sum(), 1.0)
+    # sequence level: products 1 and 4 (cap 5), mean over the 2 sequences 2.5
+    s = seq_tis_bn(LP, LP_MU, MASK)
+    close(s.weights, [[0.4, 0.4, 0.4], [1.6, 1.6, 0.0]])
+    # a capped sequence: min(4, 3) = 3, mean (1 + 3) / 2 = 2
+    close(seq_tis_bn(LP, LP_MU, MASK, cap=3.0).weights, [[0.5, 0.5, 0.5], [1.5, 1.5, 0.0]])
+
+
+def test_k3_rejection_per_token_sum_and_max():
+    # K3_t = rho - log rho - 1: rho 2 -> 0.3069, 0.5 -> 0.1931, 1 -> 0, 4 -> 1.6137
+    assert k3_rs(LP, LP_MU, MASK, 0.25, "token").keep.tolist() == [[False, True, True], [False, True, False]]
+    assert k3_rs(LP, LP_MU, MASK, 1.0, "sum").keep.tolist() == [[True] * 3, [False] * 3]  # sums 0.5, 1.614
+    assert k3_rs(LP, LP_MU, MASK, 0.31, "max").keep.tolist() == [[True] * 3, [False] * 3]  # maxima 0.307, 1.614
+    assert not k3_rs(LP, LP_MU, MASK, 0.30, "max").keep.any()
+    assert k3_rs(LP, LP_MU, MASK, 0.5, "mean").keep.tolist() == [[True] * 3, [False] * 3]  # means 0.167, 0.807
+    assert k3_rs(LP, LP_MU, MASK, 0.17, "mean").keep.tolist() == k3_rs(LP, LP_MU, MASK, 0.17).keep.tolist()
+    with pytest.raises(ValueError, match="aggregate must be"):
+        k3_rs(LP, LP_MU, MASK, 0.1, "median")
+
+
+def test_gspo_loss_clips_the_sequence_ratio():
+    lp = LP.clone().requires_grad_(True)
+    # s = exp(mean log r): row 0: 2 * .5 * 1 -> 1; row 1: 4 * 1 over 2 tokens -> 2, clipped to 1 + 4e-4
+    loss = gspo_loss(lp, LP_MU, torch.tensor([1.0, 1.0]), MASK)
+    close(loss, [[-1.0, -1.0, -1.0], [-1.0004, -1.0004, 0.0]])
+    loss.sum().backward()
+    close(lp.grad, [[-1.0, -1.0, -1.0], [0.0, 0.0, 0.0]])  # the clipped sequence gives no gradient
+
+
+def test_ctpo_loss_clips_the_prefix_ratio_by_position_and_dual_clips_negative_advantages():
+    loss = ctpo_loss(LP, LP_MU, torch.tensor([1.0, -1.0]), MASK)
+    e = math.exp
+    # A > 0, row 0: log R = [log 2, 0, 0]; at t = 1 the bound is 0.05: max(-2, -e^0.05)
+    close(loss[0], [-e(0.05), -1.0, -1.0])
+    # A < 0, row 1: R = 4 at t = 1, 2: max(4, e^(0.05 sqrt t)) = 4, dual clip min(4, e^(0.05 t^0.5))
+    close(loss[1], [e(0.05), e(0.05 * math.sqrt(2)), 0.0])
+
+
+def test_vespo_loss_is_the_kernel_times_the_reinforce_term():
+    lp = LP.clone().requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0])
+    phi = vespo(LP, LP_MU, adv, MASK).weights
+    loss = vespo_loss(lp, LP_MU, adv, MASK)
+    close(loss, -phi * adv[:, None] * LP * MASK)
+    loss.sum().backward()
+    close(lp.grad, -phi * adv[:, None])
+    # with the rollout's pi_old / mu factor the kernel sees the product of both ratios
+    both = vespo_loss(LP, LP_MU, adv, MASK, log_prob_rollout=LP_MU - 0.1)
+    close(both, -vespo(LP, LP_MU, adv, MASK, log_prob_rollout=LP_MU - 0.1).weights * adv[:, None] * LP * MASK)
+
+
+def test_policy_losses_vanish_on_padding_and_options_are_checked():
+    for name, fn in POLICY_LOSSES.items():
+        assert fn(LP, LP_MU, torch.tensor([1.0, -1.0]), MASK)[1, 2] == 0.0, name
+    assert option_problems("k3_rs", k3_rs, {"threshold": 0.1, "aggregate": "max"}, ("log_prob", "log_prob_rollout", "mask")) == []
+    problems = option_problems("token_mis", token_mis, {"low": 3.0, "high": 2.0}, ("log_prob", "log_prob_rollout", "mask"))
+    assert problems == [("low", "= 3.0 is above high = 2.0")]
+    assert option_problems("ctpo", ctpo_loss, {"power": -0.5, "c_low": float("nan")}, ("log_prob",))[0][0] == "c_low"
+
+
 # ---- properties every method keeps ------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", sorted(METHODS))
@@ -240,6 +324,6 @@ def test_llm_example_trains_a_tiny_causal_lm_with_the_same_core():
     results = mod.main(["--iterations", "3", "--methods", "none", "ais", "--groups", "2", "--group-size", "4"])
     assert [r["method"] for r in results] == ["none", "ais"]
     for r in results:
-        assert len(r["history"]) == 3 and 0.0 <= r["final_reward"] <= 1.0
-        assert all(h["mean_log_ratio"] != 0.0 and h["kl_k3"] >= 0.0 for h in r["history"])  # NVFP4 copy != trainer
-    assert "ais_lambda" in results[1]["history"][0]
+        assert len(r["history"]) == 3 and r["final_reward"] == pytest.approx(sum(h["reward"] for h in r["history"]) / 3)
+        assert all(h["mean_log_ratio"] != 0.0 and h["kl_k3"] > 0.0 for h in r["history"])  # NVFP4 copy != trainer
+    assert all(0.0 < h["ais_lambda"] < 1.0 for h in results[1]["history"])  # a mismatch, so AIS mixes in some IS

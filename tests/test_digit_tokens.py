@@ -106,7 +106,7 @@ def test_eval_is_reproducible_and_has_digits_keys(world, tmp_path):
     assert not torch.equal(images, images3)
     assert set(m1) == DIGITS_KEYS | {"nfe", "sampler"}
     assert images.shape == (40, 1, 8, 8) and m1["samples"] == 40 and m1["sampler"] == "emerge"
-    assert 0 < m1["nfe"] <= m1["num_steps"] == 16 and 0.0 <= m1["accuracy"] <= 1.0
+    assert 0 < m1["nfe"] <= m1["num_steps"] == 16 and m1["accuracy"] > 0.5  # the base model draws its digits
     # the metrics are the digits world's, on the decoded images
     labels = torch.arange(10).repeat_interleave(4)
     assert {k: v for k, v in m1.items() if k not in ("nfe", "sampler")} == image_metrics(world, images, labels, 16)

@@ -560,3 +560,62 @@ def test_mxfp8_matches_torchao_rceil():
         q = quantize(x, "mxfp8", "activation")
         assert torch.equal(q.data["data"].view(torch.uint8), data.view(torch.uint8)), name
         assert torch.equal(q.data["exponents"].to(torch.int16) + 127, scale.view(torch.uint8).to(torch.int16)), name
+
+
+# ---------------------------------------------------------------------------------- single-level NVFP4, MXFP8 FLOOR
+
+
+def test_nvfp4_single_level_formula_by_hand():
+    x = torch.zeros(2, 32)
+    x[0, :16] = torch.linspace(-3.0, 3.0, 16)  # amax 3: s_b = e4m3(3 / 6) = 0.5, codes = x / 0.5 on the E2M1 grid
+    x[0, 16:] = 1e4  # amax_b / 6 = 1667 > 448: the scale saturates at 448 and every element at 6 * 448
+    q = quantize(x, "nvfp4_single", "activation")
+    assert set(q.data) == {"codes", "scales"}  # no per-tensor scale
+    assert q.data["scales"].float().tolist() == [[0.5, 448.0], [2 ** -6, 2 ** -6]]  # zero blocks: 2^-6, as torchao
+    y = qdq(x, "nvfp4_single")
+    assert torch.equal(y[0, :16], F.cast_e2m1(x[0, :16] / 0.5) * 0.5)
+    assert (y[0, 16:] == 6 * 448.0).all() and (y[1] == 0).all()
+    assert torch.equal(dequantize(q), y)
+
+
+def test_mxfp8_floor_scale_is_the_ocp_exponent_and_saturates():
+    x = torch.zeros(1, 64)
+    x[0, 0], x[0, 1] = 500.0, 3.0  # amax 500 = 1.95 * 2^8: floor scale 2^(8 - 8) = 1, and 500 > 448 saturates
+    x[0, 32], x[0, 33] = 0.3, -0.1  # amax 0.3 = 1.2 * 2^-2: scale 2^-10
+    q = quantize(x, "mxfp8_floor", "activation")
+    assert q.data["exponents"].tolist() == [[0, -10]]
+    y = qdq(x, "mxfp8_floor")
+    assert y[0, 0] == 448.0 and y[0, 1] == 3.0 and y[0, 33] == _e4m3(0.1 * 2 ** 10) * -(2 ** -10)
+    # the RCEIL default never saturates: its scale for amax 500 is 2^ceil(log2(500 / 448)) = 2, 250 -> E4M3 256
+    assert quantize(x, "mxfp8", "activation").data["exponents"].tolist() == [[1, -10]] and qdq(x, "mxfp8")[0, 0] == 512.0
+
+
+def test_nvfp4_single_level_matches_torchao_bit_for_bit():
+    nvfp4_tensor, _, _ = _torchao()
+    tensors = {**_reference_tensors(), "zero blocks": torch.zeros(4, 64)}
+    for name, x in tensors.items():
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        scales, packed = nvfp4_tensor.nvfp4_quantize(x2, 16, None)
+        q = quantize(x, "nvfp4_single", "activation")
+        assert torch.equal(scales.view(torch.uint8), q.data["scales"].reshape(scales.shape).view(torch.uint8)), name
+        # codes: equal up to the sign of zero (we keep -0 as the hardware cast does; torchao writes +0)
+        ours, ref = F.unpack_e2m1(q.data["codes"]).reshape(-1), F.unpack_e2m1(packed).reshape(-1)
+        same_value = (ours & 7) == (ref & 7)
+        assert same_value.all() and torch.equal(ours[ref & 7 != 0], ref[ref & 7 != 0]), name
+
+
+def test_mxfp8_floor_matches_torchao_bit_for_bit():
+    _, mx_tensor, mode = _torchao()
+    for name, x in _reference_tensors().items():
+        scale, data = mx_tensor.to_mx(x.contiguous(), torch.float8_e4m3fn, 32, scaling_mode=mode.FLOOR)
+        q = quantize(x, "mxfp8_floor", "activation")
+        assert torch.equal(q.data["data"].view(torch.uint8), data.view(torch.uint8)), name
+        assert torch.equal(q.data["exponents"].to(torch.int16) + 127, scale.view(torch.uint8).to(torch.int16)), name
+        ref = mx_tensor.to_dtype(data, scale, torch.float8_e4m3fn, 32, torch.float32)
+        assert torch.equal(qdq(x, "mxfp8_floor"), ref), name
+
+
+def test_new_formats_run_in_the_rollout_copy_and_have_no_te_recipe():
+    for fmt in ("nvfp4_single", "mxfp8_floor"):
+        assert choose_backend(fmt, "auto")[0] == "emulate"
+        assert "no CUDA GPU" in L.te_support(fmt)[1] or "no " + fmt in L.te_support(fmt)[1]

@@ -44,7 +44,9 @@ def test_tree_training_is_on_policy_and_counts_match(tmp_path, overrides):
         assert row["nfe_full"] == evals and row["nfe_lowprec"] == 0
     else:  # tree rollout on the copy, proximal log-probs recomputed at full precision, one per edge
         assert row["nfe_lowprec"] == evals and row["nfe_full"] == edges
-        assert "correct/weight_mean" in row or any(k.startswith("correct/") for k in row)
+        # the NVFP4 copy is another policy (a gap, K3 > 0) and the trained policy passes the independent check
+        assert row["correct/kl_k3"] > 0 and row["correct/copy_policy_log_prob_gap"] > 0
+        assert row["first_step_policy_max_abs_log_ratio"] <= 1e-6
     assert row["trained_samples"] == 8 and row["tree/edge_adv_abs_mean"] > 0
     assert set(row["ratio_per_step"]) == ({"0", "1"} if cfg.steps.mode == "fixed_window" else {"0", "1", "2"})
 

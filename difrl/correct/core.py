@@ -66,6 +66,14 @@ def _exp(lr: torch.Tensor) -> torch.Tensor:
     return torch.exp(lr.clamp(-SAFETY_BOUND, SAFETY_BOUND))
 
 
+def k3_per_token(lr: torch.Tensor) -> torch.Tensor:
+    """K3_t = rho_t - log rho_t - 1 >= 0 from log rho [B, T], as expm1(lr) - lr in fp64: in fp32, exp(lr) - lr - 1
+    cancels to exactly 0 for |lr| below about 3e-4 (K3 ~ lr^2 / 2 < 1e-7), i.e. for the small mismatches of a bf16
+    or fp8 copy with per-element-mean log-probs. Returned in lr's dtype."""
+    d = lr.double().clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    return (torch.expm1(d) - d).to(lr.dtype)
+
+
 def _masked_mean(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     m = mask.to(t.dtype)
     return (t * m).sum() / m.sum().clamp_min(1.0)
@@ -92,7 +100,7 @@ def diagnostics(lr: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor, mas
         "masked_frac": (mask & ~keep).sum() / n_valid,
         "mean_log_ratio": _masked_mean(lr, mask),
         "kl_k1": _masked_mean(-lr, mask),
-        "kl_k3": _masked_mean(rho - lr - 1.0, mask),
+        "kl_k3": _masked_mean(k3_per_token(lr), mask),
         "chi2": _masked_mean(rho**2, mask) - 1.0,
     }
 
@@ -176,13 +184,57 @@ def k2_rs(log_prob, log_prob_rollout, mask=None, threshold: float = 2.0, aggrega
     return _result(lr, torch.ones_like(lr), ok, mask)
 
 
-def k3_rs(log_prob, log_prob_rollout, mask=None, threshold: float = 1e-2) -> Correction:
-    """Reject sequences whose mean_t (rho_t - log rho_t - 1) (>= 0; E = KL(mu || pi)) exceeds `threshold`."""
+def k3_rs(log_prob, log_prob_rollout, mask=None, threshold: float = 1e-2, aggregate: str = "mean") -> Correction:
+    """K3_t = rho_t - log rho_t - 1 (>= 0; E = KL(mu || pi)) rejection: per token (reject tokens with K3_t >
+    threshold), or per sequence by the mean (verl's seq_mean_k3, the default), sum or max of K3_t; weight 1."""
     mask = _check(log_prob, log_prob_rollout, mask)
     lr = log_ratio(log_prob, log_prob_rollout, mask)
-    k3 = torch.where(mask, _exp(lr) - lr - 1.0, torch.zeros_like(lr))
-    ok = (k3.sum(1) / mask.sum(1).clamp_min(1) <= threshold)[:, None].expand_as(lr)
+    k3 = torch.where(mask, k3_per_token(lr), torch.zeros_like(lr))  # invalid positions hold 0 <= every K3
+    if aggregate == "token":
+        ok = k3 <= threshold
+    else:
+        if aggregate == "mean":
+            s = k3.sum(1) / mask.sum(1).clamp_min(1)
+        elif aggregate == "sum":
+            s = k3.sum(1)
+        elif aggregate == "max":
+            s = k3.max(1).values
+        else:
+            raise ValueError(f"aggregate must be token, sum, mean or max, got {aggregate!r}")
+        ok = (s <= threshold)[:, None].expand_as(lr)
     return _result(lr, torch.ones_like(lr), ok, mask)
+
+
+# ---- batch-normalised weights (verl rollout_is_batch_normalize) -------------------------------------
+
+def _batch_normalize(c: Correction, lr: torch.Tensor, mask: torch.Tensor, per_sequence: bool) -> Correction:
+    """w~ = w / mean(w) after truncation (spec §5.1): the mean over kept tokens (token level) or over the kept
+    sequences' weights (sequence level, one weight per sequence), so the weights average to 1 over the batch."""
+    if per_sequence:
+        rows = c.keep.any(1)
+        seq_w = c.weights.max(1).values  # the broadcast sequence weight (0 where a row kept nothing)
+        mean = seq_w[rows].mean() if rows.any() else torch.ones(())
+    else:
+        mean = _masked_mean(c.weights, c.keep)
+    out = _result(lr, c.weights / mean.clamp_min(1e-30), c.keep, mask)
+    out.diagnostics["batch_mean_weight"] = mean
+    return out
+
+
+def token_tis_bn(log_prob, log_prob_rollout, mask=None, cap: float = 2.0) -> Correction:
+    """Token TIS with verl's batch normalisation: w_t = min(rho_t, C) / mean over the batch's valid tokens of
+    min(rho, C). Diagnostics add `batch_mean_weight` (the divisor)."""
+    mask = _check(log_prob, log_prob_rollout, mask)
+    return _batch_normalize(token_tis(log_prob, log_prob_rollout, mask, cap), log_ratio(log_prob, log_prob_rollout, mask),
+                            mask, per_sequence=False)
+
+
+def seq_tis_bn(log_prob, log_prob_rollout, mask=None, cap: float = 5.0) -> Correction:
+    """Sequence TIS with verl's batch normalisation: w = min(prod_t rho_t, C) / mean over the batch's sequences
+    of that weight, broadcast to every valid token."""
+    mask = _check(log_prob, log_prob_rollout, mask)
+    return _batch_normalize(seq_tis(log_prob, log_prob_rollout, mask, cap), log_ratio(log_prob, log_prob_rollout, mask),
+                            mask, per_sequence=True)
 
 
 # ---- prefix and reshaping weights -----------------------------------------------------------------
@@ -263,6 +315,43 @@ def aspo_loss(log_prob, log_prob_old, advantages, mask=None, eps_low: float = 0.
     return torch.where(mask, loss, torch.zeros_like(loss))
 
 
+def gspo_loss(log_prob, log_prob_old, advantages, mask=None, eps_low: float = 3e-4, eps_high: float = 4e-4) -> torch.Tensor:
+    """GSPO's clipped objective (spec §5.2) per token [B, T] (0 at invalid positions): with the GSPO-token ratio
+    s (value exp(mean_t log r_t), gradient per token), loss = max(-A s, -A clip(s, 1 - eps_low, 1 + eps_high));
+    (3e-4, 4e-4) are verl's Qwen3-30B example's ranges."""
+    mask = _check(log_prob, log_prob_old, mask)
+    adv = advantages if advantages.ndim == 2 else advantages[:, None].expand_as(log_prob)
+    s = torch.exp(gspo_log_ratio(log_prob, log_prob_old, mask).clamp(-SAFETY_BOUND, SAFETY_BOUND))
+    loss = torch.maximum(-adv * s, -adv * s.clamp(1.0 - eps_low, 1.0 + eps_high))
+    return torch.where(mask, loss, torch.zeros_like(loss))
+
+
+def ctpo_loss(log_prob, log_prob_old, advantages, mask=None, c_low: float = 0.025, c_high: float = 0.05,
+              c_dual: float = 0.05, power: float = 0.5, cap: float = 10.0) -> torch.Tensor:
+    """CTPO's PPO max/min on the cumulative ratio R_t (ctpo_log_ratio) per token [B, T] (0 at invalid positions):
+    loss = max(-A R_t, -A exp(clip(log R_t, -c_low t^p, c_high t^p))), and for A < 0 the dual clip
+    min(that, -A exp(c_dual t^p)) (the defaults are CTPO's code's)."""
+    mask = _check(log_prob, log_prob_old, mask)
+    adv = advantages if advantages.ndim == 2 else advantages[:, None].expand_as(log_prob)
+    log_r, lo, hi = ctpo_log_ratio(log_prob, log_prob_old, mask, c_low, c_high, power, cap)
+    r = torch.exp(log_r.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+    loss = torch.maximum(-adv * r, -adv * torch.exp(torch.maximum(torch.minimum(log_r, hi), lo)))
+    t = torch.arange(1, log_prob.shape[1] + 1, dtype=r.dtype, device=r.device)[None]
+    loss = torch.where(adv < 0, torch.minimum(loss, -adv * torch.exp(c_dual * t**power)), loss)
+    return torch.where(mask, loss, torch.zeros_like(loss))
+
+
+def vespo_loss(log_prob, log_prob_old, advantages, mask=None, k_pos: float = 2.0, lam_pos: float = 3.0,
+               k_neg: float = 3.0, lam_neg: float = 2.0, log_prob_rollout=None) -> torch.Tensor:
+    """VESPO's REINFORCE form per token [B, T]: loss = -sg(phi(W)) A log pi (`vespo` gives phi; W includes
+    pi_old / mu when `log_prob_rollout` is given). 0 at invalid positions."""
+    mask = _check(log_prob, log_prob_old, mask)
+    adv = advantages if advantages.ndim == 1 else advantages[:, 0]
+    phi = vespo(log_prob, log_prob_old, adv, mask, k_pos, lam_pos, k_neg, lam_neg, log_prob_rollout).weights
+    loss = -phi * adv[:, None] * log_prob
+    return torch.where(mask, loss, torch.zeros_like(loss))
+
+
 # ---- step size and adaptive mixing ------------------------------------------------------------------
 
 def vcpo_lr_scale(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -290,8 +379,8 @@ def ais(log_prob, log_prob_rollout, mask=None, cap: float = 2.0, kl_scale: float
     mask = _check(log_prob, log_prob_rollout, mask)
     lr = log_ratio(log_prob, log_prob_rollout, mask)
     rho = _exp(lr)
-    k3 = _masked_mean(rho - lr - 1.0, mask)
-    lam = 1.0 - torch.exp(-k3 / kl_scale)
+    k3 = _masked_mean(k3_per_token(lr), mask)
+    lam = -torch.expm1(-k3 / kl_scale)  # 1 - exp(-K3 / kl_scale), exact for small K3
     w_is = rho.clamp(max=cap)
     keep = mask
     if ess_fraction(rho, mask) < min_ess:
@@ -301,7 +390,40 @@ def ais(log_prob, log_prob_rollout, mask=None, cap: float = 2.0, kl_scale: float
     return out
 
 
-METHODS = {"none": no_correction, "token_tis": token_tis, "token_mis": token_mis, "seq_tis": seq_tis, "seq_mis": seq_mis, "geo_rs": geo_rs,
-           "k2_rs": k2_rs, "k3_rs": k3_rs, "minpro": minpro, "ais": ais}
+OPTION_CHOICES = {"aggregate": ("token", "sum", "mean", "max")}
+_NONNEG_OPTIONS, _SIGNED_OPTIONS = ("eps_low", "eps_high"), ("power",)
+
+
+def option_problems(name: str, fn, options: dict, fixed: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(option, what is wrong) for each bad keyword option of corrector / loss `fn` (called `name`): unknown
+    names, a non-finite or non-positive number (eps_* may be 0, CTPO's power any sign), a choice outside
+    OPTION_CHOICES, low > high. `fixed` are the positional inputs, never options. Empty when all is well."""
+    import inspect
+    import math
+
+    allowed = [k for k in inspect.signature(fn).parameters if k not in fixed]
+    out = []
+    for k, v in options.items():
+        if k not in allowed:
+            out.append((k, f"{name} takes {allowed}"))
+        elif k in OPTION_CHOICES:
+            if v not in OPTION_CHOICES[k]:
+                out.append((k, f"= {v!r}; expected one of {', '.join(OPTION_CHOICES[k])}"))
+        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            out.append((k, f"= {v!r}; expected a finite number"))
+        elif (v < 0 if k in _NONNEG_OPTIONS else v <= 0) and k not in _SIGNED_OPTIONS:
+            out.append((k, f"= {v!r} is out of range; expected {'>= 0' if k in _NONNEG_OPTIONS else '> 0'}"))
+    if not out and options.get("low", 0.0) > options.get("high", math.inf):
+        out.append(("low", f"= {options['low']} is above high = {options['high']}"))
+    return out
+
+
+METHODS = {"none": no_correction, "token_tis": token_tis, "token_tis_bn": token_tis_bn, "token_mis": token_mis,
+           "seq_tis": seq_tis, "seq_tis_bn": seq_tis_bn, "seq_mis": seq_mis, "geo_rs": geo_rs, "k2_rs": k2_rs,
+           "k3_rs": k3_rs, "minpro": minpro, "ais": ais}
 """Correctors that need only (log_prob, log_prob_rollout, mask) and their options; `vespo` also takes advantages."""
+
+POLICY_LOSSES = {"gspo": gspo_loss, "ctpo": ctpo_loss, "aspo": aspo_loss, "vespo": vespo_loss}
+"""Per-token policy losses [B, T] from (log_prob, log_prob_old, advantages, mask, **options): alternatives to
+PPO-clip (which lives with the algorithms, difrl.algos.ppo_clip_loss)."""
 

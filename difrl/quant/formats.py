@@ -5,14 +5,22 @@
     q = F.quantize(w, "nvfp4", "weight")              # packed storage: two E2M1 codes per byte + E4M3 scales
     w_hat = F.dequantize(q); q.nbytes                 # the bytes the quantized copy really takes
 
-The numerics follow Transformer Engine's forward path (specs/lowprec-and-correctors.md §2-3):
+The numerics are written from Transformer Engine's documented forward path (specs/lowprec-and-correctors.md §2-3;
+never run against TE itself, no GPU was used; tests compare with torchao, see tests/test_quant.py):
 
 - ``nvfp4``  E2M1 values {0, .5, 1, 1.5, 2, 3, 4, 6}, one E4M3 scale per 16 elements along the reduction
   (last) dim, one FP32 scale per tensor. Activations use 1x16 blocks, weights 16x16 tiles (TE's
   default ``NVFP4BlockScaling``). S_enc = 448*6/amax; s_b = e4m3(min(amax_b*S_enc/6, 448));
   q = e2m1_rne_satfinite(x / (s_b/S_enc)); x_hat = q * s_b / S_enc. No RHT and no stochastic rounding:
   TE applies those to backward tensors only, and rollouts are forward only.
-- ``mxfp8``  E4M3 values, one E8M0 (power of two) scale per 32 elements: s = 2^ceil(log2(amax_b/448)).
+- ``nvfp4_single`` single-level NVFP4 (torchao's ``nvfp4_quantize`` without a per-tensor scale): the same
+  E2M1 values and 1x16 / 16x16 blocks, but only the E4M3 block scale s_b = e4m3(clamp(amax_b/6, 2^-6, 448)),
+  no FP32 tensor scale: blocks with amax_b > 6*448 saturate, blocks below 6*2^-6 use the scale 2^-6.
+  Transformer Engine has no such recipe (its NVFP4 is always two-level).
+- ``mxfp8``  E4M3 values, one E8M0 (power of two) scale per 32 elements: s = 2^ceil(log2(amax_b/448)) (the
+  "RCEIL" rounding of TE's MXFP8BlockScaling and cuBLAS: no element overflows 448).
+- ``mxfp8_floor`` MXFP8 with the OCP MX v1.0 spec's scale (§6.3, torchao's default FLOOR mode):
+  s = 2^(floor(log2 amax_b) - 8), 8 = E4M3's largest exponent; elements above 448 * s saturate to 448.
 - ``fp8``    E4M3 with one FP32 scale per tensor from the current amax (``Float8CurrentScaling``).
 - ``fp8_block`` E4M3, 1x128 blocks for activations and 128x128 tiles for weights, scale 448/amax_b
   rounded down to a power of two (``Float8BlockScaling``, the DeepSeek-V3 recipe).
@@ -129,14 +137,16 @@ def nvfp4_global_encode(amax: torch.Tensor) -> torch.Tensor:
     return s
 
 
-def nvfp4_parts(x: torch.Tensor, tile_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def nvfp4_parts(x: torch.Tensor, tile_rows: int = 1, tensor_amax: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(E2M1 codes [padded shape] uint8, block scales s_b as float8_e4m3fn [padded shape], S_dec fp32 scalar).
-    The block scale is expanded over its block here; `quantize` keeps one per block."""
+    The block scale is expanded over its block here; `quantize` keeps one per block. `tensor_amax`: the amax
+    the per-tensor scale comes from (default x's own; a slice of rows of a weight passes the whole weight's)."""
     x = x.float()
     if tile_rows > 1:
         x = _pad_rows(x, tile_rows)
     x = _pad_last(x, NVFP4_BLOCK)
-    s_enc = nvfp4_global_encode(x.abs().amax())
+    s_enc = nvfp4_global_encode(x.abs().amax() if tensor_amax is None else tensor_amax)
     s_dec = 1.0 / s_enc
     amax_b = _block_amax(x, NVFP4_BLOCK, tile_rows)
     s_b = cast_fp8((amax_b * s_enc / E2M1_MAX).clamp(max=E4M3_MAX))  # e4m3, RNE
@@ -162,6 +172,24 @@ def nvfp4_qdq(x: torch.Tensor, tile_rows: int = 1) -> torch.Tensor:
     return _crop((cast_e2m1(xb * enc) * s_b * s_dec).view(xp.shape), x.shape)
 
 
+def nvfp4_single_parts(x: torch.Tensor, tile_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Single-level NVFP4: (E2M1 codes [padded shape] uint8, block scales float8_e4m3fn [padded shape]).
+    s_b = e4m3(clamp(amax_b / 6, 2^-6, 448)) (torchao clamps to E4M3's smallest normal, so an all-zero block has
+    scale 2^-6, never 0); q = e2m1_rne_satfinite(x * (1 / s_b)); x_hat = q * s_b."""
+    x = x.float()
+    if tile_rows > 1:
+        x = _pad_rows(x, tile_rows)
+    x = _pad_last(x, NVFP4_BLOCK)
+    tiny = torch.finfo(torch.float8_e4m3fn).tiny  # 2^-6
+    s_b = cast_fp8((_block_amax(x, NVFP4_BLOCK, tile_rows) / E2M1_MAX).clamp(min=tiny, max=E4M3_MAX))
+    return e2m1_codes(x * (1.0 / s_b.float())), s_b
+
+
+def nvfp4_single_qdq(x: torch.Tensor, tile_rows: int = 1) -> torch.Tensor:
+    codes, s_b = nvfp4_single_parts(x, tile_rows)
+    return _crop(e2m1_values(codes) * s_b.float(), x.shape)
+
+
 # ---------------------------------------------------------------------------------- FP8 family
 
 
@@ -171,9 +199,9 @@ def fp8_tensor_qdq(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) ->
     return q.float() * scale_inv
 
 
-def _fp8_tensor(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _fp8_tensor(x: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.float()
-    amax = x.abs().amax()
+    amax = x.abs().amax() if amax is None else amax.float()
     scale = torch.where(amax > 0, torch.finfo(dtype).max / amax, torch.ones_like(amax)).clamp(max=_FLT_MAX)
     return cast_fp8(x * scale, dtype), 1.0 / scale
 
@@ -185,15 +213,26 @@ def _e8m0_scale(amax_b: torch.Tensor) -> torch.Tensor:
     return torch.exp2(e)
 
 
-def mxfp8_qdq(x: torch.Tensor) -> torch.Tensor:
-    q, s = _mxfp8(x)
+E4M3_EMAX = 8  # the largest E4M3 exponent: 448 = 1.75 * 2^8
+
+
+def _e8m0_floor_scale(amax_b: torch.Tensor) -> torch.Tensor:
+    """OCP MX v1.0 §6.3: 2^(floor(log2 amax_b) - emax_elem), within E8M0's [2^-127, 2^127]. floor(log2) is read
+    from the fp32 exponent bits, as torchao does (a subnormal or zero amax counts as 2^-127)."""
+    pow2 = ((amax_b.float().contiguous().view(torch.int32) >> 23) & 0xFF) - 127
+    return torch.exp2((pow2 - E4M3_EMAX).clamp(-127, 127).float())
+
+
+def mxfp8_qdq(x: torch.Tensor, floor: bool = False) -> torch.Tensor:
+    q, s = _mxfp8(x, floor)
     return _crop(q.float() * s, x.shape)
 
 
-def _mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _mxfp8(x: torch.Tensor, floor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     x = _pad_last(x.float(), MX_BLOCK)
-    s = _e8m0_scale(_block_amax(x, MX_BLOCK))
-    return cast_fp8(x / s), s  # division by a power of two is exact
+    amax_b = _block_amax(x, MX_BLOCK)
+    s = _e8m0_floor_scale(amax_b) if floor else _e8m0_scale(amax_b)
+    return cast_fp8(x / s), s  # division by a power of two is exact; FLOOR: up to 2x above 448, saturated
 
 
 def _pow2_floor(s: torch.Tensor) -> torch.Tensor:
@@ -241,11 +280,16 @@ class Quantized:
 ROLES = ("activation", "weight")
 
 
+def weight_tile_rows(fmt: str) -> int:
+    """Rows of a weight's scale tile: 16 (NVFP4's 16x16), 128 (fp8_block's 128x128), else 1 (1-D blocks)."""
+    return {"nvfp4": NVFP4_BLOCK, "nvfp4_single": NVFP4_BLOCK, "fp8_block": FP8_BLOCK}.get(fmt, 1)
+
+
 def _tile_rows(fmt: str, role: str, x: torch.Tensor) -> int:
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     if role == "weight" and x.ndim >= 2:
-        return {"nvfp4": NVFP4_BLOCK, "fp8_block": FP8_BLOCK}.get(fmt, 1)
+        return weight_tile_rows(fmt)
     return 1
 
 
@@ -261,11 +305,20 @@ def quantize(x: torch.Tensor, fmt: str, role: str = "weight") -> Quantized:
         else:
             scales = s_b.view(*lead, K // NVFP4_BLOCK, NVFP4_BLOCK)[..., 0]
         data = {"codes": pack_e2m1(codes), "scales": scales.contiguous(), "s_dec": s_dec.reshape(1)}
+    elif fmt == "nvfp4_single":
+        codes, s_b = nvfp4_single_parts(x, tr)
+        *lead, K = codes.shape
+        if tr > 1:
+            *outer, N = lead
+            scales = s_b.view(*outer, N // tr, tr, K // NVFP4_BLOCK, NVFP4_BLOCK)[..., 0, :, 0]
+        else:
+            scales = s_b.view(*lead, K // NVFP4_BLOCK, NVFP4_BLOCK)[..., 0]
+        data = {"codes": pack_e2m1(codes), "scales": scales.contiguous()}
     elif fmt == "fp8":
         q, scale_inv = _fp8_tensor(x, torch.float8_e4m3fn)
         data = {"data": q, "scale_inv": scale_inv.reshape(1)}
-    elif fmt == "mxfp8":
-        q, s = _mxfp8(x)
+    elif fmt in ("mxfp8", "mxfp8_floor"):
+        q, s = _mxfp8(x, fmt == "mxfp8_floor")
         *lead, K = q.shape
         exps = torch.log2(s.view(*lead, K // MX_BLOCK, MX_BLOCK)[..., 0]).to(torch.int8)  # E8M0 exponent (unbiased)
         data = {"data": q, "exponents": exps}
@@ -293,12 +346,14 @@ def dequantize(q: Quantized) -> torch.Tensor:
     d = q.data
     tr = 1
     if q.role == "weight" and len(q.shape) >= 2:
-        tr = {"nvfp4": NVFP4_BLOCK, "fp8_block": FP8_BLOCK}.get(q.fmt, 1)
+        tr = weight_tile_rows(q.fmt)
     if q.fmt == "nvfp4":
         x = e2m1_values(unpack_e2m1(d["codes"])) * _expand_blocks(d["scales"].float(), NVFP4_BLOCK, tr) * d["s_dec"]
+    elif q.fmt == "nvfp4_single":
+        x = e2m1_values(unpack_e2m1(d["codes"])) * _expand_blocks(d["scales"].float(), NVFP4_BLOCK, tr)
     elif q.fmt == "fp8":
         x = d["data"].float() * d["scale_inv"]
-    elif q.fmt == "mxfp8":
+    elif q.fmt in ("mxfp8", "mxfp8_floor"):
         x = d["data"].float() * torch.exp2(_expand_blocks(d["exponents"].float(), MX_BLOCK, 1))
     elif q.fmt == "fp8_block":
         x = d["data"].float() / _expand_blocks(d["scales"], FP8_BLOCK, tr)
@@ -307,7 +362,7 @@ def dequantize(q: Quantized) -> torch.Tensor:
     return _crop(x, q.shape)
 
 
-FORMATS = ("bf16", "fp8", "fp8_block", "mxfp8", "nvfp4")
+FORMATS = ("bf16", "fp8", "fp8_block", "mxfp8", "mxfp8_floor", "nvfp4", "nvfp4_single")
 
 
 def _check_format(fmt: str) -> None:
@@ -321,13 +376,33 @@ def qdq(x: torch.Tensor, fmt: str, role: str = "activation") -> torch.Tensor:
     tr = _tile_rows(fmt, role, x)
     if fmt == "nvfp4":
         return nvfp4_qdq(x, tr)
+    if fmt == "nvfp4_single":
+        return nvfp4_single_qdq(x, tr)
     if fmt == "fp8":
         return fp8_tensor_qdq(x)
-    if fmt == "mxfp8":
-        return mxfp8_qdq(x)
+    if fmt in ("mxfp8", "mxfp8_floor"):
+        return mxfp8_qdq(x, fmt == "mxfp8_floor")
     if fmt == "fp8_block":
         return fp8_block_qdq(x, tr)
     return x.to(torch.bfloat16).float()
+
+
+def qdq_weight_rows(w: torch.Tensor, fmt: str, start: int, stop: int) -> torch.Tensor:
+    """qdq(w, fmt, "weight")[start:stop] for a weight w [N, K], computed from those rows and w's amax only (the
+    per-tensor scale of nvfp4 / fp8): a sampled check of a quantized copy without re-quantizing all of w.
+    start and stop must lie on the format's scale tiles (weight_tile_rows; stop may be N)."""
+    _check_format(fmt)
+    tr = weight_tile_rows(fmt)
+    if start % tr or (stop % tr and stop != w.shape[0]) or not 0 <= start < stop <= w.shape[0]:
+        raise ValueError(f"rows [{start}, {stop}) of a [{w.shape[0]}, ...] weight do not lie on {fmt}'s {tr}-row tiles")
+    part = w[start:stop]
+    if fmt == "nvfp4":
+        codes, s_b, s_dec = nvfp4_parts(part, tr, tensor_amax=w.abs().amax())
+        return _crop(e2m1_values(codes) * s_b.float() * s_dec, part.shape)
+    if fmt == "fp8":
+        q, scale_inv = _fp8_tensor(part, torch.float8_e4m3fn, amax=w.abs().amax())
+        return q.float() * scale_inv
+    return qdq(part, fmt, "weight")  # block-local formats
 
 
 def relative_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:

@@ -63,6 +63,8 @@ def te_support(fmt: str, device: torch.device | str | None = None) -> tuple[bool
     """(usable, why) for running `fmt` through Transformer Engine on this machine."""
     if fmt == "bf16":
         return False, "bf16 needs no Transformer Engine"
+    if fmt in ("nvfp4_single", "mxfp8_floor"):  # TE's NVFP4 is always two-level, its MXFP8 scale rounds up
+        return False, f"Transformer Engine has no {fmt} recipe"
     if not torch.cuda.is_available():
         return False, "no CUDA GPU"
     try:
@@ -160,6 +162,20 @@ class QuantLinear(nn.Module):
     def weight_hat(self) -> torch.Tensor:
         """The dequantized weight [out, in] fp32 (what the emulated GEMM multiplies by)."""
         return F.dequantize(self.quantized_weight())
+
+    def weight_hat_rows(self, start: int, stop: int) -> torch.Tensor:
+        """weight_hat()[start:stop] from those rows' stored codes and scales only (start on a scale tile)."""
+        tr = F.weight_tile_rows(self.fmt)
+        end = start + -(-(stop - start) // tr) * tr  # whole tiles: the stored codes are padded to them
+        data = {}
+        for k, v in self.quantized_weight().data.items():
+            if k == "scales":  # one per tile of tr rows (nvfp4*, fp8_block)
+                data[k] = v[start // tr:end // tr] if tr > 1 else v[start:stop]
+            elif k in ("codes", "data", "exponents"):  # one row per weight row
+                data[k] = v[start:end] if tr > 1 else v[start:stop]
+            else:  # per-tensor scales
+                data[k] = v
+        return F.dequantize(F.Quantized(self.fmt, "weight", torch.Size((stop - start, self.in_features)), data))
 
     def state_fingerprint(self) -> torch.Tensor:
         return self.weight_hat()

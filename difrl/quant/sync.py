@@ -9,7 +9,10 @@
 LoRA is merged into the copy's weights (W = W_base + scaling * B @ A, Sol-RL's sync_lora_to_inference,
 specs §1.2), so the quantized GEMM sees the weights the policy really uses. Frameworks have shipped a
 silent no-sync bug (the inference engine kept stale weights after updates); here a sync after a change
-of the policy that leaves every rollout weight unchanged stops the run.
+of the policy that leaves every rollout weight unchanged stops the run, and after every sync `verify`
+checks that the copy holds the policy's current weights as its format quantizes them (every
+high-precision tensor whole, a moving block of rows of each quantized layer), so a sync that skips one
+layer stops the run too.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import torch
 from torch import nn
 
 from difrl.models.base import use_module
-from difrl.quant.linear import QuantReport, quantize_module, quantized_layers
+from difrl.quant import formats as F
+from difrl.quant.linear import QuantLinear, QuantReport, quantize_module, quantized_layers
 
 
 class WeightSyncError(RuntimeError):
@@ -115,7 +119,46 @@ class RolloutCopy:
                 "from the trained module (LoRA merged)? Is the learning rate so small that no quantized value moves?")
         self._source_fp = fp
         self.syncs += 1
+        self.verify(sd, layers)
         return {"changed_layers": changed_layers, "changed_other": changed_other, "source_changed": bool(source_changed)}
+
+    @torch.no_grad()
+    def verify(self, sd: dict[str, torch.Tensor], layers: dict[str, nn.Module] | None = None,
+               sample_rows: int = 64) -> None:
+        """After every sync: the copy must equal the policy's current (merged) weights `sd` as its format
+        quantizes them, not merely have changed. Every tensor kept in high precision is compared whole; for every
+        quantized layer, its bias whole and a block of `sample_rows` weight rows (on the format's scale tiles, at
+        a position that moves with each sync; all rows of a smaller layer) against the source rows quantized
+        afresh with the whole weight's per-tensor scale (difrl.quant.formats.qdq_weight_rows). A layer that a
+        sync skipped, or filled from another tensor, raises WeightSyncError naming it."""
+        layers = quantized_layers(self.module) if layers is None else layers
+        for name, layer in layers.items():
+            w, b = sd[f"{name}.weight"], sd.get(f"{name}.bias")
+            N = w.shape[0]
+            tile = F.weight_tile_rows(self.fmt)
+            n_tiles, per = -(-N // tile), max(1, sample_rows // tile)
+            first = (self.syncs * 7919 + sum(map(ord, name))) % max(1, n_tiles - per + 1)  # moves with each sync
+            start, stop = first * tile, min(N, (first + per) * tile)
+            if isinstance(layer, QuantLinear):
+                have, want = layer.weight_hat_rows(start, stop), F.qdq_weight_rows(w.float(), self.fmt, start, stop)
+                bias = layer.bias
+            else:  # TELinear: te.Linear holds the bf16 weight; TE quantizes it in its GEMM
+                have, want = layer.inner.weight[start:stop].float(), w[start:stop].to(layer.inner.weight.dtype).float()
+                bias = layer.inner.bias
+            if not torch.equal(have, want):
+                raise WeightSyncError(
+                    f"rollout copy sync {self.syncs}: layer {name!r} of the {self.fmt} copy does not hold the policy's "
+                    f"current weight quantized to {self.fmt} (rows {start}:{stop}, max |difference| "
+                    f"{float((have - want).abs().max()):.3g}): the sync skipped it or filled it from another tensor")
+            if b is not None and not torch.equal(bias, b.to(bias.dtype)):
+                raise WeightSyncError(f"rollout copy sync {self.syncs}: the bias of layer {name!r} differs from the policy's")
+        for key, t in self.module.state_dict().items():
+            mod_name = key.rpartition(".")[0]
+            if mod_name in layers or any(mod_name.startswith(n + ".") for n in layers):
+                continue
+            if not torch.equal(t, sd[key].to(t.dtype)):
+                raise WeightSyncError(f"rollout copy sync {self.syncs}: {key!r} of the copy differs from the policy's "
+                                      "(kept in high precision, so it must be equal)")
 
     @contextmanager
     def active(self, policy):

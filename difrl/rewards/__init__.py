@@ -22,6 +22,7 @@ entry-point group of installed packages::
 from __future__ import annotations
 
 import importlib
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
@@ -117,11 +118,21 @@ class RewardContractError(ValueError):
     scores): a bug to fix, so it stops the run under every reward.on_error policy."""
 
 
+class RewardTimeoutError(RuntimeError):
+    """A reward call still running after ``reward.timeout`` seconds. Its thread cannot be cancelled and may
+    still hold (and later change) the reward's model, so it stops the run under every reward.on_error."""
+
+
 class Reward:
     """A built reward: calls the plug-in in chunks of its ``batch_size``, with the samples moved to its
     ``device`` and ``dtype``, in eval mode under ``torch.inference_mode()``, and returns
     ``{key: float32 [B] on the CPU, "key/extra": ...}`` where ``key`` is the reward's name (the part after
-    ``:`` for a ``module:function``). A plug-in without those attributes scores the whole batch at once."""
+    ``:`` for a ``module:function``). A plug-in without those attributes scores the whole batch at once.
+    With ``timeout`` (seconds, set from reward.timeout) a call runs in a daemon thread and raises
+    RewardTimeoutError when it has not returned by then; a reward that timed out refuses further calls."""
+
+    timeout: float | None = None  # seconds per call; None: wait forever, in the caller's thread
+    hung: bool = False  # a call timed out and may still be running
 
     def __init__(self, name: str, fn):
         self.name, self.fn = name, fn
@@ -163,6 +174,36 @@ class Reward:
         return chunk.to(device=self.device or chunk.device, dtype=self.dtype or chunk.dtype)
 
     def __call__(self, samples, prompts: list[str], metadata: list[dict] | None = None) -> dict[str, torch.Tensor]:
+        if self.timeout is None:
+            return self._score(samples, prompts, metadata)
+        if self.hung:
+            raise RewardTimeoutError(f"reward {self.name!r} timed out earlier and that call may still be running")
+        box: dict = {}
+        threads = torch.get_num_threads()  # per OS thread: the worker keeps the caller's count (same kernels, same
+        cuda = torch.cuda.current_device() if torch.cuda.is_initialized() else None  # scores) and CUDA device
+
+        def work():
+            torch.set_num_threads(threads)
+            if cuda is not None:
+                torch.cuda.set_device(cuda)
+            try:
+                box["out"] = self._score(samples, prompts, metadata)
+            except BaseException as e:  # handed back to the caller's thread
+                box["error"] = e
+
+        # a daemon thread: one that never returns does not keep the process alive at exit
+        worker = threading.Thread(target=work, name=f"difrl-reward-{self.key}", daemon=True)
+        worker.start()
+        worker.join(self.timeout)
+        if worker.is_alive():
+            self.hung = True
+            raise RewardTimeoutError(f"reward {self.name!r} did not return within reward.timeout={self.timeout:g} s "
+                                     f"on a chunk of {len(prompts)} samples (a hang, or raise reward.timeout)")
+        if "error" in box:
+            raise box["error"]
+        return box["out"]
+
+    def _score(self, samples, prompts: list[str], metadata: list[dict] | None) -> dict[str, torch.Tensor]:
         self._check(samples)
         B = len(prompts)
         metadata = metadata if metadata is not None else [{} for _ in range(B)]
@@ -185,7 +226,11 @@ class Reward:
         out = {}
         for k, v in res.items():
             k = self.key if k == self.own_key else k
-            t = torch.as_tensor(v).detach().to("cpu", torch.float32).flatten()
+            try:
+                t = torch.as_tensor(v).detach().to("cpu", torch.float32).flatten()
+            except (TypeError, ValueError, RuntimeError) as e:  # a string, None, an object: not scores
+                raise RewardContractError(f"reward {self.name!r} returned {type(v).__name__} under {k!r}, not a [B] "
+                                          f"tensor of scores ({e})") from e
             if t.shape[0] != n:
                 raise RewardContractError(f"reward {self.name!r} returned {t.shape[0]} values under {k!r} for {n} "
                                           "samples")
@@ -196,7 +241,7 @@ class Reward:
 def _load_builtins() -> None:
     # each module registers its rewards; heavy packages (open_clip, transformers, rapidocr) import only when
     # a reward is built
-    from difrl.rewards import digits, imagereward, remote, simple, sudoku_cells, video  # noqa: F401
+    from difrl.rewards import digits, imagereward, moving_digits, remote, simple, sudoku_cells, text_tasks, video  # noqa: F401
     for optional in ("clip", "hps", "ocr", "jpeg", "geneval"):
         importlib.import_module(f"difrl.rewards.{optional}")
 
@@ -209,7 +254,7 @@ class RewardError(RuntimeError):
         super().__init__(message)
         self.bad = bad  # [B] bool
         self.scores = scores  # every reward's [B] scores, NaN where bad
-        self.contract = contract  # a RewardContractError among the causes: never dropped, always stops
+        self.contract = contract  # a RewardContractError or RewardTimeoutError among the causes: always stops
 
 
 @dataclass
@@ -296,7 +341,7 @@ def check_scores(results: dict, prompt_ids: torch.Tensor, seeds: torch.Tensor) -
         key = reward_key(name)
         if isinstance(res, _Failed):
             e = res.error
-            contract |= isinstance(e, RewardContractError)
+            contract |= isinstance(e, (RewardContractError, RewardTimeoutError))  # both stop under every on_error
             problems.append(f"reward {name!r} raised {type(e).__name__}: {e} on {_where(prompt_ids, seeds, res.bad)}")
             bad |= res.bad
             out[key] = torch.full((B,), float("nan"))

@@ -19,12 +19,12 @@ difrl/train/masked_config.py, the evaluation sections (``eval``, ``stop``) in di
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from difrl.config import cfg_field, config_error, load_config, load_config_union
-from difrl.correct import METHODS
+from difrl.correct import METHODS, POLICY_LOSSES, option_problems
+from difrl.models.adapters import ADAPTERS
 from difrl.quant.formats import FORMATS as QUANT_FORMATS
 from difrl.solrl import SELECT_RULES
 from difrl.train.eval_config import EvalConfig, FidConfig, FlowEvalConfig, StopConfig  # noqa: F401  (re-exported)
@@ -56,6 +56,11 @@ class RewardConfig:
                                             "samples failed (or every sample of one iteration did)")
     overlap: bool = cfg_field(False, help="score rollout chunks in a background thread while the next chunk samples "
                                           "(rollout.chunks > 1; the scores equal serial scoring)")
+    timeout: float | None = cfg_field(900.0, gt=0.0,
+                                      help="seconds one reward may take on one rollout chunk; a call still running then "
+                                           "stops the run under every on_error (its thread cannot be cancelled). "
+                                           "Above the remote reward's 600 s deadline, below gloo's 30 min collective "
+                                           "timeout; null waits forever")
 
     def validate(self) -> None:
         if self.weights is not None and not self.weights:
@@ -98,7 +103,8 @@ class TrainConfig:
     clip_high: float = cfg_field(1e-4, ge=0.0, help="PPO clip above: rho <= 1 + clip_high")
     kl_beta: float = cfg_field(0.0, ge=0.0, help="weight of the KL to the reference policy (the base model)")
     lora: LoraConfig = field(default_factory=LoraConfig)
-    ratio_check: bool = cfg_field(True, help="stop if the first on-policy micro-step has ratio != 1")
+    ratio_check: bool = cfg_field(True, help="stop if the first on-policy micro-step has ratio != 1 (with a rollout "
+                                             "copy also against the sampler kernel's own evaluation of the policy)")
     ratio_tol: float = cfg_field(1e-6, gt=0.0)
 
 
@@ -108,15 +114,15 @@ CORRECT_METHODS = tuple(METHODS)  # the correctors that need only (log_prob, log
 @dataclass
 class CorrectConfig:
     method: str = cfg_field("none", choices=CORRECT_METHODS,
-                            help="IS correction of rollout/train mismatch (difrl.correct); token_* act per step, seq_* per trajectory")
-    options: dict[str, float] = cfg_field(default_factory=dict, help="keyword options of the method, e.g. {cap: 2.0}")
+                            help="IS correction of rollout/train mismatch (difrl.correct); token_* act per step, seq_* "
+                                 "per trajectory; *_bn: verl's batch-normalised TIS (weights / their batch mean); "
+                                 "k3_rs: K3 rejection, options {threshold, aggregate: token|sum|mean|max}")
+    options: dict[str, float | str] = cfg_field(default_factory=dict, help="keyword options of the method, e.g. {cap: 2.0}")
 
     def validate(self) -> None:
-        allowed = [k for k in inspect.signature(METHODS[self.method]).parameters
-                   if k not in ("log_prob", "log_prob_rollout", "mask")]
-        for k in self.options:
-            if k not in allowed:
-                raise config_error(f"options.{k}", f"{self.method} takes {allowed}")
+        for k, problem in option_problems(self.method, METHODS[self.method], self.options,
+                                          ("log_prob", "log_prob_rollout", "mask")):
+            raise config_error(f"options.{k}", problem)
 
 
 @dataclass
@@ -288,6 +294,12 @@ class FlowTrainConfig(TrainConfig):
     step_weight: str = cfg_field("none", choices=("none", "inverse_dt", "tempflow"),
                                  help="per-step loss weight: GRPO-Guard 1/dt, TempFlow 2.25 std, or none")
     ema_decay: float = cfg_field(0.0, ge=0.0, lt=1.0, help="EMA of trainable weights for eval/checkpoints (0 = off)")
+    policy_loss: str = cfg_field("ppo_clip", choices=("ppo_clip",) + tuple(POLICY_LOSSES),
+                                 help="objective=grpo: PPO-clip (train.clip_*), or difrl.correct's GSPO (sequence ratio), "
+                                      "CTPO (cumulative ratio, position-scaled clip), ASPO (flipped weight for A > 0), "
+                                      "VESPO (phi(W) kernel; with a rollout copy W includes pi_old / mu)")
+    policy_loss_options: dict[str, float] = cfg_field(default_factory=dict, help="keyword options of policy_loss, e.g. "
+                                                                                 "{eps_low: 3e-4, eps_high: 4e-4}")
     objective: str = cfg_field("grpo", choices=("grpo", "nft"),
                                help="grpo: PPO-clip on the SDE transitions' log-probs; nft: DiffusionNFT on clean samples "
                                     "(likelihood-free, deterministic rollouts; section nft)")
@@ -366,11 +378,21 @@ class FlowConfig(TrainerConfig):
             bad = [d for d in self.tree.depth_prune if not 1 <= d <= n]
             if bad:
                 raise config_error("tree.depth_prune", f"depths {bad} are outside 1..{n} (a child of step i has depth i + 1)")
+        t = self.train
+        fn = POLICY_LOSSES.get(t.policy_loss)
+        for k, problem in ([] if fn is None else option_problems(t.policy_loss, fn, t.policy_loss_options,
+                                                                  ("log_prob", "log_prob_old", "advantages", "mask", "log_prob_rollout"))):
+            raise config_error(f"train.policy_loss_options.{k}", problem)
+        if fn is None and t.policy_loss_options:
+            raise config_error("train.policy_loss_options", "ppo_clip takes none; its ranges are train.clip_low/high")
+        if fn is not None and (t.objective != "grpo" or t.ratio_norm):
+            raise config_error("train.policy_loss", f"{t.policy_loss} replaces PPO-clip on the log-prob ratio; it needs "
+                                                    "train.objective=grpo and train.ratio_norm=false")
         if self.train.objective == "nft" and (self.train.ratio_norm or self.train.step_weight != "none"):
             raise config_error("train.objective", "GRPO-Guard options (train.ratio_norm, train.step_weight) act on "
                                                   "log-prob ratios; DiffusionNFT has none")
         mc = self.model
-        if mc.kind != "digits":
+        if mc.kind in ADAPTERS:  # a diffusers pipeline directory (the bundled worlds bring their own model and prompts)
             if mc.path is None:
                 raise config_error("model.path", f"model.kind={mc.kind} needs a local diffusers pipeline directory")
             if (mc.prompts is None) == (mc.prompt_file is None):
@@ -386,7 +408,7 @@ class FlowConfig(TrainerConfig):
                 raise config_error("stop.fd_rise", "FD early stopping needs the digits world's features")
         elif self.eval.rewards or self.eval.fid.reference is not None:
             raise config_error("eval.rewards" if self.eval.rewards else "eval.fid.reference",
-                               "the digits world evaluates with its own classifier, unseen judge and FD; the held-out "
+                               f"the {mc.kind} world evaluates with its own classifier, unseen judge and FD; the held-out "
                                "reward panel and eval.fid are for diffusers models")
 
 

@@ -28,6 +28,7 @@ import torch
 from difrl.algos.tree import tree_train_edges
 from difrl.branching import num_trained_edges
 from difrl.correct.core import Correction
+from difrl.eval.metrics import change_over_noise
 from difrl.quant import RolloutCopy
 from difrl.rewards import Scoring, score_all
 from difrl.rollout import cat_rollouts, chunk_slices, rollout
@@ -35,8 +36,8 @@ from difrl.samplers import step_masks as sampler_step_masks
 from difrl.solrl import candidate_pool, rank_agreement
 from difrl.train.config import FlowConfig
 from difrl.train.objectives import grpo_micro_loss, nft_micro_loss, nft_sigmas, proximal_correction
-from difrl.train.reward_stage import (build_rewards, reward_stats, score_rewards, track_reward_failures,
-                                     valid_group_advantages)
+from difrl.train.reward_stage import (across_processes, build_rewards, reward_stats, score_rewards,
+                                     track_reward_failures, valid_group_advantages)
 from difrl.train.scaffold import (TIMING_KEYS, Metrics, RatioCheckError, Run, clip_and_step, cores_available,  # noqa: F401
                                   fmt_eval, make_optimizer, progress, pooled_std, record_eval, reference_policy,
                                   save_policy, wrap_policy)
@@ -151,7 +152,8 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
 
         # ==================================================================== reward
         scores, bad = score_rewards(lambda: scoring.result(prompt_ids, seeds), len(prompts), cfg.reward.on_error,
-                                    lambda: run.checkpoint(it), f"iteration {it}", run_dir, accelerator.print)
+                                    lambda: run.checkpoint(it), f"iteration {it}", run_dir, accelerator.print,
+                                    across_processes(accelerator))  # a failure on any process stops every one
         t_adv = time.perf_counter()
 
         # ==================================================================== advantage
@@ -264,6 +266,8 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
     summary = {"eval_before": run.state["eval_before"], "eval_after": eval_after, "iterations": done,
                "stopped_early": stopped, "fd_extractor": eval_after.get("fd_extractor"), "run_dir": str(run_dir),
                "headline": list(world.headline)}
+    if (change := change_over_noise(summary["eval_before"], eval_after)) is not None:  # diffusers worlds
+        summary["reward_change"] = change
     if accelerator.is_main_process:
         if world.save_lora is None:  # digits: a plain merged checkpoint usable as model.path
             save_policy(policy, unwrapped, cfg.train.lora.enabled, run_dir / "policy.safetensors", ema)
@@ -369,7 +373,7 @@ def candidate_reward(cfg: FlowConfig, world, rewards, weights, run: Run, it: int
     metadata = [world.metadata(int(p)) for p in prompt_ids]
     scores, bad = score_rewards(lambda: score_all(rewards, images, prompts, metadata, seeds, prompt_ids), len(prompts),
                                 cfg.reward.on_error, lambda: run.checkpoint(it), f"iteration {it}, Sol-RL candidates",
-                                run.dir, say)
+                                run.dir, say, across_processes(run.accelerator))
     total = sum(w * scores[n] for n, w in weights.items())
     return torch.where(bad, -float("inf"), total)
 

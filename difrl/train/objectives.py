@@ -3,6 +3,7 @@
     loss = grpo_micro_loss(policy, sub, adv, keep, correction, m, check, denom, cfg, reference_ctx)
     loss = nft_micro_loss(policy, sub, adv, keep, m, denom, cfg, nft_sigmas, old, reference_ctx)
     batch, correction = proximal_correction(policy, batch, cfg)    # rollouts from a copy: pi_old and IS weights
+    err = policy_ratio_check(policy, sub, cfg)                       # copy rollouts: the on-policy check that can fail
 
 Each loss is summed over its micro-batch's elements and divided by a denominator fixed per optimizer
 update (the update's records x steps), so gradient accumulation 1x8 equals 8x1; metrics go into `m`
@@ -12,13 +13,17 @@ reference (difrl.train.scaffold.reference_policy).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from difrl.algos import gaussian_step_kl, ppo_clip_loss, ratio_norm_log_ratio, step_weights
 from difrl.algos.nft import nft_loss, nft_noised, velocity_kl
 from difrl.correct import METHODS as CORRECTORS
+from difrl.correct import POLICY_LOSSES
 from difrl.models.base import cond_repeat
-from difrl.rollout import Rollout, recompute
+from difrl.rollout import Rollout, recompute, sample_noise
+from difrl.samplers.kernels import KERNELS
 from difrl.train.scaffold import check_ratio
 from difrl.utils.rng import counter_normal, mix_seed_tensor
 
@@ -38,6 +43,8 @@ def grpo_micro_loss(policy, sub: Rollout, adv: torch.Tensor, keep: torch.Tensor,
     log_prob, mean, std = transition_log_prob(policy, sub, cfg)
     if check:
         m.add("first_step_max_abs_log_ratio", torch.tensor(check_ratio(log_prob, sub.log_prob_old, cfg.train.ratio_tol)))
+        if correction is not None:  # a rollout copy: log_prob_old is itself a recompute, so check against the engine
+            m.add("first_step_policy_max_abs_log_ratio", torch.tensor(policy_ratio_check(policy, sub, cfg)))
     elem_keep = keep[:, None].expand_as(log_prob)
     is_weight = 1.0
     if correction is not None:  # detached IS weights and rejections
@@ -55,7 +62,12 @@ def grpo_micro_loss(policy, sub: Rollout, adv: torch.Tensor, keep: torch.Tensor,
         lp_new = ratio_norm_log_ratio(log_prob, sub.log_prob_old, mean.view_as(sub.mean_old), sub.mean_old,
                                       step_std, cfg.sampler.log_prob_reduce)
         lp_old = torch.zeros_like(lp_new)  # the normalised log-ratio is already relative to old
-    pg, pm = ppo_clip_loss(lp_new, lp_old, adv, cfg.train.clip_low, cfg.train.clip_high, weight=weight)
+    if cfg.train.policy_loss == "ppo_clip":
+        pg, pm = ppo_clip_loss(lp_new, lp_old, adv, cfg.train.clip_low, cfg.train.clip_high, weight=weight)
+    else:  # GSPO / CTPO / ASPO / VESPO (difrl.correct.POLICY_LOSSES), per step [b, T]
+        pg, pm = policy_loss(lp_new, lp_old, adv, mask, cfg.train.policy_loss, cfg.train.policy_loss_options,
+                             sub.extras.get("log_prob_rollout"))
+        pg = pg if weight is None else pg * weight
     loss = (pg * is_weight * elem_keep).sum() / denom
     if cfg.train.kl_beta > 0:
         with torch.no_grad(), reference_ctx():
@@ -65,10 +77,21 @@ def grpo_micro_loss(policy, sub: Rollout, adv: torch.Tensor, keep: torch.Tensor,
         loss = loss + cfg.train.kl_beta * (kl * elem_keep).sum() / denom
         m.add("kl", kl, mask)
     m.add("policy_loss", pg, mask)
-    for name in ("approx_kl", "clip_high", "clip_low", "ratio"):
-        m.add(name, pm[name], mask)
+    for name, value in pm.items():
+        m.add(name, value, mask)
     m.add_ratio(pm["ratio"], sub.step, mask)
     return loss
+
+
+def policy_loss(log_prob, log_prob_old, adv, mask, name: str, options: dict, log_prob_rollout=None):
+    """A loss of difrl.correct.POLICY_LOSSES per step [b, T] and its metrics (ratio pi / pi_old, approx_kl).
+    VESPO's sequence ratio takes the rollout copy's pi_old / mu factor when the batch came from a copy."""
+    kw = dict(options)
+    if name == "vespo" and log_prob_rollout is not None:
+        kw["log_prob_rollout"] = log_prob_rollout
+    pg = POLICY_LOSSES[name](log_prob, log_prob_old, adv, mask, **kw)
+    lr = (log_prob - log_prob_old).detach()
+    return pg, {"ratio": torch.exp(lr), "approx_kl": 0.5 * lr**2}
 
 
 def nft_micro_loss(policy, sub: Rollout, adv: torch.Tensor, keep: torch.Tensor, m, denom: int, cfg,
@@ -119,4 +142,41 @@ def proximal_correction(policy, batch: Rollout, cfg):
     lp_prox, mean_prox = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     log_prob_rollout = batch.log_prob_old
     batch.log_prob_old, batch.mean_old = lp_prox, mean_prox.view_as(batch.mean_old)
-    return batch, CORRECTORS[cfg.correct.method](lp_prox, log_prob_rollout, None, **cfg.correct.options)
+    batch.extras["log_prob_rollout"] = log_prob_rollout  # [B, T] mu's log-probs (VESPO's pi_old / mu factor)
+    correction = CORRECTORS[cfg.correct.method](lp_prox, log_prob_rollout, None, **cfg.correct.options)
+    # the copy-vs-policy gap on the rollout's own transitions, |log mu - log pi_old|, as metrics of its own
+    gap = (lp_prox - log_prob_rollout).abs()
+    correction.diagnostics["copy_policy_log_prob_gap"] = gap.mean()
+    correction.diagnostics["copy_policy_log_prob_gap_max"] = gap.max()
+    return batch, correction
+
+
+@torch.no_grad()
+def policy_ratio_check(policy, sub: Rollout, cfg) -> float:
+    """The on-policy ratio check when rollouts come from a copy. There the stored log-probs are the copy's and
+    log_prob_old is the trainer's own recompute, so "recompute == log_prob_old" tests the recompute against
+    itself. This evaluates the trained policy independently, the way the rollout engine does: for every stored
+    transition of `sub`, a forward per step column on the same inputs (x [b, T, ...], sigma, cond; the module in
+    eval mode, as in rollouts), the sampler kernel draws x_next from the sample's own step noise and scores it.
+    The trainer's recompute of those on-policy transitions (in the module's current mode) must give the same
+    log-probs: ratio 1. Returns max |log ratio|; raises RatioCheckError above train.ratio_tol."""
+    B, T = sub.step.shape
+    module, lat = policy.module, tuple(policy.latent_shape)
+    steps = sub.step.unique()
+    all_noise = sample_noise(sub.seeds, steps.tolist(), lat)  # [S, b, *latent]
+    pos = torch.searchsorted(steps, sub.step)  # [b, T]
+    was_training = module.training
+    module.eval()
+    try:
+        x_next, log_prob = [], []
+        for t in range(T):
+            v = policy.velocity(sub.x[:, t], sub.sigma[:, t], sub.cond, cfg.sampler.guidance)
+            out = KERNELS[cfg.sampler.kind](sub.x[:, t], v, sub.sigma[:, t], sub.sigma_next[:, t],
+                                            all_noise[pos[:, t], torch.arange(B)], **cfg.sampler.kernel_kwargs())
+            x_next.append(out.x_next)
+            log_prob.append(out.log_prob)
+    finally:
+        module.train(was_training)
+    own = replace(sub, x_next=torch.stack(x_next, 1), log_prob_old=torch.stack(log_prob, 1), extras={})
+    lp, _, _ = transition_log_prob(policy, own, cfg)
+    return check_ratio(lp, own.log_prob_old, cfg.train.ratio_tol)

@@ -2,7 +2,8 @@
 whose rewards did not fail, and the log's reward columns.
 
     rewards, weights = build_rewards(cfg.reward, world.default_reward)
-    scores, bad = score_rewards(lambda: score_all(...), N, cfg.reward.on_error, stop, where, run_dir)
+    scores, bad = score_rewards(lambda: score_all(...), N, cfg.reward.on_error, stop, where, run_dir,
+                                gather=across_processes(accelerator))   # a failure on any process stops them all
     frac = track_reward_failures(run.state, int(bad.sum()), N, cfg.reward.max_failed_frac, where, stop, run_dir)
     adv, failed = valid_group_advantages(scores, weights, group_ids, bad, cfg.advantage, cfg.reward.aggregate)
     row.update(reward_stats(adv.reward, scores, weights, group_ids, cfg.advantage))
@@ -32,6 +33,8 @@ def build_rewards(reward_cfg, default: str | None) -> tuple[dict, dict[str, floa
                               "e.g. reward.weights={brightness: 1.0} or a module:function", "reward.weights")
         weights = {default: 1.0}
     rewards = {name: build_reward(name, **reward_cfg.options.get(name, {})) for name in weights}
+    for fn in rewards.values():
+        fn.timeout = reward_cfg.timeout  # seconds per call on one chunk (None: no timeout)
     keys = [reward_key(name) for name in weights]
     if len(set(keys)) < len(keys):
         from difrl.config import ConfigError
@@ -42,26 +45,61 @@ def build_rewards(reward_cfg, default: str | None) -> tuple[dict, dict[str, floa
 
 
 def score_rewards(score, num_samples: int, on_error: str, stop, where: str, run_dir: Path,
-                  log=print) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+                  log=print, gather=None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """`score()` (difrl.rewards.score_all or Scoring.result) -> every reward's [B] scores and `bad` [B] bool,
     the samples whose reward raised or was NaN/inf. on_error="stop": call stop() (a checkpoint: nothing is
     lost) and raise a RewardError naming the reward, the samples and how to resume; "drop_group": log it and
-    return with the failed samples' scores NaN (the caller drops their groups). A failed reward never becomes
-    a score: not 0, not a sentinel."""
+    return with the failed samples' scores NaN (the caller drops their groups). A contract violation or a
+    timeout (RewardContractError, RewardTimeoutError) stops under either policy. A failed reward never
+    becomes a score: not 0, not a sentinel.
+
+    `gather` (several processes: accelerate's gather_object, see across_processes) is the one collective
+    right after scoring, before any other: every process learns whether any process must stop, and then all
+    of them call stop() and raise the same message (each failing process's reason), instead of one raising
+    while the others wait in the next collective until it times out."""
     try:
-        return score(), torch.zeros(num_samples, dtype=torch.bool)
+        scores, bad, error = score(), torch.zeros(num_samples, dtype=torch.bool), None
     except RewardError as e:
-        if e.contract:  # a broken plug-in, not a flaky score: dropping groups would hide it for the whole run
-            stop()
-            raise RewardError(f"{where}: {e}. A reward that breaks its contract stops the run under every "
-                              f"reward.on_error (a checkpoint was saved; fix the reward, then resume={run_dir}).",
-                              e.bad, e.scores, True) from e
-        if on_error == "stop":
-            stop()
-            raise RewardError(f"{where}: {e}. The run stopped (reward.on_error=stop) after saving a checkpoint; resume "
-                              f"with resume={run_dir}, or set reward.on_error=drop_group.", e.bad, e.scores) from e
-        log(f"{where}: {e}; dropping their groups (reward.on_error=drop_group)")
-        return e.scores, e.bad
+        scores, bad, error = e.scores, e.bad, e
+    except Exception as e:  # a bug in the reward stage itself: with several processes it must reach them all
+        if gather is None:
+            raise
+        scores, bad, error = None, None, e
+    is_reward_error = isinstance(error, RewardError)
+    fatal = error is not None and (not is_reward_error or error.contract or on_error == "stop")
+    mine = (fatal, is_reward_error and error.contract,
+            "" if error is None else str(error) if is_reward_error else repr(error))
+    verdicts = [mine] if gather is None else gather([mine])  # [(fatal, contract, message)] per process
+    failing = [(rank, contract, msg) for rank, (f, contract, msg) in enumerate(verdicts) if f]
+    if failing:
+        stop()  # every process: a checkpoint (its barrier needs them all)
+        detail = "; ".join(msg if gather is None else f"process {rank}: {msg}" for rank, _, msg in failing)
+        contract = any(c for _, c, _ in failing)
+        if contract:
+            why = (f"A reward that breaks its contract or hangs (reward.timeout) stops the run under every "
+                   f"reward.on_error (a checkpoint was saved; fix the reward, then resume={run_dir}).")
+        elif on_error == "stop":
+            why = (f"The run stopped (reward.on_error=stop) after saving a checkpoint; resume with resume={run_dir}, "
+                   "or set reward.on_error=drop_group.")
+        else:  # drop_group, but the reward stage itself raised on some process
+            why = f"The run stopped after saving a checkpoint; fix the reward stage, then resume={run_dir}."
+        own_bad = bad if bad is not None else torch.zeros(num_samples, dtype=torch.bool)
+        raise RewardError(f"{where}: {detail}. {why}", own_bad, scores, contract) from error
+    for rank, (_, _, msg) in enumerate(verdicts):  # every process's dropped samples, logged by the main one
+        if msg:
+            log(f"{where}: {msg if gather is None else f'process {rank}: {msg}'}; dropping their groups "
+                "(reward.on_error=drop_group)")
+    return scores, bad
+
+
+def across_processes(accelerator):
+    """score_rewards' `gather` for a multi-process run (accelerate's gather_object: every process's list,
+    concatenated in rank order), None for one process."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return None
+    from accelerate.utils import gather_object
+
+    return gather_object
 
 
 def track_reward_failures(state: dict, failed: int, total: int, max_frac: float, where: str, stop,

@@ -2,13 +2,17 @@
 
     ema = EMA(params_by_name, decay=0.9)
     save_checkpoint(run_dir, iteration, module, optimizer, ema, extra={...})
-    ckpt = load_latest_checkpoint(run_dir)         # None if the run has none yet
+    ckpt = load_latest_checkpoint(run_dir)         # newest intact one; None if the run has none yet
 
 A checkpoint is a directory ``checkpoints/iter-NNNNNN/`` holding ``trainable.safetensors``
 (the parameters being optimised, by name), ``ema.safetensors``, ``optimizer.pt`` (tensors and
 plain containers: it loads with ``weights_only=True``), ``rng.safetensors`` and ``state.json``.
-It is written under a temporary name and renamed into place, then ``checkpoints/latest`` is
-rewritten atomically, so a run killed at any moment leaves the previous checkpoint intact.
+It is written under a temporary name, with ``manifest.json`` (size and SHA-256 of every file) written
+last, and renamed into place, then ``checkpoints/latest`` is rewritten atomically, so a run killed at
+any moment leaves the previous checkpoint intact. On resume every file is checked against the
+manifest; a damaged checkpoint (flipped bytes, a truncated, missing or foreign file, garbage state) is
+reported by name and the previous one is used (the newest two are kept), and when every checkpoint
+is damaged the run stops with an error instead of starting again from scratch.
 Everything random in a run is derived from (seed, iteration), so the saved RNG is a safeguard,
 not a requirement.
 """
@@ -25,7 +29,7 @@ import torch
 from torch import nn
 
 from difrl.utils.io import (atomic_write_json, atomic_write_text, load_safetensors_checked, load_torch_state,
-                            save_safetensors, save_torch_state)
+                            save_safetensors, save_torch_state, sha256_file)
 
 
 class EMA:
@@ -79,10 +83,60 @@ class Checkpoint:
     extras: dict[str, tuple[dict[str, torch.Tensor], int]] | None = None  # name -> (tensors, num_updates)
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that fails its manifest or does not load; names the checkpoint and the file."""
+
+
+MANIFEST = "manifest.json"
+
+
+def write_manifest(path: Path) -> None:
+    """path/manifest.json: {"format": 1, "files": {name: {"bytes": n, "sha256": hex}}} over every other file,
+    hashed from the bytes on disk (so it also catches a write that did not land as written)."""
+    files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+             for f in sorted(path.iterdir()) if f.is_file() and f.name != MANIFEST}
+    atomic_write_json(path / MANIFEST, {"format": 1, "files": files})
+
+
+def verify_manifest(path: Path) -> bool:
+    """Check every file of checkpoint `path` against its manifest: raises CheckpointError naming each missing,
+    resized, changed or unlisted file. Returns False for a checkpoint written before manifests existed (no
+    manifest.json: not verified; its files are still checked as they load)."""
+    if not (path / MANIFEST).exists():
+        return False
+    try:
+        listed = json.loads((path / MANIFEST).read_text())["files"]
+        listed = {str(k): (int(v["bytes"]), str(v["sha256"])) for k, v in listed.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable ({type(e).__name__}: {e})") from e
+    problems = []
+    for name, (size, digest) in sorted(listed.items()):
+        f = path / name
+        if not f.is_file():
+            problems.append(f"{name} is missing")
+        elif f.stat().st_size != size:
+            problems.append(f"{name} has {f.stat().st_size} bytes, the manifest says {size} (truncated or overwritten)")
+        elif sha256_file(f) != digest:
+            problems.append(f"{name} does not match its SHA-256 in the manifest (its bytes changed)")
+    problems += [f"{f.name} is not in the manifest" for f in sorted(path.iterdir())
+                 if f.is_file() and f.name != MANIFEST and f.name not in listed]
+    if problems:
+        raise CheckpointError(f"checkpoint {path}: " + "; ".join(problems))
+    return True
+
+
+def checkpoint_dirs(root: Path) -> list[Path]:
+    """The complete checkpoints under root (renamed into place, so never half-written), newest first."""
+    found = [(int(p.name[5:]), p) for p in root.glob("iter-*") if p.is_dir() and p.name[5:].isdigit()]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
 def save_checkpoint(run_dir: Path, iteration: int, module: nn.Module, optimizer, ema: EMA | None,
                     state: dict, keep: int = 2, extras: dict[str, EMA] | None = None) -> Path:
     """`extras`: other named copies of the trainable weights (DiffusionNFT's old policy, the stale rollout
-    copy's source), each saved as NAME.safetensors."""
+    copy's source), each saved as NAME.safetensors. The newest max(keep, 2) checkpoints up to `iteration` are
+    kept, so a damaged newest one can fall back to the previous (load_latest_checkpoint); any after
+    `iteration` (the damaged one a resumed run fell back from) are removed."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"iter-{iteration:06d}"
     tmp = root / f".tmp-iter-{iteration:06d}"
@@ -97,41 +151,97 @@ def save_checkpoint(run_dir: Path, iteration: int, module: nn.Module, optimizer,
     save_torch_state(optimizer.state_dict(), tmp / "optimizer.pt")
     save_safetensors({"torch": torch.get_rng_state()}, tmp / "rng.safetensors")
     atomic_write_json(tmp / "state.json", {"iteration": iteration, **state})
-    if final.exists():
-        shutil.rmtree(final)
+    write_manifest(tmp)  # last: a directory with a manifest is complete
+    if final.exists():  # a resumed run redoing an iteration (or replacing a damaged checkpoint): out of the way first
+        _discard(final, root)
     tmp.rename(final)
     atomic_write_text(root / "latest", final.name + "\n")
-    older = sorted(p for p in root.glob("iter-*") if p != final)
-    for old in older[:max(len(older) - (keep - 1), 0)]:  # keep the newest `keep` checkpoints
-        shutil.rmtree(old, ignore_errors=True)
+    # checkpoints after this iteration belong to a timeline the run left (a damaged one it fell back from):
+    # out, so that the two kept are this one and the one before it
+    newer = [p for p in checkpoint_dirs(root) if int(p.name[5:]) > iteration]
+    for old in newer + checkpoint_dirs(root)[len(newer) + max(keep, 2):]:
+        _discard(old, root)
     return final
 
 
-def load_latest_checkpoint(run_dir: Path) -> Checkpoint | None:
+def _discard(path: Path, root: Path) -> None:
+    """Remove a checkpoint directory: renamed away first, so a kill mid-delete never leaves a half checkpoint
+    under an iter-* name."""
+    trash = root / f".old-{path.name}"
+    if trash.exists():
+        shutil.rmtree(trash, ignore_errors=True)
+    path.rename(trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def load_latest_checkpoint(run_dir: Path, log=print) -> Checkpoint | None:
+    """The newest intact checkpoint of the run, or None if it has none. Each is verified against its manifest
+    before it loads; a damaged one (a changed, truncated, missing or unlisted file, garbage state) is reported
+    through `log`, naming the checkpoint and the file, and the previous one is tried. When checkpoints exist
+    but none is intact this raises CheckpointError: a run never silently starts again from scratch.
+    Checkpoints written before manifests existed load with a warning (their files are checked only as they
+    parse)."""
     root = Path(run_dir) / "checkpoints"
     latest = root / "latest"
-    if not latest.exists():
+    candidates = checkpoint_dirs(root)
+    if latest.exists():
+        named = root / latest.read_text(errors="replace").strip()
+        if named not in candidates:
+            log(f"difrl: {latest} names {named.name!r}, which is not a checkpoint; looking for the newest intact one")
+    if not candidates:
+        if latest.exists():
+            raise CheckpointError(f"{latest} exists but {root} holds no checkpoint directory: the run directory is "
+                                  "damaged (move checkpoints/ aside to start the run again)")
         return None
-    path = root / latest.read_text().strip()
-    if not path.is_dir():
-        raise FileNotFoundError(f"{latest} points to {path.name}, which does not exist; the run directory is damaged")
+    damaged = []
+    for path in candidates:
+        try:
+            verified = verify_manifest(path)
+            ckpt = _load_checkpoint(path)
+        except CheckpointError as e:
+            damaged.append(str(e))
+            log(f"difrl: WARNING: {e}; trying the previous checkpoint")
+            continue
+        if not verified:
+            log(f"difrl: WARNING: checkpoint {path} has no {MANIFEST} (written before checksums existed): its "
+                "bytes are not verified, only that its files load")
+        if damaged:
+            log(f"difrl: WARNING: resuming from {path.name}, the newest intact checkpoint; the {len(damaged)} newer "
+                f"one(s) above are damaged and will be overwritten as the run redoes their iterations")
+        return ckpt
+    raise CheckpointError(f"every checkpoint in {root} is damaged, so the run cannot resume (it does not start "
+                          f"again from scratch on its own; move {root} aside for that): " + " | ".join(damaged))
+
+
+def _load_checkpoint(path: Path) -> Checkpoint:
+    """Load every file of one checkpoint; any problem is a CheckpointError naming the file."""
     try:
         state = json.loads((path / "state.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"checkpoint state {path / 'state.json'} is corrupted or missing ({e})") from e
-    trainable, _ = load_safetensors_checked(path / "trainable.safetensors", "checkpoint weights")
-    ema = None
-    if (path / "ema.safetensors").exists():
-        ema, meta = load_safetensors_checked(path / "ema.safetensors", "checkpoint EMA weights")
-        state["ema_num_updates"] = int(meta.get("num_updates", 0))
-    extras = {}
-    for f in sorted(path.glob("*.safetensors")):
-        if f.stem not in ("trainable", "ema", "rng"):
-            tensors, meta = load_safetensors_checked(f, f"checkpoint {f.stem} weights")
-            extras[f.stem] = (tensors, int(meta.get("num_updates", 0)))
-    optimizer = load_torch_state(path / "optimizer.pt", "checkpoint optimizer state")
-    rng, _ = load_safetensors_checked(path / "rng.safetensors", "checkpoint RNG state")
-    return Checkpoint(path, int(state["iteration"]), trainable, ema, optimizer, rng, state, extras)
+        if not isinstance(state, dict) or not isinstance(state.get("iteration"), int):
+            raise ValueError(f"no integer 'iteration' in {str(state)[:60]!r}")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint state {path / 'state.json'} is corrupted or missing ({e})") from e
+    if state["iteration"] != int(path.name[5:]):
+        raise CheckpointError(f"checkpoint {path}: state.json says iteration {state['iteration']}, the directory "
+                              f"name {path.name}")
+    try:
+        trainable, _ = load_safetensors_checked(path / "trainable.safetensors", "checkpoint weights")
+        ema = None
+        if (path / "ema.safetensors").exists():
+            ema, meta = load_safetensors_checked(path / "ema.safetensors", "checkpoint EMA weights")
+            state["ema_num_updates"] = int(meta.get("num_updates", 0))
+        extras = {}
+        for f in sorted(path.glob("*.safetensors")):
+            if f.stem not in ("trainable", "ema", "rng"):
+                tensors, meta = load_safetensors_checked(f, f"checkpoint {f.stem} weights")
+                extras[f.stem] = (tensors, int(meta.get("num_updates", 0)))
+        optimizer = load_torch_state(path / "optimizer.pt", "checkpoint optimizer state")
+        rng, _ = load_safetensors_checked(path / "rng.safetensors", "checkpoint RNG state")
+        if "torch" not in rng or rng["torch"].dtype != torch.uint8:
+            raise ValueError(f"checkpoint RNG state {path / 'rng.safetensors'} holds no uint8 'torch' state")
+    except (OSError, ValueError) as e:  # FileNotFoundError is an OSError
+        raise CheckpointError(str(e)) from e
+    return Checkpoint(path, state["iteration"], trainable, ema, optimizer, rng, state, extras)
 
 
 def restore_checkpoint(ckpt: Checkpoint, module: nn.Module, optimizer, ema: EMA | None,

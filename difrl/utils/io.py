@@ -3,6 +3,7 @@
     atomic_write_text(path, text)
     save_safetensors(tensors, path, metadata={"hidden": "128"})
     tensors, meta = load_safetensors_checked(path, what="digits classifier")
+    digest = sha256_file(path)                    # checkpoint manifests (difrl.train.state)
 """
 
 from __future__ import annotations
@@ -79,3 +80,14 @@ def load_safetensors_checked(path: str | Path, what: str) -> tuple[dict[str, tor
     except (SafetensorError, OSError, ValueError) as e:
         raise ValueError(f"{what} at {path} is not a readable safetensors file ({e})") from e
     return tensors, meta
+
+
+def sha256_file(path: str | Path) -> str:
+    """SHA-256 of one file's bytes (read in 1 MiB blocks)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
