@@ -217,6 +217,40 @@ def tables(rows: list[dict]) -> list[str]:
     return out
 
 
+def cost_reading(rows: list[dict], fp4_cost: float) -> list[str]:
+    """Sentences computed from the learning rows: total rollout cost to the target with low-precision NFEs
+    priced at `fp4_cost` full-precision NFEs (an assumption, stated), and what Sol-RL's pool buys over
+    DiffusionNFT without one. Differences count only beyond the sum of the two seed standard deviations."""
+    learn = {r["method"]: r for r in rows if r["section"] == "learning"}
+    if not learn:
+        return []
+    out = [f"Total rollout cost to the target, pricing one low-precision NFE at {fp4_cost:g} full-precision NFE "
+           "(an assumed FP4:BF16 cost ratio, not measured here: NVFP4 is emulated on this CPU):"]
+    base = learn.get("plain GRPO")
+    for name, r in learn.items():
+        if r["nfe_full_to_target"] is None:
+            out.append(f"- {name}: did not reach the target ({r['reached']}).")
+            continue
+        total = r["nfe_full_to_target"] + fp4_cost * (r["nfe_lowprec_to_target"] or 0.0)
+        rel = f" ({total / base['nfe_full_to_target']:.2f}x plain GRPO's)" if base and base["nfe_full_to_target"] else ""
+        out.append(f"- {name}: {total:.3g}{rel}.")
+    sol, nft = learn.get("Sol-RL"), learn.get("DiffusionNFT")
+    if sol and nft and sol["nfe_full_to_target"] is not None and nft["nfe_full_to_target"] is not None:
+        saved = sol["nfe_full_to_target"] < nft["nfe_full_to_target"]
+        gap, spread = nft["fd_mean"] - sol["fd_mean"], sol["fd_std"] + nft["fd_std"]
+        fd_word = (f"a lower final FD ({sol['fd_mean']:.1f} vs {nft['fd_mean']:.1f}, beyond the summed spread {spread:.1f})"
+                   if gap > spread else f"a final FD of {sol['fd_mean']:.1f} vs {nft['fd_mean']:.1f}, within the summed "
+                   f"spread {spread:.1f}")
+        acc_gap = abs(sol["accuracy_mean"] - nft["accuracy_mean"])
+        acc_word = ("level" if acc_gap <= sol["accuracy_std"] + nft["accuracy_std"] else "different")
+        out.append(f"Sol-RL against DiffusionNFT without a pool: full-precision NFEs to the target "
+                   f"{sol['nfe_full_to_target']:.3g} vs {nft['nfe_full_to_target']:.3g} "
+                   f"({'fewer' if saved else 'no saving'}), plus {sol['nfe_lowprec_to_target']:.3g} low-precision NFEs; "
+                   f"final accuracy {acc_word} ({sol['accuracy_mean']:.3f} vs {nft['accuracy_mean']:.3f}); {fd_word}. "
+                   "The candidate pool's selection effect on the reward is not reproduced on this world.")
+    return out
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     standard_args(ap, "one seed, short runs, small pool (~2 min)")
@@ -232,6 +266,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--reuse", action="store_true", help="reuse finished runs of identical configs under --out")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_solrl")
     ap.add_argument("--threads", type=int, default=min(2, torch.get_num_threads()))
+    ap.add_argument("--fp4-cost", type=float, default=0.25, help="price of one low-precision NFE in full-precision "
+                    "NFEs for the total-cost sentences (an assumption: 0.25 = FP4 at 4x BF16 throughput)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     q = args.quick
@@ -240,7 +276,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows += learning_rows(args.seeds or ([0] if q else [0, 1, 2]), args.grpo_iterations or (30 if q else 300),
                               args.nft_iterations or (30 if q else 150), args.every or 10, args.out, args.methods, args.reuse)
     publish(args, BEGIN, END, "Sol-RL: NVFP4 candidate ranking and learning per full-precision NFE", "bench_solrl.py",
-            argv, [*tables(rows), "", *NOTES], rows)
+            argv, [*tables(rows), "", *NOTES, "", *cost_reading(rows, args.fp4_cost)], rows)
     return rows
 
 

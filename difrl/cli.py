@@ -102,6 +102,13 @@ def cmd_eval(args) -> int:
             raise ValueError(f"--preset-options is not JSON: {e}") from e
         overrides.append("eval.rewards=" + json.dumps({EVAL_PRESETS[args.preset]: options}))
     cfg = _load(path, overrides)
+    if args.pass_k and cfg.trainer == "masked" and cfg.model.kind == "hf_masked":
+        # text tasks report pass@k in their own evaluation (eval.pass_k over eval.samples draws): set those
+        if args.temperature is not None or args.problems is not None:
+            raise ValueError("model.kind=hf_masked: --pass-k takes --samples; the temperature is sampler.temperature "
+                             "and the problems are eval.problems")
+        overrides += [f"eval.pass_k=[{args.pass_k}]"] + ([] if args.samples is None else [f"eval.samples={args.samples}"])
+        cfg, args.pass_k, args.samples = _load(path, overrides), None, None
     if args.prompts:
         if cfg.trainer == "masked" or cfg.model.kind == "digits":
             raise ValueError("--prompts is for diffusers models (the bundled worlds have their own evaluation sets)")
@@ -118,7 +125,7 @@ def cmd_eval(args) -> int:
             from difrl.eval.passk import masked_pass_at_k, sudoku_eval_prompts
 
             if cfg.model.kind != "sudoku":
-                raise ValueError(f"--pass-k needs a verifier: only model.kind=sudoku has one, not {cfg.model.kind!r}")
+                raise ValueError(f"--pass-k needs a verifier: model.kind=sudoku or hf_masked, not {cfg.model.kind!r}")
             try:
                 ks = [int(k) for k in args.pass_k.split(",") if k.strip()]
             except ValueError:
@@ -135,7 +142,7 @@ def cmd_eval(args) -> int:
         _write_eval(run, args.out, metrics)
         return 0
     if args.pass_k:
-        raise ValueError("--pass-k is for masked worlds (model.kind=sudoku)")
+        raise ValueError("--pass-k is for masked worlds with a verifier (model.kind=sudoku or hf_masked)")
     from difrl.worlds import build_world
 
     digits = cfg.model.kind == "digits"
@@ -292,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                    "protocol's reward as the held-out panel (Flow-GRPO OCR / PickScore sets, GenEval metadata); the "
                    "sampler settings stay the run's eval.*")
     p.add_argument("--preset-options", help="JSON options of the preset's reward, e.g. '{\"model_dir\": \"/w/pick\"}'")
-    p.add_argument("--pass-k", help="masked worlds (sudoku): also report unbiased pass@k for these k, e.g. 1,8")
+    p.add_argument("--pass-k", help="masked worlds (sudoku, hf_masked text tasks): also report unbiased pass@k for these "
+                                    "k, e.g. 1,8")
     p.add_argument("--samples", type=int, help="--pass-k: samples per problem, n (default 8)")
     p.add_argument("--temperature", type=float, help="--pass-k: sampling temperature (default: the config's "
                                                      "sampler.temperature; 0 with llada/eb = greedy, one sample)")

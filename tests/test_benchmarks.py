@@ -223,3 +223,19 @@ def test_bench_eb_digit_tokens_rows(tmp_path):
     assert g["EB g=30"]["nfe"] < g["EB g=0.5"]["nfe"] <= 64 and g["LLaDA 8 steps"]["nfe"] == 8
     assert all(0.0 <= r["accuracy"] <= 1.0 and r["fd"] > 0 for r in rows)
     assert all(r["meets_goal"] == (r["sampler"] == "eb" and r["nfe_ratio"] >= 3 and r["accuracy_loss_points"] <= 1) for r in rows)
+
+
+def test_bench_eb_compares_each_eb_row_with_the_strongest_decoder_at_no_more_nfe():
+    bench = _load("bench_eb")
+    row = lambda m, s, nfe, acc, sd: {"method": m, "sampler": s, "nfe": nfe, "accuracy": acc, "accuracy_std": sd}
+    rows = [row("LLaDA 1/step", "llada", 64, 0.82, 0.005), row("EB g=3", "eb", 19.8, 0.83, 0.014),
+            row("EB g=30", "eb", 3.0, 0.95, 0.006), row("EB g=10", "eb", 7.8, 0.876, 0.009),
+            row("emerge 16", "emerge", 16, 0.953, 0.006), row("LLaDA 8", "llada", 8, 0.853, 0.005)]
+    lines = bench.strongest_comparison(rows)
+    # EB g=3 spends 19.8: the best non-EB decoder within that is emerge 16 (0.953) -> worse by 12.3 points
+    assert "EB g=3 (19.8 NFE, accuracy 0.830) is worse than emerge 16 (16.0 NFE, 0.953): -12.3 points" in lines[1]
+    assert "EB g=30 (3.0 NFE): no other decoder spends this little." in lines[2]
+    assert "EB g=10 (7.8 NFE): no other decoder" in lines[3]
+    rows[3]["nfe"] = 8.0  # now LLaDA 8 (0.853 +- 0.005) is within budget: +2.3 points > spread 1.4 -> better
+    assert "EB g=10 (8.0 NFE, accuracy 0.876) is better than LLaDA 8 (8.0 NFE, 0.853): +2.3 points, spread 1.4." in \
+        bench.strongest_comparison(rows)[3]

@@ -314,7 +314,9 @@ def test_adapter_table_is_plain_dict():
 def test_every_adapter_is_a_flow_world():
     from difrl.worlds import FLOW_KINDS, WORLDS
 
-    assert FLOW_KINDS == tuple(WORLDS) and FLOW_KINDS[0] == "digits" and set(FLOW_KINDS[1:]) == set(ADAPTERS)
+    # the bundled worlds (digits, moving digits) and one world per diffusers adapter
+    assert FLOW_KINDS == tuple(WORLDS) and FLOW_KINDS[0] == "digits"
+    assert set(FLOW_KINDS) == {"digits", "moving_digits"} | set(ADAPTERS)
 
 
 @pytest.mark.parametrize("kind", KINDS)

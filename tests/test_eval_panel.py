@@ -21,6 +21,10 @@ pytest.importorskip("open_clip")
 pytest.importorskip("torch_fidelity")
 
 ROOT = Path(__file__).resolve().parent.parent
+# configs/flux_tiny.yaml is a learning run (colour reward, 32 samples x 6 steps); these tests want a small brightness run
+SMALL = ["rollout.prompts_per_iter=2", "rollout.group_size=4", "sampler.num_steps=3", "eval.num_steps=3",
+         "eval.per_digit=2", "train.micro_batch=2", "train.grad_accum=2", "reward.weights={brightness: 1.0}",
+         "reward.options={}"]
 
 
 @pytest.mark.slow  # end to end, several seconds: left out by `make test-fast`
@@ -45,7 +49,7 @@ def test_tiny_flux_eval_json_holds_fid_kid_and_the_heldout_panel(tmp_path):
     panel = json.dumps({"hpsv2": tiny["hpsv2"], "clip_score": tiny["clip_score"]})
     fid = json.dumps({"extractor": "inception", "weights": str(inception), "reference": str(ref),
                       "cache_dir": str(tmp_path / "cache"), "kid_subset_size": 4})
-    cfg = load_flow_config(ROOT / "configs" / "flux_tiny.yaml", [
+    cfg = load_flow_config(ROOT / "configs" / "flux_tiny.yaml", [*SMALL,
         f"model.path={path}", "train.iterations=1", "threads=1", f"eval.rewards={panel}", f"eval.fid={fid}"])
     summary = train(cfg, out_dir=tmp_path / "run")
     evals = json.loads((tmp_path / "run" / "eval.json").read_text())
@@ -149,7 +153,7 @@ def test_tiny_wan_eval_has_per_frame_and_clip_level_fd(tmp_path):
     fid = json.dumps({"extractor": "clip", "weights": tiny["clip_score"]["model_dir"], "reference": str(frames_dir),
                       "reference_clips": str(clips_dir), "cache_dir": str(tmp_path / "cache"), "kid_subset_size": 3})
     wan = make_tiny_pipeline("wan", tmp_path / "wan", seed=0)
-    cfg = load_flow_config(ROOT / "configs" / "flux_tiny.yaml", [
+    cfg = load_flow_config(ROOT / "configs" / "flux_tiny.yaml", [*SMALL,
         "model.kind=wan", f"model.path={wan}", "model.num_frames=5", "sampler.guidance=1.0", "train.iterations=1",
         "threads=1", f"eval.fid={fid}"])
     train(cfg, out_dir=tmp_path / "run")

@@ -168,7 +168,12 @@ def test_world_refuses_unreadable_training_prompts_and_the_diffusers_eval_panel(
     cfg = load_flow_config(ROOT / "configs" / "moving_digits.yaml", ['model.prompts=["a 3 moving left", "a cat"]'])
     with pytest.raises(ValueError, match="cannot read the prompt 'a cat'"):
         build_world("moving_digits", cfg.model.path, cfg)
-    cfg = load_flow_config(ROOT / "configs" / "moving_digits.yaml", ["eval.rewards={brightness: {}}"])
+    from difrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="eval.rewards.*moving_digits world evaluates with its own"):  # at load time
+        load_flow_config(ROOT / "configs" / "moving_digits.yaml", ["eval.rewards={brightness: {}}"])
+    cfg = load_flow_config(ROOT / "configs" / "moving_digits.yaml")
+    cfg.eval.rewards = {"brightness": {}}  # past the config check: the world still refuses it
     with pytest.raises(ValueError, match="eval.rewards and eval.fid are for diffusers models"):
         build_world("moving_digits", cfg.model.path, cfg)
     cfg = load_flow_config(ROOT / "configs" / "moving_digits.yaml", ['model.prompts=["a 3 moving left", "a 7 moving up"]'])

@@ -340,3 +340,18 @@ def test_bench_dllm_quick(tmp_path):
     assert all(r["pass@1_before"] == res["train_rows"][0]["pass@1_before"] for r in res["train_rows"])  # one base
     samplers = {r["sampler"] for r in res["sampler_rows"]}
     assert samplers == {"llada", "eb"}
+
+
+def test_difrl_eval_pass_k_on_a_text_task(tmp_path, capsys):
+    """`difrl eval configs/text_arithmetic.yaml --pass-k 1,2 --samples 2`: the world's own unbiased pass@k."""
+    from difrl.cli import main
+
+    cfg = Path(__file__).resolve().parent.parent / "configs" / "text_arithmetic.yaml"
+    out = tmp_path / "eval.json"
+    assert main(["eval", str(cfg), "--pass-k", "1,2", "--samples", "2", "--out", str(out)]) == 0
+    metrics = json.loads(out.read_text())
+    assert metrics["n"] == 2 and metrics["problems"] == 200
+    assert 0.2 < metrics["pass@1"] < metrics["pass@2"] < 0.9  # the weak base: pass@1 0.37, pass@4 0.78 at n=4
+    assert "pass@4" not in metrics
+    assert main(["eval", str(cfg), "--pass-k", "1", "--temperature", "0.5"]) == 2
+    assert "--pass-k takes --samples" in capsys.readouterr().err
