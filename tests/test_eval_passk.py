@@ -110,7 +110,6 @@ def test_sudoku_pass_at_k_consistent_and_recorded(sudoku):
     assert c.shape == (16,) and ((0 <= c) & (c <= 8)).all()
     assert res["pass@1"] == pytest.approx(float(c.sum()) / (16 * 8), abs=1e-12)  # the mean solve rate of the samples
     assert res["pass@8"] == pytest.approx(float((c > 0).mean()), abs=1e-12)  # k = n: some sample solved it
-    assert 0.0 <= res["pass@1"] <= res["pass@8"] <= 1.0
     assert res["pass@8"] > res["pass@1"]  # the weak base solves some puzzles only sometimes
     for key, want in [("n", 8), ("n_requested", 8), ("ks", [1, 8]), ("greedy", False), ("temperature", 1.0),
                       ("sampler", "llada"), ("remasking", "low_confidence"), ("steps", 16), ("block_length", None),
@@ -177,7 +176,7 @@ def test_cli_eval_pass_k(capsys):
     pk = out["pass_at_k"]
     assert {"solve_rate", "cell_accuracy"} <= set(out)
     assert pk["n"] == 4 and pk["ks"] == [1, 4] and pk["problems"] == 8 and pk["temperature"] == 1.0  # the config's T
-    assert pk["sampler"] == "llada" and pk["steps"] == 16 and 0 <= pk["pass@1"] <= pk["pass@4"] <= 1
+    assert pk["sampler"] == "llada" and pk["steps"] == 16 and pk["pass@1"] <= pk["pass@4"]  # pass@k grows with k
     assert main(argv + ["--temperature", "0"]) == 0
     greedy = json.loads(capsys.readouterr().out)["pass_at_k"]
     assert greedy["greedy"] and greedy["pass@1"] == pytest.approx(out["solve_rate"])
