@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -64,16 +63,18 @@ def test_timeout_thread_scores_exactly_like_the_caller():
 
 
 def test_hanging_call_times_out_and_the_reward_refuses_further_calls(release):
+    returned = []
+
     def fn(images, prompts, metadata):
         release.wait(60)
+        returned.append(True)
         return torch.zeros(len(prompts))
 
     r = Reward("sleeper", fn)
     r.timeout = 0.5
-    t0 = time.perf_counter()
     with pytest.raises(RewardTimeoutError, match=r"'sleeper' did not return within reward.timeout=0.5 s on a chunk of 3"):
         r(torch.zeros(3, 3, 4, 4), ["a", "b", "c"])
-    assert time.perf_counter() - t0 < 5.0
+    assert not returned  # raised while the call was still hanging, not after it came back
     with pytest.raises(RewardTimeoutError, match="timed out earlier"):  # its first call may still be running
         r(torch.zeros(3, 3, 4, 4), ["a", "b", "c"])
 
@@ -111,7 +112,6 @@ def test_hanging_reward_stops_the_run_under_every_policy(tmp_path, release, on_e
             return images.float().flatten(1).mean(1)
         return fn
 
-    t0 = time.perf_counter()
     try:
         with pytest.raises(RewardError) as err:
             train(load_flow_config(None, [*TINY, "reward.weights={test_hangs_second_call: 1.0}", "reward.timeout=1",
@@ -119,7 +119,6 @@ def test_hanging_reward_stops_the_run_under_every_policy(tmp_path, release, on_e
     finally:
         REWARDS.pop("test_hangs_second_call")
     msg = str(err.value)
-    assert time.perf_counter() - t0 < 60
     assert "iteration 1" in msg and "did not return within reward.timeout=1 s" in msg
     assert "prompt ids [" in msg and "seeds [" in msg and "hangs (reward.timeout)" in msg
     rows = [json.loads(ln)["iteration"] for ln in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
@@ -203,11 +202,9 @@ def test_one_process_reward_failure_stops_both_processes(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "difrl", "train",
            str(ROOT / "configs" / "digits.yaml"), *TINY, "threads=1", "train.iterations=3",
            'reward.weights={"reliability:fault": 1.0}', f"reward.options={options}", "--out", str(tmp_path / "r")]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)  # a hang fails here
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)  # a hang fails here (TimeoutExpired)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
-    assert time.perf_counter() - t0 < 240
     # both processes stop with the same message, naming the failing process, reward, prompt ids and seeds
     errors = [ln for ln in out.splitlines() if "difrl train: error: iteration 1: process 1: reward 'reliability:fault' "
                                                 "raised RuntimeError: injected fault" in ln]

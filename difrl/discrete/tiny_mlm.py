@@ -4,8 +4,8 @@ exactly as a user's LLaDA / Dream / ModernBERT directory does.
 
     tok = build_char_tokenizer()                      # PreTrainedTokenizerFast, chat template set
     model = build_tiny_mlm(tok, seed=0)               # BertForMaskedLM, ~0.4M parameters, no dropout
-    save_tiny_mlm(model, tok, "runs/tiny_mlm")        # config.json, model.safetensors, tokenizer.json, ...
-    policy = HFMaskedLM.from_pretrained("runs/tiny_mlm")
+    path = save_tiny_mlm(model, tok, Path("runs") / "tiny_mlm")   # a local directory: config.json, model.safetensors, ...
+    policy = HFMaskedLM.from_pretrained(path)            # local paths only, never a hub id
 
 The bundled weak base (``BUNDLED_DIR``) is this model after ``scripts/pretrain_text_mlm.py``'s short
 LLaDA-style SFT on the bundled arithmetic problems.
