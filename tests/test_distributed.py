@@ -29,13 +29,14 @@ COMMON = [
 ]
 
 
-def _train(out: Path, nproc: int, *overrides: str) -> None:
+def _train(out: Path, nproc: int, *overrides: str) -> str:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, "-m", "difrl"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "difrl"]
     cmd = [*launch, "train", str(ROOT / "configs" / "digits.yaml"), *COMMON, *overrides, "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -105,11 +106,16 @@ def test_two_processes_equal_one_for_trees(tmp_path):
 
 
 @pytest.mark.slow  # end to end, several seconds: left out by `make test-fast`
-def test_resume_under_two_processes(tmp_path):
-    # 2 iterations, stop, resume to 3 (both under 2 processes) == 3 iterations without a stop
+def test_resume_under_two_processes_past_a_damaged_checkpoint(tmp_path):
+    # 3 iterations, the newest checkpoint's weights damaged (flipped bytes), resume to 4 (all under 2 processes):
+    # both processes fall back to iteration 2's checkpoint and the run == 4 iterations without a stop
+    from test_checkpoint_integrity import flip_data_bytes
+
     full, part = tmp_path / "full", tmp_path / "part"
-    _train(full, 2, "train.grad_accum=2", "train.iterations=3")
-    _train(part, 2, "train.grad_accum=2", "train.iterations=2")
-    _train(part, 2, "train.grad_accum=2", "train.iterations=3", f"resume={part}")
-    assert [r["iteration"] for r in _rows(part)] == [1, 2, 3]
-    _assert_same_runs(full, part, ("reward_mean", "loss", "grad_norm", "kl"), (), iteration=3, rtol=1e-5, atol=1e-7)
+    _train(full, 2, "train.grad_accum=2", "train.iterations=4", "checkpoint_every=1")
+    _train(part, 2, "train.grad_accum=2", "train.iterations=3", "checkpoint_every=1")
+    flip_data_bytes(part / "checkpoints" / "iter-000003" / "trainable.safetensors")
+    out = _train(part, 2, "train.grad_accum=2", "train.iterations=4", "checkpoint_every=1", f"resume={part}")
+    assert "trainable.safetensors does not match its SHA-256" in out and "iter-000002 after iteration 2" in out, out[-3000:]
+    assert [r["iteration"] for r in _rows(part)] == [1, 2, 3, 4]
+    _assert_same_runs(full, part, ("reward_mean", "loss", "grad_norm", "kl"), (), iteration=4, rtol=1e-5, atol=1e-7)

@@ -214,6 +214,45 @@ def test_one_process_reward_failure_stops_both_processes(tmp_path):
     assert rows == [1] and (tmp_path / "r" / "checkpoints" / "iter-000001").is_dir()
 
 
+CRASHING_SAMPLER = """
+import os, sys
+import difrl.train.flow as flow
+from difrl.cli import main
+
+inner, calls = flow.rollout, [0]
+
+
+def rollout(*a, **k):  # process 1's second training rollout (iteration 2) crashes
+    calls[0] += 1
+    if os.environ.get("RANK") == "1" and calls[0] == 2:
+        raise RuntimeError("injected fault: the sampler crashed")
+    return inner(*a, **k)
+
+
+flow.rollout = rollout
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow  # two processes, ~20 s
+def test_a_crash_outside_the_reward_stage_on_one_process_ends_the_job(tmp_path):
+    # a failure outside the reward stage (here the sampler) is not caught: the process exits with its traceback
+    # and torchrun's agent stops the other one, which would otherwise wait in the next collective (gloo: 30 min)
+    driver = tmp_path / "crashing_sampler.py"
+    driver.write_text(CRASHING_SAMPLER)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(driver), "train",
+           str(ROOT / "configs" / "digits.yaml"), *TINY, "threads=1", "train.iterations=4", "checkpoint_every=1",
+           "--out", str(tmp_path / "r")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)  # a hang fails here (TimeoutExpired)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "RuntimeError: injected fault: the sampler crashed" in out, out[-3000:]
+    # nothing after the crash was logged or checkpointed by the surviving process
+    rows = [json.loads(ln)["iteration"] for ln in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [1] and sorted(p.name for p in (tmp_path / "r" / "checkpoints").glob("iter-*")) == ["iter-000001"]
+
+
 # ------------------------------------------------------------------------- the campaign's quick mode
 
 

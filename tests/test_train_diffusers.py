@@ -109,10 +109,14 @@ def test_two_iterations_train_every_lora_param_and_the_lora_dir_reproduces(kind,
     summary = train(cfg, tmp_path / "run")
     run = Path(summary["run_dir"])
     assert summary["iterations"] == 2 and len((run / "metrics.jsonl").read_text().splitlines()) == 2
-    assert "reward" in summary["eval_before"] and "reward" in summary["eval_after"]
-
     policy = seen["world"].policy
     net = policy.module
+    # the summary's evaluations are the world's fixed-seed evaluation of the trained policy (after) and of the base
+    # (before: the LoRA disabled), recomputed here
+    world, ev = seen["world"], (cfg.eval.per_digit, cfg.eval.num_steps, cfg.eval.seed, cfg.sampler.shift)
+    assert world.evaluate(policy, *ev)[0]["reward"] == pytest.approx(summary["eval_after"]["reward"], abs=1e-6)
+    with net.disable_adapter():
+        assert world.evaluate(policy, *ev)[0]["reward"] == pytest.approx(summary["eval_before"]["reward"], abs=1e-6)
     after = {n: p.detach() for n, p in net.named_parameters()}
     unchanged = {n.split(".lora_")[0].removeprefix("base_model.model.") for n, v in seen["init"].items()
                  if torch.equal(after[n], v)}
