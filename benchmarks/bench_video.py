@@ -1,7 +1,7 @@
 """Flat GRPO vs BranchGRPO vs Sol-RL on the moving-digits video world: cost per iteration and learning at
 equal wall-clock, several seeds, in one run.
 
-    .venv/bin/python benchmarks/bench_video.py --json benchmarks/results/bench_video.json   # full: 3 seeds (long)
+    .venv/bin/python benchmarks/bench_video.py --json benchmarks/results/bench_video.json   # full: 3 seeds x 100 iterations (~30 min)
     .venv/bin/python benchmarks/bench_video.py --quick                                       # ~2 min, never writes
 
 Every method starts from the bundled base with configs/moving_digits.yaml (8 prompts x 16 clips per
@@ -96,14 +96,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     standard_args(ap, "one seed, 6 iterations, small evaluations (~2 min)")
     ap.add_argument("--seeds", type=int, nargs="+", help="training seeds (default 0 1 2; --quick 0)")
-    ap.add_argument("--iterations", type=int, help="iterations of every run (default: the config's; --quick 6)")
+    ap.add_argument("--iterations", type=int, help="iterations of every run (default 100, a quarter of the config's "
+                    "400: 9 runs in about half an hour; --quick 6)")
     ap.add_argument("--every", type=int, help="evaluation interval (default 10; --quick 3)")
     ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_video")
     args = ap.parse_args(argv)
     q = args.quick
     seeds = args.seeds or ([0] if q else [0, 1, 2])
-    iterations = args.iterations or (6 if q else load_flow_config(CONFIG).train.iterations)
+    iterations = args.iterations or (6 if q else 100)
     every = args.every or (3 if q else 10)
     extra = ["rollout.prompts_per_iter=4", "eval.per_digit=2", "eval.num_steps=6"] if q else []
     methods = ["flat GRPO", *[m for m in args.methods if m != "flat GRPO"]]

@@ -63,7 +63,8 @@ def cmd_train(args) -> int:
     run = Path(summary["run_dir"])
     print(f"\ndifrl: {summary['iterations']} iterations" + (f", stopped early: {summary['stopped_early']}" if summary["stopped_early"] else ""))
     # the digits world's accuracy, judge, FD and diversity, or the world's headline metrics, then named rewards
-    keys = [k for k in ("accuracy", "judge_accuracy", "fd", "diversity") if k in after]
+    keys = [k for k in ("accuracy", "judge_accuracy", "motion_accuracy", "judge_motion_accuracy", "fd", "diversity")
+            if k in after]
     keys += [k for k in summary["headline"] if k not in keys]
     keys += [k for k, v in after.items() if k.startswith("reward/") and isinstance(v, (int, float))]
     width = max(16, *(len(k) + 2 for k in keys))

@@ -10,8 +10,19 @@ seeded generator): x_sigma = (1 - sigma) x0 + sigma eps, target v = eps - x0, th
 (digit and direction both null) with probability 0.1 for classifier-free guidance. The reward's
 classifier is the digits world's (difrl/assets/digits_classifier.safetensors, scripts/pretrain_digits.py).
 Training runs single-threaded with fixed seeds, so the file is reproducible bit for bit on one machine
-(within float tolerance across machines). It stops at a fixed, small step count, far from
-convergence, so that the base is weak in both identity and motion: RL has room to show what it does.
+(within float tolerance across machines).
+
+The base is weak on purpose, in two ways RL can repair (each leaves groups of samples of one
+prompt that differ in the reward):
+- identity: training stops at a fixed, small step count (``GENERATOR_STEPS``), far from convergence,
+  so about half of the frames show a readable, correct digit;
+- direction: half of the training clips are captioned with the opposite direction (a clip moving
+  left is captioned "right" with probability ``DIRECTION_CONFUSION``), so the base moves the digit
+  along the right axis but picks the sign at random, as real text-to-video models confuse left and
+  right. (Uniform caption noise over all 4 directions and 10 digits was tried: this tiny net then
+  learned neither motion nor identity in 4,000 steps. Stopping early alone gives a base whose motion
+  is not yet coherent (a 0.02-scale position embedding: motion accuracy 0.2 when identity is 0.5),
+  and RL then learns a motion that fools the reward's tracker, not the held-out judge.)
 """
 
 from __future__ import annotations
@@ -29,14 +40,15 @@ from difrl.worlds.moving_digits import (MovingDigitsWorld, clips_to_latents, eva
                                         render_clips, sample_layout)
 
 # -------------------------------------------------------------------------------- settings
-GENERATOR_STEPS = 1000  # stop early on purpose: a weak base (about 40% per-frame accuracy, 10% motion accuracy)
+GENERATOR_STEPS = 750  # stop early on purpose: about 50% per-frame accuracy
 GENERATOR_LR = 1e-3
 GENERATOR_BATCH = 64
 PROMPT_DROPOUT = 0.1  # so the model also learns the unconditional velocity (CFG)
+DIRECTION_CONFUSION = 0.5  # a clip's caption names the opposite direction with this probability
 
 
 def train_generator(seed: int = 0, steps: int = GENERATOR_STEPS, cfg: VideoNetConfig = VideoNetConfig(),
-                    eval_every: int = 0, snapshot=None) -> VideoFlowNet:
+                    eval_every: int = 0, snapshot=None, direction_confusion: float = DIRECTION_CONFUSION) -> VideoFlowNet:
     """Conditional flow matching on freshly rendered train clips (a new batch every step). Every `eval_every`
     steps: print the eval metrics and call `snapshot(step, net)` (the evaluation draws no training randomness,
     so the net after k steps of a longer run is the net of a k-step run)."""
@@ -52,6 +64,8 @@ def train_generator(seed: int = 0, steps: int = GENERATOR_STEPS, cfg: VideoNetCo
         perp, jitter = sample_layout(GENERATOR_BATCH, gen, cfg.frames, cfg.size)
         x0 = clips_to_latents(render_clips(sprites_all[idx], directions, perp, jitter, cfg.frames, cfg.size))
         digit, direction = y_all[idx].clone(), directions.clone()
+        swap = torch.rand(GENERATOR_BATCH, generator=gen) < direction_confusion
+        direction = torch.where(swap, direction ^ 1, direction)  # DIRECTIONS order: left <-> right, up <-> down
         drop = torch.rand(GENERATOR_BATCH, generator=gen) < PROMPT_DROPOUT
         digit[drop], direction[drop] = NULL_DIGIT, NULL_DIRECTION
         eps = torch.randn(x0.shape, generator=gen)
@@ -80,6 +94,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ASSETS, help="directory for moving_digits_base.safetensors")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--generator-steps", type=int, default=GENERATOR_STEPS)
+    ap.add_argument("--direction-confusion", type=float, default=DIRECTION_CONFUSION,
+                    help="probability that a training clip's caption names the opposite direction")
     ap.add_argument("--eval-every", type=int, default=0, help="print the eval metrics every this many steps (0: only at the end)")
     ap.add_argument("--no-eval", action="store_true", help="skip the final evaluation (the reproduction test)")
     ap.add_argument("--snapshots", action="store_true", help="with --eval-every: also save the base after every "
@@ -89,11 +105,13 @@ def main() -> None:
 
     def save(steps: int, net: VideoFlowNet, name: str = "moving_digits_base.safetensors") -> None:
         tensors, meta = MovingDigitsPolicy(net).state_dict_and_meta()
-        save_safetensors(tensors, args.out / name, meta | {"steps": str(steps), "seed": str(args.seed)})
+        save_safetensors(tensors, args.out / name, meta | {"steps": str(steps), "seed": str(args.seed),
+                                                             "direction_confusion": str(args.direction_confusion)})
 
     t0 = time.time()
     snapshot = (lambda k, net: save(k, net, f"moving_digits_base-step{k}.safetensors")) if args.snapshots else None
-    net = train_generator(args.seed, args.generator_steps, eval_every=args.eval_every, snapshot=snapshot)
+    net = train_generator(args.seed, args.generator_steps, eval_every=args.eval_every, snapshot=snapshot,
+                          direction_confusion=args.direction_confusion)
     save(args.generator_steps, net)
     print(f"base generator: {args.generator_steps} steps in {time.time() - t0:.1f}s -> "
           f"{args.out / 'moving_digits_base.safetensors'}")

@@ -2,20 +2,22 @@
 
     fn = build_reward("frame_digit")            # mean over frames of p(prompted digit | the frame's digit crop)
     fn(videos [B, F, 3, H, W] in [0, 1], ["a 3 moving left", ...], metadata)
-    build_reward("motion_direction")            # clamp(v . u / speed, 0, 1): v the centre-of-mass velocity
+    build_reward("motion_direction")            # clamp(v . u / speed, 0, 1): v the located digit's velocity
     build_reward("digit_consistency")           # 1 - mean |crop_{t+1} - crop_t| (motion-compensated)
     build_reward("moving_digit")                # identity + motion + 0.5 * consistency (the world's default)
 
 All four score videos through the one registry (reward.weights combines them; the YAML of the world
 uses the three parts). The digit is *located* in each frame as the 8x8 window of largest pixel mass
 (a box filter over the 16x16 canvas) and that crop goes to the bundled digits classifier
-(difrl/rewards/digits.py), which was trained with +-1 px shifts. Motion is measured on the frames'
-centre of mass c_t = sum_p I_t(p) p / sum_p I_t(p): the least-squares slope v = sum_t (t - tbar)
-(c_t - cbar) / sum_t (t - tbar)^2 in pixels per frame, and the score is its speed along the prompted
-direction u relative to the world's speed (1 px / frame), clamped to [0, 1]: a clip moving left at
-the right speed scores 1 for "left", 0 for "right", 0 for a still clip. The consistency term
-compares consecutive crops, so a digit that moves but keeps its shape scores 1 (the generic
-`video` reward's frame difference would punish the motion itself).
+(difrl/rewards/digits.py), which was trained with +-1 px shifts. Motion is measured on that window's
+track c_t (its top-left corner in frame t): the least-squares slope v = sum_t (t - tbar) (c_t - cbar)
+/ sum_t (t - tbar)^2 in pixels per frame, and the score is its speed along the prompted direction u
+relative to the world's speed (1 px / frame), clamped to [0, 1]: a clip moving left at the right
+speed scores 1 for "left", 0 for "right", 0 for a still clip. (The frames' centre of mass was the
+first tracker: RL learned to move it by reshaping and brightening the digit and the background
+speckle while the digit stayed put, and the held-out judge's block matching saw no motion.) The
+consistency term compares consecutive crops, so a digit that moves but keeps its shape scores 1 (the
+generic `video` reward's frame difference would punish the motion itself).
 """
 
 from __future__ import annotations
@@ -121,10 +123,10 @@ class _MovingDigitReward(RewardModel):
         digits, directions = prompt_targets(prompts, f"reward {self.name!r}")
         frames = grey(videos)
         B, F = frames.shape[:2]
-        crops, _ = locate_crops(frames)
+        crops, corners = locate_crops(frames)
         probs = torch.softmax(self.clf(crops.reshape(B * F, 1, SPRITE, SPRITE)), -1).view(B, F, 10)
         p = probs.gather(2, digits[:, None, None].expand(B, F, 1))[..., 0]  # [B, F]
-        v = velocity(centre_of_mass(frames))
+        v = velocity(corners.float())
         return {"identity": p.mean(1), "correct": (probs.argmax(-1) == digits[:, None]).float().mean(1),
                 "motion": motion_score(v, directions), "moving": (motion_direction_of(v) == directions).float(),
                 "consistency": crop_consistency(crops)}

@@ -166,7 +166,8 @@ def progress(bar, reward_mean: float, last_eval: dict, headline: tuple[str, ...]
 
 
 def fmt_eval(ev: dict, headline: tuple[str, ...]) -> str:
-    keys = list(headline) + [k for k in ("judge_accuracy", "diversity", "real_diversity") if k in ev and k not in headline]
+    keys = list(headline) + [k for k in ("judge_accuracy", "judge_motion_accuracy", "diversity", "real_diversity")
+                             if k in ev and k not in headline]
     text = ", ".join(f"{k} {ev[k]:.3f}" for k in keys if k in ev)
     if "fd_extractor" in ev:
         text += f" (FD features: {ev['fd_extractor']})"

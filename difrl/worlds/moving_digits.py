@@ -14,9 +14,9 @@ and starts, an earlier base of this size still had 0.5% motion accuracy after 80
 
 Evaluation (no CFG, ODE, fixed seeds, `per_prompt` clips of every prompt): `accuracy` is the per-frame
 identity accuracy (the reward's classifier on each frame's located digit crop), `motion_accuracy` the
-fraction of clips whose centre of mass moves in the prompted direction at >= half the world's speed
-(difrl/rewards/moving_digits.py), `reward` the mean of the default `moving_digit` reward. The held-out
-judge never seen by training: an RBF SVM on raw pixels (the digits world's judge) on a crop centred
+fraction of clips whose located digit window moves in the prompted direction at >= half the world's
+speed (the reward's tracker, difrl/rewards/moving_digits.py), `reward` the mean of the default
+`moving_digit` reward. The held-out judge never seen by training: an RBF SVM on raw pixels (the digits world's judge) on a crop centred
 on each frame's centre of mass (`judge_accuracy`, per frame), and a motion estimate by integer
 block matching between consecutive frames (`judge_motion_accuracy`): other localisation, other
 classifier, other motion estimator. `fd` is the Fréchet distance to clips rendered from the test
@@ -209,7 +209,7 @@ def video_metrics(world: MovingDigitsWorld, videos: torch.Tensor, ids: torch.Ten
     real_feats, real_div = real_reference(world)
     probs, crops = world.frame_probs(videos)
     p = probs.gather(2, digits[:, None, None].expand(*probs.shape[:2], 1))[..., 0]
-    v = velocity(centre_of_mass(grey(videos)))
+    v = velocity(locate_crops(grey(videos))[1].float())  # the reward's track: the located digit window
     motion, consistency = motion_score(v, directions), crop_consistency(crops)
     judged = world.judge_frames(videos)
     judge_dir = motion_direction_of(block_motion(videos) / (videos.shape[1] - 1))
