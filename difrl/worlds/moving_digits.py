@@ -126,11 +126,12 @@ class MovingDigitsWorld:
         return cls(load_classifier(path), fit_judge(), path)
 
     @torch.no_grad()
-    def frame_probs(self, videos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(classifier probabilities [B, F, 10] of each frame's located crop, the crops [B, F, 1, 8, 8])."""
-        crops, _ = locate_crops(grey(videos))
+    def frame_probs(self, videos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(classifier probabilities [B, F, 10] of each frame's located crop, the crops [B, F, 1, 8, 8], their
+        top-left corners [B, F, 2]: the reward's digit track)."""
+        crops, corners = locate_crops(grey(videos))
         B, F = crops.shape[:2]
-        return torch.softmax(self.classifier(crops.flatten(0, 1)), -1).view(B, F, 10), crops
+        return torch.softmax(self.classifier(crops.flatten(0, 1)), -1).view(B, F, 10), crops, corners
 
     @torch.no_grad()
     def features(self, videos: torch.Tensor) -> torch.Tensor:
@@ -207,9 +208,9 @@ def video_metrics(world: MovingDigitsWorld, videos: torch.Tensor, ids: torch.Ten
     docstring); `reward` is the default moving_digit reward's mean (identity + motion + 0.5 consistency)."""
     digits, directions = ids // 4, ids % 4
     real_feats, real_div = real_reference(world)
-    probs, crops = world.frame_probs(videos)
+    probs, crops, corners = world.frame_probs(videos)
     p = probs.gather(2, digits[:, None, None].expand(*probs.shape[:2], 1))[..., 0]
-    v = velocity(locate_crops(grey(videos))[1].float())  # the reward's track: the located digit window
+    v = velocity(corners.float())  # the reward's track: the located digit window
     motion, consistency = motion_score(v, directions), crop_consistency(crops)
     judged = world.judge_frames(videos)
     judge_dir = motion_direction_of(block_motion(videos) / (videos.shape[1] - 1))
