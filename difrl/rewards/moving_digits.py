@@ -144,7 +144,7 @@ class FrameDigit(_MovingDigitReward):
 
 @register_reward("motion_direction")
 class MotionDirection(_MovingDigitReward):
-    """Speed of the centre of mass along the prompted direction / 1 px per frame, clamped to [0, 1]."""
+    """Speed of the located digit window along the prompted direction / 1 px per frame, clamped to [0, 1]."""
     name = "motion_direction"
 
     def score(self, videos, prompts, metadata):
