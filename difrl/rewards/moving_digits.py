@@ -100,6 +100,26 @@ def crop_consistency(crops: torch.Tensor) -> torch.Tensor:
     return 1.0 - (crops[:, 1:] - crops[:, :-1]).abs().flatten(1).mean(1)
 
 
+def digit_track(classifier, frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The located digit in every frame [B, F, H, W]: (classifier probabilities [B, F, 10] of its crop, the crops
+    [B, F, 1, 8, 8], their top-left corners [B, F, 2]). The rewards and the world's eval read this one track."""
+    crops, corners = locate_crops(frames)
+    B, F = crops.shape[:2]
+    return torch.softmax(classifier(crops.reshape(B * F, 1, SPRITE, SPRITE)), -1).view(B, F, 10), crops, corners
+
+
+def clip_terms(probs: torch.Tensor, crops: torch.Tensor, corners: torch.Tensor, digits: torch.Tensor,
+               directions: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-clip terms [B] of a digit track (``digit_track``) against the prompted digits and directions [B]:
+    identity (mean p of the digit), correct (per-frame argmax accuracy), motion (``motion_score`` of the
+    window's velocity), moving (direction right and fast enough), consistency (``crop_consistency``)."""
+    p = probs.gather(2, digits[:, None, None].expand(*probs.shape[:2], 1))[..., 0]  # [B, F]
+    v = velocity(corners.float())
+    return {"identity": p.mean(1), "correct": (probs.argmax(-1) == digits[:, None]).float().mean(1),
+            "motion": motion_score(v, directions), "moving": (motion_direction_of(v) == directions).float(),
+            "consistency": crop_consistency(crops)}
+
+
 def prompt_targets(prompts: list[str], what: str) -> tuple[torch.Tensor, torch.Tensor]:
     pairs = [parse_moving_prompt(p) for p in prompts]
     digits = torch.tensor([d for d, _ in pairs])
@@ -118,18 +138,9 @@ class _MovingDigitReward(RewardModel):
         self.weight_files = [classifier_path or BUNDLED_CLASSIFIER]
 
     def parts(self, videos: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """Every term for a chunk: identity (mean p), correct (per-frame argmax accuracy), motion, moving
-        (direction right and fast enough), consistency."""
+        """Every term for a chunk (``clip_terms``)."""
         digits, directions = prompt_targets(prompts, f"reward {self.name!r}")
-        frames = grey(videos)
-        B, F = frames.shape[:2]
-        crops, corners = locate_crops(frames)
-        probs = torch.softmax(self.clf(crops.reshape(B * F, 1, SPRITE, SPRITE)), -1).view(B, F, 10)
-        p = probs.gather(2, digits[:, None, None].expand(B, F, 1))[..., 0]  # [B, F]
-        v = velocity(corners.float())
-        return {"identity": p.mean(1), "correct": (probs.argmax(-1) == digits[:, None]).float().mean(1),
-                "motion": motion_score(v, directions), "moving": (motion_direction_of(v) == directions).float(),
-                "consistency": crop_consistency(crops)}
+        return clip_terms(*digit_track(self.clf, grey(videos)), digits, directions)
 
 
 @register_reward("frame_digit")

@@ -41,8 +41,8 @@ from difrl.eval.metrics import frechet_distance, within_class_diversity
 from difrl.eval.panel import clip_features
 from difrl.models.video_flow import DIRECTIONS, moving_digit_prompt
 from difrl.rewards.digits import BUNDLED_CLASSIFIER, DigitClassifier, load_classifier
-from difrl.rewards.moving_digits import (SPEED, SPRITE, UNIT, centre_of_mass, crop_at, crop_consistency, grey, locate_crops,
-                                         motion_direction_of, motion_score, velocity)
+from difrl.rewards.moving_digits import (SPEED, SPRITE, UNIT, centre_of_mass, clip_terms, crop_at, digit_track, grey,
+                                         locate_crops, motion_direction_of, velocity)
 from difrl.rollout import rollout
 from difrl.samplers.schedules import sigma_schedule
 from difrl.utils.rng import mix_seed
@@ -129,9 +129,7 @@ class MovingDigitsWorld:
     def frame_probs(self, videos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(classifier probabilities [B, F, 10] of each frame's located crop, the crops [B, F, 1, 8, 8], their
         top-left corners [B, F, 2]: the reward's digit track)."""
-        crops, corners = locate_crops(grey(videos))
-        B, F = crops.shape[:2]
-        return torch.softmax(self.classifier(crops.flatten(0, 1)), -1).view(B, F, 10), crops, corners
+        return digit_track(self.classifier, grey(videos))
 
     @torch.no_grad()
     def features(self, videos: torch.Tensor) -> torch.Tensor:
@@ -208,19 +206,17 @@ def video_metrics(world: MovingDigitsWorld, videos: torch.Tensor, ids: torch.Ten
     docstring); `reward` is the default moving_digit reward's mean (identity + motion + 0.5 consistency)."""
     digits, directions = ids // 4, ids % 4
     real_feats, real_div = real_reference(world)
-    probs, crops, corners = world.frame_probs(videos)
-    p = probs.gather(2, digits[:, None, None].expand(*probs.shape[:2], 1))[..., 0]
-    v = velocity(corners.float())  # the reward's track: the located digit window
-    motion, consistency = motion_score(v, directions), crop_consistency(crops)
+    t = clip_terms(*world.frame_probs(videos), digits, directions)  # the rewards' terms, per clip [N]
     judged = world.judge_frames(videos)
     judge_dir = motion_direction_of(block_motion(videos) / (videos.shape[1] - 1))
     return {
-        "accuracy": float((probs.argmax(-1) == digits[:, None]).float().mean()),
-        "motion_accuracy": float((motion_direction_of(v) == directions).float().mean()),
+        "accuracy": float(t["correct"].mean()),  # every clip has F frames: the mean over all frames
+        "motion_accuracy": float(t["moving"].mean()),
         "judge_accuracy": float((judged == digits[:, None]).float().mean()),
         "judge_motion_accuracy": float((judge_dir == directions).float().mean()),
-        "reward": float((p.mean(1) + motion + 0.5 * consistency).mean()),
-        "identity": float(p.mean()), "motion": float(motion.mean()), "consistency": float(consistency.mean()),
+        "reward": float((t["identity"] + t["motion"] + 0.5 * t["consistency"]).mean()),
+        "identity": float(t["identity"].mean()), "motion": float(t["motion"].mean()),
+        "consistency": float(t["consistency"].mean()),
         "fd": frechet_distance(world.features(videos), real_feats),
         "fd_extractor": FEATURE_EXTRACTOR,
         "diversity": within_class_diversity(videos[:, :, :1], ids),
