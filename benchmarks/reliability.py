@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
 DIGITS = ROOT / "configs" / "digits.yaml"
 RUN = ["seed=5", "threads=1", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4",
-       "train.micro_batch=2", "train.grad_accum=2", "train.iterations=4", "train.ema_decay=0.7", "train.kl_beta=0.1",
+       "train.micro_batch=6", "train.grad_accum=2", "train.iterations=4", "train.ema_decay=0.7", "train.kl_beta=0.1",
        "eval.every=2", "eval.per_digit=3", "eval.num_steps=3", "checkpoint_every=1"]
 PHASES = ("rollout", "reward", "update", "checkpoint", "eval")
 CHILD_TIMEOUT = 300  # seconds: a child still running then counts as a hang
@@ -393,7 +393,7 @@ def resume_after_damage(d: Path, ref: Path, ref_print: dict, newest: str) -> dic
 
 FAULTS = ("raise", "nan", "inf", "wrong_length", "wrong_key", "not_scores", "hang")
 FAULT_ARGS = ["seed=5", "threads=1", "sampler.num_steps=3", "rollout.prompts_per_iter=2", "rollout.group_size=4",
-              "train.micro_batch=2", "train.grad_accum=2", "train.iterations=3", "eval.every=0", "eval.per_digit=2",
+              "train.micro_batch=4", "train.grad_accum=2", "train.iterations=3", "eval.every=0", "eval.per_digit=2",
               "eval.num_steps=2", "reward.timeout=3", "reward.weights={\"reliability:fault\": 1.0}"]
 
 

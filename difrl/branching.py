@@ -151,7 +151,7 @@ class Tree:
     edge_step: torch.Tensor  # [Ne] long: the parent's step (= parent depth)
     edge_is_split: torch.Tensor  # [Ne] bool
     edge_is_sde: torch.Tensor  # [Ne] bool: trained (ODE edges have no log-prob)
-    log_prob: torch.Tensor | None = None  # [Nn] fp32: log-prob of the edge into each node; 0 for roots and ODE edges
+    log_prob: torch.Tensor | None = None  # [Nn] fp32 (on the rollout device): log-prob of the edge into each node; 0 for roots and ODE edges
 
     def __post_init__(self):
         if self.log_prob is None:

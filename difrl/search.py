@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 
 from difrl.algos.tree import soft_mean
-from difrl.models.base import FlowPolicy
+from difrl.models.base import FlowPolicy, policy_device
 from difrl.rollout import INIT_STEP, rollout, sample_noise
 from difrl.samplers.kernels import KERNELS, ode_step
 from difrl.samplers.schedules import all_but_last
@@ -122,7 +122,9 @@ def dts(policy: FlowPolicy, prompt: str, score: ScoreFn, sigmas: torch.Tensor, c
     """Diffusion Tree Sampling (star=False) or DTS* (star=True) for one prompt under an NFE budget."""
     N = len(sigmas) - 1
     lat = tuple(policy.latent_shape)
-    cond = policy.encode([prompt])
+    dev = policy_device(policy)  # node latents and noise live with the policy (no per-step host round trip)
+    cond = {k: v.to(dev) for k, v in policy.encode([prompt]).items()}
+    sigmas = sigmas.to(dev)
     gen = torch.Generator().manual_seed(mix_seed(seed, 11))
     t = SearchResult(latents=[None], depth=[-1], parent=[-1], kids=[[]], value=[0.0], seed=[int(seed)], leaves=[],
                      rewards=[], leaf_nfe=[], nfe=0, iterations=0, lam=float(cfg.lam), star=star)
@@ -146,13 +148,13 @@ def dts(policy: FlowPolicy, prompt: str, score: ScoreFn, sigmas: torch.Tensor, c
         s = mix_seed(t.seed[node], len(t.kids[node]))
         d = t.depth[node]
         if d < 0:
-            return add(sample_noise(torch.tensor([s]), INIT_STEP, lat)[0], node, s)
+            return add(sample_noise(torch.tensor([s]), INIT_STEP, lat, dev)[0], node, s)
         x = t.latents[node][None]
         sigma, sigma_next = sigmas[d].view(1), sigmas[d + 1].view(1)
         v = policy.velocity(x, sigma, cond, cfg.guidance)
         t.nfe += 1
         if sde[d]:
-            out = KERNELS[cfg.kernel](x, v, sigma, sigma_next, sample_noise(torch.tensor([s]), d, lat), **cfg.kernel_kwargs)
+            out = KERNELS[cfg.kernel](x, v, sigma, sigma_next, sample_noise(torch.tensor([s]), d, lat, dev), **cfg.kernel_kwargs)
         else:
             out = ode_step(x, v, sigma, sigma_next)
         return add(out.x_next[0], node, s)

@@ -55,7 +55,7 @@ from typing import Literal
 import torch
 
 from difrl.branching import BranchSchedule, Tree, build_tree, effective_sde_mask
-from difrl.models.base import Cond, FlowPolicy, cond_select
+from difrl.models.base import Cond, FlowPolicy, cond_select, policy_device
 from difrl.rollout import INIT_STEP, Rollout, sample_noise
 from difrl.samplers.kernels import KERNELS, ode_step, split_step
 from difrl.utils.rng import mix_seed_tensor
@@ -138,7 +138,7 @@ def tree_rollout(
     cond: Cond | None = None,
     batch_size: int | None = None,
     store_nodes: bool = False,
-    device: str | torch.device = "cpu",
+    device: str | torch.device | None = None,
 ) -> TreeRollout:
     """One tree per prompt over `sigmas` ([N + 1]); root seed `seeds[p]` (module docstring).
 
@@ -148,7 +148,9 @@ def tree_rollout(
     prompt_ids / group_ids [P]: per tree (default arange(P)); init_seeds [P]: initial-noise seeds
     (default `seeds`; equal values share one root latent, BranchGRPO's init_same_noise).
     batch_size: model forward batch over the live nodes of a step (default all at once).
-    store_nodes: keep every node's latent in ``x_nodes`` (memory: one latent per node)."""
+    store_nodes: keep every node's latent in ``x_nodes`` (memory: one latent per node).
+    device: where latents, noise and edges live (default the policy's device); as in difrl.rollout.rollout no
+    per-step tensor leaves it (``tree.log_prob`` too: its consumer, difrl.algos.tree, moves it once)."""
     if kappa_logprob not in ("actual", "reference"):
         raise ValueError(f"kappa_logprob must be 'actual' or 'reference', got {kappa_logprob!r}")
     P, N = len(prompts), len(sigmas) - 1
@@ -163,6 +165,7 @@ def tree_rollout(
     tree = build_tree(schedule, N, P, sde_mask)
     sde = effective_sde_mask(N, schedule, sde_mask)
     split = schedule.split_mask(N)
+    device = policy_device(policy) if device is None else torch.device(device)
     cond = policy.encode(prompts) if cond is None else cond
     cond = {k: v.to(device) for k, v in cond.items()}
     kernel_kwargs = kernel_kwargs or {}
@@ -175,15 +178,17 @@ def tree_rollout(
     seed_live = seeds.clone()  # [M] the live nodes' noise seeds
     node_seed_t = torch.zeros(tree.num_nodes, dtype=torch.long)
     node_seed_t[:P] = seeds
-    log_prob_node = torch.zeros(tree.num_nodes)
+    log_prob_node = torch.zeros(tree.num_nodes, device=device)
+    node_tree = tree.tree.to(device)  # [Nn] each node's tree, for the conditioning rows of a step's live nodes
     x_nodes = [x] if store_nodes else None
     rec = {k: [] for k in ("child", "x", "x_next", "sigma", "sigma_next", "log_prob", "mean", "std", "logprob_scale")}
     evaluations = calls = 0
     x0_pred = x
+    sigma_values = sigmas.detach().cpu().tolist()  # python floats: one read of the schedule, no per-step sync
     for i in range(N):
         M = x.shape[0]
-        sigma, sigma_next = sigmas[i].item(), sigmas[i + 1].item()
-        live_tree = tree.tree[tree.nodes_at(i)].to(device)  # [M]
+        sigma, sigma_next = sigma_values[i], sigma_values[i + 1]
+        live_tree = node_tree[tree.nodes_at(i).to(device)]  # [M]
         bs = batch_size or M
         vs = []
         for lo in range(0, M, bs):  # every live node of the step, one batched forward per chunk
@@ -216,7 +221,7 @@ def tree_rollout(
         children = tree.nodes_at(i + 1)
         node_seed_t[children] = seed_next
         if sde[i]:
-            log_prob_node[children] = out.log_prob.float().cpu()
+            log_prob_node[children.to(device)] = out.log_prob.float()
             for name, val in (("child", children), ("x", x_in), ("x_next", out.x_next), ("sigma", sig_in),
                               ("sigma_next", sig_next_in), ("log_prob", out.log_prob), ("mean", out.mean),
                               ("std", out.std), ("logprob_scale", torch.full_like(sig_in, scale))):
@@ -224,7 +229,7 @@ def tree_rollout(
         x, seed_live = out.x_next, seed_next
         if store_nodes:
             x_nodes.append(x)
-    tree.log_prob = log_prob_node
+    tree.log_prob = log_prob_node  # on `device`: probability fusion (difrl.algos.tree) takes it to the CPU, once
     if N and split[N - 1]:
         x0_pred = x0_pred.repeat_interleave(f, 0)  # siblings made at the last step share the parent's x^0
     edges, edge_index = _edges_rollout(prompts, prompt_ids, group_ids, init_seeds, cond, x, tree, rec, node_seed_t,

@@ -248,3 +248,60 @@ def test_bench_eb_compares_each_eb_row_with_the_strongest_decoder_at_no_more_nfe
     rows[3]["nfe"] = 8.0  # now LLaDA 8 (0.853 +- 0.005) is within budget: +2.3 points > spread 1.4 -> better
     assert "EB g=10 (8.0 NFE, accuracy 0.876) is better than LLaDA 8 (8.0 NFE, 0.853): +2.3 points, spread 1.4." in \
         bench.strongest_comparison(rows)[3]
+
+
+@pytest.mark.slow  # the whole GPU benchmark at tiny dimensions on the CPU: about a minute
+def test_bench_gpu_quick_rows(tmp_path):
+    import torch
+    from diffusers import SD3Transformer2DModel
+
+    from difrl.branching import BranchSchedule, nfe, num_trained_edges
+
+    bench = _load("bench_gpu")
+    published = (ROOT / "BENCHMARKS.md").read_text()
+    rows = bench.main(["--quick", "--json", str(tmp_path / "gpu.json")])
+    assert json.loads((tmp_path / "gpu.json").read_text()) == rows
+    assert (ROOT / "BENCHMARKS.md").read_text() == published  # --quick never publishes
+    meta = rows[0]
+    assert meta["transformer_params"] == sum(p.numel() for p in SD3Transformer2DModel(**bench.SHAPE["quick"]).parameters())
+    assert meta["flops_per_transition"] > 0
+    pipe = [r for r in rows if r["stage"] == "rollout_vs_pipe"]
+    assert len(pipe) == 4 and pipe[0]["x_pipe"] == 1.0
+    assert all(r["x_pipe"] == pytest.approx(r["seconds"] / pipe[0]["seconds"]) for r in pipe)
+    t = {r["method"]: r for r in rows if r["stage"] == "trainer"}
+    assert list(t) == [m for m in bench.methods("quick")]
+    assert all("error" not in r for r in t.values()), t
+    # 1 prompt x 4 leaves, 6 steps (the last one ODE): counts from the tree structure, not from the run
+    sched, all_sde = BranchSchedule((0, 2)), torch.tensor([True] * 5 + [False])
+    window = torch.tensor([True, True, False, False, False, False])  # Mix: SDE in steps 0-1 (and the splits)
+    assert t["flat GRPO"]["nfe_rollout"] == 4 * 6 and t["flat GRPO"]["transitions_trained"] == 4 * 5
+    assert t["BranchGRPO"]["nfe_rollout"] == nfe(sched, 6, trees=1)
+    assert t["BranchGRPO"]["transitions_trained"] == num_trained_edges(sched, 6, all_sde)
+    assert t["BranchGRPO-Mix"]["transitions_trained"] == num_trained_edges(sched, 6, window)
+    assert t["BranchGRPO + width/depth pruning"]["transitions_trained"] < t["BranchGRPO"]["transitions_trained"]
+    assert t["Sol-RL (fp8 candidates)"]["nfe_lowprec"] == 8 * 3  # 8 candidates x 3 preview steps
+    assert t["flat GRPO"]["x_flat"] == 1.0
+    for r in t.values():
+        assert r["x_flat"] == pytest.approx(r["seconds_iter"] / t["flat GRPO"]["seconds_iter"])
+        assert r["update_tflops"] == pytest.approx(meta["flops_per_transition"] * r["transitions_trained"]
+                                                   / r["seconds_update"] / 1e12)
+
+
+def test_bench_gpu_readings_are_computed_from_the_rows():
+    bench = _load("bench_gpu")
+    rows = [{"stage": "meta", "dtype": "bf16"},
+            {"stage": "rollout_vs_pipe", "method": "rollout() flow_sde, 15 transitions stored (the trainer's)", "x_pipe": 1.02},
+            {"stage": "trainer", "method": "flat GRPO", "seconds_iter": 10.0, "x_flat": 1.0, "rollout_s_per_forward": 0.01,
+             "peak_gib": 20.0},
+            {"stage": "trainer", "method": "BranchGRPO", "seconds_iter": 5.0, "x_flat": 0.5},
+            {"stage": "trainer", "method": "BranchGRPO-Mix", "seconds_iter": 2.0, "x_flat": 0.2},
+            {"stage": "trainer", "method": "Sol-RL (fp8 candidates)", "candidate_s_per_forward": 0.006},
+            {"stage": "trainer", "method": "flat GRPO + gradient checkpointing", "seconds_iter": 13.0, "peak_gib": 12.5,
+             "seconds_first_iter": 14.0}]
+    text = "\n".join(bench.readings(rows))
+    assert "1.020x pipe() on the same pipeline (target <= 1.03: met)" in text
+    assert "BranchGRPO: 0.50x flat GRPO's seconds per iteration" in text and "(target <= 0.45: missed)" in text
+    assert "BranchGRPO-Mix: 0.20x" in text and "(target <= 0.25: met)" in text
+    assert "cost 0.60x a bf16 rollout per forward (target <= 0.75: met)" in text
+    assert "gradient checkpointing: 1.30x the seconds per iteration, peak memory 12.5 vs 20.0 GiB" in text
+    assert "pruning" not in text  # no row, no sentence

@@ -176,7 +176,7 @@ def test_no_checkpoints_is_none(tmp_path):
 
 TINY = [
     "seed=3", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4",
-    "train.micro_batch=2", "train.grad_accum=2", "train.lr=1e-3", "eval.every=0", "eval.per_digit=3",
+    "train.micro_batch=6", "train.grad_accum=2", "train.lr=1e-3", "eval.every=0", "eval.per_digit=3",
     "eval.num_steps=3", "checkpoint_every=1", "train.ema_decay=0.7", "train.kl_beta=0.1",
 ]
 

@@ -23,7 +23,7 @@ pytest.importorskip("torch_fidelity")
 ROOT = Path(__file__).resolve().parent.parent
 # configs/flux_tiny.yaml is a learning run (colour reward, 32 samples x 6 steps); these tests want a small brightness run
 SMALL = ["rollout.prompts_per_iter=2", "rollout.group_size=4", "sampler.num_steps=3", "eval.num_steps=3",
-         "eval.per_digit=2", "train.micro_batch=2", "train.grad_accum=2", "reward.weights={brightness: 1.0}",
+         "eval.per_digit=2", "train.micro_batch=4", "train.grad_accum=2", "reward.weights={brightness: 1.0}",
          "reward.options={}"]
 
 
@@ -115,7 +115,7 @@ def test_tensorboard_tracker_logs_every_iteration(tmp_path):
     from difrl.train.config import load_flow_config
     from difrl.train.flow import train
 
-    tiny = ["seed=3", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=2",
+    tiny = ["seed=3", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=6",
             "train.grad_accum=2", "train.iterations=3", "eval.every=2", "eval.per_digit=2", "eval.num_steps=3",
             "threads=1"]
     train(load_flow_config(None, [*tiny, "log_with=[tensorboard]"]), out_dir=tmp_path / "r")

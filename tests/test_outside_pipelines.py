@@ -202,7 +202,7 @@ def test_train_through_entry_script_and_load_lora_with_plain_diffusers(kind, out
     args = [str(CONFIG), f"model.kind={kind}", f"model.path={path}", f"model.height={h}", f"model.width={w}",
             f"model.max_sequence_length={TEXT_LEN}", f"sampler.guidance={GUIDANCE[kind]}", f"sampler.num_steps={STEPS}",
             f"eval.num_steps={STEPS}", "eval.per_digit=1", "train.iterations=2", "rollout.prompts_per_iter=2",
-            "rollout.group_size=4", "train.micro_batch=4", "train.grad_accum=1"]
+            "rollout.group_size=4", "train.micro_batch=12", "train.grad_accum=1"]
     args += [f"model.{k}={v}" for k, v in extra.items()] + ["--out", str(run)]
     from difrl.train.entry import main
 

@@ -25,7 +25,7 @@ from difrl.train.flow import train
 ROOT = Path(__file__).resolve().parent.parent
 TINY = [
     "seed=3", "sampler.num_steps=3", "rollout.prompts_per_iter=2", "rollout.group_size=4",
-    "train.micro_batch=2", "train.grad_accum=2", "train.iterations=2", "eval.every=0", "eval.per_digit=2",
+    "train.micro_batch=4", "train.grad_accum=2", "train.iterations=2", "eval.every=0", "eval.per_digit=2",
     "eval.num_steps=2",
 ]
 

@@ -19,7 +19,7 @@ import pytest
 from difrl.report import flatten, write_report
 
 # 8 samples per iteration, 4 steps, 3 iterations with an evaluation after each of the first two (seconds)
-DIGITS = ["seed=3", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=2",
+DIGITS = ["seed=3", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=6",
           "train.grad_accum=2", "train.iterations=3", "train.lr=1e-3", "eval.every=1", "eval.per_digit=3",
           "eval.num_steps=3"]
 SUDOKU = ["seed=3", "threads=1", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=4",

@@ -273,7 +273,7 @@ def test_digits_run_through_the_server_equals_in_process(server, token_file, tmp
     from difrl.train.config import load_flow_config
     from difrl.train.flow import TIMING_KEYS, train
 
-    tiny = ["seed=3", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=2",
+    tiny = ["seed=3", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=6",
             "train.grad_accum=2", "train.iterations=2", "eval.every=0", "eval.per_digit=2", "eval.num_steps=3",
             "threads=1"]
     opts = json.dumps({"remote@digit_prob": {"url": server.url, "reward": "digit_prob", "encoding": "raw32",

@@ -233,7 +233,7 @@ def test_imagereward_says_why_it_cannot_run_here():
 
 TINY = [
     "seed=3", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4",
-    "train.micro_batch=2", "train.grad_accum=2", "train.iterations=2", "train.lr=1e-3",
+    "train.micro_batch=6", "train.grad_accum=2", "train.iterations=2", "train.lr=1e-3",
     "eval.every=0", "eval.per_digit=2", "eval.num_steps=3", "threads=1",
 ]
 

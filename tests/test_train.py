@@ -21,7 +21,7 @@ from difrl.utils.io import load_safetensors_checked
 # 8 samples per iteration (2 prompts x 4), 4 steps, 2 optimizer updates per rollout, tiny evals
 TINY = [
     "seed=3", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4",
-    "train.micro_batch=2", "train.grad_accum=2", "train.iterations=1", "train.lr=1e-3",
+    "train.micro_batch=6", "train.grad_accum=2", "train.iterations=1", "train.lr=1e-3",
     "train.clip_low=1e-3", "train.clip_high=1e-3", "eval.every=0", "eval.per_digit=3", "eval.num_steps=3",
 ]
 
@@ -103,14 +103,16 @@ def test_ratio_check_names_the_likely_cause(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------- updates
 
 
-def test_accumulation_1x8_equals_8x1(tmp_path):
-    # one optimizer update over the same 8 samples, as 1 micro-batch of 8 or 8 accumulated of 1.
+@pytest.mark.parametrize("small", [3, 1], ids=["whole_samples", "single_transitions"])
+def test_accumulation_1x8_equals_8x1(tmp_path, small):
+    # one optimizer update over the same 8 samples (x 3 trained steps = 24 transitions), as 1 micro-batch of 24
+    # transitions or 8 accumulated of 3 (whole samples) / 24 accumulated of 1 (samples split into transitions).
     # Adam's first step is ~lr * sign(g), which would hide the gradient; adam_eps = 1 makes the
     # update ~ lr * g / (|g| + 1), so the weights compare the accumulated (and clipped) gradient.
     common = ("rollout.prompts_per_iter=2", "rollout.group_size=4", "train.max_grad_norm=0.05", "train.kl_beta=0.2",
               "train.adam_eps=1.0", "train.lr=1.0", "train.weight_decay=0")
-    _, a = run(tmp_path / "a", *common, "train.micro_batch=8", "train.grad_accum=1")
-    _, b = run(tmp_path / "b", *common, "train.micro_batch=1", "train.grad_accum=8")
+    _, a = run(tmp_path / "a", *common, "train.micro_batch=24", "train.grad_accum=1")
+    _, b = run(tmp_path / "b", *common, f"train.micro_batch={small}", f"train.grad_accum={24 // small}")
     _, init = run(tmp_path / "init", *common, "train.iterations=0")
     wa, wb, w0 = latest_weights(a), latest_weights(b), latest_weights(init)
     assert wa.keys() == wb.keys()
@@ -259,8 +261,14 @@ def test_cli_bad_key_missing_checkpoint_corrupted_state(tmp_path, capsys):
 
 
 def test_startup_validation_messages(tmp_path):
-    with pytest.raises(ValueError, match=r"micro_batch x train.grad_accum = 3 x 1"):
-        run(tmp_path / "r", "train.micro_batch=3", "train.grad_accum=1")
+    # 8 samples x 3 trained steps = 24 transitions per iteration; train.micro_batch counts transitions
+    with pytest.raises(ValueError, match=r"24 transitions per iteration, not a multiple of train.micro_batch x "
+                                         r"train.grad_accum = 5 x 1"):
+        run(tmp_path / "r", "train.micro_batch=5", "train.grad_accum=1")
+    # DiffusionNFT's loss takes every trained sigma of a sample together: a micro-batch of whole samples only
+    with pytest.raises(ValueError, match=r"train.micro_batch=3 transitions is not a multiple of the 2 trained step\(s\) "
+                                         r"per sample, and DiffusionNFT's loss needs .*: use 2 or 4$"):
+        run(tmp_path / "n", "train.objective=nft", "train.micro_batch=3", "train.grad_accum=1")
     from difrl.config import ConfigError
 
     with pytest.raises(ConfigError, match="steps.window_start"):

@@ -55,7 +55,7 @@ def tiny_dirs(tmp_path_factory):
 
 # configs/flux_tiny.yaml is the learning run (32 samples x 6 steps, 80 iterations); these tests need only 2 small iterations
 SMALL = ["rollout.prompts_per_iter=2", "rollout.group_size=4", "sampler.num_steps=3", "eval.num_steps=3",
-         "eval.per_digit=2", "train.iterations=2", "train.micro_batch=2", "train.grad_accum=2"]
+         "eval.per_digit=2", "train.iterations=2", "train.micro_batch=4", "train.grad_accum=2"]
 
 
 def tiny_cfg(kind: str, path: Path, *overrides: str):
@@ -164,9 +164,9 @@ def test_flux_trains_with_tree_rollouts(tiny_dirs, tmp_path):
 
 # ---- c. accelerate launch, 2 processes == 1 -------------------------------------------------------------
 
-# one optimizer update per rollout (8 samples: 1 x 4 micro-batches of 2 == 2 x 2), so both see the same samples
-# in each update; Adam with adam_eps = 1 makes the update proportional to the gradient (as test_distributed.py)
-COMMON = ["train.micro_batch=2", "train.adam_eps=1.0", "train.lr=1.0", "train.weight_decay=0", "threads=1"]
+# one optimizer update per rollout (8 samples: 1 x 4 micro-batches of 2 samples x 2 steps == 2 x 2), so both see the
+# same samples in each update; Adam with adam_eps = 1 makes the update proportional to the gradient (as test_distributed.py)
+COMMON = ["train.micro_batch=4", "train.adam_eps=1.0", "train.lr=1.0", "train.weight_decay=0", "threads=1"]
 
 
 def _launch(out: Path, nproc: int, path: Path, grad_accum: int) -> None:
@@ -260,6 +260,56 @@ def test_config_checks_for_diffusers_models(tmp_path):
     with pytest.raises(ConfigError, match="sampler.shift"):
         load_flow_config(CONFIG, ["sampler.shift=3.0"])
     assert load_flow_config(CONFIG, ["sampler.shift=3.0", "model.schedule=shift"]).sampler.shift == 3.0
+
+
+def test_gradient_checkpointing_changes_memory_not_the_run(tiny_dirs, tmp_path, monkeypatch):
+    # model.gradient_checkpointing recomputes block activations in the backward: same losses, gradients and weights
+    path = tiny_dirs("sd3")
+    seen = _record(monkeypatch)
+    runs = {}
+    for flag in ("false", "true"):
+        cfg = tiny_cfg("sd3", path, "train.iterations=1", "eval.every=0", f"model.gradient_checkpointing={flag}")
+        train(cfg, out_dir=tmp_path / flag)
+        runs[flag] = tmp_path / flag
+        assert seen["world"].policy.pipe.transformer.gradient_checkpointing == (flag == "true")
+    rows = {f: json.loads((d / "metrics.jsonl").read_text().splitlines()[0]) for f, d in runs.items()}
+    for k in ("policy_loss", "grad_norm", "first_step_max_abs_log_ratio", "reward_mean"):
+        assert rows["true"][k] == pytest.approx(rows["false"][k], rel=1e-6, abs=1e-9), k
+    w = {f: load_safetensors_checked(d / "checkpoints" / "iter-000001" / "trainable.safetensors", "weights")[0]
+         for f, d in runs.items()}
+    for k in w["false"]:
+        torch.testing.assert_close(w["true"][k], w["false"][k], rtol=1e-6, atol=1e-7, msg=k)
+
+
+@pytest.mark.parametrize("kind", ["flux", "sd3", "wan"])
+def test_compile_blocks_compiles_every_repeated_block_and_keeps_the_velocity(kind, tiny_dirs):
+    # regional compilation (model.compile): each repeated transformer block is torch.compile'd; the "eager" backend
+    # checks the wiring here without paying for inductor (bench_gpu.py measures inductor on a GPU)
+    cfg = tiny_cfg(kind, tiny_dirs(kind))
+    policy = load_flow_policy(kind, tiny_dirs(kind), **policy_options(cfg))
+    x = torch.randn(2, *policy.latent_shape, generator=torch.Generator().manual_seed(0))
+    sigma, cond = torch.full((2,), 0.7), policy.encode(["a photo of a cat", "a red dog"])
+    with torch.no_grad():
+        before = policy.velocity(x, sigma, cond)
+    blocks = [m for m in policy.pipe.transformer.modules() if type(m).__name__ in policy.block_classes]
+    assert policy.compile_blocks(backend="eager") == len(blocks) > 0
+    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
+    with torch.no_grad():
+        torch.testing.assert_close(policy.velocity(x, sigma, cond), before, rtol=1e-5, atol=1e-6)
+
+
+def test_memory_options_are_for_diffusers_models_only(tiny_dirs):
+    from difrl.config import ConfigError
+    from difrl.worlds import build_world
+
+    for key in ("gradient_checkpointing", "compile"):
+        with pytest.raises(ConfigError, match=f"model.{key}.*diffusers transformers"):
+            load_flow_config(ROOT / "configs" / "digits.yaml", [f"model.{key}=true"])
+    cfg = tiny_cfg("flux", tiny_dirs("flux"), "model.compile=true", "model.gradient_checkpointing=true")
+    transformer = build_world("flux", cfg.model.path, cfg).policy.pipe.transformer
+    blocks = [m for m in transformer.modules() if type(m).__name__ in ("FluxTransformerBlock", "FluxSingleTransformerBlock")]
+    assert blocks and all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
+    assert transformer.gradient_checkpointing
 
 
 def test_entry_script_refuses_another_kind(tmp_path, capsys):

@@ -32,7 +32,7 @@ TINY = [
     "model.kind=moving_digits", f"model.path={BUNDLED_BASE}", f"model.prompts={json.dumps(PROMPTS[:8])}",
     "reward.weights={frame_digit: 1.0, motion_direction: 1.0, digit_consistency: 0.5}",
     "seed=3", "threads=1", "sampler.num_steps=3", "rollout.prompts_per_iter=2", "rollout.group_size=4",
-    "train.micro_batch=2", "train.grad_accum=2", "train.iterations=1", "train.lr=1e-3",
+    "train.micro_batch=4", "train.grad_accum=2", "train.iterations=1", "train.lr=1e-3",
     "train.clip_low=1e-3", "train.clip_high=1e-3", "eval.every=0", "eval.per_digit=1", "eval.num_steps=2",
 ]
 
@@ -155,7 +155,7 @@ def wan_cfg(path: Path, *overrides: str):
         "model.max_sequence_length=16", 'model.prompts=["a photo of a cat", "a red dog", "a bright sky"]',
         "reward.weights={brightness: 1.0}", "sampler.guidance=1.0", "sampler.num_steps=3", "sampler.noise_level=0.9",
         "seed=0", "threads=1", "train.iterations=2", "rollout.prompts_per_iter=2", "rollout.group_size=4",
-        "train.micro_batch=2", "train.grad_accum=2", "train.lora.rank=4", "train.lora.alpha=8", "eval.every=0",
+        "train.micro_batch=4", "train.grad_accum=2", "train.lora.rank=4", "train.lora.alpha=8", "eval.every=0",
         "eval.per_digit=2", "eval.num_steps=3", *overrides])
 
 

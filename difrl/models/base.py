@@ -72,6 +72,17 @@ def use_module(policy, module: nn.Module):
         policy.module = saved
 
 
+def policy_device(policy) -> torch.device:
+    """The device the policy computes on: an adapter's own ``device`` (a diffusers pipeline's transformer), else its
+    network's first parameter's; the CPU for a parameter-free stub. Rollouts keep every per-step tensor here
+    (DESIGN.md: a trajectory stays on the policy's device until it is done)."""
+    dev = getattr(policy, "device", None)
+    if dev is not None:
+        return torch.device(dev)
+    param = next(iter(policy.module.parameters()), None) if hasattr(policy, "module") else None
+    return param.device if param is not None else torch.device("cpu")
+
+
 def cond_select(cond: Cond, index: torch.Tensor | slice) -> Cond:
     """Rows `index` of every conditioning tensor."""
     return {k: v[index] for k, v in cond.items()}

@@ -123,6 +123,7 @@ class DiffusersFlowPolicy:
     required_components: tuple[str, ...] = ()
     lora_candidates: tuple[str, ...] = ()
     quant_preset: dict = DEFAULT_QUANT_PRESET  # quantize_module's skip / min_dim for a low-precision rollout copy
+    block_classes: tuple[str, ...] = ()  # class names of the transformer's repeated blocks
     model_options: tuple[str, ...] = ()  # further config fields (cfg.model.<name>) that from_pretrained takes
 
     def __init__(self, pipe, *, height: int, width: int, negative_prompt: str = "", max_sequence_length: int = 512,
@@ -221,6 +222,25 @@ class DiffusersFlowPolicy:
         if out.ndim == 5:  # a video VAE decodes [B, 3, F, H, W]
             out = out.transpose(1, 2)
         return (out.float() * 0.5 + 0.5).clamp(0, 1).to(latents.device)  # the image processors' denormalize
+
+    # -- memory and speed options (model.gradient_checkpointing, model.compile) ----------------------
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute each transformer block's activations in the backward instead of storing them (diffusers'
+        own switch). Only forwards with gradients are affected: rollouts run under no_grad and are unchanged."""
+        self.pipe.transformer.enable_gradient_checkpointing()
+
+    def compile_blocks(self, **compile_kwargs) -> int:
+        """torch.compile each repeated transformer block (regional compilation, as diffusers recommends: one
+        block compiled is reused by all of them, so compiling takes seconds, not the whole model's minutes).
+        Compilation is lazy: LoRA layers peft injects later are part of the first traced forward. Ours, not
+        diffusers' compile_repeated_blocks, because SD3's transformer lists no _repeated_blocks. Returns the
+        number of blocks compiled."""
+        blocks = [m for m in self.pipe.transformer.modules() if type(m).__name__ in self.block_classes]
+        if not blocks:
+            raise ValueError(f"{type(self.pipe.transformer).__name__} has no block of classes {self.block_classes}")
+        for block in blocks:
+            block.compile(**compile_kwargs)
+        return len(blocks)
 
     # -- helpers shared by the kinds ----------------------------------------------------------------
     def sigma_schedule(self, num_steps: int) -> torch.Tensor:

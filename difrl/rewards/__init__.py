@@ -169,9 +169,14 @@ class Reward:
                                     if self.modality == "image" and torch.is_tensor(samples) and samples.ndim == 5 else ""))
 
     def _prepare(self, chunk):
-        if not torch.is_tensor(chunk) or self.modality in ("tokens", "any"):
-            return chunk if self.device is None or not torch.is_tensor(chunk) else chunk.to(self.device)
-        return chunk.to(device=self.device or chunk.device, dtype=self.dtype or chunk.dtype)
+        # a reward that declares no device gets its samples on the CPU, wherever they were sampled: on a GPU run the
+        # decoded chunk arrives on the GPU (rollouts stay there), and a plain function may call .numpy() on it
+        if not torch.is_tensor(chunk):
+            return chunk
+        device = self.device if self.device is not None else "cpu"
+        if self.modality in ("tokens", "any"):
+            return chunk.to(device)
+        return chunk.to(device=device, dtype=self.dtype or chunk.dtype)
 
     def __call__(self, samples, prompts: list[str], metadata: list[dict] | None = None) -> dict[str, torch.Tensor]:
         if self.timeout is None:

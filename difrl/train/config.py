@@ -97,7 +97,8 @@ class TrainConfig:
     betas: tuple[float, float] = cfg_field((0.9, 0.999))
     adam_eps: float = cfg_field(1e-8, gt=0.0)
     max_grad_norm: float | None = cfg_field(1.0, gt=0.0)
-    micro_batch: int = cfg_field(16, ge=1, help="samples (flow: with all their trained steps) per forward/backward")
+    micro_batch: int = cfg_field(16, ge=1, help="work per forward/backward: flow trainer: transitions (sample-steps; "
+                                                "the same for flat, tree and solrl rollouts), masked trainer: sequences")
     grad_accum: int = cfg_field(1, ge=1, help="micro-batches per optimizer update")
     clip_low: float = cfg_field(1e-4, ge=0.0, help="PPO clip below: rho >= 1 - clip_low")
     clip_high: float = cfg_field(1e-4, ge=0.0, help="PPO clip above: rho <= 1 + clip_high")
@@ -178,6 +179,11 @@ class FlowModelConfig(ModelConfig):
     max_sequence_length: int = cfg_field(512, ge=1, help="diffusers models: T5 / UMT5 prompt tokens (SD3: 256)")
     negative_prompt: str = cfg_field("", help="sd3, wan (guidance > 1): the CFG negative prompt")
     cache_prompts: bool = cfg_field(True, help="diffusers models: embed each prompt once (the text encoders are frozen)")
+    gradient_checkpointing: bool = cfg_field(False, help="diffusers models: recompute each transformer block's "
+                                                         "activations in the backward (less memory, ~1/3 more update "
+                                                         "compute; rollouts unaffected)")
+    compile: bool = cfg_field(False, help="diffusers models: torch.compile each repeated transformer block (regional "
+                                          "compilation; the first iterations pay the compile time)")
 
 
 @dataclass
@@ -406,7 +412,12 @@ class FlowConfig(TrainerConfig):
                                                      "reward.weights={brightness: 1.0} or a module:function")
             if self.stop.fd_rise is not None:
                 raise config_error("stop.fd_rise", "FD early stopping needs the digits world's features")
-        elif self.eval.rewards or self.eval.fid.reference is not None:
+        else:
+            for key in ("gradient_checkpointing", "compile"):
+                if getattr(mc, key):
+                    raise config_error(f"model.{key}", f"applies to the diffusers transformers (flux, sd3, wan); the "
+                                                       f"{mc.kind} world's network is small enough without it")
+        if mc.kind not in ADAPTERS and (self.eval.rewards or self.eval.fid.reference is not None):
             raise config_error("eval.rewards" if self.eval.rewards else "eval.fid.reference",
                                f"the {mc.kind} world evaluates with its own classifier, unseen judge and FD; the held-out "
                                "reward panel and eval.fid are for diffusers models")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -31,7 +32,7 @@ from difrl.correct.core import Correction
 from difrl.eval.metrics import change_over_noise
 from difrl.quant import RolloutCopy
 from difrl.rewards import Scoring, score_all
-from difrl.rollout import cat_rollouts, chunk_slices, rollout
+from difrl.rollout import cat_rollouts, chunk_slices, per_transition, rollout
 from difrl.samplers import step_masks as sampler_step_masks
 from difrl.solrl import candidate_pool, rank_agreement
 from difrl.train.config import FlowConfig
@@ -60,7 +61,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
     torch.set_num_threads(cfg.threads or max(1, cores_available() // world_size))
     run_dir = Path(cfg.resume or out_dir or cfg.out or "runs/flow")
     tree_mode, solrl, nft = cfg.rollout.kind == "tree", cfg.rollout.kind == "solrl", cfg.train.objective == "nft"
-    n_total, per_proc, T, schedule = plan(cfg, world, world_size, run_dir, accelerator.print)
+    n_total, per_proc, T, schedule, micro = plan(cfg, world, world_size, run_dir, accelerator.print)
 
     policy = world.policy
     rewards, weights = build_rewards(cfg.reward, world.default_reward)
@@ -186,7 +187,16 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
         m = Metrics(cfg.sampler.num_steps)
         for name, value in (correction.diagnostics.items() if correction is not None else ()):
             m.add(f"correct/{name}", value)
-        n_rec, mbs, ga = len(batch), cfg.train.micro_batch, cfg.train.grad_accum  # records: samples, or tree edges
+        T_rec = T  # transitions per record: a sample's T, or 1 (tree edges, and samples split into transitions)
+        if micro.split_samples:  # train.micro_batch is not a multiple of T: every transition is a record of its own
+            batch, T_rec = per_transition(batch), 1
+            advantages, keep = advantages.repeat_interleave(T), keep.repeat_interleave(T)
+            if correction is not None:
+                correction = Correction(correction.weights.reshape(-1, 1), correction.keep.reshape(-1, 1),
+                                        correction.diagnostics)
+        device = batch.x_final.device  # the rollout's (the policy's) device: the losses' operands go there once
+        advantages, keep = advantages.to(device), keep.to(device)
+        n_rec, mbs, ga = len(batch), micro.records, cfg.train.grad_accum  # records per forward/backward
         micro_per_epoch = -(-n_rec // mbs)
         first = True
         for epoch in range(cfg.train.inner_epochs):
@@ -195,7 +205,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
                 idx = perm[mb * mbs:(mb + 1) * mbs]
                 sub = batch.select(idx)
                 first_of_update = (mb // ga) * mbs * ga
-                denom = (min(n_rec, first_of_update + mbs * ga) - first_of_update) * T  # this update's records x steps,
+                denom = (min(n_rec, first_of_update + mbs * ga) - first_of_update) * T_rec  # the update's transitions,
                 sync = (mb + 1) % ga == 0 or mb == micro_per_epoch - 1                 # so 1x8 accumulation == 8x1
                 with (nullcontext() if sync else accelerator.no_sync(net)):
                     if nft:
@@ -228,7 +238,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
             "dropped_groups": int(all_groups[~keep_all].unique().numel()),
             "failed_reward_groups": int(bad_groups.numel()), "failed_reward_frac": failed_frac,
             "trained_samples": int(keep_all.sum()),
-            "nfe_train": int(accelerator.gather(torch.tensor([len(batch)])).sum()) * T * cfg.train.inner_epochs * nfe,
+            "nfe_train": int(accelerator.gather(torch.tensor([len(batch)])).sum()) * T_rec * cfg.train.inner_epochs * nfe,
             "loss": upd.get("policy_loss", 0.0) + (cfg.nft.ref_beta if nft else cfg.train.kl_beta) * upd.get("kl", 0.0),
             **stage,
             **upd,
@@ -286,11 +296,38 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
 # ---------------------------------------------------------------------------------- pieces of the loop
 
 
-def plan(cfg: FlowConfig, world, world_size: int, run_dir: Path, say) -> tuple[int, int, int, object]:
+class MicroBatching(NamedTuple):
+    """How train.micro_batch (transitions per forward/backward, whatever the rollout kind) becomes records."""
+    records: int  # records per micro-batch
+    split_samples: bool  # flat / Sol-RL samples split into records of one transition (micro_batch % T != 0)
+    summary: str  # for the banner
+
+
+def micro_batching(cfg: FlowConfig, T: int, tree_mode: bool) -> MicroBatching:
+    """One unit in every rollout mode: train.micro_batch counts transitions (sample-steps), so switching
+    rollout.kind between flat, tree and solrl keeps the work per backward (specs/gpu-regime.md: with the unit
+    "records" a tree's 1-step edges ran 3.3x slower than flat's whole samples). A tree's record is one edge; a
+    flat sample holds its T trained transitions and is kept whole when micro_batch is a multiple of T, else
+    split into transitions (per-step losses only: a sequence-level loss needs every step of a sample together)."""
+    mb = cfg.train.micro_batch
+    if tree_mode:
+        return MicroBatching(mb, False, f"{mb} transitions (tree edges)")
+    if mb % T == 0:
+        return MicroBatching(mb // T, False, f"{mb} transitions ({mb // T} sample(s) x {T} steps)")
+    if cfg.train.objective == "grpo" and cfg.train.policy_loss == "ppo_clip":
+        return MicroBatching(mb, True, f"{mb} transitions (samples of {T} steps split into single-step records)")
+    what = "DiffusionNFT's loss" if cfg.train.objective == "nft" else f"train.policy_loss={cfg.train.policy_loss}"
+    lower, upper = max(T, mb // T * T), -(-mb // T) * T
+    raise ValueError(f"train.micro_batch={mb} transitions is not a multiple of the {T} trained step(s) per sample, and "
+                     f"{what} needs each sample's steps in one micro-batch: use {lower}" + (f" or {upper}" if upper != lower else ""))
+
+
+def plan(cfg: FlowConfig, world, world_size: int, run_dir: Path, say) -> tuple[int, int, int, object, MicroBatching]:
     """Check that an iteration splits over the processes and into optimizer updates, and say what one does.
-    Returns (samples per iteration, per process, trained records' steps T, the tree's BranchSchedule or None)."""
+    Returns (samples per iteration, per process, trained steps per sample T (1 for trees: an edge per record),
+    the tree's BranchSchedule or None, the micro-batching)."""
     n_total = cfg.rollout.prompts_per_iter * cfg.rollout.group_size
-    per_proc, per_update = n_total // world_size, cfg.train.micro_batch * cfg.train.grad_accum
+    per_proc, per_update = n_total // world_size, cfg.train.micro_batch * cfg.train.grad_accum  # per_update: transitions
     tree_mode = cfg.rollout.kind == "tree"
     if n_total % world_size:
         raise ValueError(f"{n_total} samples per iteration (rollout.prompts_per_iter x rollout.group_size) do not "
@@ -298,13 +335,9 @@ def plan(cfg: FlowConfig, world, world_size: int, run_dir: Path, say) -> tuple[i
     if tree_mode and cfg.rollout.prompts_per_iter % world_size:
         raise ValueError(f"{cfg.rollout.prompts_per_iter} trees per iteration (rollout.prompts_per_iter) do not split "
                          f"over {world_size} processes")
-    if per_proc % per_update and not tree_mode:  # tree edges: a last, smaller update takes the remainder
-        raise ValueError(f"each process has {per_proc} samples per iteration, not a multiple of train.micro_batch x "
-                         f"train.grad_accum = {cfg.train.micro_batch} x {cfg.train.grad_accum} = {per_update}")
     if cfg.rollout.kind == "solrl" and (cfg.rollout.prompts_per_iter * cfg.solrl.candidates) % world_size:
         raise ValueError(f"{cfg.rollout.prompts_per_iter * cfg.solrl.candidates} Sol-RL candidates per iteration do not "
                          f"split over {world_size} processes")
-    updates = cfg.train.inner_epochs * per_proc // per_update
     sde_mask0, train_mask0, _ = step_masks(cfg, 0, 1)
     T = int(train_mask0.sum())  # trained transitions per sample (GRPO) ...
     if cfg.train.objective == "nft":  # ... or sigmas (NFT)
@@ -318,15 +351,22 @@ def plan(cfg: FlowConfig, world, world_size: int, run_dir: Path, say) -> tuple[i
         updates = cfg.train.inner_epochs * -(-edges * cfg.rollout.prompts_per_iter // world_size // per_update)
         what = (f"step per record, SDE steps {cfg.steps.mode} + splits; trees: splits at {list(schedule.split_steps)} "
                 f"x{schedule.factor}, {edges} SDE edges per tree before pruning (records of 1 step); ")
+    micro = micro_batching(cfg, T, tree_mode)
+    if not tree_mode:  # (tree edges: a last, smaller update takes the remainder)
+        if (per_proc * T) % per_update:
+            raise ValueError(f"each process has {per_proc} samples x {T} trained steps = {per_proc * T} transitions per "
+                             f"iteration, not a multiple of train.micro_batch x train.grad_accum = {cfg.train.micro_batch}"
+                             f" x {cfg.train.grad_accum} = {per_update} (train.micro_batch counts transitions)")
+        updates = cfg.train.inner_epochs * per_proc * T // per_update
     if cfg.rollout.kind == "solrl":
         what += (f"Sol-RL: {cfg.solrl.candidates} candidates per prompt in {cfg.solrl.preview_steps} steps, "
                  f"{cfg.solrl.select}; ")
     say(f"difrl: {world_size} process(es) x {torch.get_num_threads()} thread(s); {n_total} samples/iteration "
         f"({cfg.rollout.prompts_per_iter} groups of {cfg.rollout.group_size}), {per_proc} per process; {T} trained "
         f"{what}{updates} optimizer update(s) per rollout ({cfg.train.inner_epochs} epoch(s) x "
-        f"{updates // cfg.train.inner_epochs} of {cfg.train.micro_batch} x {cfg.train.grad_accum} accumulated); "
-        f"run dir {run_dir}")
-    return n_total, per_proc, T, schedule
+        f"{updates // cfg.train.inner_epochs} of {cfg.train.grad_accum} accumulated micro-batch(es)); micro-batch: "
+        f"{micro.summary} per forward/backward; run dir {run_dir}")
+    return n_total, per_proc, T, schedule, micro
 
 
 def step_masks(cfg: FlowConfig, iteration: int, num_samples: int) -> tuple[torch.Tensor, torch.Tensor, int | None]:

@@ -101,8 +101,8 @@ def nft_micro_loss(policy, sub: Rollout, adv: torch.Tensor, keep: torch.Tensor, 
     the EMA holding it), plus ref_beta * the velocity KL to the reference."""
     B, Tn = len(sub), len(sigmas)
     x0 = sub.x_final.repeat_interleave(Tn, dim=0)  # [B*T, *latent], sample-major like cond_repeat
-    sigma = sigmas.repeat(B)
-    eps = counter_normal(mix_seed_tensor(sub.seeds, 7), list(range(Tn)), tuple(policy.latent_shape))  # [T, B, ...]
+    sigma = sigmas.to(x0.device).repeat(B)  # drawn and noised where the samples live (the policy's device)
+    eps = counter_normal(mix_seed_tensor(sub.seeds, 7), list(range(Tn)), tuple(policy.latent_shape), x0.device)  # [T, B, ...]
     x_sigma = nft_noised(x0, sigma, eps.transpose(0, 1).reshape(x0.shape))
     cond = cond_repeat(sub.cond, Tn)
     with torch.no_grad():  # before the graph is built: swapping weights in place would invalidate it
@@ -135,10 +135,12 @@ def nft_sigmas(cfg, sigmas: torch.Tensor) -> torch.Tensor:
 def proximal_correction(policy, batch: Rollout, cfg):
     """Rollouts that came from another policy mu (a quantized or stale copy): recompute the proximal policy's
     log-probs and means (PPO's ratio and the first-step check are against it) and weigh each transition by
-    pi_old / mu through difrl.correct. In micro-batches: a real model cannot take all B*T transitions at once.
+    pi_old / mu through difrl.correct. In micro-batches of about train.micro_batch transitions: a real model cannot
+    take all B*T transitions at once.
     Returns (batch with log_prob_old / mean_old replaced, the Correction)."""
-    parts = [transition_log_prob(policy, batch.select(torch.arange(lo, min(lo + cfg.train.micro_batch, len(batch)))), cfg)
-             for lo in range(0, len(batch), cfg.train.micro_batch)]
+    per = max(1, cfg.train.micro_batch // max(1, batch.step.shape[1]))  # records of about micro_batch transitions
+    parts = [transition_log_prob(policy, batch.select(torch.arange(lo, min(lo + per, len(batch)))), cfg)
+             for lo in range(0, len(batch), per)]
     lp_prox, mean_prox = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     log_prob_rollout = batch.log_prob_old
     batch.log_prob_old, batch.mean_old = lp_prox, mean_prox.view_as(batch.mean_old)
@@ -163,7 +165,7 @@ def policy_ratio_check(policy, sub: Rollout, cfg) -> float:
     B, T = sub.step.shape
     module, lat = policy.module, tuple(policy.latent_shape)
     steps = sub.step.unique()
-    all_noise = sample_noise(sub.seeds, steps.tolist(), lat)  # [S, b, *latent]
+    all_noise = sample_noise(sub.seeds, steps.tolist(), lat, sub.x.device)  # [S, b, *latent], as the rollout drew it
     pos = torch.searchsorted(steps, sub.step)  # [b, T]
     was_training = module.training
     module.eval()
@@ -172,7 +174,8 @@ def policy_ratio_check(policy, sub: Rollout, cfg) -> float:
         for t in range(T):
             v = policy.velocity(sub.x[:, t], sub.sigma[:, t], sub.cond, cfg.sampler.guidance)
             out = KERNELS[cfg.sampler.kind](sub.x[:, t], v, sub.sigma[:, t], sub.sigma_next[:, t],
-                                            all_noise[pos[:, t], torch.arange(B)], **cfg.sampler.kernel_kwargs())
+                                            all_noise[pos[:, t], torch.arange(B, device=pos.device)],
+                                            **cfg.sampler.kernel_kwargs())
             x_next.append(out.x_next)
             log_prob.append(out.log_prob)
     finally:

@@ -20,7 +20,8 @@ watches the digits world's accuracy too).
 difrl.train). The attributes it reads:
 
 - `cfg.model`: `dtype`, `height`, `width`, `max_sequence_length`, `negative_prompt`, `cache_prompts`,
-  `prompts`, `prompt_file`, `eval_prompts`, `eval_prompt_file`, `schedule` ("pipeline" or "shift"), and the adapter's own
+  `prompts`, `prompt_file`, `eval_prompts`, `eval_prompt_file`, `schedule` ("pipeline" or "shift"),
+  `gradient_checkpointing`, `compile` (regional torch.compile of the transformer blocks), and the adapter's own
   `model_options` (Wan: `num_frames`);
 - `cfg.reward`: `weights` (name -> weight), `options` (name -> keyword arguments);
 - `cfg.eval`: `rewards` (the held-out panel), `fid` (extractor, weights, reference, cache_dir, kid_subset_size);
@@ -106,6 +107,10 @@ def diffusers_world(kind: str, model_path: str | None, cfg=None) -> World:
     extra = ADAPTERS[kind].model_options if kind in ADAPTERS else ()  # an unknown kind: load_flow_policy says so
     options.update({name: getattr(mc, name) for name in extra})
     policy = load_flow_policy(kind, model_path, **options)
+    if mc.gradient_checkpointing:
+        policy.enable_gradient_checkpointing()
+    if mc.compile:
+        policy.compile_blocks()
     prompts, prompt_meta = read_prompts(mc)
     meta_by_prompt = dict(zip(prompts, prompt_meta))
     eval_prompts = list(mc.eval_prompts) if mc.eval_prompts is not None else prompts[:MAX_EVAL_PROMPTS]

@@ -1,0 +1,406 @@
+"""difrl's trainer on a GPU at real model size: rollouts against plain diffusers, flat vs tree vs Sol-RL iterations.
+
+    python benchmarks/bench_gpu.py                         # one CUDA GPU, ~8 min: writes its block in BENCHMARKS.md
+    python benchmarks/bench_gpu.py --quick --json /tmp/g.json   # tiny dimensions on the CPU in about a minute
+    python benchmarks/bench_gpu.py --prompts 4 --stage-timeout 120   # more leaves per iteration, longer stages
+
+The model is an SD3.5-Medium-shaped 2.0B-parameter `SD3Transformer2DModel` (24 joint blocks, 24 heads x 64) with
+random weights, built with plain diffusers constructors next to tiny CLIP / T5 text encoders and a tiny 4-level VAE
+(8x downsampling, 16 latent channels), in bf16 at 512x512 (1024 image tokens), saved with `save_pretrained` to a
+scratch directory that the trainer loads like any local pipeline (specs/gpu-regime.md). Nothing is downloaded; the
+GPU machine needs torch and difrl's pure-Python dependencies only. `--quick` builds the same pipeline with tiny
+dimensions on the CPU (64x64 images, 2 blocks) so the test suite runs the whole script.
+
+What one run measures, each stage under its own time limit (a stage past it is recorded as timed out and the run
+goes on; the JSON rows are rewritten after every stage, so a killed run keeps what it measured):
+1. rollout vs pipe: `pipe(prompts, output_type="latent")` against difrl's `rollout()` on the same pipeline, batch
+   16 x 16 steps (mean of 3 after a warm-up): as the trainer calls it (flow_sde, every trained transition stored),
+   and ODE; plus 16 bare transformer forwards. Ratios to pipe().
+2. the trainer (`difrl.train.flow.train`, LoRA rank 32, KL off, evaluation reduced to one sample) for 2 iterations
+   per method, the second timed: flat GRPO, BranchGRPO (splits [0, 4, 8, 12] x 2 = 16 leaves), + width and depth
+   pruning, BranchGRPO-Mix (SDE window 0..7), Sol-RL (32 candidates in 8 steps from an fp8 rollout copy, 16
+   regenerated); the same `train.micro_batch` (transitions) and leaves per prompt in each. Seconds per iteration
+   split into rollout / update, NFE, peak GPU memory (`torch.cuda.max_memory_allocated`), the update's achieved
+   TFLOP/s (FLOPs of one trained transition's forward + backward counted by torch's FlopCounterMode, times the
+   transitions trained, over the update's seconds), and flat GRPO again with `model.gradient_checkpointing` and with
+   `model.compile`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import json
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import publish, standard_args  # noqa: E402
+
+BEGIN, END = "<!-- bench_gpu:begin -->", "<!-- bench_gpu:end -->"
+PROMPTS = ["a photo of a cat", "a red dog", "a bright sky", "a dark forest", "a green tree", "a blue car",
+           "an old house", "a small boat"]
+
+# (full, quick): the model's shape and the run's size
+SHAPE = {
+    "full": dict(sample_size=64, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64, num_attention_heads=24,
+                 joint_attention_dim=32, caption_projection_dim=1536, pooled_projection_dim=32, out_channels=16,
+                 pos_embed_max_size=96),
+    "quick": dict(sample_size=8, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+                  joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32, out_channels=16,
+                  pos_embed_max_size=16),
+}
+RUN = {  # image side, steps, leaves per prompt (= tree of 2^splits), split steps, Mix window, Sol-RL, LoRA rank
+    "full": dict(side=512, steps=16, leaves=16, splits=[0, 4, 8, 12], depth_prune=[12, 13, 14, 15], window=8,
+                 candidates=32, preview=8, rank=32, micro=15, pipe_batch=16, repeats=3),
+    "quick": dict(side=64, steps=6, leaves=4, splits=[0, 2], depth_prune=[4, 5], window=2,
+                  candidates=8, preview=3, rank=4, micro=5, pipe_batch=4, repeats=2),
+}
+
+
+# ---------------------------------------------------------------------------------- the model
+
+def build_pipeline(size: str, device: str, dtype: torch.dtype):
+    """A StableDiffusion3Pipeline with the SD3.5-Medium-shaped transformer (random weights), tiny CLIP / T5 text
+    encoders (hidden 16 / 32: CLIP 16 + 16 zero-padded to T5's 32 = joint_attention_dim, pooled 16 + 16 = 32) and a
+    tiny 4-level VAE (8x, 16 latent channels), all built on `device` in `dtype` (the VAE and encoders in fp32)."""
+    import diffusers
+    from transformers import CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    from difrl.models.tiny import tiny_clip_config, tiny_clip_tokenizer, tiny_t5_kwargs, tiny_t5_tokenizer
+
+    torch.manual_seed(0)
+    clip_tok, clip_tok2, t5_tok = tiny_clip_tokenizer(), tiny_clip_tokenizer(), tiny_t5_tokenizer()
+    with torch.device(device):
+        transformer = diffusers.SD3Transformer2DModel(**SHAPE[size]).to(dtype)
+        vae = diffusers.AutoencoderKL(
+            in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+            latent_channels=16, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
+            shift_factor=0.0609, scaling_factor=1.5305)
+        pipe = diffusers.StableDiffusion3Pipeline(
+            transformer=transformer, vae=vae,
+            text_encoder=CLIPTextModelWithProjection(tiny_clip_config(len(clip_tok), 16, 16)), tokenizer=clip_tok,
+            text_encoder_2=CLIPTextModelWithProjection(tiny_clip_config(len(clip_tok2), 16, 16)), tokenizer_2=clip_tok2,
+            text_encoder_3=T5EncoderModel(T5Config(**tiny_t5_kwargs(len(t5_tok), 32))), tokenizer_3=t5_tok,
+            scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0))
+    for comp in pipe.components.values():
+        if isinstance(comp, torch.nn.Module):
+            comp.eval()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+# ---------------------------------------------------------------------------------- measuring
+
+class StageTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None):
+    """Raise StageTimeout in this (main) thread after `seconds` (between Python operations)."""
+    if not seconds or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def stop(signum, frame):
+        raise StageTimeout(f"stage ran past {seconds:g} s")
+
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str, repeats: int) -> float:
+    """Mean seconds of `repeats` calls after one warm-up call."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.mean(times)
+
+
+def reset_peak(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib(device: str) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
+
+
+# ---------------------------------------------------------------------------------- stage 1: rollout vs pipe()
+
+def rollout_vs_pipe(path: Path, size: str, device: str, dtype: str) -> tuple[list[dict], float]:
+    """pipe() vs difrl's rollout on one loaded pipeline; also returns the FLOPs of one transition's forward +
+    backward through the LoRA-wrapped transformer (for the update's TFLOP/s)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from difrl.models.adapters import load_flow_policy
+    from difrl.rollout import initial_latents, rollout
+    from difrl.train.config import LoraConfig
+    from difrl.train.scaffold import wrap_policy
+
+    r = RUN[size]
+    policy = load_flow_policy("sd3", path, dtype=dtype, height=r["side"], width=r["side"], device=device,
+                              max_sequence_length=16, cache_prompts=True)
+    B, N = r["pipe_batch"], r["steps"]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(B)]
+    seeds = torch.arange(B)
+    sigmas = policy.sigma_schedule(N)
+    latents = initial_latents(seeds, policy.latent_shape, device).to(policy.dtype)
+    train_mask = torch.ones(N, dtype=torch.bool)
+    train_mask[-1] = False
+    pipe = policy.pipe
+
+    def run_pipe():
+        pipe(prompts, height=r["side"], width=r["side"], num_inference_steps=N, guidance_scale=1.0, latents=latents,
+             output_type="latent", max_sequence_length=16)
+
+    def run_rollout(kind: str):
+        def go():
+            rollout(policy, prompts, seeds, sigmas, kind, {"noise_level": 0.7} if kind != "ode" else None,
+                    sde_mask=None if kind != "ode" else torch.zeros(N, dtype=torch.bool),
+                    train_mask=train_mask if kind != "ode" else None)
+        return go
+
+    cond = policy.encode(prompts)
+    x = latents.float()
+    sigma = torch.full((B,), 0.5, device=device)
+
+    def bare_forwards():
+        with torch.no_grad():
+            for _ in range(N):
+                policy._forward(x, sigma, cond, 1.0)
+
+    t_pipe = timed(run_pipe, device, r["repeats"])
+    rows = [{"stage": "rollout_vs_pipe", "method": "pipe(output_type='latent')", "seconds": t_pipe, "x_pipe": 1.0}]
+    for name, fn in ((f"rollout() flow_sde, {N - 1} transitions stored (the trainer's)", run_rollout("flow_sde")),
+                     ("rollout() ode", run_rollout("ode")), (f"{N} bare transformer forwards", bare_forwards)):
+        t = timed(fn, device, r["repeats"])
+        rows.append({"stage": "rollout_vs_pipe", "method": name, "seconds": t, "x_pipe": t / t_pipe})
+
+    # FLOPs of one trained transition (LoRA as the trainer wraps it): forward + backward of a batch of 2, halved
+    net, _ = wrap_policy(policy, LoraConfig(rank=r["rank"], alpha=2 * r["rank"]), 0, need_reference=False)
+    policy.module = net
+    xb, sb, cb = x[:2], sigma[:2], {k: v[:2] for k, v in cond.items()}
+    with FlopCounterMode(display=False) as counter:
+        policy.velocity(xb, sb, cb).float().square().mean().backward()
+    flops = counter.get_total_flops() / 2
+    del policy, pipe, net
+    reset_peak(device)
+    return rows, flops
+
+
+# ---------------------------------------------------------------------------------- stage 2: the trainer
+
+def methods(size: str) -> dict[str, list[str]]:
+    """The trainer runs; --quick leaves out model.compile (inductor's CPU compile of even tiny blocks takes minutes on
+    2 cores; the wiring is tested in tests/test_train_diffusers.py)."""
+    r = RUN[size]
+    tree = ["rollout.kind=tree", f"tree.split_steps={json.dumps(r['splits'])}", "tree.factor=2"]
+    return {
+        "flat GRPO": [],
+        "BranchGRPO": tree,
+        "BranchGRPO + width/depth pruning": tree + ["tree.width_prune=best_worst", "tree.width_ratio=0.5",
+                                                    f"tree.depth_prune={json.dumps(r['depth_prune'])}"],
+        "BranchGRPO-Mix": tree + ["steps.mode=fixed_window", "steps.window_start=0", f"steps.window_size={r['window']}"],
+        "Sol-RL (fp8 candidates)": ["rollout.kind=solrl", "rollout.precision=fp8", f"solrl.candidates={r['candidates']}",
+                                    f"solrl.preview_steps={r['preview']}"],
+        "flat GRPO + gradient checkpointing": ["model.gradient_checkpointing=true"],
+        **({"flat GRPO + compile": ["model.compile=true"]} if size == "full" else {}),
+    }
+
+
+def trainer_config(path: Path, size: str, dtype: str, prompts: int, extra: list[str]):
+    from difrl.train.config import load_flow_config
+
+    r = RUN[size]
+    return load_flow_config(ROOT / "configs" / "sd3_tiny.yaml", [
+        f"model.path={path}", f"model.height={r['side']}", f"model.width={r['side']}", f"model.dtype={dtype}",
+        "model.max_sequence_length=16", f"model.prompts={json.dumps(PROMPTS[:max(prompts, 1)])}",
+        f"model.eval_prompts={json.dumps(PROMPTS[:1])}", f"sampler.num_steps={r['steps']}", "sampler.noise_level=0.7",
+        f"rollout.prompts_per_iter={prompts}", f"rollout.group_size={r['leaves']}", "rollout.same_init_noise=false",
+        "train.iterations=2", f"train.micro_batch={r['micro']}", "train.grad_accum=1", "train.kl_beta=0",
+        f"train.lora.rank={r['rank']}", f"train.lora.alpha={2 * r['rank']}", "train.lr=1e-4",
+        "eval.every=0", "eval.per_digit=1", "eval.num_steps=2", "checkpoint_every=0", *extra])
+
+
+def trainer_row(name: str, run_dir: Path, device: str, flops_per_transition: float, guidance_nfe: int) -> dict:
+    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = rows[-1]  # the second iteration: compiled, allocator warm
+    transitions = last["nfe_train"] / guidance_nfe  # recomputed (trained) transitions this iteration
+    update_tflops = flops_per_transition * transitions / last["seconds_update"] / 1e12
+    row = {"stage": "trainer", "method": name, "seconds_iter": last["seconds"], "seconds_rollout": last["seconds_rollout"],
+           "seconds_update": last["seconds_update"], "seconds_first_iter": rows[0]["seconds"],
+           "nfe_rollout": last.get("nfe_full", 0) + last.get("nfe_lowprec", 0), "nfe_lowprec": last.get("nfe_lowprec", 0),
+           "transitions_trained": transitions, "update_tflops": update_tflops, "peak_gib": peak_gib(device)}
+    if "seconds_candidates" in last:
+        row["seconds_candidates"] = last["seconds_candidates"]
+        row["candidate_s_per_forward"] = last["seconds_candidates"] / max(last["nfe_lowprec"], 1)
+        row["regenerate_s_per_forward"] = last["seconds_regenerate"] / max(last["nfe_full"], 1)
+    if "seconds_sampling" in last:
+        row["rollout_s_per_forward"] = last["seconds_sampling"] / max(last.get("nfe_full", 0), 1)
+    return row
+
+
+# ---------------------------------------------------------------------------------- the run
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    standard_args(ap, "tiny dimensions on the CPU in about a minute")
+    ap.add_argument("--prompts", type=int, default=None, help="prompts per iteration (default 2; --quick 1)")
+    ap.add_argument("--stage-timeout", type=float, default=90.0, help="seconds each stage may take (default 90)")
+    ap.add_argument("--methods", default=None, help="comma-separated subset of the trainer methods")
+    args = ap.parse_args(argv)
+    size = "quick" if args.quick else "full"
+    cuda = torch.cuda.is_available() and not args.quick
+    if not args.quick and not cuda:
+        ap.error("the full run needs a CUDA GPU (the CPU runs --quick)")
+    device, dtype = ("cuda:0", "bf16") if cuda else ("cpu", "fp32")
+    prompts = args.prompts or (2 if not args.quick else 1)
+    from difrl.train.flow import train
+
+    rows: list[dict] = []
+    meta = {"stage": "meta", "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+            "diffusers": __import__("diffusers").__version__, "date": _dt.date.today().isoformat(), "size": size,
+            "prompts": prompts, "leaves": RUN[size]["leaves"], "steps": RUN[size]["steps"], "dtype": dtype}
+    rows.append(meta)
+    with tempfile.TemporaryDirectory(prefix="bench_gpu_") as tmp:
+        tmp = Path(tmp)
+        t0 = time.perf_counter()
+        pipe = build_pipeline(size, device, torch.bfloat16 if dtype == "bf16" else torch.float32)
+        meta["transformer_params"] = sum(p.numel() for p in pipe.transformer.parameters())
+        pipe.save_pretrained(tmp / "pipe")
+        del pipe
+        reset_peak(device)
+        meta["seconds_build"] = time.perf_counter() - t0
+        print(f"built and saved the pipeline ({meta['transformer_params'] / 1e9:.2f}B transformer) in "
+              f"{meta['seconds_build']:.1f} s", flush=True)
+        flops = None
+        try:
+            with time_limit(args.stage_timeout):
+                stage, flops = rollout_vs_pipe(tmp / "pipe", size, device, dtype)
+            rows += stage
+        except StageTimeout as e:
+            rows.append({"stage": "rollout_vs_pipe", "method": "timed out", "error": str(e)})
+        meta["flops_per_transition"] = flops
+        write_rows(args.json, rows)
+        chosen = methods(size)
+        if args.methods:
+            chosen = {k: v for k, v in chosen.items() if k in args.methods.split(",")}
+        for name, extra in chosen.items():
+            reset_peak(device)
+            run_dir = tmp / f"run{len(rows)}"
+            t = time.perf_counter()
+            try:
+                with time_limit(args.stage_timeout):
+                    train(trainer_config(tmp / "pipe", size, dtype, prompts, extra), out_dir=run_dir)
+                rows.append(trainer_row(name, run_dir, device, flops or 0.0, 1))
+            except StageTimeout as e:
+                rows.append({"stage": "trainer", "method": name, "error": str(e)})
+            rows[-1]["seconds_stage"] = time.perf_counter() - t
+            print(f"{name}: {rows[-1]}", flush=True)
+            write_rows(args.json, rows)
+    flat = next((r for r in rows if r.get("method") == "flat GRPO" and "seconds_iter" in r), None)
+    for r in rows:
+        if r.get("stage") == "trainer" and flat and "seconds_iter" in r:
+            r["x_flat"] = r["seconds_iter"] / flat["seconds_iter"]
+    lines = report(rows)
+    publish(args, BEGIN, END, "GPU: rollouts and trainer iterations at 2B scale (bench_gpu)", "bench_gpu.py", argv,
+            lines, rows)
+    return rows
+
+
+def write_rows(path: Path | None, rows: list[dict]) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(rows, indent=1))
+
+
+def _f(v, fmt: str = ".2f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def report(rows: list[dict]) -> list[str]:
+    """The block's lines: every number and sentence computed from `rows`."""
+    meta = rows[0]
+    lines = [f"Device {meta['device']}, torch {meta['torch']}, diffusers {meta['diffusers']}, {meta['date']}; "
+             f"SD3.5-Medium-shaped transformer of {meta['transformer_params'] / 1e6:,.1f}M parameters (random weights), "
+             f"{meta['dtype']}, {meta['steps']} steps, {meta['prompts']} prompt(s) x {meta['leaves']} leaves per iteration.",
+             "", "| rollout | seconds | x pipe() |", "|---|---:|---:|"]
+    lines += [f"| {r['method']} | {_f(r.get('seconds'), '.3f')} | {_f(r.get('x_pipe'))} |"
+              for r in rows if r.get("stage") == "rollout_vs_pipe"]
+    lines += ["", "| method | s / iter | x flat | rollout s | update s | rollout NFE | trained transitions | "
+                  "update TFLOP/s | peak GiB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r.get("stage") != "trainer":
+            continue
+        if "error" in r:
+            lines.append(f"| {r['method']} | {r['error']} | | | | | | | |")
+            continue
+        lines.append(f"| {r['method']} | {r['seconds_iter']:.2f} | {_f(r.get('x_flat'))} | {r['seconds_rollout']:.2f} | "
+                     f"{r['seconds_update']:.2f} | {r['nfe_rollout']} | {r['transitions_trained']:.0f} | "
+                     f"{_f(r['update_tflops'], '.3g')} | {_f(r['peak_gib'], '.1f')} |")
+    lines += ["", *readings(rows)]
+    return lines
+
+
+def _target(value: float, target: float) -> str:
+    return f"target <= {target:g}: {'met' if value <= target else 'missed'}"
+
+
+def readings(rows: list[dict]) -> list[str]:
+    """Sentences computed from the rows: each compares what the issues' targets compare (issues 29, 30)."""
+    out = []
+    meta = rows[0]
+    by = {r["method"]: r for r in rows if "method" in r}
+    train = next((r for m, r in by.items() if m.startswith("rollout() flow_sde")), None)
+    if train and "x_pipe" in train:
+        out.append(f"- difrl's rollout as the trainer calls it took {train['x_pipe']:.3f}x pipe() on the same pipeline "
+                   f"({_target(train['x_pipe'], 1.03)}).")
+    flat = by.get("flat GRPO")
+    for name, target in (("BranchGRPO", 0.45), ("BranchGRPO + width/depth pruning", 0.25), ("BranchGRPO-Mix", 0.25)):
+        r = by.get(name)
+        if flat and r and "x_flat" in r:
+            out.append(f"- {name}: {r['x_flat']:.2f}x flat GRPO's seconds per iteration at equal leaves and the same "
+                       f"train.micro_batch ({_target(r['x_flat'], target)}).")
+    sol = by.get("Sol-RL (fp8 candidates)")
+    if sol and flat and "candidate_s_per_forward" in sol and "rollout_s_per_forward" in flat:
+        ratio = sol["candidate_s_per_forward"] / flat["rollout_s_per_forward"]
+        out.append(f"- Sol-RL's fp8 candidate stage cost {ratio:.2f}x a {meta['dtype']} rollout per forward "
+                   f"({_target(ratio, 0.75)}).")
+    for name in ("flat GRPO + gradient checkpointing", "flat GRPO + compile"):
+        r = by.get(name)
+        if flat and r and "seconds_iter" in r and r.get("peak_gib") is not None:
+            out.append(f"- {name}: {r['seconds_iter'] / flat['seconds_iter']:.2f}x the seconds per iteration, "
+                       f"peak memory {r['peak_gib']:.1f} vs {flat['peak_gib']:.1f} GiB (first iteration "
+                       f"{r['seconds_first_iter']:.1f} s).")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The prepared GPU check: one command on a machine with one CUDA GPU (the device tool's H200), writing what it
+# measured under $OUT (the JSON rows, the log, the regenerated BENCHMARKS.md).
+#
+#   bash benchmarks/gpu_check.sh [bench_gpu|...]          # default: bench_gpu (about 8 minutes on one H200)
+#
+# That machine has torch, transformers, peft and accelerate but not diffusers: carry its wheel. Here, once:
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_17_x86_64 -d .whl diffusers==0.42.1
+# then run this script there with `.whl` carried and a time limit that leaves room to rerun (e.g. 560 s).
+# Copy $OUT/BENCHMARKS.md over the checkout's only after reading the rows.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_check_out}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+status=0
+for bench in "${@:-bench_gpu}"; do
+    timeout 540 python3 "benchmarks/$bench.py" --json "$OUT/$bench.json" 2>&1 | tee "$OUT/$bench.log" || status=1
+done
+cp BENCHMARKS.md "$OUT/BENCHMARKS.md"
+exit $status
