@@ -15,9 +15,10 @@ evaluation after iteration 2 and a checkpoint after every iteration (RUN below).
     (`resume=DIR`; started again when it died before its first checkpoint) and its metrics, evaluations
     and final weights (checkpoint, EMA, policy.safetensors) compared bit for bit with an uninterrupted run.
 (b) damaged checkpoints: the newest checkpoint of a finished run is truncated, has random bytes of one
-    file's tensor data flipped, loses a file, or gets a garbage state.json; `load_latest_checkpoint`
-    must report it (naming the checkpoint and file) and return the previous one; one resume per kind
-    is run to the end and compared bit for bit with the uninterrupted run.
+    file's tensor data flipped, loses a file, gets a garbage state.json, or loses its manifest.json (so
+    nothing can verify it: damaged unless resume_unverified=true); `load_latest_checkpoint` must report
+    it (naming the checkpoint and file) and return the previous one; one resume per kind is run to the
+    end and compared bit for bit with the uninterrupted run.
 (c) reward faults: a reward (`fault` below) that raises, returns NaN, inf, the wrong length, the
     wrong key, not scores, or hangs (reward.timeout=3), from its second call on, under both
     reward.on_error policies, and, in 2 processes (torchrun, gloo), raises or hangs on process 1 only.
@@ -335,6 +336,9 @@ def damage(ckpt: Path, kind: str, rng: random.Random) -> str:
         name = rng.choice(files)
         (ckpt / name).unlink()
         return f"{name}: deleted"
+    if kind == "deleted manifest":
+        (ckpt / "manifest.json").unlink()
+        return "manifest.json: deleted"
     if kind == "garbage state":
         garbage = rng.choice(['{"iteration": 4', "", "null", '{"iteration": 2}', "\x00" * 32, '{"iteration": "4"}'])
         (ckpt / "state.json").write_text(garbage)
@@ -342,7 +346,7 @@ def damage(ckpt: Path, kind: str, rng: random.Random) -> str:
     raise ValueError(kind)
 
 
-DAMAGES = ("truncated", "flipped bytes", "deleted file", "garbage state")
+DAMAGES = ("truncated", "flipped bytes", "deleted file", "garbage state", "deleted manifest")
 
 
 def damage_campaign(work: Path, ref: Path, ref_print: dict, trials: int, seed: int) -> list[dict]:
@@ -682,9 +686,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from common import standard_args, write_json
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    standard_args(ap, "5 kill points, 4 damaged checkpoints, 4 reward faults, 30 configs, no memory run")
+    standard_args(ap, "5 kill points, 5 damaged checkpoints, 4 reward faults, 30 configs, no memory run")
     ap.add_argument("--kills", type=int, help="kill points (default 20; --quick 5)")
-    ap.add_argument("--damages", type=int, help="damaged checkpoints (default 40; --quick 4)")
+    ap.add_argument("--damages", type=int, help="damaged checkpoints (default 40; --quick 5: one per kind)")
     ap.add_argument("--configs", type=int, help="generated bad configs (default 200; --quick 30)")
     ap.add_argument("--cli-configs", type=int, help="of those, through `difrl train` (default 10; --quick 2)")
     ap.add_argument("--seed", type=int, default=0)
@@ -693,7 +697,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]
     parts = set(args.parts.split(","))
-    for name, full, quick in (("kills", 20, 5), ("damages", 40, 4), ("configs", 200, 30), ("cli_configs", 10, 2)):
+    for name, full, quick in (("kills", 20, 5), ("damages", 40, 5), ("configs", 200, 30), ("cli_configs", 10, 2)):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     t0 = time.perf_counter()

@@ -133,6 +133,9 @@ class TrainerConfig:
     threads: int | None = cfg_field(None, ge=1, help="torch threads; None = the cores this process may use")
     out: str | None = cfg_field(None, help="run directory (also --out)")
     resume: str | None = cfg_field(None, help="a run directory to continue")
+    resume_unverified: bool = cfg_field(False, help="resume: also load a checkpoint that has no manifest.json (its "
+                                                    "bytes unverified); otherwise such a checkpoint counts as damaged "
+                                                    "and the newest intact one is used")
     checkpoint_every: int = cfg_field(0, ge=0, help="iterations between checkpoints (0 = only at the end)")
     log_with: list[str] = cfg_field(default_factory=list, help="trackers beside metrics.jsonl (accelerate's): "
                                                                "tensorboard (RUN_DIR/tensorboard), wandb (if installed)")
