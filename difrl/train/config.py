@@ -154,6 +154,15 @@ class TrainerConfig:
 TRACKERS = ("tensorboard", "wandb")
 
 
+def set_keys(section, names) -> list[str]:
+    """The keys among `names` whose value in the config section differs from the section class's default: the
+    ones a user set. validate() uses it to refuse a key that this configuration would silently ignore (a key
+    left at, or set to, its default changes nothing, and a saved config.yaml, which lists every key, still
+    loads)."""
+    default = type(section)()
+    return [n for n in names if getattr(section, n) != getattr(default, n)]
+
+
 # ---------------------------------------------------------------------------------- the flow trainer
 
 
@@ -394,6 +403,15 @@ class FlowConfig(TrainerConfig):
         if self.train.objective == "nft" and (self.train.ratio_norm or self.train.step_weight != "none"):
             raise config_error("train.objective", "GRPO-Guard options (train.ratio_norm, train.step_weight) act on "
                                                   "log-prob ratios; DiffusionNFT has none")
+        for key in set_keys(t, ("kl_beta", "clip_low", "clip_high", "kl_form")) if t.objective == "nft" else ():
+            raise config_error(f"train.{key}", f"= {getattr(t, key)!r} would be ignored: train.objective=nft has no "
+                                               "log-prob ratio to clip and no per-step Gaussian KL (DiffusionNFT's "
+                                               "pull to the reference is nft.ref_beta); remove the key or set it to "
+                                               f"its default {getattr(type(t)(), key)!r}")
+        if r.kind == "tree" and r.chunks != 1:
+            raise config_error("rollout.chunks", f"= {r.chunks} would be ignored: a tree rollout samples each "
+                                                 "process's trees in one pass (chunks apply to flat and solrl "
+                                                 "rollouts); set rollout.chunks=1")
         mc = self.model
         if mc.kind in ADAPTERS:  # a diffusers pipeline directory (the bundled worlds bring their own model and prompts)
             if mc.path is None:
