@@ -5,7 +5,7 @@
     train = train_function(cfg)                                             # difrl.train.flow.train or .masked
 
 One base (``TrainerConfig``) holds what every trainer has, defined once: the run keys (seed,
-threads, out, resume, checkpoint_every) and the sections ``reward``, ``advantage``, ``train``
+threads, out, resume, resume_unverified, checkpoint_every) and the sections ``reward``, ``advantage``, ``train``
 (common keys; ``FlowTrainConfig`` / ``MaskedTrainConfig`` add their own), ``eval`` and ``model``
 (``kind``, ``path``). A trainer's config sets its own defaults through the section's default
 instance (``MaskedConfig.train`` starts from lr 1e-4, clip 0.2, LoRA off). The trainer is chosen
