@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = ("README.md", "BENCHMARKS.md", "RELIABILITY.md")
 WHOLE_FILE_BLOCKS = {"RELIABILITY.md": "reliability"}  # written whole by one script
 COMMAND_WORDS = ("python ", "python3 ", "difrl ", "make ", "torchrun ", "accelerate launch ", "pytest ",
-                 ".venv/bin/python ", "HF_HUB_OFFLINE=1 ")
+                 ".venv/bin/python ", "HF_HUB_OFFLINE=1 ", "/usr/bin/time ")
 MARKER = re.compile(r"^<!--\s*([\w.-]+):(start|begin|end)\s*-->\s*$")
 HEADING = re.compile(r"^#{1,6} ")
 # a number: optional sign, digits with optional thousands commas, optional decimals, optional exponent
