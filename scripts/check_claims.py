@@ -206,7 +206,9 @@ def json_numbers(path: Path) -> list[float]:
             if math.isfinite(v):
                 out.append(float(v))
         elif isinstance(v, dict):
-            for x in v.values():
+            for k, x in v.items():  # a numeric key is a figure too ({"50": eval row} of iteration 50)
+                if isinstance(k, str) and re.fullmatch(r"-?\d+(\.\d+)?", k):
+                    out.append(float(k))
                 walk(x)
         elif isinstance(v, (list, tuple)):
             for x in v:
