@@ -393,8 +393,9 @@ def main_digit_tokens(args, argv) -> list[dict]:
         model_path, info = train_model(out, args.train_seed, args.iterations or (20 if q else None), args.reuse,
                                        "digit_tokens.yaml")
         ev0, ev1 = info["eval_before"], info["eval_after"]
+        shown = out.resolve().relative_to(ROOT) if out.resolve().is_relative_to(ROOT) else out  # no machine paths
         model = (f"`difrl train configs/digit_tokens.yaml` (seed {args.train_seed}, {info['iterations']} iterations, one "
-                 f"thread) trained here into `{out}`: accuracy {ev0['accuracy']:.3f} -> {ev1['accuracy']:.3f}, "
+                 f"thread) trained here into `{shown}`: accuracy {ev0['accuracy']:.3f} -> {ev1['accuracy']:.3f}, "
                  f"FD {ev0['fd']:.1f} -> {ev1['fd']:.1f}" + (" (reused)" if info["reused"] else ""))
     torch.set_num_threads(args.threads)
     policy = digit_tokens.load_base(model_path)
@@ -402,8 +403,11 @@ def main_digit_tokens(args, argv) -> list[dict]:
                       args.gammas or ([1.0, 10.0] if q else [0.1, 1.0, 3.0, 10.0, 30.0]), 5 if q else 50, 1.0)
     for r in rows:
         r["model"] = str(model_path)
+    lines = digit_table(rows, model)
+    if not args.model:  # the model line's figures, so that the JSON holds every number of the block
+        rows.append({"section": "model", "iterations": info["iterations"], "eval_before": ev0, "eval_after": ev1})
     publish(args, DIGIT_BEGIN, DIGIT_END, "EB-Sampler vs one token per step (digit tokens, masked GRPO policy)",
-            "bench_eb.py", argv, digit_table(rows, model), rows)
+            "bench_eb.py", argv, lines, rows)
     return rows
 
 

@@ -167,9 +167,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="run only these estimator methods (e.g. coupled-GRPO), to split a part over processes; "
                          "the table then has only them (assemble all with --reuse)")
     ap.add_argument("--only-finished", action="store_true",
-                    help="train nothing: tabulate the finished runs only (each row says how many seeds it has)")
+                    help="train nothing: tabulate the finished runs only (each row says how many seeds it has); a "
+                         "partial table, so it never writes BENCHMARKS.md (implies --no-write)")
     ap.add_argument("--reuse", action="store_true", help="skip runs whose run directory holds a finished run of the same config")
     args = ap.parse_args(argv)
+    args.no_write |= args.only_finished  # only a run that trains what is missing may publish its table
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = [p for p in parts if p not in (*WORLDS, "erils")]
     if unknown:

@@ -79,6 +79,23 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
     return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
+def summary_row(kind: str, one: list[dict], two: dict | None) -> dict:
+    """Every figure the table and the verdict derive from a family's runs, as a row of the JSON (so that
+    scripts/check_claims.py finds each printed number in benchmarks/results/bench_models.json)."""
+    deltas = [r["delta"] for r in one]
+    d, sd = _mean_std(deltas)
+    a, sa = _mean_std([r["after"] for r in one])
+    noise, lowest = max(r["noise"] for r in one), min(deltas)
+    row = {"kind": kind, "summary": True, "seeds": len(one), "after_mean": a, "after_std": sa, "delta_mean": d,
+           "delta_std": sd, "noise_max": noise, "delta_min": lowest, "delta_min_over_noise": round(lowest / noise),
+           "s_per_iter_mean": _mean_std([r["s_per_iter"] for r in one])[0],
+           "peak_rss_mib_max": max(r["peak_rss_mib"] for r in one)}
+    if two is not None:
+        ref = next(r for r in one if r["seed"] == two["seed"])
+        row.update({"two_process_gap": abs(two["after"] - ref["after"]), "two_process_spread": max(sd, noise)})
+    return row
+
+
 def verdict(kind: str, one: list[dict], two: dict | None) -> str:
     """One sentence per family, every number from the rows."""
     deltas = [r["delta"] for r in one]
@@ -162,6 +179,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
               "by the random VAE decoder (difrl/models/tiny.py, difrl/models/wan.py say by how much). CPU only; "
               "two processes share the machine's cores (gloo), so their seconds are not a speed-up measurement. "
               "Never run on a GPU."]
+    rows += [summary_row(k, one(k), two(k)) for k in args.kinds]
     publish(args, BEGIN, END, "Real-model path: tiny FLUX / SD3 / Wan pipelines learn", "bench_models.py", argv, lines, rows)
     return rows
 

@@ -47,7 +47,9 @@ from difrl.worlds import build_world  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- bench_solrl:start -->", "<!-- bench_solrl:end -->"
-NFT = ["train.objective=nft", "nft.ref_beta=0.1"]
+# digits.yaml's GRPO KL and clip keys back at their defaults: under train.objective=nft they would be ignored, and
+# the config refuses an ignored key
+NFT = ["train.objective=nft", "nft.ref_beta=0.1", "train.kl_beta=0", "train.clip_low=1e-4", "train.clip_high=1e-4"]
 METHODS = {
     "plain GRPO": ("digits.yaml", []),
     "DiffusionNFT": ("digits.yaml", NFT),

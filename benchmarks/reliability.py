@@ -15,9 +15,10 @@ evaluation after iteration 2 and a checkpoint after every iteration (RUN below).
     (`resume=DIR`; started again when it died before its first checkpoint) and its metrics, evaluations
     and final weights (checkpoint, EMA, policy.safetensors) compared bit for bit with an uninterrupted run.
 (b) damaged checkpoints: the newest checkpoint of a finished run is truncated, has random bytes of one
-    file's tensor data flipped, loses a file, or gets a garbage state.json; `load_latest_checkpoint`
-    must report it (naming the checkpoint and file) and return the previous one; one resume per kind
-    is run to the end and compared bit for bit with the uninterrupted run.
+    file's tensor data flipped, loses a file, gets a garbage state.json, or loses its manifest.json (so
+    nothing can verify it: damaged unless resume_unverified=true); `load_latest_checkpoint` must report
+    it (naming the checkpoint and file) and return the previous one; one resume per kind is run to the
+    end and compared bit for bit with the uninterrupted run.
 (c) reward faults: a reward (`fault` below) that raises, returns NaN, inf, the wrong length, the
     wrong key, not scores, or hangs (reward.timeout=3), from its second call on, under both
     reward.on_error policies, and, in 2 processes (torchrun, gloo), raises or hangs on process 1 only.
@@ -335,6 +336,9 @@ def damage(ckpt: Path, kind: str, rng: random.Random) -> str:
         name = rng.choice(files)
         (ckpt / name).unlink()
         return f"{name}: deleted"
+    if kind == "deleted manifest":
+        (ckpt / "manifest.json").unlink()
+        return "manifest.json: deleted"
     if kind == "garbage state":
         garbage = rng.choice(['{"iteration": 4', "", "null", '{"iteration": 2}', "\x00" * 32, '{"iteration": "4"}'])
         (ckpt / "state.json").write_text(garbage)
@@ -342,7 +346,7 @@ def damage(ckpt: Path, kind: str, rng: random.Random) -> str:
     raise ValueError(kind)
 
 
-DAMAGES = ("truncated", "flipped bytes", "deleted file", "garbage state")
+DAMAGES = ("truncated", "flipped bytes", "deleted file", "garbage state", "deleted manifest")
 
 
 def damage_campaign(work: Path, ref: Path, ref_print: dict, trials: int, seed: int) -> list[dict]:
@@ -567,27 +571,37 @@ def mib(b: float) -> str:
     return f"{b / 2**20:.1f} MiB" if abs(b) >= 2**20 else f"{b / 1024:.1f} KiB"
 
 
-def render(rows: list[dict], args, elapsed: float) -> list[str]:
+def render(rows: list[dict], args, elapsed: float | None = None) -> list[str]:
+    """RELIABILITY.md from the campaign's rows. Every number is computed from `rows` (the --json file); the
+    sentences around them are fixed text of this function, as the file's preamble says. `elapsed` (seconds)
+    is recorded as a "campaign" row when given."""
     sys.path.insert(0, str(HERE))
     from common import command_line, stamp
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    lines = ["# Reliability", "", "Written by `benchmarks/reliability.py` (a full run; `--quick` never writes this file). "
-             "Every figure below is counted from that run's rows.", "", *stamp(command_line("reliability.py", args.argv)),
-             f"Commit: {commit}{' with uncommitted changes' if dirty else ''}; campaign wall time {elapsed / 60:.1f} min "
-             "(a shared 2-core CPU: timings are inflated by other work). No GPU was used.", ""]
+    if elapsed is not None and not any(r["part"] == "campaign" for r in rows):
+        rows.append({"part": "campaign", "wall_minutes": round(elapsed / 60, 1)})
+    camp = next((r for r in rows if r["part"] == "campaign"), None)
+    lines = ["# Reliability", "", *stamp(command_line("reliability.py", args.argv)), "",
+             "Written whole by `benchmarks/reliability.py` (a full run; `--quick` never writes this file). Computed: "
+             "every number, count and table row below, from the run's rows (the --json file). Fixed text: the "
+             "sentences that describe each part (what was killed, damaged, faulted or mutated, and how it is judged) "
+             "and the closing remark of the memory part. No GPU was used"
+             + (f"; campaign wall time {camp['wall_minutes']} min on a shared CPU (timings are inflated by other work)."
+                if camp else "."), ""]
     kills = [r for r in rows if r["part"] == "kill"]
     if kills:
-        same = sum(r["bit_identical"] for r in kills)
+        resumed = [r for r in kills if r["resumed_from"] != "fresh start"]
+        fresh = [r for r in kills if r["resumed_from"] == "fresh start"]
         lines += ["## kill -9 and resume", "",
                   f"`configs/digits.yaml` with `{' '.join(RUN)}`, killed (SIGKILL) at {len(kills)} random points, then "
-                  f"resumed with `resume=DIR` (or started again when no checkpoint existed yet). Compared with an "
-                  f"uninterrupted run: metric rows (timings left out), evaluations, the final checkpoint's weights and "
-                  f"EMA, policy.safetensors. **{pct(same, len(kills))} resumed runs bit-identical**; "
-                  f"{sum(r['killed'] for r in kills)} of the {len(kills)} children died by the signal. A point is the "
-                  "k-th call of its phase in the run (of the calls the uninterrupted run made); checkpoint points are "
-                  "file writes of save_checkpoint, killed right before that write.", "",
+                  f"resumed with `resume=DIR`, or started again when it died before its first checkpoint (a fresh "
+                  f"start, not a resume). Compared with an uninterrupted run: metric rows (timings left out), "
+                  f"evaluations, the final checkpoint's weights and EMA, policy.safetensors. "
+                  f"**{pct(sum(r['bit_identical'] for r in resumed), len(resumed))} of the runs that resumed from a "
+                  f"checkpoint bit-identical**; {pct(sum(r['bit_identical'] for r in fresh), len(fresh))} of the "
+                  f"{len(fresh)} fresh starts too; {sum(r['killed'] for r in kills)} of the {len(kills)} children died "
+                  "by the signal. A point is the k-th call of its phase in the run (of the calls the uninterrupted run "
+                  "made); checkpoint points are file writes of save_checkpoint, killed right before that write.", "",
                   "| phase | points | calls killed at (of) | killed | bit-identical | resumed from |",
                   "|---|---:|---|---:|---:|---|"]
         for p in PHASES:
@@ -612,7 +626,10 @@ def render(rows: list[dict], args, elapsed: float) -> list[str]:
                   "| damage | trials | detected | previous used |", "|---|---:|---:|---:|"]
         for k in DAMAGES:
             sub = [r for r in dam if r["kind"] == k]
-            lines.append(f"| {k} | {len(sub)} | {sum(r['detected'] for r in sub)} | {sum(r['fell_back'] for r in sub)} |")
+            if sub:
+                lines.append(f"| {k} | {len(sub)} | {sum(r['detected'] for r in sub)} | {sum(r['fell_back'] for r in sub)} |")
+        missing = [k for k in DAMAGES if not any(r["kind"] == k for r in dam)]
+        lines += ["", f"Damage kinds of the campaign that this run did not try: {', '.join(missing)}."] if missing else []
         lines.append("")
     flt = [r for r in rows if r["part"] == "fault"]
     if flt:
@@ -682,9 +699,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from common import standard_args, write_json
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    standard_args(ap, "5 kill points, 4 damaged checkpoints, 4 reward faults, 30 configs, no memory run")
+    standard_args(ap, "5 kill points, 5 damaged checkpoints, 4 reward faults, 30 configs, no memory run")
     ap.add_argument("--kills", type=int, help="kill points (default 20; --quick 5)")
-    ap.add_argument("--damages", type=int, help="damaged checkpoints (default 40; --quick 4)")
+    ap.add_argument("--damages", type=int, help="damaged checkpoints (default 40; --quick 5: one per kind)")
     ap.add_argument("--configs", type=int, help="generated bad configs (default 200; --quick 30)")
     ap.add_argument("--cli-configs", type=int, help="of those, through `difrl train` (default 10; --quick 2)")
     ap.add_argument("--seed", type=int, default=0)
@@ -693,7 +710,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]
     parts = set(args.parts.split(","))
-    for name, full, quick in (("kills", 20, 5), ("damages", 40, 4), ("configs", 200, 30), ("cli_configs", 10, 2)):
+    for name, full, quick in (("kills", 20, 5), ("damages", 40, 5), ("configs", 200, 30), ("cli_configs", 10, 2)):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     t0 = time.perf_counter()
@@ -716,7 +733,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows += config_campaign(args.configs, args.cli_configs, work, args.seed)
         if "memory" in parts and not args.quick:
             rows.append(memory_run(work, 1))
-    lines = render(rows, args, time.perf_counter() - t0)
+    lines = render(rows, args, time.perf_counter() - t0)  # adds the "campaign" row (wall time)
     print("\n".join(lines))
     write_json(args.json, rows)
     if not args.no_write:

@@ -65,7 +65,12 @@ def main(argv: list[str] | None = None) -> None:
                        *lines, "", "; ".join(notes) + ".", END])
     print(table)
     if args.json:
-        args.json.write_text(json.dumps({n: {str(i): e for i, e in r.items()} for n, r in results.items()}, indent=1))
+        # per run: its evaluations by iteration, and the derived figures the closing line prints
+        derived = {n: {"best_fd": b["fd"], "final_fd": r[args.iterations]["fd"],
+                       "final_over_best": round(r[args.iterations]["fd"] / b["fd"], 1)}
+                   for (n, r), b in zip(results.items(), best.values())}
+        args.json.write_text(json.dumps({**{n: {str(i): e for i, e in r.items()} for n, r in results.items()},
+                                         "derived": derived}, indent=1))
     if not args.no_write:
         readme = ROOT / "README.md"
         text = readme.read_text()

@@ -40,11 +40,12 @@ DAMAGE = {
     "garbage state.json": lambda d: (d / "state.json").write_text('{"iteration": "x"'),
     "garbage manifest.json": lambda d: (d / "manifest.json").write_text("[1, 2"),
     "foreign file added": lambda d: (d / "evil.safetensors").write_bytes(b"\0" * 16),
+    "deleted manifest.json": lambda d: (d / "manifest.json").unlink(),  # unverifiable: damaged unless allowed
 }
 NAMED = {"flip rng.safetensors data": "rng.safetensors", "flip trainable.safetensors data": "trainable.safetensors",
          "truncate optimizer.pt": "optimizer.pt", "delete ema.safetensors": "ema.safetensors",
          "garbage state.json": "state.json", "garbage manifest.json": "manifest.json",
-         "foreign file added": "evil.safetensors"}
+         "foreign file added": "evil.safetensors", "deleted manifest.json": "manifest.json"}
 
 
 def tiny_training(run_dir: Path, iterations: int, keep: int = 2):
@@ -151,19 +152,46 @@ def test_latest_pointer_damaged_or_dangling(tmp_path):
         load_latest_checkpoint(tmp_path, log=said.append)
 
 
-def test_checkpoint_without_manifest_loads_with_a_warning(tmp_path):
-    # written before manifests existed: not verified, but a file that does not parse still falls back
+def test_checkpoint_without_manifest_is_damaged_unless_the_user_allows_it(tmp_path):
+    # a deleted manifest and one never written look the same: by default neither loads unchecked
     tiny_training(tmp_path, 2)
     root = tmp_path / "checkpoints"
     for it in (1, 2):
         (root / f"iter-{it:06d}" / "manifest.json").unlink()
     said = []
-    assert load_latest_checkpoint(tmp_path, log=said.append).iteration == 2
-    assert "no manifest.json" in said[0]
+    with pytest.raises(CheckpointError, match=r"every checkpoint .* is damaged.*iter-000002.*manifest.json is missing"
+                                              r".*resume_unverified=true"):
+        load_latest_checkpoint(tmp_path, log=said.append)
+    assert "iter-000002" in said[0] and "manifest.json is missing" in said[0]
+    # the explicit flag: the newest loads with a warning, and a file that does not parse still falls back
+    said.clear()
+    assert load_latest_checkpoint(tmp_path, log=said.append, allow_unverified=True).iteration == 2
+    assert "no manifest.json" in said[0] and "resume_unverified=true" in said[0]
     (root / "iter-000002" / "optimizer.pt").write_bytes(b"garbage")
     said.clear()
-    assert load_latest_checkpoint(tmp_path, log=said.append).iteration == 1
+    assert load_latest_checkpoint(tmp_path, log=said.append, allow_unverified=True).iteration == 1
     assert "optimizer.pt" in said[0] and "iter-000002" in said[0]
+
+
+def test_resume_unverified_is_the_config_key_a_trainer_passes(tmp_path, capsys):
+    # Run.open (every trainer's resume) falls back past a manifest-less checkpoint unless resume_unverified=true
+    from difrl.train.config import load_flow_config
+    from difrl.train.scaffold import Run
+
+    tiny_training(tmp_path, 2)
+    (tmp_path / "checkpoints" / "iter-000002" / "manifest.json").unlink()
+
+    def resume(*overrides):
+        torch.manual_seed(1)
+        net = torch.nn.Linear(4, 3)
+        opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+        return Run.open(load_flow_config(None, [f"resume={tmp_path}", *overrides]), tmp_path, net, opt,
+                        EMA(dict(net.named_parameters()), 0.5)).start
+
+    assert resume() == 1
+    assert "manifest.json is missing" in capsys.readouterr().out
+    assert resume("resume_unverified=true") == 2
+    assert "no manifest.json and resume_unverified=true" in capsys.readouterr().out
 
 
 def test_no_checkpoints_is_none(tmp_path):

@@ -280,3 +280,31 @@ def test_reliability_quick_rows(tmp_path):
     assert len(config) == 20 and all(r["outcome"] == "ConfigError" and r["names_key"] for r in config), config
     cli = [r["cli"] for r in config if "cli" in r]
     assert len(cli) == 1 and cli[0]["rc"] == 2 and cli[0]["names_key"] and not cli[0]["traceback"]
+
+
+def test_every_damage_of_the_campaign_is_detected_and_falls_back(tmp_path):
+    # the campaign's damage kinds, applied to a tiny run's newest checkpoint, with the campaign's own detection
+    # criterion (a message naming the checkpoint and the file touched); "deleted manifest" loaded unchecked before
+    import random
+
+    from difrl.train.state import EMA, load_latest_checkpoint, save_checkpoint
+
+    bench = _load_bench()
+    assert "deleted manifest" in bench.DAMAGES
+    for i, kind in enumerate(bench.DAMAGES):
+        run_dir = tmp_path / f"run{i}"
+        torch.manual_seed(0)
+        net = torch.nn.Linear(4, 3)
+        opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+        ema = EMA(dict(net.named_parameters()), 0.5)
+        for it in (1, 2):
+            net(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            ema.update()
+            save_checkpoint(run_dir, it, net, opt, ema, {})
+        newest = run_dir / "checkpoints" / "iter-000002"
+        what = bench.damage(newest, kind, random.Random(i))
+        said = []
+        ckpt = load_latest_checkpoint(run_dir, log=said.append)
+        assert ckpt.path.name == "iter-000001", (kind, what, said)
+        assert any("iter-000002" in s and what.split(":")[0] in s for s in said), (kind, what, said)

@@ -311,6 +311,9 @@ def test_broken_rewards_stop_even_under_drop_group(tmp_path, registered):
         with pytest.raises(RewardError, match=message):
             train(cfg, out_dir=tmp_path / kind)
         assert (tmp_path / kind / "checkpoints" / "iter-000000").is_dir(), kind
+        # the checkpoint is of the iteration before the failing one: a resume redoes it, so it holds none of its counts
+        state = json.loads((tmp_path / kind / "checkpoints" / "iter-000000" / "state.json").read_text())
+        assert (state["reward_failed"], state["reward_scored"]) == (0, 0), (kind, state)
 
 
 @pytest.mark.slow  # end to end, several seconds: left out by `make test-fast`

@@ -305,3 +305,41 @@ def test_masked_reward_weights_combine_and_default_to_the_worlds_reward(tmp_path
     assert ra == rb
     assert [r["policy_loss"] for r in rc] == [r["policy_loss"] for r in ra] and "reward/brightness" in rc[0]
     assert all(r["reward/sudoku_cells/solved"] <= r["reward/sudoku_cells"] for r in ra)
+
+
+def test_masked_reward_errors_name_prompt_ids_not_group_ids(tmp_path):
+    # iteration 0's groups are 0 and 1 (it * P + k // G); the failing samples' prompt id is the index of their
+    # puzzle's source solution grid (the world's prompt table), which the error must name
+    import re
+
+    from difrl.rewards import RewardError
+    from difrl.utils.rng import mix_seed
+
+    name = f"{__name__}:cells_nan_for_puzzle_0"
+    with pytest.raises(RewardError) as e:
+        run(tmp_path / "s", f"reward.weights={{'{name}': 1.0}}")
+    _, grids = sudoku.sample_training_puzzles(2, (4, 10), seed=mix_seed(3, 0, 1))  # TINY: seed 3, 2 puzzles
+    first = int((sudoku.solutions() == grids[0]).all(1).nonzero())
+    named = re.search(r"iteration 0: .*prompt ids \[([\d, ]*)\]", str(e.value))
+    assert named and [int(x) for x in named.group(1).split(",")] == [first], (first, str(e.value))
+    assert first not in (0, 1)  # the group ids the message named before
+
+
+def test_every_masked_world_gives_its_prompts_ids():
+    from difrl.worlds.masked import build_masked_world
+    from difrl.worlds.text_tasks import bundled_problems, load_problems
+
+    for kind in ("sudoku", "digit_tokens", "hf_masked"):
+        cfg = load_masked_config(None, [f"model.kind={kind}", "eval.count=4"])
+        batch = build_masked_world(cfg).prompts(3, 5).repeat(2)
+        assert batch.ids is not None and batch.ids.shape == (6,), kind
+        if kind == "sudoku":
+            grids = sudoku.solutions()[batch.ids]  # the puzzle's givens are its source grid's digits
+            assert all(((p == 0) | (p == g)).all() for p, g in zip((m["puzzle"] for m in batch.metadata), grids))
+        elif kind == "digit_tokens":
+            assert batch.ids.tolist() == [m["digit"] for m in batch.metadata]
+        else:
+            train = load_problems(bundled_problems(cfg.model.task, "train"), cfg.model.task)
+            assert [train[i]["question"] for i in batch.ids.tolist()] == [m["question"] for m in batch.metadata]
+        sub = batch.select(torch.tensor([5, 0]))
+        assert sub.ids.tolist() == [int(batch.ids[5]), int(batch.ids[0])]

@@ -101,7 +101,7 @@ def test_first_micro_step_ratio_is_one_on_video_latents():
     ("rollout.precision=fp8", "correct.method=token_tis"),
     ("rollout.kind=solrl", "rollout.precision=nvfp4", "solrl.candidates=8", "solrl.preview_steps=2"),
     ("rollout.kind=solrl", "rollout.precision=nvfp4", "solrl.candidates=8", "solrl.preview_steps=2",
-     "train.objective=nft"),
+     "train.objective=nft", "train.clip_low=1e-4", "train.clip_high=1e-4"),
 ], ids=["flow_grpo", "branchgrpo", "grpo_guard", "fp8_copy_tis", "solrl_grpo", "solrl_nft"])
 def test_every_method_runs_on_the_video_world(tmp_path, overrides):
     _, d = run(tmp_path / "r", *overrides)

@@ -1,6 +1,6 @@
 """HPSv2 / HPSv2.1 (Human Preference Score, Wu et al. 2023) on open_clip, from a local checkpoint file.
 
-    fn = build_reward("hpsv2", checkpoint="/ckpt/HPS_v2.1_compressed.pt", variant="v2.1")      # ViT-H-14
+    fn = build_reward("hpsv2", checkpoint="/ckpt/HPS_v2.1_compressed.pt")                     # ViT-H-14
     fn = build_reward("hpsv2", checkpoint=ckpt, model_config="/cfg/my-tiny-clip.json")          # other architecture
     fn(images [B, 3, H, W] in [0, 1], prompts, metadata)["hpsv2"]                               # [B], ~0.2-0.35
 
@@ -16,7 +16,9 @@ image size (224), zero padding to a square, OpenAI mean/std; done on tensors wit
 `hpsv2.score`. The score is the cosine of the normalised image and text features, as HPSv2's `img_score.py`
 (no logit scale). Options: `checkpoint` (required), `architecture` (default "ViT-H-14", or the stem of
 `model_config`), `model_config` (an open_clip model-config JSON, registered with `open_clip.add_model_config`),
-`variant` ("v2" | "v2.1" | None: only names `version`), `device`, `dtype`, `batch_size`, `text_cache_size`.
+`device`, `dtype`, `batch_size`, `text_cache_size`. HPSv2 and HPSv2.1 differ only in their weights (same
+architecture, preprocessing and score), so the checkpoint file is the choice between them; the former `variant`
+option changed nothing but a label and is refused with that explanation.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from difrl.rewards.base import RewardConfigError, RewardModel, load_state_dict_f
 from difrl.rewards.vision import OPENAI_MEAN, OPENAI_STD, TextEmbeddingCache, normalize, resize_longest_pad_square
 
 NAME = "hpsv2"
-VARIANTS = (None, "v2", "v2.1")
 
 
 def _register_config(open_clip, path, architecture: str | None) -> str:
@@ -94,8 +95,10 @@ class HPSv2(RewardModel):
                  variant: str | None = None, device="cpu", dtype="float32", batch_size=32,
                  text_cache_size: int = 4096):
         super().__init__(device=device, dtype=dtype, batch_size=batch_size)
-        if variant not in VARIANTS:
-            raise RewardConfigError(f"reward {NAME!r}: variant must be one of {VARIANTS}, got {variant!r}")
+        if variant is not None:  # named here so that the refusal can say why (it only ever set `version`)
+            raise RewardConfigError(f"reward {NAME!r}: variant={variant!r} would change nothing but a label: HPSv2 and "
+                                    "v2.1 differ only in their weights, so the checkpoint file decides which one "
+                                    f"scores; remove reward.options.{NAME}.variant")
         ckpt = local_file(checkpoint, "the HPS checkpoint (e.g. HPS_v2.1_compressed.pt)", "checkpoint", NAME)
         open_clip = optional_import("open_clip", "rewards", NAME)
         sd = load_hps_state_dict(ckpt)  # before building the model: a bad file fails in milliseconds, not after a ViT-H init
@@ -140,7 +143,7 @@ class HPSv2(RewardModel):
         self.fill = float(pp.get("fill_color", 0)) / 255.0
         self.text_cache = TextEmbeddingCache(self.encode_text, max_size=max(int(text_cache_size), 1),
                                              enabled=int(text_cache_size) > 0)
-        self.version = {None: "hps-cos", "v2": "hpsv2-cos", "v2.1": "hpsv2.1-cos"}[variant]
+        self.version = "hps-cos"
         self.weight_files = cfg_file + [ckpt]
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:

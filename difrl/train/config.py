@@ -5,7 +5,7 @@
     train = train_function(cfg)                                             # difrl.train.flow.train or .masked
 
 One base (``TrainerConfig``) holds what every trainer has, defined once: the run keys (seed,
-threads, out, resume, checkpoint_every) and the sections ``reward``, ``advantage``, ``train``
+threads, out, resume, resume_unverified, checkpoint_every) and the sections ``reward``, ``advantage``, ``train``
 (common keys; ``FlowTrainConfig`` / ``MaskedTrainConfig`` add their own), ``eval`` and ``model``
 (``kind``, ``path``). A trainer's config sets its own defaults through the section's default
 instance (``MaskedConfig.train`` starts from lr 1e-4, clip 0.2, LoRA off). The trainer is chosen
@@ -134,6 +134,9 @@ class TrainerConfig:
     threads: int | None = cfg_field(None, ge=1, help="torch threads; None = the cores this process may use")
     out: str | None = cfg_field(None, help="run directory (also --out)")
     resume: str | None = cfg_field(None, help="a run directory to continue")
+    resume_unverified: bool = cfg_field(False, help="resume: also load a checkpoint that has no manifest.json (its "
+                                                    "bytes unverified); otherwise such a checkpoint counts as damaged "
+                                                    "and the newest intact one is used")
     checkpoint_every: int = cfg_field(0, ge=0, help="iterations between checkpoints (0 = only at the end)")
     log_with: list[str] = cfg_field(default_factory=list, help="trackers beside metrics.jsonl (accelerate's): "
                                                                "tensorboard (RUN_DIR/tensorboard), wandb (if installed)")
@@ -150,6 +153,15 @@ class TrainerConfig:
 
 
 TRACKERS = ("tensorboard", "wandb")
+
+
+def set_keys(section, names) -> list[str]:
+    """The keys among `names` whose value in the config section differs from the section class's default: the
+    ones a user set. validate() uses it to refuse a key that this configuration would silently ignore (a key
+    left at, or set to, its default changes nothing, and a saved config.yaml, which lists every key, still
+    loads)."""
+    default = type(section)()
+    return [n for n in names if getattr(section, n) != getattr(default, n)]
 
 
 # ---------------------------------------------------------------------------------- the flow trainer
@@ -397,6 +409,15 @@ class FlowConfig(TrainerConfig):
         if self.train.objective == "nft" and (self.train.ratio_norm or self.train.step_weight != "none"):
             raise config_error("train.objective", "GRPO-Guard options (train.ratio_norm, train.step_weight) act on "
                                                   "log-prob ratios; DiffusionNFT has none")
+        for key in set_keys(t, ("kl_beta", "clip_low", "clip_high", "kl_form")) if t.objective == "nft" else ():
+            raise config_error(f"train.{key}", f"= {getattr(t, key)!r} would be ignored: train.objective=nft has no "
+                                               "log-prob ratio to clip and no per-step Gaussian KL (DiffusionNFT's "
+                                               "pull to the reference is nft.ref_beta); remove the key or set it to "
+                                               f"its default {getattr(type(t)(), key)!r}")
+        if r.kind == "tree" and r.chunks != 1:
+            raise config_error("rollout.chunks", f"= {r.chunks} would be ignored: a tree rollout samples each "
+                                                 "process's trees in one pass (chunks apply to flat and solrl "
+                                                 "rollouts); set rollout.chunks=1")
         mc = self.model
         if mc.kind in ADAPTERS:  # a diffusers pipeline directory (the bundled worlds bring their own model and prompts)
             if mc.path is None:

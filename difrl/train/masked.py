@@ -137,8 +137,10 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
         t_reward = time.perf_counter()
 
         # ==================================================================== reward
+        # a failure names the prompts' own ids (the world's prompt table), not the iteration's group ids
+        prompt_ids = batch.ids if batch.ids is not None else torch.full((N,), -1)
         scores, bad = score_rewards(lambda: score_all(rewards, world.decode(tokens), batch.texts, batch.metadata, seeds,
-                                                      group_ids), N, cfg.reward.on_error, lambda: run.checkpoint(it),
+                                                      prompt_ids), N, cfg.reward.on_error, lambda: run.checkpoint(it),
                                     f"iteration {it}", run_dir)
         t_adv = time.perf_counter()
 

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 from difrl.config import cfg_field, config_error, load_config
 from difrl.train.config import (AdvantageConfig, CorrectConfig, EvalConfig, LoraConfig, ModelConfig, TrainConfig,
-                                TrainerConfig)
+                                TrainerConfig, set_keys)
 from difrl.worlds.masked import MASKED_KINDS
 
 
@@ -159,6 +159,15 @@ class MaskedConfig(TrainerConfig):
                                                      f"group of rollout.group_size={self.rollout.group_size}")
         if ext.source == "solver" and self.model.kind != "sudoku":
             raise config_error("external.source", f"the solver source exists for model.kind=sudoku only, not {self.model.kind!r}")
+        if self.reward.overlap:
+            raise config_error("reward.overlap", "= true would be ignored: the masked trainer scores each iteration's "
+                                                 "samples in one call after sampling, so there is nothing to overlap")
+        if self.model.kind != "hf_masked":
+            ignored = ([f"model.{k}" for k in set_keys(self.model, HF_MASKED_MODEL_KEYS)]
+                       + [f"eval.{k}" for k in set_keys(self.eval, HF_MASKED_EVAL_KEYS)])
+            for key in ignored:
+                raise config_error(key, f"is a key of model.kind=hf_masked (a transformers text model) and would be "
+                                        f"ignored by model.kind={self.model.kind}; remove it")
         bl, gl = self.sampler.block_length, self.model.gen_length
         if self.model.kind == "hf_masked" and bl is not None and gl % bl:
             raise config_error("sampler.block_length", f"{bl} does not divide model.gen_length={gl} (LLaDA's blocks tile "
@@ -166,6 +175,12 @@ class MaskedConfig(TrainerConfig):
         if self.model.kind == "hf_masked" and self.sampler.kind == "llada" and self.sampler.steps % (gl // (bl or gl)):
             raise config_error("sampler.steps", f"{self.sampler.steps} is not divisible by the number of blocks "
                                                 f"{gl // (bl or gl)} (model.gen_length / sampler.block_length)")
+
+
+# the keys only model.kind=hf_masked reads (difrl/worlds/text_tasks.py); set on another masked world they are an error
+HF_MASKED_MODEL_KEYS = ("task", "problems", "gen_length", "chat_template", "trust_remote_code", "dtype",
+                        "gradient_checkpointing", "mask_id")
+HF_MASKED_EVAL_KEYS = ("problems", "samples", "pass_k")
 
 
 def load_masked_config(path, overrides=()) -> MaskedConfig:

@@ -106,17 +106,19 @@ def track_reward_failures(state: dict, failed: int, total: int, max_frac: float,
                           run_dir: Path) -> float:
     """Count failed samples over the run (state survives resume) and stop the run when an iteration had no
     valid reward at all or the run's failed fraction exceeds `max_frac` (reward.max_failed_frac): dropping
-    groups is for a flaky reward, not a broken one. Returns the run's failed fraction so far."""
-    state["reward_failed"] += int(failed)
-    state["reward_scored"] += int(total)
-    frac = state["reward_failed"] / max(1, state["reward_scored"])
+    groups is for a flaky reward, not a broken one. Returns the run's failed fraction so far.
+
+    A stopping iteration's counts are not added to `state`: stop() saves a checkpoint of the iteration before
+    it, and the resumed run redoes (and counts) that iteration, so adding them first would count it twice."""
+    n_failed, n_scored = state["reward_failed"] + int(failed), state["reward_scored"] + int(total)
+    frac = n_failed / max(1, n_scored)
     if failed and (failed == total or frac > max_frac):
         stop()
         why = ("every sample's reward failed" if failed == total else
-               f"{state['reward_failed']} of {state['reward_scored']} samples ({frac:.1%}) failed so far, above "
-               f"reward.max_failed_frac={max_frac}")
+               f"{n_failed} of {n_scored} samples ({frac:.1%}) failed so far, above reward.max_failed_frac={max_frac}")
         raise RewardError(f"{where}: {why}; the run stopped after saving a checkpoint (resume={run_dir} once the "
                           "reward is fixed)", torch.ones(total, dtype=torch.bool))
+    state["reward_failed"], state["reward_scored"] = n_failed, n_scored
     return frac
 
 

@@ -219,7 +219,8 @@ class Run:
         checkpoint), write config.yaml, cut metrics.jsonl back to the checkpoint's iteration."""
         state = {"eval_before": None, "last_eval": None, "reward_failed": 0, "reward_scored": 0, **(state or {})}
         start, say = 0, print if accelerator is None else accelerator.print
-        ckpt = load_latest_checkpoint(run_dir, say) if cfg.resume else None  # newest intact (manifest-checked)
+        ckpt = (load_latest_checkpoint(run_dir, say, allow_unverified=cfg.resume_unverified) if cfg.resume
+                else None)  # newest intact (manifest-checked)
         if cfg.resume and ckpt is None:
             raise FileNotFoundError(f"resume={cfg.resume}: no checkpoint found in {run_dir / 'checkpoints'}")
         if ckpt is not None:

@@ -10,9 +10,12 @@ plain containers: it loads with ``weights_only=True``), ``rng.safetensors`` and 
 It is written under a temporary name, with ``manifest.json`` (size and SHA-256 of every file) written
 last, and renamed into place, then ``checkpoints/latest`` is rewritten atomically, so a run killed at
 any moment leaves the previous checkpoint intact. On resume every file is checked against the
-manifest; a damaged checkpoint (flipped bytes, a truncated, missing or foreign file, garbage state) is
-reported by name and the previous one is used (the newest two are kept), and when every checkpoint
-is damaged the run stops with an error instead of starting again from scratch.
+manifest; a damaged checkpoint (flipped bytes, a truncated, missing or foreign file, garbage state, a
+missing manifest) is reported by name and the previous one is used (the newest two are kept), and when
+every checkpoint is damaged the run stops with an error instead of starting again from scratch. A
+checkpoint without ``manifest.json`` cannot be told from one whose manifest was lost, so it counts as
+damaged unless the caller allows it (``allow_unverified=True``; the trainers' config key
+``resume_unverified=true``): then it loads with a warning, its files checked only as they parse.
 Everything random in a run is derived from (seed, iteration), so the saved RNG is a safeguard,
 not a requirement.
 """
@@ -98,12 +101,17 @@ def write_manifest(path: Path) -> None:
     atomic_write_json(path / MANIFEST, {"format": 1, "files": files})
 
 
-def verify_manifest(path: Path) -> bool:
+def verify_manifest(path: Path, allow_unverified: bool = False) -> bool:
     """Check every file of checkpoint `path` against its manifest: raises CheckpointError naming each missing,
-    resized, changed or unlisted file. Returns False for a checkpoint written before manifests existed (no
-    manifest.json: not verified; its files are still checked as they load)."""
+    resized, changed or unlisted file. No manifest.json (written before manifests existed, or the manifest was
+    deleted: the two look the same) is a CheckpointError too, unless `allow_unverified`: then this returns
+    False (not verified; its files are still checked as they load)."""
     if not (path / MANIFEST).exists():
-        return False
+        if allow_unverified:
+            return False
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is missing, so its bytes cannot be verified (deleted, "
+                              "or written before difrl wrote manifests); to load such a checkpoint unchecked pass "
+                              "resume_unverified=true")
     try:
         listed = json.loads((path / MANIFEST).read_text())["files"]
         listed = {str(k): (int(v["bytes"]), str(v["sha256"])) for k, v in listed.items()}
@@ -174,13 +182,13 @@ def _discard(path: Path, root: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def load_latest_checkpoint(run_dir: Path, log=print) -> Checkpoint | None:
+def load_latest_checkpoint(run_dir: Path, log=print, allow_unverified: bool = False) -> Checkpoint | None:
     """The newest intact checkpoint of the run, or None if it has none. Each is verified against its manifest
-    before it loads; a damaged one (a changed, truncated, missing or unlisted file, garbage state) is reported
-    through `log`, naming the checkpoint and the file, and the previous one is tried. When checkpoints exist
-    but none is intact this raises CheckpointError: a run never silently starts again from scratch.
-    Checkpoints written before manifests existed load with a warning (their files are checked only as they
-    parse)."""
+    before it loads; a damaged one (a changed, truncated, missing or unlisted file, garbage state, no
+    manifest.json) is reported through `log`, naming the checkpoint and the file, and the previous one is
+    tried. When checkpoints exist but none is intact this raises CheckpointError: a run never silently starts
+    again from scratch. `allow_unverified` (config key resume_unverified): a checkpoint without manifest.json
+    loads with a warning instead (its files are checked only as they parse)."""
     root = Path(run_dir) / "checkpoints"
     latest = root / "latest"
     candidates = checkpoint_dirs(root)
@@ -196,15 +204,15 @@ def load_latest_checkpoint(run_dir: Path, log=print) -> Checkpoint | None:
     damaged = []
     for path in candidates:
         try:
-            verified = verify_manifest(path)
+            verified = verify_manifest(path, allow_unverified)
             ckpt = _load_checkpoint(path)
         except CheckpointError as e:
             damaged.append(str(e))
             log(f"difrl: WARNING: {e}; trying the previous checkpoint")
             continue
         if not verified:
-            log(f"difrl: WARNING: checkpoint {path} has no {MANIFEST} (written before checksums existed): its "
-                "bytes are not verified, only that its files load")
+            log(f"difrl: WARNING: checkpoint {path} has no {MANIFEST} and resume_unverified=true: its bytes are "
+                "not verified, only that its files load")
         if damaged:
             log(f"difrl: WARNING: resuming from {path.name}, the newest intact checkpoint; the {len(damaged)} newer "
                 f"one(s) above are damaged and will be overwritten as the run redoes their iterations")

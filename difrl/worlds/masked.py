@@ -39,6 +39,9 @@ class MaskedPrompts:
     cond: dict  # "prompt_mask" [n, L] bool (+ "label" [n] long for label-conditioned worlds)
     texts: list[str]  # the prompt as text, what a reward reads (Sudoku: the puzzle; digit tokens: "a handwritten 3")
     metadata: list[dict]  # per-sample reward metadata (Sudoku: {"puzzle": [16]}; digit tokens: {"digit": d})
+    ids: torch.Tensor | None = None  # [n] long: each prompt's id in the world's prompt table, what a reward error
+    # names (Sudoku: the index of the puzzle's source solution grid; digit tokens: the digit; hf_masked: the line of
+    # the training problems); None: the prompts have no table (fixed evaluation sets)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -47,12 +50,14 @@ class MaskedPrompts:
         """Each prompt g times in a row: sample k belongs to group k // g."""
         rep = lambda t: t.repeat_interleave(g, dim=0)
         return MaskedPrompts(rep(self.tokens), {k: rep(v) for k, v in self.cond.items()},
-                             [t for t in self.texts for _ in range(g)], [m for m in self.metadata for _ in range(g)])
+                             [t for t in self.texts for _ in range(g)], [m for m in self.metadata for _ in range(g)],
+                             None if self.ids is None else rep(self.ids))
 
     def select(self, idx: torch.Tensor) -> "MaskedPrompts":
         rows = idx.tolist()
         return MaskedPrompts(self.tokens[idx], {k: v[idx] for k, v in self.cond.items()},
-                             [self.texts[i] for i in rows], [self.metadata[i] for i in rows])
+                             [self.texts[i] for i in rows], [self.metadata[i] for i in rows],
+                             None if self.ids is None else self.ids[idx])
 
     @property
     def prompt(self) -> torch.Tensor:
@@ -83,10 +88,11 @@ def _sudoku(cfg) -> MaskedWorld:
     from difrl.worlds import sudoku
 
     def prompts(n: int, seed: int) -> MaskedPrompts:
-        puzzles, _ = sudoku.sample_training_puzzles(n, tuple(cfg.rollout.num_blanks), seed=seed)
+        puzzles, grids = sudoku.sample_training_puzzles(n, tuple(cfg.rollout.num_blanks), seed=seed)
         tokens, prompt = sudoku.encode(puzzles)
+        ids = (grids[:, None, :] == sudoku.solutions()[None]).all(-1).int().argmax(1)  # [n] source grid's row
         return MaskedPrompts(tokens, {"prompt_mask": prompt}, [sudoku.puzzle_text(p) for p in puzzles],
-                             [{"puzzle": p} for p in puzzles])
+                             [{"puzzle": p} for p in puzzles], ids)
 
     def evaluate(policy) -> dict:
         return sudoku.evaluate_sudoku(policy, cfg.eval.num_blanks, cfg.eval.count, seed=cfg.eval.seed)[0]
@@ -106,7 +112,7 @@ def _digit_tokens(cfg) -> MaskedWorld:
         labels = dt.sample_training_labels(n, seed)
         tokens, cond = dt.start_tokens(labels)
         return MaskedPrompts(tokens, cond, [digit_prompt(d) for d in labels.tolist()],
-                             [{"digit": d} for d in labels.tolist()])
+                             [{"digit": d} for d in labels.tolist()], labels)
 
     def evaluate(policy) -> dict:
         return dt.evaluate_digit_tokens(policy, images_world, cfg.eval.per_digit, seed=cfg.eval.seed)[0]

@@ -183,12 +183,14 @@ class TextLayout:
     def __init__(self, policy, gen_length: int, width: int, chat: bool = True):
         self.policy, self.gen_length, self.width, self.chat = policy, int(gen_length), int(width), chat
 
-    def prompts(self, problems: list[dict], task: str):
+    def prompts(self, problems: list[dict], task: str, ids: torch.Tensor | None = None):
+        """MaskedPrompts of `problems`; `ids` [n]: their lines in the problem file (what a reward error names)."""
         from difrl.worlds.masked import MaskedPrompts
 
         tokens, cond = self.policy.encode([p["question"] for p in problems], self.gen_length, chat=self.chat,
                                           width=self.width)
-        return MaskedPrompts(tokens, cond, [p["question"] for p in problems], [dict(p, task=task) for p in problems])
+        return MaskedPrompts(tokens, cond, [p["question"] for p in problems], [dict(p, task=task) for p in problems],
+                             ids)
 
     def decode(self, tokens: torch.Tensor) -> list[str]:
         prompt = torch.zeros(tokens.shape, dtype=torch.bool)
@@ -260,7 +262,8 @@ def build_text_world(cfg):
 
     def prompts(n: int, seed: int):
         gen = torch.Generator().manual_seed(mix_seed(seed, 21))
-        return layout.prompts([train[i] for i in torch.randint(0, len(train), (n,), generator=gen).tolist()], m.task)
+        ids = torch.randint(0, len(train), (n,), generator=gen)
+        return layout.prompts([train[i] for i in ids.tolist()], m.task, ids)
 
     def evaluate(pol) -> dict:
         return evaluate_text(pol, layout, test, m.task, cfg.sampler.kind, cfg.sampler.sampler_kwargs(), n=cfg.eval.samples,
