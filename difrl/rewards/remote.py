@@ -62,7 +62,11 @@ class RemoteReward(RewardModel):
         self.client = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout, connect=connect_timeout))
         self.device, self.dtype = None, None  # samples are sent as they come; the server has its own device
 
-        info = self._request("GET", "/v1/info", what="start-up")
+        try:
+            info = self._request("GET", "/v1/info", what="start-up")
+        except RemoteRewardError as e:  # a config problem of this run (server down, wrong url or token): exit 2
+            raise RewardConfigError(f"reward 'remote': no reward server answers at start-up ({e}); start it with "
+                                    "`difrl reward-server --reward NAME --port PORT` or fix reward.options.<name>.url") from e
         served = info.get("rewards", {})
         if reward is None:
             if len(served) != 1:
