@@ -118,8 +118,8 @@ def test_eval_of_diffusers_runs_lora_and_full_fine_tune(flux_runs):
     for name in ("lora", "full"):
         run, _ = flux_runs[name]
         assert main(["eval", str(run)]) == 0
-        after, mine = _evals(run)[-2], _evals(run)[-1]
-        assert after["tag"] == "after" and mine["tag"] == "difrl-eval"
+        after, mine = next(e for e in _evals(run) if e["tag"] == "after"), _evals(run)[-1]
+        assert mine["tag"] == "difrl-eval"
         assert mine["policy"] == str(run / ("lora" if name == "lora" else "transformer"))
         assert mine["reward"] == after["reward"]
 
@@ -212,11 +212,16 @@ def test_eval_writes_null_not_nan(tmp_path, capsys):
     assert strict(capsys.readouterr().out)["diversity"] is None
 
 
-@pytest.mark.slow  # a one-iteration digits run in a fresh process (about 10 s)
-def test_digits_run_prints_no_third_party_warnings(tmp_path):
-    """`make demo`'s command, shortened: stderr holds difrl's progress bar only (no torch _pytree / torchao lines,
-    no loading bars), and the closing line names what was written."""
-    proc = _difrl("train", str(DIGITS), "train.iterations=1", "eval.per_digit=2", "--out", str(tmp_path / "run"))
+@pytest.mark.slow  # a one-iteration run in a fresh process (about 10 s)
+@pytest.mark.parametrize("world", ["digits", "text_lora"])
+def test_short_runs_print_no_third_party_warnings(tmp_path, world):
+    """`make demo`'s command, shortened, and a LoRA text dLLM run: stderr holds difrl's progress bar only (no torch
+    _pytree / torchao lines, no loading bars, no peft / transformers FutureWarning); the closing line names
+    what was written."""
+    run = tmp_path / "run"
+    args = ([str(DIGITS), "train.iterations=1", "eval.per_digit=2"] if world == "digits"
+            else [str(TEXT), *TEXT_RUN, "train.iterations=1", "train.lora.enabled=true"])
+    proc = _difrl("train", *args, "--out", str(run))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert _only_progress_bars(proc.stderr) == []
-    assert f"samples: {tmp_path / 'run' / 'samples'}" in proc.stdout
+    assert (f"samples: {run / 'samples'}" in proc.stdout) == (world == "digits")

@@ -3,8 +3,8 @@
     from difrl.utils.quiet import quiet_third_party
     quiet_third_party()   # first thing in a command (difrl.cli.main, difrl.train.entry.main): before heavy imports
 
-Each filter drops one known message of one named logger and nothing else; nothing here touches the
-`warnings` module, so every other warning still shows. What is dropped, and why:
+Each filter drops one known message of one named logger (or one warning category and message raised in one
+module) and nothing else, so every other warning still shows. What is dropped, and why:
 
 - torch's ``torch.utils._pytree`` "<enum 'KernelPreference'> is an Enum subclass ... deprecated": torchao
   (an optional dependency of transformers, which peft imports for LoRA) registers its enums at import time;
@@ -14,6 +14,8 @@ Each filter drops one known message of one named logger and nothing else; nothin
 - transformers' "Token indices sequence length is longer than the specified maximum sequence length" and the
   diffusers pipelines' "The following part of your input was truncated": the pipeline truncates long prompts
   as intended; difrl says so once in its own words (DiffusersFlowPolicy.encode).
+- transformers' FutureWarning "`is_gradient_checkpointing` is deprecated": peft's get_peft_model reads that
+  property of every transformers model it wraps (LoRA on a text dLLM); difrl never calls it.
 - Progress bars of weight loading and saving ("Loading weights", "Writing model shards"): transformers reads
   HF_HUB_DISABLE_PROGRESS_BARS when it is first imported; set here unless the user set it.
   diffusers' "Loading pipeline components" bar is turned off around the load (difrl.models.diffusers_base).
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 # logger name -> fragments of the messages dropped from it
 DROPPED = {
@@ -48,8 +51,11 @@ class DropMessages(logging.Filter):
 
 
 def quiet_third_party() -> None:
-    """Install the filters of DROPPED (once per logger) and turn off the hub libraries' progress bars."""
+    """Install the filters of DROPPED (once per logger) and the one warning filter, and turn off the hub
+    libraries' progress bars."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning,
+                            module="transformers.modeling_utils")
     for name, fragments in DROPPED.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, DropMessages) for f in logger.filters):
