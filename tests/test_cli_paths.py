@@ -177,7 +177,7 @@ def test_reward_server_down_at_start_is_one_line_and_exit_2(tmp_path, command, f
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr
-    assert lines[0].startswith(f"difrl {command}: error: reward 'remote': no reward server answers at start-up")
+    assert lines[0].startswith(f"difrl {command}: error: reward 'remote': no usable reward server at start-up")
     assert url in lines[0]
 
 
