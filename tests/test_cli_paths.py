@@ -213,15 +213,20 @@ def test_eval_writes_null_not_nan(tmp_path, capsys):
 
 
 @pytest.mark.slow  # a one-iteration run in a fresh process (about 10 s)
-@pytest.mark.parametrize("world", ["digits", "text_lora"])
+@pytest.mark.parametrize("world", ["digits", "text_lora", "digits_accelerate"])
 def test_short_runs_print_no_third_party_warnings(tmp_path, world):
-    """`make demo`'s command, shortened, and a LoRA text dLLM run: stderr holds difrl's progress bar only (no torch
-    _pytree / torchao lines, no loading bars, no peft / transformers FutureWarning); the closing line names
-    what was written."""
+    """`make demo`'s command, shortened, a LoRA text dLLM run and the README's `accelerate launch` line: stderr
+    holds difrl's progress bar only (no torch _pytree / torchao lines, no loading bars, no peft / transformers
+    FutureWarning, no accelerate defaults warning); the closing line names what was written."""
     run = tmp_path / "run"
-    args = ([str(DIGITS), "train.iterations=1", "eval.per_digit=2"] if world == "digits"
-            else [str(TEXT), *TEXT_RUN, "train.iterations=1", "train.lora.enabled=true"])
-    proc = _difrl("train", *args, "--out", str(run))
+    args = ([str(TEXT), *TEXT_RUN, "train.iterations=1", "train.lora.enabled=true"] if world == "text_lora"
+            else [str(DIGITS), "train.iterations=1", "eval.per_digit=2"])
+    if world == "digits_accelerate":
+        proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines",
+                               "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "difrl", "train", *args,
+                               "--out", str(run)], capture_output=True, text=True, timeout=600, env=ENV, cwd=ROOT)
+    else:
+        proc = _difrl("train", *args, "--out", str(run))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert _only_progress_bars(proc.stderr) == []
-    assert (f"samples: {run / 'samples'}" in proc.stdout) == (world == "digits")
+    assert (f"samples: {run / 'samples'}" in proc.stdout) == (world != "text_lora")
