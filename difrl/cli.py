@@ -2,12 +2,14 @@
 
     difrl train configs/digits.yaml [key=value ...] [--out DIR]   # resume: add resume=DIR
     difrl eval configs/digits.yaml [key=value ...]                # the config's model
-    difrl eval runs/digits                                         # a finished run's policy
+    difrl eval runs/digits                                         # a finished run's policy (appended to eval.json)
+    difrl eval configs/text_arithmetic.yaml --checkpoint runs/text_arithmetic/policy.safetensors
     difrl config [configs/digits.yaml] [key=value ...]            # every key (or the resolved config)
     difrl sample configs/digits.yaml --search dts-star --budget 160 [--prompt "a handwritten 3"] [--grid g.png]
 
 Config errors (unknown key, wrong type, out of range) and bad input (a missing checkpoint, a
-failing reward) end the command with one clear line and exit status 2.
+failing reward, a reward server that is down at start-up) end the command with one clear line and
+exit status 2. Known third-party start-up noise is left out (difrl.utils.quiet).
 """
 
 from __future__ import annotations
@@ -360,7 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("eval", help="evaluate a config's model or a run's trained policy")
     p.add_argument("--grid", help="also write a PNG grid of the samples here")
     p.add_argument("--out", help="write the metrics JSON here (default for a RUN_DIR: append to its eval.json)")
-    p.add_argument("--checkpoint", help="diffusers models: a LoRA directory to evaluate (default: RUN_DIR/lora)")
+    p.add_argument("--checkpoint", help="trained weights on the config's model: a policy.safetensors (digits, masked "
+                                        "worlds, text dLLMs), or a diffusers LoRA / full fine-tune transformer "
+                                        "directory (default for a RUN_DIR: its policy.safetensors, lora/ or transformer/)")
     p.add_argument("--prompts", help="diffusers models: evaluation prompts, a text or .jsonl file (model.eval_prompts)")
     p.add_argument("--reference", help="diffusers models: reference images or stats for FD / KID (eval.fid.reference)")
     p.add_argument("--preset", choices=sorted(EVAL_PRESETS), help="diffusers models: score --prompts with this "
@@ -368,11 +372,13 @@ def main(argv: list[str] | None = None) -> int:
                    "sampler settings stay the run's eval.*")
     p.add_argument("--preset-options", help="JSON options of the preset's reward, e.g. '{\"model_dir\": \"/w/pick\"}'")
     p.add_argument("--pass-k", help="masked worlds (sudoku, hf_masked text tasks): also report unbiased pass@k for these "
-                                    "k, e.g. 1,8")
-    p.add_argument("--samples", type=int, help="--pass-k: samples per problem, n (default 8)")
+                                    "k, e.g. 1,8 (hf_masked: eval.pass_k)")
+    p.add_argument("--samples", type=int, help="--pass-k: samples per problem, n (default 8; hf_masked: eval.samples)")
     p.add_argument("--temperature", type=float, help="--pass-k: sampling temperature (default: the config's "
-                                                     "sampler.temperature; 0 with llada/eb = greedy, one sample)")
-    p.add_argument("--problems", type=int, help="--pass-k: the first N evaluation problems (default: all eval.count)")
+                                                     "sampler.temperature; 0 with llada/eb = greedy, one sample; "
+                                                     "hf_masked: sets sampler.temperature)")
+    p.add_argument("--problems", type=int, help="--pass-k: the first N evaluation problems (default: all eval.count; "
+                                                "hf_masked: sets eval.count)")
     p.add_argument("rest", nargs="*", help="CONFIG|RUN_DIR [key=value ...]")
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("sample", help="sample a config's model per prompt: base, best-of-N, DTS or DTS* search")
