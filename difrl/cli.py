@@ -162,6 +162,8 @@ def cmd_eval(args) -> int:
         metrics, images = world.evaluate(world.policy, cfg.eval.per_digit, cfg.eval.num_steps, cfg.eval.seed,
                                          cfg.sampler.shift)
     except ValueError as e:
+        if not args.preset:
+            raise
         raise ValueError(_preset_hint(args, str(e))) from e
     if args.grid:
         world.save_grid(images, Path(args.grid))

@@ -131,8 +131,7 @@ def test_every_difrl_eval_stays_in_eval_json(flux_runs, tmp_path):
     kept = len(_evals(run))
     for i, prompts in enumerate((["a red dog", "a blue cat"], ["a green tree"])):
         (tmp_path / f"p{i}.txt").write_text("\n".join(prompts) + "\n")
-        # overrides may follow the options
-        assert main(["eval", str(run), "--prompts", str(tmp_path / f"p{i}.txt"), "eval.per_digit=2"]) == 0
+        assert main(["eval", str(run), "eval.per_digit=2", "--prompts", str(tmp_path / f"p{i}.txt")]) == 0
     rows = _evals(run)[kept:]
     assert [(r["tag"], r["eval_prompts"], r["samples"]) for r in rows] == [
         ("difrl-eval", str(tmp_path / "p0.txt"), 4), ("difrl-eval", str(tmp_path / "p1.txt"), 2)]
@@ -207,7 +206,7 @@ def test_custom_reward_module_in_the_current_directory_is_found(tmp_path, capsys
 def test_eval_writes_null_not_nan(tmp_path, capsys):
     """One sample per digit has no diversity (NaN): printed and written as null, both valid JSON."""
     out = tmp_path / "e.json"
-    assert main(["eval", str(DIGITS), "eval.per_digit=1", "--out", str(out)]) == 0
+    assert main(["eval", str(DIGITS), "--out", str(out), "eval.per_digit=1"]) == 0  # overrides may follow options
     strict = lambda text: json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c}"))  # noqa: E731
     assert strict(out.read_text())["diversity"] is None
     assert strict(capsys.readouterr().out)["diversity"] is None

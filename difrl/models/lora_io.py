@@ -120,11 +120,9 @@ def load_lora(policy: DiffusersFlowPolicy, lora_dir: str | Path, adapter_name: s
     if module is not policy.pipe.transformer:
         raise ValueError("the policy's module is wrapped but has no peft adapter "
                          f"{adapter_name!r}; load the LoRA before wrapping it")
-    # the transformer's adapter only (what save_lora writes): pipe.load_lora_weights would also look for text
-    # encoder LoRA keys, find none and warn about each encoder
-    files = sorted(Path(lora_dir).glob("*.safetensors"), key=lambda p: p.name != "pytorch_lora_weights.safetensors")
-    policy.pipe.transformer.load_lora_adapter(str(lora_dir), weight_name=files[0].name, prefix="transformer",
-                                              adapter_name=adapter_name)
+    # the user's path, with diffusers' conversions of other LoRA formats; it also looks for text-encoder keys
+    # and warns when there are none (difrl trains only the transformer: difrl.utils.quiet drops that warning)
+    policy.pipe.load_lora_weights(str(lora_dir), adapter_name=adapter_name)
     return policy
 
 

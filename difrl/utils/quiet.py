@@ -11,6 +11,9 @@ module) and nothing else, so every other warning still shows. What is dropped, a
   the message is about torchao's code, and difrl uses neither torchao nor torch.compile there.
 - diffusers' "Unable to import `torchao` Tensor objects": printed on every pipeline load when torchao's
   optional tensor classes are missing; it concerns loading torchao-quantized checkpoints, which difrl never does.
+- diffusers' "No LoRA keys associated to CLIPTextModel ... open an issue" (diffusers.loaders.lora_base, text
+  encoders only): FLUX's load_lora_weights looks for text-encoder LoRA keys in every LoRA it loads; difrl trains
+  the transformer only, and difrl.models.lora_io.check_lora_dir has already required transformer LoRA keys.
 - transformers' "Token indices sequence length is longer than the specified maximum sequence length" and the
   diffusers pipelines' "The following part of your input was truncated": the pipeline truncates long prompts
   as intended; difrl says so once in its own words (DiffusersFlowPolicy.encode).
@@ -31,6 +34,7 @@ import warnings
 DROPPED = {
     "torch.utils._pytree": ("is an Enum subclass and is now natively supported by torch.compile",),
     "diffusers.quantizers.torchao.torchao_quantizer": ("Unable to import `torchao` Tensor objects",),
+    "diffusers.loaders.lora_base": ("No LoRA keys associated to CLIPTextModel", "No LoRA keys associated to T5"),
     "transformers.tokenization_utils_base": ("Token indices sequence length is longer than the specified maximum",),
     "diffusers.pipelines.flux.pipeline_flux": ("The following part of your input was truncated",),
     "diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3": ("The following part of your input was truncated",),
