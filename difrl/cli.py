@@ -207,10 +207,11 @@ def _preset_options(args) -> dict:
         raise ValueError(f"--preset-options is not JSON: {e}") from e
     if not isinstance(options, dict):
         raise ValueError(f"--preset-options must be a JSON object of the reward's options, got {args.preset_options!r}")
-    if args.preset == "geneval" and options.get("detector", "synthetic") == "synthetic":
+    if args.preset == "geneval" and "detector" not in options:  # never the test-only default silently
         raise ValueError("--preset geneval needs an object detector: --preset-options '{\"detector\": \"torchvision\", "
                          "\"detector_weights\": \"/w/maskrcnn.pth\"}' or '{\"detector\": \"mymodule:detect\"}' (the "
-                         "built-in 'synthetic' detector reads test metadata, not images)")
+                         "reward's default, 'synthetic', reads detections from test metadata, not from the images; "
+                         "name it to use it)")
     return options
 
 

@@ -112,6 +112,22 @@ def test_tiny_flux_run_and_its_eval_print_no_third_party_warnings(flux_runs):
     assert ev.returncode == 0 and _only_progress_bars(ev.stderr) == []  # no "No LoRA keys associated to CLIPTextModel"
 
 
+def test_long_prompts_are_said_truncated_once_in_difrl_words(flux_pipe, capfd):
+    """A prompt over the tokenizers' limits: one difrl line, not the tokenizer's and pipeline's warnings."""
+    from difrl.models.adapters import load_flow_policy
+    from difrl.utils.quiet import quiet_third_party
+
+    quiet_third_party()  # what the commands install first
+    policy = load_flow_policy("flux", flux_pipe, height=32, width=32, max_sequence_length=16)
+    long = "a photo of a cat sitting on a red sofa next to a window " * 3
+    policy.encode([long, "a dog"])
+    policy.encode([long + "at night", "a cat"])
+    out, err = capfd.readouterr()
+    assert out.count("are truncated, as the pipeline does") == 1
+    assert "CLIPTokenizer: 16 tokens" in out and "T5Tokenizer: 16 tokens (model.max_sequence_length)" in out
+    assert "truncated" not in err and "sequence length" not in err
+
+
 @pytest.mark.slow
 def test_eval_of_diffusers_runs_lora_and_full_fine_tune(flux_runs):
     """`difrl eval RUN_DIR` loads the run's lora/ or, after a full fine-tune, its transformer/ (issue 32):
