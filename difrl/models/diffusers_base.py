@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -218,8 +219,9 @@ class DiffusersFlowPolicy:
         if long:
             self._truncation_noted = True
             example = min(long, key=len)
-            print(f"difrl: prompts longer than a text encoder takes are truncated, as the pipeline does "
-                  f"({'; '.join(limits)}); e.g. {example[:80]!r}")
+            if os.environ.get("RANK", "0") == "0":  # one process says it (accelerate launch / torchrun)
+                print(f"difrl: prompts longer than a text encoder takes are truncated, as the pipeline does "
+                      f"({'; '.join(limits)}); e.g. {example[:80]!r}")
 
     def negative_cond(self, batch: int) -> Cond:
         """The negative prompt's embeddings (encoded once), expanded to `batch` rows."""

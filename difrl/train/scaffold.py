@@ -257,9 +257,12 @@ def run_files(run_dir: Path) -> str:
     named = [("results", "summary.json"), ("samples", "samples"), ("trained weights", "policy.safetensors"),
              ("trained weights", "lora"), ("trained weights", "transformer"), ("curve", "reward_curve.png"),
              ("report", "report.html")]
-    found = [(label, run_dir / f) for label, f in named if (run_dir / f).exists()]
-    found = [(label, p) for i, (label, p) in enumerate(found) if label not in [x for x, _ in found[:i]]]
-    return ", ".join(f"{label}: {p}" for label, p in found) or f"run directory: {run_dir}"
+    seen, parts = set(), []
+    for label, name in named:
+        if (run_dir / name).exists() and label not in seen:  # the first of the trained-weight forms present
+            seen.add(label)
+            parts.append(f"{label}: {run_dir / name}")
+    return ", ".join(parts) or f"run directory: {run_dir}"
 
 
 def start_trackers(cfg, run_dir: Path) -> list:
