@@ -234,16 +234,15 @@ def _write_eval(run: Path | None, out: str | None, metrics: dict) -> None:
 
     metrics = json_safe(metrics)
     text = json.dumps(metrics, indent=2, default=str, allow_nan=False)
-    print(text)
-    if out:
+    if out:  # written before printing: a closed pipe (| head) must not lose the evaluation
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(text + "\n")
     elif run is not None:
         from difrl.train.scaffold import record_eval
 
         summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
-        record_eval(run, "difrl-eval", int(summary.get("iterations", 0)), json.loads(json.dumps(metrics, default=str)),
-                    keep_earlier=True)
+        record_eval(run, "difrl-eval", int(summary.get("iterations", 0)), json.loads(text), keep_earlier=True)
+    print(text)
 
 
 def cmd_sample(args) -> int:
