@@ -2,12 +2,14 @@
 
     difrl train configs/digits.yaml [key=value ...] [--out DIR]   # resume: add resume=DIR
     difrl eval configs/digits.yaml [key=value ...]                # the config's model
-    difrl eval runs/digits                                         # a finished run's policy
+    difrl eval runs/digits                                         # a finished run's policy (appended to eval.json)
+    difrl eval configs/text_arithmetic.yaml --checkpoint runs/text_arithmetic/policy.safetensors
     difrl config [configs/digits.yaml] [key=value ...]            # every key (or the resolved config)
     difrl sample configs/digits.yaml --search dts-star --budget 160 [--prompt "a handwritten 3"] [--grid g.png]
 
 Config errors (unknown key, wrong type, out of range) and bad input (a missing checkpoint, a
-failing reward) end the command with one clear line and exit status 2.
+failing reward, a reward server that is down at start-up) end the command with one clear line and
+exit status 2. Known third-party start-up noise is left out (difrl.utils.quiet).
 """
 
 from __future__ import annotations
@@ -73,9 +75,9 @@ def cmd_train(args) -> int:
         print(f"{key:<{width}}{before[key]:>10.3f}{after[key]:>10.3f}")
     if "real_diversity" in after:
         print(f"real data diversity {after['real_diversity']:.3f}; FD features: {after['fd_extractor']}")
-    saved = next((run / f for f in ("policy.safetensors", "lora", "transformer") if (run / f).exists()), run)
-    print(f"results: {run / 'summary.json'}, samples: {run / 'samples'}, trained weights: {saved}, curve: "
-          f"{run / 'reward_curve.png'}, report: {run / 'report.html'}")
+    from difrl.train.scaffold import run_files
+
+    print(run_files(run))
     return 0
 
 
@@ -89,39 +91,38 @@ def cmd_eval(args) -> int:
 
     from difrl.train.scaffold import cores_available
 
-    run, path = _run_dir_config(_split(args.rest)[0])
-    overrides = list(_split(args.rest)[1])
+    path, overrides = _split(args.rest)
+    run, path = _run_dir_config(path)
+    overrides = list(overrides)
     if args.reference:  # sugar for the config keys, so a finished run can be measured against another reference
         overrides.append(f"eval.fid.reference={args.reference}")
     if args.preset:  # a published protocol's prompt set (a local file) scored by its reward, as the held-out panel
-        if not args.prompts:
-            raise ValueError(f"--preset {args.preset} needs --prompts: the protocol's prompt file (e.g. Flow-GRPO's "
-                             "ocr/test.txt, GenEval's evaluation_metadata.jsonl), a local file")
-        try:
-            options = json.loads(args.preset_options or "{}")
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--preset-options is not JSON: {e}") from e
-        overrides.append("eval.rewards=" + json.dumps({EVAL_PRESETS[args.preset]: options}))
+        overrides.append("eval.rewards=" + json.dumps({EVAL_PRESETS[args.preset]: _preset_options(args)}))
     cfg = _load(path, overrides)
-    if args.pass_k and cfg.trainer == "masked" and cfg.model.kind == "hf_masked":
-        # text tasks report pass@k in their own evaluation (eval.pass_k over eval.samples draws): set those
-        if args.temperature is not None or args.problems is not None:
-            raise ValueError("model.kind=hf_masked: --pass-k takes --samples; the temperature is sampler.temperature "
-                             "and the problems are eval.problems")
-        overrides += [f"eval.pass_k=[{args.pass_k}]"] + ([] if args.samples is None else [f"eval.samples={args.samples}"])
-        cfg, args.pass_k, args.samples = _load(path, overrides), None, None
+    if cfg.trainer == "masked" and cfg.model.kind == "hf_masked":
+        # text tasks report pass@k and greedy accuracy in their own evaluation: the flags set its config keys
+        flags = {"--pass-k": (args.pass_k, f"eval.pass_k=[{args.pass_k}]"),
+                 "--samples": (args.samples, f"eval.samples={args.samples}"),
+                 "--temperature": (args.temperature, f"sampler.temperature={args.temperature}"),
+                 "--problems": (args.problems, f"eval.count={args.problems}")}
+        overrides += [o for v, o in flags.values() if v is not None]
+        cfg = _load(path, overrides)
+        args.pass_k = args.samples = args.temperature = args.problems = None
     if args.prompts:
         if cfg.trainer == "masked" or cfg.model.kind == "digits":
             raise ValueError("--prompts is for diffusers models (the bundled worlds have their own evaluation sets)")
         cfg.model.eval_prompt_file = args.prompts
     torch.set_num_threads(cfg.threads or cores_available())
-    if cfg.trainer == "masked":  # Sudoku, digit tokens: the masked world's eval
+    if cfg.trainer == "masked":  # Sudoku, digit tokens, text tasks: the masked world's eval
         from difrl.worlds.masked import build_masked_world
 
-        if run:  # the run's trained policy, not the base it started from
-            cfg.model.path = str(run / "policy.safetensors")
+        # the run's trained policy (a merged policy.safetensors, LoRA runs too), not the base it started from
+        weights = Path(args.checkpoint) if args.checkpoint else (run / "policy.safetensors" if run else None)
+        if weights is not None and not weights.exists():
+            raise FileNotFoundError(f"{weights}: no trained policy there (a masked run writes RUN_DIR/policy.safetensors)")
         world = build_masked_world(cfg)
-        metrics = world.evaluate(world.policy)
+        policy = world.policy if weights is None else world.load_policy(str(weights))
+        metrics = world.evaluate(policy)
         if args.pass_k:  # pass@k over --samples draws per problem with the training sampler (difrl.eval.passk)
             from difrl.eval.passk import masked_pass_at_k, sudoku_eval_prompts
 
@@ -132,7 +133,7 @@ def cmd_eval(args) -> int:
             except ValueError:
                 raise ValueError(f"--pass-k takes comma-separated integers such as 1,8, got {args.pass_k!r}") from None
             temperature = cfg.sampler.temperature if args.temperature is None else args.temperature
-            res = masked_pass_at_k(world, world.policy, cfg.sampler.kind, cfg.sampler.sampler_kwargs(),
+            res = masked_pass_at_k(world, policy, cfg.sampler.kind, cfg.sampler.sampler_kwargs(),
                                    8 if args.samples is None else args.samples, ks,
                                    temperature, cfg.eval.seed, args.problems, None,
                                    prompts=sudoku_eval_prompts(cfg.eval.num_blanks, cfg.eval.count, cfg.eval.seed),
@@ -140,48 +141,108 @@ def cmd_eval(args) -> int:
             metrics["pass_at_k"] = res
         elif args.samples is not None or args.temperature is not None or args.problems is not None:
             raise ValueError("--samples, --temperature and --problems go with --pass-k")
-        _write_eval(run, args.out, metrics)
+        if cfg.model.kind == "hf_masked":
+            metrics |= {"temperature": cfg.sampler.temperature, "seed": cfg.eval.seed}
+        _write_eval(run, args.out, {**metrics, "policy": str(weights or cfg.model.path or "bundled base")})
         return 0
     if args.pass_k:
         raise ValueError("--pass-k is for masked worlds with a verifier (model.kind=sudoku or hf_masked)")
     from difrl.worlds import build_world
 
     digits = cfg.model.kind == "digits"
-    # a run's trained policy: digits writes a merged checkpoint, a diffusers model a LoRA directory on its base
-    model_path = str(run / "policy.safetensors") if run and digits else cfg.model.path
+    trained = _trained_weights(run, args.checkpoint, digits)
+    # digits: a merged policy.safetensors is the model; a diffusers model: a LoRA or a full fine-tune on its base
+    model_path = str(trained) if digits and trained else cfg.model.path
     world = build_world(cfg.model.kind, model_path, cfg)
-    lora = Path(args.checkpoint) if args.checkpoint else (run / "lora" if run and not digits else None)
-    if lora is not None:
-        if digits:
-            raise ValueError("--checkpoint is a LoRA directory of a diffusers run; for digits give a policy.safetensors "
-                             "as model.path=...")
-        if not lora.is_dir():
-            raise FileNotFoundError(f"{lora} is not a LoRA directory (a full fine-tune's transformer/ is not loaded by "
-                                    "difrl eval yet)")
-        from difrl.models.lora_io import load_lora
+    if trained is not None and not digits:
+        from difrl.models.lora_io import load_lora, load_transformer
 
-        load_lora(world.policy, lora)
-    metrics, images = world.evaluate(world.policy, cfg.eval.per_digit, cfg.eval.num_steps, cfg.eval.seed, cfg.sampler.shift)
+        (load_transformer if (trained / "config.json").is_file() else load_lora)(world.policy, trained)
+    try:
+        metrics, images = world.evaluate(world.policy, cfg.eval.per_digit, cfg.eval.num_steps, cfg.eval.seed,
+                                         cfg.sampler.shift)
+    except ValueError as e:
+        if not args.preset:
+            raise
+        raise ValueError(_preset_hint(args, str(e))) from e
     if args.grid:
         world.save_grid(images, Path(args.grid))
-    metrics = {**metrics, "policy": str(lora or model_path or "bundled base"),
+    metrics = {**metrics, "policy": str(trained or model_path or "bundled base"),
                "eval_prompts": cfg.model.eval_prompt_file or cfg.model.eval_prompts,
                "resolution": None if digits else [cfg.model.height, cfg.model.width]}
     _write_eval(run, args.out, metrics)
     return 0
 
 
+def _trained_weights(run: Path | None, checkpoint: str | None, digits: bool) -> Path | None:
+    """What `difrl eval` loads on the base model: --checkpoint, else a run's trained weights (digits: its
+    policy.safetensors; a diffusers model: its lora/ or, after a full fine-tune, its transformer/)."""
+    if checkpoint:
+        p = Path(checkpoint)
+        if digits:
+            if not p.is_file():
+                raise FileNotFoundError(f"--checkpoint {p}: no such file (digits: a run's policy.safetensors)")
+        elif not p.is_dir():
+            raise FileNotFoundError(f"--checkpoint {p}: not a directory (a diffusers model: a run's lora/ or, after a "
+                                    "full fine-tune, its transformer/)")
+        return p
+    if run is None:
+        return None
+    found = [run / f for f in (("policy.safetensors",) if digits else ("lora", "transformer")) if (run / f).exists()]
+    if not found:
+        raise FileNotFoundError(f"{run} holds no trained weights ({'policy.safetensors' if digits else 'lora/ or transformer/'}): "
+                                "did the run finish?")
+    return found[0]
+
+
+def _preset_options(args) -> dict:
+    """--preset-options as a dict, checked before anything is loaded: a preset that needs weights or a detector
+    refuses here, not after sampling."""
+    if not args.prompts:
+        raise ValueError(f"--preset {args.preset} needs --prompts: the protocol's prompt file (e.g. Flow-GRPO's "
+                         "ocr/test.txt, GenEval's evaluation_metadata.jsonl), a local file")
+    try:
+        options = json.loads(args.preset_options or "{}")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--preset-options is not JSON: {e}") from e
+    if not isinstance(options, dict):
+        raise ValueError(f"--preset-options must be a JSON object of the reward's options, got {args.preset_options!r}")
+    if args.preset == "geneval" and "detector" not in options:  # never the test-only default silently
+        raise ValueError("--preset geneval needs an object detector: --preset-options '{\"detector\": \"torchvision\", "
+                         "\"detector_weights\": \"/w/maskrcnn.pth\"}' or '{\"detector\": \"mymodule:detect\"}' (the "
+                         "reward's default, 'synthetic', reads detections from test metadata, not from the images; "
+                         "name it to use it)")
+    return options
+
+
+def _preset_hint(args, message: str) -> str:
+    """A preset's reward names its options as config keys (reward.options.NAME.OPTION); with --preset the user
+    passes them as --preset-options."""
+    if not args.preset:
+        return message
+    import re
+
+    name = EVAL_PRESETS[args.preset]
+    return re.sub(rf"(?:reward|eval\.rewards)\.(?:options\.)?{name}\.(\w+)",
+                  lambda m: f"--preset-options '{{\"{m.group(1)}\": ...}}'", message)
+
+
 def _write_eval(run: Path | None, out: str | None, metrics: dict) -> None:
-    """Print the evaluation; write it to --out, or append it to a run directory's eval.json (tag "difrl-eval")."""
-    print(json.dumps(metrics, indent=2, default=str))
-    if out:
+    """Print the evaluation; write it to --out, or append it to a run directory's eval.json (tag "difrl-eval",
+    every call kept). A metric that is not a number (NaN, e.g. a diversity of one sample) is written as null."""
+    from difrl.utils.io import json_safe
+
+    metrics = json_safe(metrics)
+    text = json.dumps(metrics, indent=2, default=str, allow_nan=False)
+    if out:  # written before printing: a closed pipe (| head) must not lose the evaluation
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(metrics, indent=2, default=str) + "\n")
+        Path(out).write_text(text + "\n")
     elif run is not None:
         from difrl.train.scaffold import record_eval
 
         summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
-        record_eval(run, "difrl-eval", int(summary.get("iterations", 0)), json.loads(json.dumps(metrics, default=str)))
+        record_eval(run, "difrl-eval", int(summary.get("iterations", 0)), json.loads(text), keep_earlier=True)
+    print(text)
 
 
 def cmd_sample(args) -> int:
@@ -195,6 +256,12 @@ def cmd_sample(args) -> int:
     from difrl.train.config import load_flow_config
     from difrl.train.scaffold import cores_available
 
+    for flag, value in (("--budget", args.budget), ("--samples", args.samples), ("--children", args.children),
+                        ("--root-children", args.root_children)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    if not args.lam > 0:
+        raise ValueError(f"--lam must be positive (the inverse temperature of p(x) exp(lam r(x))), got {args.lam}")
     path, overrides = _split(args.rest)
     cfg = load_flow_config(path, overrides)
     torch.set_num_threads(cfg.threads or cores_available())
@@ -280,10 +347,14 @@ def cmd_reward_server(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from difrl.utils.quiet import quiet_third_party
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # difrl never downloads at run time
+    quiet_third_party()  # before anything imports transformers / diffusers
+
     from difrl.config import ConfigError
     from difrl.rewards import RewardError
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # difrl never downloads at run time
     ap = argparse.ArgumentParser(prog="difrl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("train", help="train a policy with GRPO")
@@ -293,7 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("eval", help="evaluate a config's model or a run's trained policy")
     p.add_argument("--grid", help="also write a PNG grid of the samples here")
     p.add_argument("--out", help="write the metrics JSON here (default for a RUN_DIR: append to its eval.json)")
-    p.add_argument("--checkpoint", help="diffusers models: a LoRA directory to evaluate (default: RUN_DIR/lora)")
+    p.add_argument("--checkpoint", help="trained weights on the config's model: a policy.safetensors (digits, masked "
+                                        "worlds, text dLLMs), or a diffusers LoRA / full fine-tune transformer "
+                                        "directory (default for a RUN_DIR: its policy.safetensors, lora/ or transformer/)")
     p.add_argument("--prompts", help="diffusers models: evaluation prompts, a text or .jsonl file (model.eval_prompts)")
     p.add_argument("--reference", help="diffusers models: reference images or stats for FD / KID (eval.fid.reference)")
     p.add_argument("--preset", choices=sorted(EVAL_PRESETS), help="diffusers models: score --prompts with this "
@@ -301,11 +374,13 @@ def main(argv: list[str] | None = None) -> int:
                    "sampler settings stay the run's eval.*")
     p.add_argument("--preset-options", help="JSON options of the preset's reward, e.g. '{\"model_dir\": \"/w/pick\"}'")
     p.add_argument("--pass-k", help="masked worlds (sudoku, hf_masked text tasks): also report unbiased pass@k for these "
-                                    "k, e.g. 1,8")
-    p.add_argument("--samples", type=int, help="--pass-k: samples per problem, n (default 8)")
+                                    "k, e.g. 1,8 (hf_masked: eval.pass_k)")
+    p.add_argument("--samples", type=int, help="--pass-k: samples per problem, n (default 8; hf_masked: eval.samples)")
     p.add_argument("--temperature", type=float, help="--pass-k: sampling temperature (default: the config's "
-                                                     "sampler.temperature; 0 with llada/eb = greedy, one sample)")
-    p.add_argument("--problems", type=int, help="--pass-k: the first N evaluation problems (default: all eval.count)")
+                                                     "sampler.temperature; 0 with llada/eb = greedy, one sample; "
+                                                     "hf_masked: sets sampler.temperature)")
+    p.add_argument("--problems", type=int, help="--pass-k: the first N evaluation problems (default: all eval.count; "
+                                                "hf_masked: sets eval.count)")
     p.add_argument("rest", nargs="*", help="CONFIG|RUN_DIR [key=value ...]")
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("sample", help="sample a config's model per prompt: base, best-of-N, DTS or DTS* search")
@@ -346,7 +421,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="how long a batch waits for other requests' items")
     p.add_argument("--threads", type=int, help="torch CPU threads of the inference thread (default: torch's)")
     p.set_defaults(fn=cmd_reward_server)
-    args = ap.parse_args(argv)
+    args, extra = ap.parse_known_args(argv)
+    # key=value overrides may follow the options (difrl eval RUN --prompts p.txt eval.per_digit=2)
+    unknown = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "rest")]
+    if unknown:
+        ap.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.rest = [*args.rest, *extra]
     try:
         return args.fn(args)
     except (ConfigError, RewardError, FileNotFoundError, ValueError) as e:  # ValueError: bad checkpoints/settings

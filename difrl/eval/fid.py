@@ -386,11 +386,11 @@ class InceptionExtractor(FeatureExtractor):
 
     metric = "fid"
 
-    def __init__(self, weights_path, antialias: bool = False, device="cpu"):
+    def __init__(self, weights_path, antialias: bool = False, device="cpu", option: str = "weights_path"):
         super().__init__()
-        who = "InceptionExtractor"
+        who = "InceptionExtractor"  # option: the name the user sets weights_path by, for the error (eval.fid.weights)
         path = _local_file(weights_path, "the Inception weights (torch-fidelity's "
-                           "weights-inception-2015-12-05-6726825d.pth)", who, "weights_path")
+                           "weights-inception-2015-12-05-6726825d.pth)", who, option)
         try:
             sd = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:
@@ -468,14 +468,14 @@ class ClipExtractor(FeatureExtractor):
 
     metric = "fd_clip"
 
-    def __init__(self, model_dir, processor_dir=None, device="cpu"):
+    def __init__(self, model_dir, processor_dir=None, device="cpu", option: str = "model_dir"):
         super().__init__()
         who = "ClipExtractor"
         from transformers import CLIPImageProcessor, CLIPModel
 
         from difrl.rewards.vision import OPENAI_MEAN, OPENAI_STD, hf_image_settings
 
-        mdir = _local_dir(model_dir, "the CLIP model", who, "model_dir", model_type="clip")
+        mdir = _local_dir(model_dir, "the CLIP model", who, option, model_type="clip")
         pdir = None
         if processor_dir not in (None, ""):
             pdir = Path(processor_dir).expanduser()
@@ -545,7 +545,7 @@ class DinoV2Extractor(FeatureExtractor):
     metric = "fd_dinov2"
 
     def __init__(self, model_dir, image_size: int = 224, resize: str = "bicubic-antialias", pos_interp: str = "hub",
-                 device="cpu"):
+                 device="cpu", option: str = "model_dir"):
         super().__init__()
         who = "DinoV2Extractor"
         if resize not in ("bicubic-antialias", "tf1-bilinear"):
@@ -554,7 +554,7 @@ class DinoV2Extractor(FeatureExtractor):
             raise EvalConfigError(f"{who}: pos_interp must be 'hub' or 'transformers', got {pos_interp!r}")
         from transformers import Dinov2Model
 
-        mdir = _local_dir(model_dir, "the DINOv2 model", who, "model_dir", model_type="dinov2")
+        mdir = _local_dir(model_dir, "the DINOv2 model", who, option, model_type="dinov2")
         self.model = Dinov2Model.from_pretrained(str(mdir), local_files_only=True).eval().requires_grad_(False)
         if pos_interp == "hub":
             self.model.embeddings.interpolate_pos_encoding = _hub_pos_encoding(self.model.embeddings)

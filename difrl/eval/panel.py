@@ -30,12 +30,13 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 def make_extractor(kind: str, weights, device="cpu"):
     from difrl.eval.fid import ClipExtractor, DinoV2Extractor, InceptionExtractor
 
+    option = "eval.fid.weights"  # the config key errors name
     if kind == "inception":
-        return InceptionExtractor(weights, antialias=False, device=device)
+        return InceptionExtractor(weights, antialias=False, device=device, option=option)
     if kind == "clip":
-        return ClipExtractor(weights, device=device)
+        return ClipExtractor(weights, device=device, option=option)
     if kind == "dinov2":
-        return DinoV2Extractor(weights, device=device)
+        return DinoV2Extractor(weights, device=device, option=option)
     raise ValueError(f"eval.fid.extractor must be inception, clip or dinov2, got {kind!r}")
 
 
@@ -105,12 +106,22 @@ class EvalPanel:
             from difrl.rewards import build_reward, score_all
 
             if self.rewards is None:
-                self.rewards = {n: build_reward(n, **(o or {})) for n, o in self.cfg.rewards.items()}
+                self.rewards = {n: self._build(build_reward, n, o or {}) for n, o in self.cfg.rewards.items()}
             scores = score_all(self.rewards, images, prompts, metadata, seeds, ids)  # a failure raises: never a 0
             out.update({f"heldout/{k}": float(v[torch.isfinite(v)].mean()) for k, v in scores.items()})
         if self.cfg.fid.reference is not None:
             out.update(self.fid(images))
         return out
+
+    @staticmethod
+    def _build(build_reward, name: str, options: dict):
+        """A held-out reward; its option errors name the panel's keys (eval.rewards.NAME.OPTION, not reward.options)."""
+        from difrl.rewards.base import RewardConfigError
+
+        try:
+            return build_reward(name, **options)
+        except RewardConfigError as e:
+            raise RewardConfigError(str(e).replace(f"reward.options.{name}.", f"eval.rewards.{name}.")) from e
 
     def fid(self, images: torch.Tensor) -> dict:
         from difrl.eval.fid import FeatureStats, extract_features, fid_report, reference_stats

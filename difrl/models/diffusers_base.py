@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -135,6 +136,8 @@ class DiffusersFlowPolicy:
         self.cache_prompts = cache_prompts  # text encoders are frozen here, so a prompt's embedding never changes
         self._cache: dict[str, Cond] = {}
         self._negative: Cond | None = None
+        self._truncation_noted = False  # note_truncation: said once per policy
+        self._length_checked: set[str] = set()  # prompts whose token counts were checked
         self._transformer = pipe.transformer
         self.transformer_config = pipe.transformer.config  # read through this: a peft wrapper hides .config
         pipe.set_progress_bar_config(disable=True)
@@ -161,9 +164,16 @@ class DiffusersFlowPolicy:
     @classmethod
     def _load_pipeline(cls, path: str | Path, dtype: torch.dtype, device, **pipe_kwargs):
         import diffusers
+        from diffusers.utils import logging as diffusers_logging
 
         pipe_cls = getattr(diffusers, cls.pipeline_class)
-        pipe = pipe_cls.from_pretrained(str(path), local_files_only=True, **{dtype_keyword(): dtype}, **pipe_kwargs)
+        bar = diffusers_logging.is_progress_bar_enabled()
+        diffusers_logging.disable_progress_bar()  # "Loading pipeline components..." would interleave with the log
+        try:
+            pipe = pipe_cls.from_pretrained(str(path), local_files_only=True, **{dtype_keyword(): dtype}, **pipe_kwargs)
+        finally:
+            if bar:
+                diffusers_logging.enable_progress_bar()
         if device is not None:
             pipe.to(device)
         for name, comp in pipe.components.items():
@@ -176,6 +186,10 @@ class DiffusersFlowPolicy:
     def encode(self, prompts: list[str]) -> Cond:
         """Prompt embeddings as the pipeline computes them, [B, ...] on the model's device."""
         prompts = list(prompts)
+        unchecked = [p for p in dict.fromkeys(prompts) if p not in self._length_checked]
+        if unchecked and not self._truncation_noted:
+            self.note_truncation(unchecked)
+            self._length_checked.update(unchecked)
         if not self.cache_prompts:
             with torch.no_grad():
                 return self._encode_batch(prompts)
@@ -186,6 +200,29 @@ class DiffusersFlowPolicy:
             for i, p in enumerate(missing):
                 self._cache[p] = {k: v[i:i + 1] for k, v in fresh.items()}
         return {k: torch.cat([self._cache[p][k] for p in prompts]) for k in self._cache[prompts[0]]}
+
+    def note_truncation(self, prompts: list[str]) -> None:
+        """Say once (in place of the tokenizers' and pipelines' own warnings, difrl.utils.quiet) that prompts longer
+        than a text encoder takes are truncated: CLIP tokenizers at their model_max_length (77), T5 ones at
+        model.max_sequence_length."""
+        long, limits = set(), []
+        for name in ("tokenizer", "tokenizer_2", "tokenizer_3"):
+            tok = getattr(self.pipe, name, None)
+            if tok is None:
+                continue
+            limit = tok.model_max_length if type(tok).__name__.startswith("CLIP") else self.max_sequence_length
+            lengths = [len(ids) for ids in tok(prompts, verbose=False)["input_ids"]]
+            over = {p for p, n in zip(prompts, lengths) if n > limit}
+            if over:
+                long |= over
+                clip = type(tok).__name__.startswith("CLIP")
+                limits.append(f"{type(tok).__name__}: {limit} tokens" + ("" if clip else " (model.max_sequence_length)"))
+        if long:
+            self._truncation_noted = True
+            example = min(long, key=len)
+            if os.environ.get("RANK", "0") == "0":  # one process says it (accelerate launch / torchrun)
+                print(f"difrl: prompts longer than a text encoder takes are truncated, as the pipeline does "
+                      f"({'; '.join(limits)}); e.g. {example[:80]!r}")
 
     def negative_cond(self, batch: int) -> Cond:
         """The negative prompt's embeddings (encoded once), expanded to `batch` rows."""

@@ -3,6 +3,7 @@
     from difrl.models.lora_io import load_lora, save_lora
     save_lora(policy, "run/lora")                        # diffusers LoRA dir: pipe.load_lora_weights("run/lora")
     load_lora(other_policy, "run/lora")                  # refuses a LoRA made for another model kind
+    load_transformer(policy, "run/transformer")          # a full fine-tune's transformer (save_pretrained) instead
 
 Works for every adapter of difrl/models/adapters.py: it reads only `policy.module`, `policy.pipe`,
 `policy.kind` and `policy.pipeline_class`.
@@ -119,5 +120,28 @@ def load_lora(policy: DiffusersFlowPolicy, lora_dir: str | Path, adapter_name: s
     if module is not policy.pipe.transformer:
         raise ValueError("the policy's module is wrapped but has no peft adapter "
                          f"{adapter_name!r}; load the LoRA before wrapping it")
+    # the user's path, with diffusers' conversions of other LoRA formats; it also looks for text-encoder keys
+    # and warns when there are none (difrl trains only the transformer: difrl.utils.quiet drops that warning)
     policy.pipe.load_lora_weights(str(lora_dir), adapter_name=adapter_name)
+    return policy
+
+
+def load_transformer(policy: DiffusersFlowPolicy, transformer_dir: str | Path) -> DiffusersFlowPolicy:
+    """Load a full fine-tune's transformer (the trainer's RUN_DIR/transformer, a `save_pretrained` directory)
+    into the policy's transformer in place (its device and dtype kept); a directory holding another
+    transformer class or other shapes raises, naming it."""
+    d = Path(transformer_dir)
+    if not (d / "config.json").is_file():
+        raise PipelineDirError(f"{d}: not a transformer directory (no config.json; a full fine-tune's run writes "
+                               "RUN_DIR/transformer)")
+    target = policy.pipe.transformer
+    saved_class = json.loads((d / "config.json").read_text()).get("_class_name")
+    if saved_class != type(target).__name__:
+        raise ModelKindError(f"{d} holds a {saved_class}, not the {type(target).__name__} of this {policy.kind!r} "
+                             "pipeline")
+    trained = type(target).from_pretrained(str(d), local_files_only=True)
+    try:
+        target.load_state_dict(trained.state_dict())
+    except RuntimeError as e:  # missing / unexpected keys or other shapes
+        raise ModelKindError(f"{d} does not fit this {type(target).__name__}: {str(e)[:300]}") from e
     return policy

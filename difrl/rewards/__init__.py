@@ -22,11 +22,14 @@ entry-point group of installed packages::
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -57,6 +60,20 @@ def reward_key(name: str) -> str:
     return alias or base.rsplit(":", 1)[-1]
 
 
+def import_user_module(module: str):
+    """importlib.import_module, also finding a module in the current directory: where a user's reward file
+    usually lives, which `python -m` puts on sys.path but the `difrl` console script and scripts/*.py do not
+    (appended, so it never shadows an installed package)."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        top, cwd = module.split(".")[0], os.getcwd()
+        if e.name != top or cwd in sys.path or not (Path(cwd, f"{top}.py").is_file() or Path(cwd, top).is_dir()):
+            raise
+        sys.path.append(cwd)
+        return importlib.import_module(module)
+
+
 def find_reward_factory(name: str) -> Callable[..., RewardFn]:
     name = name.partition("@")[0]
     _load_builtins()
@@ -65,9 +82,10 @@ def find_reward_factory(name: str) -> Callable[..., RewardFn]:
     if ":" in name:
         module, _, attr = name.partition(":")
         try:
-            return getattr(importlib.import_module(module), attr)
+            return getattr(import_user_module(module), attr)
         except (ImportError, AttributeError) as e:
-            raise ValueError(f"reward {name!r}: cannot import {attr!r} from {module!r} ({e})") from e
+            raise ValueError(f"reward {name!r}: cannot import {attr!r} from {module!r} ({e}); the module must be a file "
+                             "or package in the current directory or on PYTHONPATH") from e
     eps = _entry_point_rewards()
     if name in eps:
         return eps[name].load()

@@ -493,8 +493,10 @@ def load_object(path: str, what: str):
     module, sep, attr = path.partition(":")
     if not sep or not module or not attr:
         raise RewardConfigError(f"reward 'geneval': {what} {path!r} must be a built-in name or a 'module:function' path")
+    from difrl.rewards import import_user_module  # the package's __init__ imports the built-ins, this one too
+
     try:
-        obj = importlib.import_module(module)
+        obj = import_user_module(module)  # also from the current directory
         for part in attr.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as e:

@@ -36,6 +36,11 @@ class RemoteRewardError(RuntimeError):
     """The reward server did not give valid scores for some items (named in the message)."""
 
 
+class RemoteStartupError(RemoteRewardError, RewardConfigError):
+    """No usable reward server at start-up (down, wrong url or token): a setting of the run, reported like every
+    config error (one line, exit status 2), and still a RemoteRewardError."""
+
+
 @register_reward("remote")
 class RemoteReward(RewardModel):
     """A reward served by `difrl reward-server` (see the module docstring)."""
@@ -62,7 +67,12 @@ class RemoteReward(RewardModel):
         self.client = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout, connect=connect_timeout))
         self.device, self.dtype = None, None  # samples are sent as they come; the server has its own device
 
-        info = self._request("GET", "/v1/info", what="start-up")
+        try:
+            info = self._request("GET", "/v1/info", what="start-up")
+        except RemoteRewardError as e:  # a setting of this run (server down, wrong url or token): exit 2
+            raise RemoteStartupError(f"reward 'remote': no usable reward server at start-up: {e}; start one "
+                                     "(difrl reward-server --reward NAME --port PORT) or check the reward's url and "
+                                     "token_file options") from e
         served = info.get("rewards", {})
         if reward is None:
             if len(served) != 1:

@@ -17,10 +17,14 @@ from pathlib import Path
 
 
 def main(kind: str, argv: list[str] | None = None, description: str | None = None) -> int:
+    from difrl.utils.quiet import quiet_third_party
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # difrl never downloads at run time
+    quiet_third_party()  # before anything imports transformers / diffusers
+
     from difrl.config import ConfigError
     from difrl.rewards import RewardError
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # difrl never downloads at run time
     ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config", help="a YAML config (configs/*.yaml)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.path=/models/x train.lr=1e-5")
@@ -45,7 +49,7 @@ def main(kind: str, argv: list[str] | None = None, description: str | None = Non
         noise = (f" ({change['delta']:+.4f}; sampling noise of the difference {change['noise']:.4f}, "
                  f"{after.get('samples', '?')} fixed-seed samples)") if change else ""
         print(f"\n{name}: {summary['iterations']} iterations; eval reward {before['reward']:.4f} -> {after['reward']:.4f}{noise}")
-        run = Path(summary["run_dir"])
-        saved = run / ("lora" if cfg.train.lora.enabled else "transformer")
-        print(f"results: {run / 'summary.json'}, samples: {run / 'samples'}, trained weights: {saved}")
+        from difrl.train.scaffold import run_files
+
+        print(run_files(Path(summary["run_dir"])))
     return 0

@@ -14,6 +14,7 @@ reward stage (build, score, failures, advantages over valid groups) is difrl/tra
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -25,7 +26,7 @@ import torch
 from difrl.config import save_config
 from difrl.models.base import use_module
 from difrl.train.state import load_latest_checkpoint, restore_checkpoint, save_checkpoint
-from difrl.utils.io import atomic_write_json, save_safetensors
+from difrl.utils.io import atomic_write_json, json_safe, save_safetensors
 from difrl.utils.rng import mix_seed
 
 # the metric-row keys that measure time (tests strip them before comparing runs)
@@ -231,7 +232,8 @@ class Run:
         run = cls(run_dir, net, optimizer, ema, extras or {}, accelerator, state, start)
         if run.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, run_dir / "config.yaml")
+            # the run directory actually used (--out or resume=), so config.yaml reruns into this directory
+            save_config(dataclasses.replace(cfg, out=str(run_dir)), run_dir / "config.yaml")
             run.trackers = start_trackers(cfg, run_dir)
             truncate_metrics(run_dir / "metrics.jsonl", start)
             truncate_evals(run_dir / "eval.json", start)
@@ -269,6 +271,20 @@ class Run:
                 write_report(self.dir)
             except OSError as e:  # a report must never cost a finished run
                 print(f"difrl: report.html not written: {e}")
+
+
+def run_files(run_dir: Path) -> str:
+    """The closing line's list of what the run directory holds: results, samples, trained weights, curve, report
+    (only those written: a text run has no samples/)."""
+    named = [("results", "summary.json"), ("samples", "samples"), ("trained weights", "policy.safetensors"),
+             ("trained weights", "lora"), ("trained weights", "transformer"), ("curve", "reward_curve.png"),
+             ("report", "report.html")]
+    seen, parts = set(), []
+    for label, name in named:
+        if (run_dir / name).exists() and label not in seen:  # the first of the trained-weight forms present
+            seen.add(label)
+            parts.append(f"{label}: {run_dir / name}")
+    return ", ".join(parts) or f"run directory: {run_dir}"
 
 
 def start_trackers(cfg, run_dir: Path) -> list:
@@ -318,13 +334,15 @@ def truncate_metrics(path: Path, keep_iterations: int) -> None:
         path.write_text("".join(ln + "\n" for ln in kept))
 
 
-def record_eval(run_dir: Path, tag: str, iteration: int, metrics: dict) -> None:
+def record_eval(run_dir: Path, tag: str, iteration: int, metrics: dict, keep_earlier: bool = False) -> None:
     """Append one evaluation ({"tag", "iteration", every metric with its provenance}) to run_dir/eval.json, a
-    JSON list; an earlier entry with the same tag and iteration (a resumed run redoing it) is replaced."""
+    JSON list (a metric that is not a number, NaN or inf, is written as null); an earlier entry with the same
+    tag and iteration (a resumed run redoing it) is replaced unless keep_earlier (`difrl eval`: every call kept)."""
     path = run_dir / "eval.json"
     rows = json.loads(path.read_text()) if path.exists() else []
-    rows = [r for r in rows if (r.get("tag"), r.get("iteration")) != (tag, iteration)]
-    rows.append({"tag": tag, "iteration": iteration, **metrics})
+    if not keep_earlier:
+        rows = [r for r in rows if (r.get("tag"), r.get("iteration")) != (tag, iteration)]
+    rows.append({"tag": tag, "iteration": iteration, **json_safe(metrics)})
     atomic_write_json(path, rows)
 
 

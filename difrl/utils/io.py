@@ -4,6 +4,7 @@
     save_safetensors(tensors, path, metadata={"hidden": "128"})
     tensors, meta = load_safetensors_checked(path, what="digits classifier")
     digest = sha256_file(path)                    # checkpoint manifests (difrl.train.state)
+    json_safe({"fd": float("nan")})               # {"fd": None}: NaN and inf as JSON null
 """
 
 from __future__ import annotations
@@ -91,3 +92,17 @@ def sha256_file(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def json_safe(obj):
+    """`obj` with every non-finite float (NaN, inf) replaced by None, recursively through dicts, lists and
+    tuples: what json.dumps(..., allow_nan=False) accepts, so the file is valid JSON (null = not a number)."""
+    import math
+
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
