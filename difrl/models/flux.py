@@ -39,6 +39,7 @@ class FluxPolicy(DiffusersFlowPolicy):
                        "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                        "ff_context.net.2")
     quant_preset = QUANT_PRESETS["flux"]  # Sol-RL's skip list (specs §1.4)
+    fsdp_blocks = ("FluxTransformerBlock", "FluxSingleTransformerBlock")  # FSDP units (difrl.train.sharding)
 
     def __init__(self, pipe, *, height: int = 1024, width: int = 1024, true_cfg_scale: float = 1.0,
                  negative_prompt: str = "", max_sequence_length: int = 512, cache_prompts: bool = False):

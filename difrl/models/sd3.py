@@ -25,6 +25,7 @@ class SD3Policy(DiffusersFlowPolicy):
     lora_candidates = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
                        "attn.to_out.0", "attn.to_q", "attn.to_v")
     quant_preset = QUANT_PRESETS["sd3"]  # Sol-RL's skip list (specs §1.4)
+    fsdp_blocks = ("JointTransformerBlock",)  # FSDP units (difrl.train.sharding)
 
     def __init__(self, pipe, *, height: int = 1024, width: int = 1024, negative_prompt: str = "",
                  max_sequence_length: int = 256, cache_prompts: bool = False):

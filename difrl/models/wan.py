@@ -26,6 +26,7 @@ class WanPolicy(DiffusersFlowPolicy):
     # Flow-GRPO's Wan 2.1 list (train_wan2_1.py); add_* exist only in I2V checkpoints (ecosystem.md §2.1)
     lora_candidates = ("add_k_proj", "add_q_proj", "add_v_proj", "to_add_out", "to_k", "to_out.0", "to_q", "to_v")
     quant_preset = QUANT_PRESETS["wan"]  # ours: embedders and the output projection stay exact
+    fsdp_blocks = ("WanTransformerBlock",)  # FSDP units (difrl.train.sharding)
     model_options = ("num_frames",)
 
     def __init__(self, pipe, *, height: int = 480, width: int = 832, num_frames: int = 81, negative_prompt: str = "",
