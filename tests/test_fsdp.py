@@ -13,8 +13,10 @@ a. FLUX (tiny pipeline) full fine-tuning with the KL to a (sharded) frozen refer
    transformer/ loads with plain diffusers and holds the EMA weights. Killed by SIGKILL (launcher and both
    processes) after its second checkpoint and resumed: equal to the uninterrupted sharded run.
 b. FLUX LoRA: the same equality; lora/ loads into a plain FluxPipeline with load_lora_weights.
-c. The masked trainer (hf_masked: the bundled BertForMaskedLM, tied embeddings) full fine-tuning with KL.
-d. Fast: the settings accelerate's config gives, and what is refused with a reason (the rollout copy,
+c. bf16 mixed precision from the launch: ratio 1 on the first micro-step, fp32 masters in the checkpoint.
+d. The masked trainer (hf_masked: the bundled BertForMaskedLM, tied embeddings) full fine-tuning with KL; under
+   FSDP every process runs the whole batch (only the model is split), so it keeps the accumulation.
+e. Fast: the settings accelerate's config gives, and what is refused with a reason (the rollout copy,
    Sol-RL / trees, FSDP version 1); block classes with a tied weight stay in the root unit.
 """
 
@@ -110,7 +112,8 @@ def checkpoint_tensors(run_dir: Path, iteration: int) -> dict[str, torch.Tensor]
 
 
 def assert_same_runs(a: Path, b: Path, iteration: int = 3) -> None:
-    """Every numeric metric of every row and every checkpoint tensor at `iteration` agree (rtol 1e-5)."""
+    """Every numeric metric of every row, the final evaluation and every checkpoint tensor at `iteration` agree
+    (rtol 1e-5)."""
     ra, rb = rows(a), rows(b)
     assert [r["iteration"] for r in ra] == [r["iteration"] for r in rb] == list(range(1, iteration + 1))
     for x, y in zip(ra, rb):
@@ -118,6 +121,11 @@ def assert_same_runs(a: Path, b: Path, iteration: int = 3) -> None:
         for k, v in x.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 assert v == pytest.approx(y[k], rel=1e-5, abs=1e-7), (x["iteration"], k)
+    # the evaluation after training (EMA weights swapped into the shards, when on) agrees too
+    ea, eb = (json.loads((d / "summary.json").read_text())["eval_after"] for d in (a, b))
+    for k, v in ea.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            assert v == pytest.approx(eb[k], rel=1e-5, abs=1e-7), ("eval_after", k)
     ta, tb = checkpoint_tensors(a, iteration), checkpoint_tensors(b, iteration)
     assert ta.keys() == tb.keys() and any(k.startswith("opt/") for k in ta)
     for k in ta:
@@ -146,7 +154,8 @@ def test_fsdp_full_finetune_flux_equals_one_process_and_resumes_past_a_kill(tiny
     one, two, killed = tmp_path / "one", tmp_path / "two", tmp_path / "killed"
     run(1, script, [*args, "train.grad_accum=4"], one)
     out = run(2, script, [*args, "train.grad_accum=2"], two)
-    assert "2 process(es)" in out
+    assert "difrl: FSDP2 over 2 processes: 3 units (2 blocks of FluxSingleTransformerBlock, FluxTransformerBlock" in out
+    assert "(the frozen reference sharded the same way)" in out
     assert_same_runs(one, two)
     # the base weights moved by far more than the tolerance (full fine-tuning: every weight is trainable)
     base = load_safetensors_checked(tiny_flux / "transformer" / "diffusion_pytorch_model.safetensors", "base")[0]
@@ -175,7 +184,7 @@ def test_fsdp_lora_flux_equals_one_process_and_loads_in_diffusers(tiny_flux, tmp
     args = flux_args(tiny_flux, "train.kl_beta=0.1")  # LoRA (the config's): the reference is the adapter switched off
     one, two = tmp_path / "one", tmp_path / "two"
     run(1, script, [*args, "train.grad_accum=4"], one)
-    run(2, script, [*args, "train.grad_accum=2"], two)
+    assert "difrl: FSDP2 over 2 processes" in run(2, script, [*args, "train.grad_accum=2"], two)
     assert_same_runs(one, two)
     trained = {k.split("/", 1)[1]: v for k, v in checkpoint_tensors(two, 3).items() if k.startswith("trainable/")}
     assert trained and all("lora_" in k for k in trained)
@@ -192,13 +201,34 @@ def test_fsdp_lora_flux_equals_one_process_and_loads_in_diffusers(tiny_flux, tmp
         torch.testing.assert_close(state[name], v, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.slow  # one launch of the tiny FLUX pipeline
+def test_fsdp_bf16_mixed_precision_from_the_accelerate_config(tiny_flux, tmp_path):
+    # `accelerate launch --mixed_precision bf16` (or mixed_precision: bf16 in the config): the blocks compute in
+    # bf16 in the rollout and in training alike (the first micro-step's ratio is exactly 1), the optimizer keeps
+    # fp32 master weights (the checkpoint is fp32) and the weights move
+    script = [str(ROOT / "scripts" / "train_flux.py")]
+    cmd = command(2, script, flux_args(tiny_flux, "train.lora.enabled=false", "train.iterations=2",
+                                       "train.grad_accum=2"), tmp_path / "bf16")
+    cmd.insert(cmd.index("--num_processes"), "--mixed_precision")
+    cmd.insert(cmd.index("--num_processes"), "bf16")
+    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "mixed precision bf16" in proc.stdout + proc.stderr
+    assert [r["first_step_max_abs_log_ratio"] for r in rows(tmp_path / "bf16")] == [0.0, 0.0]
+    trained = checkpoint_tensors(tmp_path / "bf16", 2)
+    base = load_safetensors_checked(tiny_flux / "transformer" / "diffusion_pytorch_model.safetensors", "base")[0]
+    assert all(v.dtype == torch.float32 for v in trained.values())
+    assert max(float((trained[f"trainable/{k}"] - v).abs().max()) for k, v in base.items()) > 1e-3
+
+
 @pytest.mark.slow  # two launches of the masked trainer
 def test_fsdp_masked_lm_equals_one_process(tmp_path):
     pytest.importorskip("transformers")
     target = ["-m", "difrl", "train", str(ROOT / "configs" / "text_arithmetic.yaml")]
     one, two = tmp_path / "one", tmp_path / "two"
     run(1, target, [*MASKED, "train.grad_accum=2"], one)
-    run(2, target, [*MASKED, "train.grad_accum=2"], two)  # every process runs the whole batch: same accumulation
+    out = run(2, target, [*MASKED, "train.grad_accum=2"], two)  # every process runs the whole batch: same accumulation
+    assert "difrl: FSDP2 over 2 processes: 4 units (3 blocks of BertLayer + the root)" in out
     assert_same_runs(one, two)
     # policy.safetensors: the gathered weights, loadable into a plain transformers BertForMaskedLM
     from transformers import BertForMaskedLM

@@ -68,10 +68,21 @@ def shard_policy(policy, net, reference, settings, device=None):
     sharded parameters. Returns (net, reference)."""
     if settings is None:
         return net, reference
+    from torch.distributed.fsdp import FSDPModule
+
     blocks = policy.fsdp_blocks
     net = shard(net, blocks, settings, device)
     if reference is not None:
         reference = shard(reference, blocks, settings, device)
+    if torch.distributed.get_rank() == 0:
+        units = [m for m in net.modules() if isinstance(m, FSDPModule) and m is not net]
+        names = sorted({type(m).__mro__[2].__name__ for m in units})  # FSDP<Block> -> (FSDP<Block>, FSDPModule, Block)
+        local = sum(p.to_local().numel() for p in net.parameters() if is_sharded(p))
+        total = sum(p.numel() for p in net.parameters())
+        print(f"difrl: FSDP2 over {torch.distributed.get_world_size()} processes: {len(units) + 1} units ({len(units)} blocks of "
+              f"{', '.join(names)} + the root), mixed precision {settings.mixed_precision}; "
+              f"this process holds {local:,} of the network's {total:,} parameters"
+              f"{' (the frozen reference sharded the same way)' if reference is not None else ''}")
     return net, reference
 
 
