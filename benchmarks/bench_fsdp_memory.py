@@ -4,13 +4,14 @@
 
 Full fine-tuning of a FLUX transformer (the tiny pipeline's family, built in code by difrl.models.tiny; the full
 run widens it to --layers double + single blocks of --dim so that the per-block FSDP units dominate the
-root's). Each setting is launched as its own torchrun job: one plain process, DDP over 2 processes, and FSDP2
-over 2 processes sharded the way the trainer shards (difrl.train.sharding.shard, one unit per FluxTransformerBlock
-/ FluxSingleTransformerBlock). Each process runs one forward, backward and AdamW step of the velocity on random
-latents, then counts the bytes of what it holds (difrl.train.sharding.state_bytes): its parameters, their
+root's). One torchrun job of 2 processes (gloo) trains the same model twice: replicated by DDP, then sharded by
+FSDP2 the way the trainer shards (difrl.train.sharding.shard, one unit per FluxTransformerBlock /
+FluxSingleTransformerBlock). Each time every process runs one forward, backward and AdamW step of the velocity
+on random latents, then counts the bytes of what it holds (difrl.train.sharding.state_bytes): its parameters, their
 gradients and AdamW's two moments (local shards under FSDP). Not counted: DDP's gradient buckets (another
 gradient-sized buffer per process), FSDP's transient all-gathered block during its forward / backward,
-activations and libraries. Byte counts, no timings: the numbers do not depend on the machine's load.
+activations and libraries. A DDP process holds what a single process holds. Byte counts, no timings: the
+numbers do not depend on the machine's load.
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import publish, standard_args  # noqa: E402
+
 BEGIN, END = "<!-- bench_fsdp_memory:begin -->", "<!-- bench_fsdp_memory:end -->"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def worker(mode: str, layers: int, dim: int, out: Path) -> None:
-    """One process of a torchrun job: build, wrap (ddp / fsdp / plain), one update, write this rank's bytes."""
+def worker(layers: int, dim: int, out: Path) -> None:
+    """One process of the torchrun job: the model under DDP, then under FSDP2; one update each; this rank's bytes."""
     import torch
     import torch.distributed as dist
     from diffusers import FluxTransformer2DModel
@@ -36,47 +40,43 @@ def worker(mode: str, layers: int, dim: int, out: Path) -> None:
     from difrl.train.sharding import FSDPSettings, shard, state_bytes
 
     torch.set_num_threads(1)
-    distributed = mode != "single"
-    if distributed:
-        dist.init_process_group("gloo")
-    rank = dist.get_rank() if distributed else 0
-    torch.manual_seed(0)
-    heads = max(1, dim // 16)
-    net = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=layers, num_single_layers=layers,
-                                 attention_head_dim=16, num_attention_heads=heads, joint_attention_dim=32,
-                                 pooled_projection_dim=32, axes_dims_rope=[4, 4, 8])
-    model = net
-    if mode == "fsdp":
-        model = shard(net, ("FluxTransformerBlock", "FluxSingleTransformerBlock"), FSDPSettings())
-    elif mode == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(net)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
-    g = torch.Generator().manual_seed(rank)
-    b, seq, txt = 2, 16, 8
-    out_v = model(hidden_states=torch.randn(b, seq, 4, generator=g), encoder_hidden_states=torch.randn(b, txt, 32, generator=g),
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    for mode in ("ddp", "fsdp"):
+        torch.manual_seed(0)
+        net = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=layers, num_single_layers=layers,
+                                     attention_head_dim=16, num_attention_heads=max(1, dim // 16),
+                                     joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8])
+        numel = sum(p.numel() for p in net.parameters())
+        if mode == "fsdp":
+            model = shard(net, ("FluxTransformerBlock", "FluxSingleTransformerBlock"), FSDPSettings())
+        else:
+            model = torch.nn.parallel.DistributedDataParallel(net)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-4)
+        g = torch.Generator().manual_seed(rank)
+        b, seq, txt = 2, 16, 8
+        v = model(hidden_states=torch.randn(b, seq, 4, generator=g),
+                  encoder_hidden_states=torch.randn(b, txt, 32, generator=g),
                   pooled_projections=torch.randn(b, 32, generator=g), timestep=torch.rand(b, generator=g),
-                  img_ids=torch.zeros(seq, 3), txt_ids=torch.zeros(txt, 3), guidance=None,
-                  return_dict=False)[0]
-    out_v.float().pow(2).mean().backward()
-    optimizer.step()  # AdamW's moments exist after the first step; the gradients are still held
-    counts = state_bytes(params, optimizer)
-    numel = sum(p.numel() for p in net.parameters())
-    (out / f"{mode}-rank{rank}.json").write_text(json.dumps({"mode": mode, "rank": rank, "numel": numel, **counts}))
-    if distributed:
-        dist.barrier()
-        dist.destroy_process_group()
+                  img_ids=torch.zeros(seq, 3), txt_ids=torch.zeros(txt, 3), guidance=None, return_dict=False)[0]
+        v.float().pow(2).mean().backward()
+        optimizer.step()  # AdamW's moments exist after the first step; the gradients are still held
+        counts = state_bytes(params, optimizer)
+        (out / f"{mode}-rank{rank}.json").write_text(json.dumps({"mode": mode, "rank": rank, "numel": numel, **counts}))
+        del model, net, params, optimizer
+    dist.barrier()
+    dist.destroy_process_group()
 
 
-def launch(mode: str, layers: int, dim: int, out: Path) -> None:
+def launch(layers: int, dim: int, out: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    me = [str(Path(__file__).resolve()), "--worker", mode, "--layers", str(layers), "--dim", str(dim), "--out", str(out)]
-    cmd = ([sys.executable, *me] if mode == "single" else
-           [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *me])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(Path(__file__).resolve()), "--worker", "--layers", str(layers), "--dim", str(dim), "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
-        raise RuntimeError(f"{mode} run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"the torchrun job failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
 
 def mib(n: int) -> str:
@@ -84,30 +84,27 @@ def mib(n: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    from benchmarks.common import publish, standard_args
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4, help="double and single FLUX blocks each")
     ap.add_argument("--dim", type=int, default=256, help="hidden size (heads of 16)")
-    ap.add_argument("--worker", choices=("single", "ddp", "fsdp"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     standard_args(ap, "the tiny size (1 + 1 blocks of 32)")
     args = ap.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.layers, args.dim, args.out)
+        worker(args.layers, args.dim, args.out)
         return []
     layers, dim = (1, 32) if args.quick else (args.layers, args.dim)
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in ("single", "ddp", "fsdp"):
-            launch(mode, layers, dim, Path(tmp))
+        launch(layers, dim, Path(tmp))
         found = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("*.json"))]
     rows = []
-    for mode, label in (("single", "1 process"), ("ddp", "DDP, 2 processes"), ("fsdp", "FSDP2, 2 processes")):
+    for mode, label in (("ddp", "DDP, 2 processes (= 1 process)"), ("fsdp", "FSDP2, 2 processes")):
         mine = [r for r in found if r["mode"] == mode]
         worst = max(mine, key=lambda r: r["total"])  # the process holding the most (FSDP: the larger shards)
         rows.append({"setting": label, "processes": len(mine), **{k: worst[k] for k in ("params", "grads", "optimizer", "total")},
                      "numel": worst["numel"]})
-    ddp_total = rows[1]["total"]
+    ddp_total = rows[0]["total"]
     for r in rows:
         r["vs_ddp"] = r["total"] / ddp_total
     lines = [f"Full fine-tuning of a FLUX transformer of {rows[0]['numel']:,} parameters ({layers} double + {layers} "
@@ -124,5 +121,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     main()

@@ -310,3 +310,19 @@ def test_block_classes_and_tied_weights():
 
     net = Net()
     assert block_modules(net, ["Block"]) == [net.second]
+
+
+def test_bench_fsdp_memory_halves_the_per_process_state(tmp_path):
+    # benchmarks/bench_fsdp_memory.py --quick (one torchrun job of 2 processes; byte counts, no timings)
+    import importlib.util
+
+    pytest.importorskip("diffusers")
+    spec = importlib.util.spec_from_file_location("bench_fsdp_memory", ROOT / "benchmarks" / "bench_fsdp_memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ddp, fsdp = bench.main(["--quick", "--json", str(tmp_path / "rows.json")])
+    assert json.loads((tmp_path / "rows.json").read_text()) == [ddp, fsdp]
+    # DDP: AdamW holds two moments per weight and the gradient one copy; FSDP2 holds about half of each
+    assert ddp["params"] == ddp["grads"] > 0 and ddp["optimizer"] == pytest.approx(2 * ddp["params"], rel=1e-2)  # + steps
+    for k in ("params", "grads", "optimizer", "total"):
+        assert 0.45 < fsdp[k] / ddp[k] < 0.55, k
