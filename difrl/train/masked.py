@@ -3,6 +3,7 @@
     difrl train configs/sudoku.yaml [key=value ...] [--out DIR]      # resume: add resume=DIR
     difrl train configs/digit_tokens.yaml
     difrl train configs/sudoku.yaml external.source=solver          # ERILS: a solver's rollouts in every group
+    accelerate launch --config_file configs/accelerate/fsdp.yaml -m difrl train configs/text_arithmetic.yaml  # sharded
 
 Reads top to bottom: setup -> (rollout -> reward -> advantage -> mu inner updates -> log ->
 checkpoint) per iteration. Everything random is derived from (seed, iteration, index), so a
@@ -26,6 +27,9 @@ the baseline is the group's on-policy mean and std), and each of their tokens is
 by pi_old(o_k | context) / mu_ext(o_k | context) through ``difrl.correct`` (TIS by default), with the
 context the one the external policy committed o_k in (``trace_logp``) and mu_ext the probability it
 recorded. The world (prompts, decode, eval) comes from ``difrl.worlds.masked``.
+
+Under FSDP (difrl.train.sharding) every process runs the whole iteration on the same samples and only the
+model (weights, gradients, optimizer state) is split: it fits a larger model, it is not faster.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The scaffold every trainer shares (difrl/train/flow.py, difrl/train/masked.py): what is not the method.
 
     net, reference = wrap_policy(policy, cfg.train.lora, cfg.seed, need_reference=cfg.train.kl_beta > 0)
+    net, reference = shard_policy(policy, net, reference, fsdp_settings(accelerator))  # FSDP2, or as they were
     optimizer = make_optimizer(trainable_params(net), cfg.train)
     run = Run.open(cfg, run_dir, net, optimizer, ema, extras, accelerator)   # resume, config.yaml, metrics cut back
     with reference_policy(policy, net, reference): ...                     # the KL's reference (LoRA off / frozen copy)
