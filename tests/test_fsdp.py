@@ -16,7 +16,8 @@ b. FLUX LoRA: the same equality; lora/ loads into a plain FluxPipeline with load
 c. bf16 mixed precision from the launch: ratio 1 on the first micro-step, fp32 masters in the checkpoint.
 d. The masked trainer (hf_masked: the bundled BertForMaskedLM, tied embeddings) full fine-tuning with KL; under
    FSDP every process runs the whole batch (only the model is split), so it keeps the accumulation.
-e. Fast: the settings accelerate's config gives, and what is refused with a reason (the rollout copy,
+e. Fast: gathering, plain copies and checkpoint restore of sharded tensors (a one-process group in the test
+   process); the settings accelerate's config gives, and what is refused with a reason (the rollout copy,
    Sol-RL / trees, FSDP version 1); block classes with a tied weight stay in the root unit.
 """
 
@@ -326,3 +327,74 @@ def test_bench_fsdp_memory_halves_the_per_process_state(tmp_path):
     assert ddp["params"] == ddp["grads"] > 0 and ddp["optimizer"] == pytest.approx(2 * ddp["params"], rel=1e-2)  # + steps
     for k in ("params", "grads", "optimizer", "total"):
         assert 0.45 < fsdp[k] / ddp[k] < 0.55, k
+
+
+def test_gather_copy_and_restore_in_one_process(tmp_path):
+    # FSDP2 on a one-process gloo group, in this process: the DTensor code paths of sharding.py and state.py.
+    # A LoRA network, sharded per block, one update; gathered() shows the full weights, plain_copy() of them merges
+    # LoRA into a plain module that computes what the sharded one computes; a checkpoint written from the shards
+    # restores into a freshly sharded network (weights, EMA, AdamW moments) and the next update matches.
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+    from torch import nn
+
+    from difrl.train.sharding import FSDPSettings, gathered, is_sharded, plain_copy, shard
+    from difrl.train.state import EMA, load_latest_checkpoint, restore_checkpoint, save_checkpoint, trainable_params
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x + self.fc2(torch.relu(self.fc1(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), Block()])
+            self.out = nn.Linear(8, 3)
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return self.out(x)
+
+    def build():
+        torch.manual_seed(0)
+        net = get_peft_model(Net(), LoraConfig(r=2, target_modules=["fc1", "fc2"], init_lora_weights="gaussian"))
+        net = shard(net, ["Block"], FSDPSettings())
+        opt = torch.optim.AdamW(trainable_params(net).values(), lr=0.1)
+        return net, opt, EMA(trainable_params(net), 0.5)
+
+    def update(net, opt, ema, x):
+        net(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ema.update()
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        net, opt, ema = build()
+        assert all(is_sharded(p) for p in net.parameters())
+        update(net, opt, ema, x)
+        with torch.no_grad():
+            y = net(x)
+        with gathered(net):
+            assert not any(is_sharded(p) for p in net.parameters())
+            merged = plain_copy(net).merge_and_unload()
+        assert type(merged) is Net and not any(is_sharded(p) for p in merged.parameters())
+        torch.testing.assert_close(merged(x), y)
+        assert all(is_sharded(p) for p in net.parameters())  # the shards are back
+        save_checkpoint(tmp_path, 1, net, opt, ema, {})
+        update(net, opt, ema, x)
+
+        fresh, fopt, fema = build()
+        restore_checkpoint(load_latest_checkpoint(tmp_path), fresh, fopt, fema)
+        update(fresh, fopt, fema, x)
+        for (k, p), q in zip(trainable_params(net).items(), trainable_params(fresh).values()):
+            torch.testing.assert_close(p.full_tensor(), q.full_tensor(), msg=k)
+            torch.testing.assert_close(ema.shadow[k].full_tensor(), fema.shadow[k].full_tensor(), msg=k)
+    finally:
+        dist.destroy_process_group()
