@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for mode, label in (("ddp", "DDP, 2 processes (= 1 process)"), ("fsdp", "FSDP2, 2 processes")):
         mine = [r for r in found if r["mode"] == mode]
         worst = max(mine, key=lambda r: r["total"])  # the process holding the most (FSDP: the larger shards)
-        rows.append({"setting": label, "processes": len(mine), **{k: worst[k] for k in ("params", "grads", "optimizer", "total")},
-                     "numel": worst["numel"]})
+        terms = {k: worst[k] for k in ("params", "grads", "optimizer", "total")}
+        rows.append({"setting": label, "processes": len(mine), **terms, "numel": worst["numel"]})
     ddp_total = rows[0]["total"]
     for r in rows:
         r["vs_ddp"] = r["total"] / ddp_total
@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
              "FSDP's transient gathered block, activations, libraries.", "",
              "| setting | parameters | gradients | optimizer state | total per process | vs DDP |",
              "|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['setting']} | {mib(r['params'])} | {mib(r['grads'])} | {mib(r['optimizer'])} | {mib(r['total'])} | "
-              f"{r['vs_ddp']:.3f} |" for r in rows]
+    lines += [f"| {r['setting']} | {mib(r['params'])} | {mib(r['grads'])} | {mib(r['optimizer'])} | "
+              f"{mib(r['total'])} | {r['vs_ddp']:.3f} |" for r in rows]
     publish(args, BEGIN, END, "FSDP2 vs DDP: per-process model memory (2 CPU processes)", "bench_fsdp_memory.py",
             argv, lines, rows)
     return rows
