@@ -15,7 +15,9 @@ adapter names (`policy.fsdp_blocks`; `fsdp_transformer_layer_cls_to_wrap` in the
 overrides them). The settings still come from accelerate's config (its FSDP plugin reads the
 environment `accelerate launch` sets): fsdp_version (2 only), reshard_after_forward,
 offload_params and mixed_precision (bf16 / fp16: compute in that dtype, fp32 master weights and
-gradient reduction).
+gradient reduction). fsdp_auto_wrap_policy is not read: the units are always the blocks (a size-based
+policy would cut blocks apart). fsdp_activation_checkpointing is not read either: activation checkpointing
+is a model option (hf_masked: model.gradient_checkpointing; the flow adapters have none yet).
 
 A sharded parameter is a DTensor holding this process's rows (dim 0, torch.chunk's split). Checkpoints
 and the final weights are gathered to full tensors, so a checkpoint written by N sharded processes is
