@@ -21,7 +21,8 @@ is a model option (hf_masked: model.gradient_checkpointing; the flow adapters ha
 
 A sharded parameter is a DTensor holding this process's rows (dim 0, torch.chunk's split). Checkpoints
 and the final weights are gathered to full tensors, so a checkpoint written by N sharded processes is
-the same file a single process writes and resumes on any number of processes.
+the same file a single process writes (a run resumes from it on the same number of processes: tested;
+another number reads the same files, untested).
 """
 
 from __future__ import annotations
