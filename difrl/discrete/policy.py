@@ -52,6 +52,12 @@ class MaskedPolicy(Protocol):
         """[B, L] bool: prompt positions (never masked by a loss, never changed by a sampler)."""
 
 
+def mask_logit(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """logits [..., V] with the mask token's logit set to NEG, out of place: the network's output is not modified
+    (under FSDP2 an in-place write to it would drop the hook that gathers the weights again for the backward)."""
+    return logits.index_fill(-1, torch.tensor([mask_id], device=logits.device), NEG)
+
+
 def prompt_mask_of(tokens: torch.Tensor, mask_id: int, cond: Cond | None = None) -> torch.Tensor:
     """cond["prompt_mask"] if given, else the positions of `tokens` (a rollout's start) that are not masked."""
     if cond is not None and "prompt_mask" in cond:
@@ -136,6 +142,7 @@ class TinyMaskedPolicy(HoldsNet):
     """MaskedPolicy adapter for MaskedTransformer (the bundled discrete worlds' generator)."""
 
     lora_target_modules = ["qkv", "proj", "fc1", "fc2", "head"]
+    block_classes = ("Block",)  # the repeated blocks: FSDP units (difrl.train.sharding)
 
     def __init__(self, net: MaskedTransformer):
         self.net = net
@@ -145,8 +152,7 @@ class TinyMaskedPolicy(HoldsNet):
     def logits(self, tokens: torch.Tensor, cond: Cond | None = None) -> torch.Tensor:
         _check_tokens(tokens, self.vocab_size)
         out = self.net(tokens, (cond or {}).get("label")).float()
-        out[..., self.mask_id] = NEG
-        return out
+        return mask_logit(out, self.mask_id)
 
     def prompt_mask(self, tokens: torch.Tensor, cond: Cond | None = None) -> torch.Tensor:
         return prompt_mask_of(tokens, self.mask_id, cond)
@@ -200,6 +206,18 @@ class HFMaskedLM:
     def module(self, m: nn.Module) -> None:
         self.model = m
 
+    @property
+    def block_classes(self) -> tuple[str, ...]:
+        """The transformer layer classes FSDP wraps one by one (difrl.train.sharding): the model's own
+        `_no_split_modules` when it names any, else the class of the longest ModuleList of one class (BERT's
+        `encoder.layer`: BertLayer; LLaDA's blocks)."""
+        named = tuple(getattr(self.model, "_no_split_modules", None) or ())
+        if named:
+            return named
+        lists = [m for m in self.model.modules() if isinstance(m, nn.ModuleList) and len(m)
+                 and len({type(x) for x in m}) == 1]
+        return (type(max(lists, key=len)[0]).__name__,) if lists else ()
+
     @classmethod
     def from_pretrained(cls, path: str | Path, *, mask_id: int | None = None, trust_remote_code: bool = False,
                         dtype: str | torch.dtype = "fp32", device=None) -> "HFMaskedLM":
@@ -252,8 +270,7 @@ class HFMaskedLM:
         if logits.shape[:2] != tokens.shape or logits.shape[-1] != self.vocab_size:
             raise ValueError(f"the model returned logits {tuple(logits.shape)} for tokens {tuple(tokens.shape)}; "
                              f"expected [B, L, {self.vocab_size}]")
-        logits[..., self.mask_id] = NEG
-        return logits.to(tokens.device)  # on the caller's device (the masked trainer keeps its tensors on the CPU)
+        return mask_logit(logits, self.mask_id).to(tokens.device)  # on the caller's device (the masked trainer keeps its tensors on the CPU)
 
     def prompt_mask(self, tokens: torch.Tensor, cond: Cond | None = None) -> torch.Tensor:
         return prompt_mask_of(tokens, self.mask_id, cond)

@@ -41,7 +41,8 @@ from difrl.train.reward_stage import (across_processes, build_rewards, reward_st
                                      track_reward_failures, valid_group_advantages)
 from difrl.train.scaffold import (TIMING_KEYS, Metrics, RatioCheckError, Run, clip_and_step, cores_available,  # noqa: F401
                                   fmt_eval, make_optimizer, progress, pooled_std, record_eval, reference_policy,
-                                  save_policy, wrap_policy)
+                                  save_policy, shard_policy, wrap_policy)
+from difrl.train.sharding import fsdp_settings, gathered, refuse_unsupported
 from difrl.train.state import EMA, trainable_params
 from difrl.tree_rollout import tree_rollout
 from difrl.utils.rng import mix_seed
@@ -68,9 +69,13 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
     sigmas = world.sigmas(cfg.sampler.num_steps, cfg.sampler.shift)  # difrl's schedule, or a pipeline's own
     net, reference = wrap_policy(policy, cfg.train.lora, cfg.seed,
                                  need_reference=cfg.train.kl_beta > 0 or (nft and cfg.nft.ref_beta > 0))
+    fsdp = fsdp_settings(accelerator)  # FSDP2 (accelerate launch --config_file configs/accelerate/fsdp.yaml) or None
+    refuse_unsupported(cfg, fsdp)
+    net, reference = shard_policy(policy, net, reference, fsdp, accelerator.device)
     params = trainable_params(net)
     optimizer = make_optimizer(params, cfg.train)
-    net, optimizer = accelerator.prepare(net, optimizer)
+    if fsdp is None:  # DDP (or one process); a sharded net is already distributed
+        net, optimizer = accelerator.prepare(net, optimizer)
     policy.module = net
     unwrapped = accelerator.unwrap_model(net)
     ema = EMA(trainable_params(unwrapped), cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
@@ -218,7 +223,8 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
                     first = False
                     accelerator.backward(loss)
                 if sync:
-                    norm = clip_and_step(optimizer, params, cfg.train.max_grad_norm, accelerator.clip_grad_norm_)
+                    norm = clip_and_step(optimizer, params, cfg.train.max_grad_norm,
+                                         None if fsdp else accelerator.clip_grad_norm_)
                     if norm is not None:
                         m.add("grad_norm", norm)
                     if ema is not None:
@@ -278,15 +284,15 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
                "headline": list(world.headline)}
     if (change := change_over_noise(summary["eval_before"], eval_after)) is not None:  # diffusers worlds
         summary["reward_change"] = change
-    if accelerator.is_main_process:
-        if world.save_lora is None:  # digits: a plain merged checkpoint usable as model.path
-            save_policy(policy, unwrapped, cfg.train.lora.enabled, run_dir / "policy.safetensors", ema)
-        else:  # diffusers: run_dir/lora for pipe.load_lora_weights, or the full fine-tune's transformer/
-            with ema.swapped() if ema is not None else nullcontext():
-                if cfg.train.lora.enabled:
-                    world.save_lora(policy, run_dir / "lora")
-                else:
-                    unwrapped.save_pretrained(run_dir / "transformer")
+    # EMA weights if on; under FSDP every process gathers the full weights (sharding.gathered), the main one saves
+    with ema.swapped() if ema is not None else nullcontext(), gathered(unwrapped):
+        if accelerator.is_main_process:
+            if world.save_lora is None:  # digits: a plain merged checkpoint usable as model.path
+                save_policy(policy, unwrapped, cfg.train.lora.enabled, run_dir / "policy.safetensors")
+            elif cfg.train.lora.enabled:  # diffusers: run_dir/lora for pipe.load_lora_weights
+                world.save_lora(policy, run_dir / "lora")
+            else:  # or the full fine-tune's transformer/
+                unwrapped.save_pretrained(run_dir / "transformer")
     run.finish(summary, world.headline)
     run.barrier()
     accelerator.end_training()

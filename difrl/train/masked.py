@@ -3,6 +3,7 @@
     difrl train configs/sudoku.yaml [key=value ...] [--out DIR]      # resume: add resume=DIR
     difrl train configs/digit_tokens.yaml
     difrl train configs/sudoku.yaml external.source=solver          # ERILS: a solver's rollouts in every group
+    accelerate launch --config_file configs/accelerate/fsdp.yaml -m difrl train configs/text_arithmetic.yaml  # sharded
 
 Reads top to bottom: setup -> (rollout -> reward -> advantage -> mu inner updates -> log ->
 checkpoint) per iteration. Everything random is derived from (seed, iteration, index), so a
@@ -26,6 +27,9 @@ the baseline is the group's on-policy mean and std), and each of their tokens is
 by pi_old(o_k | context) / mu_ext(o_k | context) through ``difrl.correct`` (TIS by default), with the
 context the one the external policy committed o_k in (``trace_logp``) and mu_ext the probability it
 recorded. The world (prompts, decode, eval) comes from ``difrl.worlds.masked``.
+
+Under FSDP (difrl.train.sharding) every process runs the whole iteration on the same samples and only the
+model (weights, gradients, optimizer state) is split: it fits a larger model, it is not faster.
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ from difrl.train.reward_stage import (build_rewards, finite_mean_std, reward_sta
                                      track_reward_failures, valid_group_advantages)
 from difrl.train.scaffold import (TIMING_KEYS, Metrics, RatioCheckError, Run, check_ratio, clip_and_step,  # noqa: F401
                                   cores_available, fmt_eval, make_optimizer, progress, record_eval, reference_policy,
-                                  save_policy, wrap_policy)
+                                  save_policy, shard_policy, sharded_processes, wrap_policy)
+from difrl.train.sharding import gathered
 from difrl.train.state import trainable_params
 from difrl.utils.rng import mix_seed
 from difrl.worlds.masked import build_masked_world
@@ -56,6 +61,10 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
     from tqdm.auto import tqdm
 
     # ======================================================================== setup
+    # one process, or under FSDP every process runs the whole iteration on the sharded model (sharded_processes)
+    accelerator, fsdp = sharded_processes()
+    main = accelerator is None or accelerator.is_main_process
+    say = print if main else (lambda *a, **k: None)
     torch.set_num_threads(cfg.threads or cores_available())
     run_dir = Path(cfg.resume or out_dir or cfg.out or f"runs/{cfg.model.kind}")
     P, G, mu = cfg.rollout.prompts_per_iter, cfg.rollout.group_size, cfg.train.inner_updates
@@ -67,7 +76,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
     sampler = SAMPLERS[cfg.sampler.kind]
     ext = cfg.external
     K = ext.per_group if ext.source != "none" else 0
-    print(f"difrl: masked GRPO ({cfg.estimator.kind}) on {cfg.model.kind}; {torch.get_num_threads()} thread(s); {N} "
+    say(f"difrl: masked GRPO ({cfg.estimator.kind}) on {cfg.model.kind}; {torch.get_num_threads()} thread(s); {N} "
           f"rollouts/iteration ({P} prompts x {G}{f', {K} of each group from {ext.source}' if K else ''}), "
           f"{cfg.sampler.kind} sampler at T={cfg.sampler.temperature}; {mu} inner update(s) x {updates_per_inner} "
           f"optimizer step(s) of {mbs} x {ga}; run dir {run_dir}")
@@ -84,19 +93,20 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
     corrector = CORRECTORS[ext.correct.method]
 
     net, reference = wrap_policy(policy, cfg.train.lora, cfg.seed, need_reference=cfg.train.kl_beta > 0)
+    net, reference = shard_policy(policy, net, reference, fsdp, None if accelerator is None else accelerator.device)
     policy.module = net
     params = trainable_params(net)
     optimizer = make_optimizer(params, cfg.train)
-    run = Run.open(cfg, run_dir, net, optimizer)
+    run = Run.open(cfg, run_dir, net, optimizer, accelerator=accelerator)
     if run.state["eval_before"] is None:
         run.state["eval_before"] = run.state["last_eval"] = world.evaluate(policy)
-        record_eval(run_dir, "before", 0, run.state["eval_before"])
-        print("eval before: " + fmt_eval(run.state["eval_before"], world.headline))
-        if world.save_samples is not None:
-            world.save_samples(policy, run_dir / "samples" / "iter-0000.png")
+        if main:
+            record_eval(run_dir, "before", 0, run.state["eval_before"])
+        say("eval before: " + fmt_eval(run.state["eval_before"], world.headline))
+        save_samples(world, policy, run_dir / "samples" / "iter-0000.png", main)
 
     bar = tqdm(range(run.start, cfg.train.iterations), initial=run.start, total=cfg.train.iterations, desc="train",
-               dynamic_ncols=True)
+               dynamic_ncols=True, disable=not main)
     it = run.start - 1
     for it in bar:
         t_iter = time.perf_counter()
@@ -220,7 +230,8 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
         if cfg.eval.every and (it + 1) % cfg.eval.every == 0 and it + 1 < cfg.train.iterations:
             t_eval = time.perf_counter()
             run.state["last_eval"] = ev = world.evaluate(policy)
-            record_eval(run_dir, "eval", it + 1, ev)
+            if main:
+                record_eval(run_dir, "eval", it + 1, ev)
             row.update({f"eval/{k}": v for k, v in ev.items() if isinstance(v, (int, float))})
             row["seconds_eval"] = time.perf_counter() - t_eval
         row["seconds"] = time.perf_counter() - t_iter
@@ -236,14 +247,31 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
     done = it + 1 if cfg.train.iterations > run.start else run.start
     run.checkpoint(done)
     eval_after = world.evaluate(policy)
-    record_eval(run_dir, "after", done, eval_after)
-    print("eval after:  " + fmt_eval(eval_after, world.headline))
-    if world.save_samples is not None:
-        world.save_samples(policy, run_dir / "samples" / f"iter-{done:04d}.png")
+    if main:
+        record_eval(run_dir, "after", done, eval_after)
+    say("eval after:  " + fmt_eval(eval_after, world.headline))
+    save_samples(world, policy, run_dir / "samples" / f"iter-{done:04d}.png", main)
     summary = {"eval_before": run.state["eval_before"], "eval_after": eval_after, "iterations": done,
                "stopped_early": None, "run_dir": str(run_dir), "headline": list(world.headline)}
-    save_policy(policy, net, cfg.train.lora.enabled, run_dir / "policy.safetensors")
-    if cfg.train.lora.enabled:  # also the adapter alone in peft's own format: PeftModel.from_pretrained(base, run_dir/"lora")
-        net.save_pretrained(str(run_dir / "lora"))
+    with gathered(net):  # under FSDP every process gathers the full weights, the main one saves them
+        if main:
+            save_policy(policy, net, cfg.train.lora.enabled, run_dir / "policy.safetensors")
+            if cfg.train.lora.enabled:  # also the adapter alone in peft's own format: PeftModel.from_pretrained(base, run_dir/"lora")
+                net.save_pretrained(str(run_dir / "lora"))
     run.finish(summary, world.headline)
+    run.barrier()
     return summary
+
+
+def save_samples(world, policy, path: Path, main: bool) -> None:
+    """The world's sample picture at `path`. Every process samples (under FSDP each forward is collective); the
+    others write theirs to a temporary directory."""
+    if world.save_samples is None:
+        return
+    if main:
+        world.save_samples(policy, path)
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        world.save_samples(policy, Path(tmp) / path.name)

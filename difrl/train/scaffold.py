@@ -1,6 +1,7 @@
 """The scaffold every trainer shares (difrl/train/flow.py, difrl/train/masked.py): what is not the method.
 
     net, reference = wrap_policy(policy, cfg.train.lora, cfg.seed, need_reference=cfg.train.kl_beta > 0)
+    net, reference = shard_policy(policy, net, reference, fsdp_settings(accelerator))  # FSDP2, or as they were
     optimizer = make_optimizer(trainable_params(net), cfg.train)
     run = Run.open(cfg, run_dir, net, optimizer, ema, extras, accelerator)   # resume, config.yaml, metrics cut back
     with reference_policy(policy, net, reference): ...                     # the KL's reference (LoRA off / frozen copy)
@@ -25,7 +26,8 @@ import torch
 
 from difrl.config import save_config
 from difrl.models.base import use_module
-from difrl.train.state import load_latest_checkpoint, restore_checkpoint, save_checkpoint
+from difrl.train.sharding import gathered, is_sharded, plain_copy, shard
+from difrl.train.state import load_latest_checkpoint, restore_checkpoint, snapshot, write_checkpoint
 from difrl.utils.io import atomic_write_json, json_safe, save_safetensors
 from difrl.utils.rng import mix_seed
 
@@ -61,6 +63,52 @@ def wrap_policy(policy, lora, seed: int, need_reference: bool):
     return base, copy.deepcopy(base).requires_grad_(False) if need_reference else None
 
 
+def shard_policy(policy, net, reference, settings, device=None):
+    """Under FSDP (`settings` from difrl.train.sharding.fsdp_settings; None: nothing to do) shard the trained
+    network and the frozen reference copy of full fine-tuning per transformer block (the adapter's
+    `block_classes`), so no process holds either whole. Call before make_optimizer: the optimizer must see the
+    sharded parameters. Returns (net, reference)."""
+    if settings is None:
+        return net, reference
+    from torch.distributed.fsdp import FSDPModule
+
+    blocks = policy.block_classes
+    net = shard(net, blocks, settings, device)
+    if reference is not None:
+        reference = shard(reference, blocks, settings, device)
+    if torch.distributed.get_rank() == 0:
+        units = [m for m in net.modules() if isinstance(m, FSDPModule) and m is not net]
+        names = sorted({type(m).__mro__[2].__name__ for m in units})  # FSDP<Block> -> (FSDP<Block>, FSDPModule, Block)
+        local = sum(p.to_local().numel() for p in net.parameters() if is_sharded(p))
+        total = sum(p.numel() for p in net.parameters())
+        print(f"difrl: FSDP2 over {torch.distributed.get_world_size()} processes: {len(units) + 1} units ({len(units)} blocks of "
+              f"{', '.join(names)} + the root), mixed precision {settings.mixed_precision}; "
+              f"this process holds {local:,} of the network's {total:,} parameters"
+              f"{' (the frozen reference sharded the same way)' if reference is not None else ''}")
+    return net, reference
+
+
+def sharded_processes():
+    """The processes of a trainer that is not data-parallel (the masked recipe): (None, None) for a plain
+    single process; (accelerator, FSDP settings) under `accelerate launch` with an FSDP config, where every
+    process runs the whole iteration and only the model (parameters, gradients, optimizer state) is split. More
+    than one process without FSDP would only repeat the same run, so it is refused (ConfigError)."""
+    from difrl.config import ConfigError
+    from difrl.train.sharding import fsdp_settings
+
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return None, None
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    fsdp = fsdp_settings(accelerator)
+    if fsdp is None:
+        raise ConfigError(f"{accelerator.num_processes} processes without FSDP: the masked trainer does not split its "
+                          "batch over processes, so they would only repeat one run. Run one process, or shard the "
+                          "model with accelerate launch --config_file configs/accelerate/fsdp.yaml", "launch")
+    return accelerator, fsdp
+
+
 def make_optimizer(params: dict, train) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params.values(), lr=train.lr, betas=train.betas, eps=train.adam_eps,
                              weight_decay=train.weight_decay)
@@ -78,7 +126,8 @@ def clip_and_step(optimizer, params: dict, max_grad_norm: float | None, clip_gra
     norm = None
     if max_grad_norm is not None:
         clip = clip_grad_norm_ or torch.nn.utils.clip_grad_norm_
-        norm = torch.as_tensor(clip(params.values(), max_grad_norm))
+        norm = clip(params.values(), max_grad_norm)
+        norm = norm.full_tensor() if is_sharded(norm) else torch.as_tensor(norm)  # FSDP: a replicated DTensor
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm
@@ -211,6 +260,7 @@ class Run:
         self.dir, self.net, self.optimizer, self.ema, self.extras = run_dir, net, optimizer, ema, extras
         self.accelerator, self.state, self.start = accelerator, state, start
         self.is_main = accelerator is None or accelerator.is_main_process
+        self.sharded = any(is_sharded(p) for p in net.parameters())  # FSDP: checkpoints are gathered collectively
         self.trackers: list = []
 
     @classmethod
@@ -246,8 +296,12 @@ class Run:
             self.accelerator.wait_for_everyone()
 
     def checkpoint(self, iteration: int) -> None:
-        if self.is_main:
-            save_checkpoint(self.dir, iteration, self.net, self.optimizer, self.ema, self.state, extras=self.extras or None)
+        """Checkpoint `iteration` (difrl.train.state): under FSDP every process gathers the full tensors, the
+        main process writes them (the same files as an unsharded run)."""
+        if self.is_main or self.sharded:
+            snap = snapshot(self.net, self.optimizer, self.ema, self.extras or None)
+            if self.is_main:
+                write_checkpoint(self.dir, iteration, snap, self.state)
         self.barrier()
 
     def log(self, row: dict) -> None:
@@ -359,11 +413,12 @@ def truncate_evals(path: Path, keep_iterations: int) -> None:
 def save_policy(policy, net, lora_enabled: bool, path: Path, ema=None) -> None:
     """A plain checkpoint of the trained network (EMA weights if on, LoRA merged) that loads as model.path:
     the adapter's own `state_dict_and_meta()` format."""
-    with ema.swapped() if ema is not None else nullcontext():
-        module = copy.deepcopy(net).merge_and_unload() if lora_enabled else net
+    with ema.swapped() if ema is not None else nullcontext(), gathered(net):
+        module = plain_copy(net).merge_and_unload() if lora_enabled else net
         with use_module(policy, module):
             tensors, meta = policy.state_dict_and_meta()
     save_safetensors(tensors, path, meta)
+
 
 
 # ---------------------------------------------------------------------------------- the reward curve

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from difrl.train.sharding import like
 from difrl.utils.io import (atomic_write_json, atomic_write_text, load_safetensors_checked, load_torch_state,
                             save_safetensors, save_torch_state, sha256_file)
 
@@ -139,24 +140,54 @@ def checkpoint_dirs(root: Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
+@dataclass
+class Snapshot:
+    """What a checkpoint holds, as full (unsharded) tensors: the trainable weights by name, the optimizer's
+    state dict, the EMA's and the extras' (tensors, num_updates)."""
+    trainable: dict[str, torch.Tensor]
+    optimizer: dict
+    ema: tuple[dict[str, torch.Tensor], int] | None
+    extras: dict[str, tuple[dict[str, torch.Tensor], int]]
+
+
+def snapshot(module: nn.Module, optimizer, ema: EMA | None, extras: dict[str, EMA] | None = None) -> Snapshot:
+    """The checkpoint's content. Under FSDP every process must call it (sharded tensors are gathered, in the
+    same order everywhere); the result is what one unsharded process would save."""
+    from difrl.train.sharding import full_tensor
+
+    def full(tensors: dict) -> dict:
+        return {k: full_tensor(v) for k, v in tensors.items()}
+
+    opt = optimizer.state_dict()
+    opt = {**opt, "state": {i: {k: full_tensor(v) if torch.is_tensor(v) else v for k, v in st.items()}
+                            for i, st in sorted(opt["state"].items())}}
+    return Snapshot(full(trainable_params(module)), opt, None if ema is None else (full(ema.shadow), ema.num_updates),
+                    {name: (full(e.shadow), e.num_updates) for name, e in (extras or {}).items()})
+
+
 def save_checkpoint(run_dir: Path, iteration: int, module: nn.Module, optimizer, ema: EMA | None,
                     state: dict, keep: int = 2, extras: dict[str, EMA] | None = None) -> Path:
     """`extras`: other named copies of the trainable weights (DiffusionNFT's old policy, the stale rollout
-    copy's source), each saved as NAME.safetensors. The newest max(keep, 2) checkpoints up to `iteration` are
-    kept, so a damaged newest one can fall back to the previous (load_latest_checkpoint); any after
-    `iteration` (the damaged one a resumed run fell back from) are removed."""
+    copy's source), each saved as NAME.safetensors. See write_checkpoint."""
+    return write_checkpoint(run_dir, iteration, snapshot(module, optimizer, ema, extras), state, keep)
+
+
+def write_checkpoint(run_dir: Path, iteration: int, snap: Snapshot, state: dict, keep: int = 2) -> Path:
+    """Write `snap` as checkpoint `iteration` (one process). The newest max(keep, 2) checkpoints up to
+    `iteration` are kept, so a damaged newest one can fall back to the previous (load_latest_checkpoint); any
+    after `iteration` (the damaged one a resumed run fell back from) are removed."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"iter-{iteration:06d}"
     tmp = root / f".tmp-iter-{iteration:06d}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    save_safetensors(dict(trainable_params(module)), tmp / "trainable.safetensors")
-    if ema is not None:
-        save_safetensors(ema.shadow, tmp / "ema.safetensors", {"num_updates": ema.num_updates})
-    for name, extra in (extras or {}).items():
-        save_safetensors(extra.shadow, tmp / f"{name}.safetensors", {"num_updates": extra.num_updates})
-    save_torch_state(optimizer.state_dict(), tmp / "optimizer.pt")
+    save_safetensors(snap.trainable, tmp / "trainable.safetensors")
+    if snap.ema is not None:
+        save_safetensors(snap.ema[0], tmp / "ema.safetensors", {"num_updates": snap.ema[1]})
+    for name, (tensors, num_updates) in snap.extras.items():
+        save_safetensors(tensors, tmp / f"{name}.safetensors", {"num_updates": num_updates})
+    save_torch_state(snap.optimizer, tmp / "optimizer.pt")
     save_safetensors({"torch": torch.get_rng_state()}, tmp / "rng.safetensors")
     atomic_write_json(tmp / "state.json", {"iteration": iteration, **state})
     write_manifest(tmp)  # last: a directory with a manifest is complete
@@ -252,6 +283,21 @@ def _load_checkpoint(path: Path) -> Checkpoint:
     return Checkpoint(path, state["iteration"], trainable, ema, optimizer, rng, state, extras)
 
 
+def _optimizer_state_like(optimizer, saved: dict) -> dict:
+    """A saved (full) optimizer state dict with each per-parameter tensor laid out like its parameter (its
+    shard under FSDP); state entries are numbered over the param groups' parameters in order."""
+    from difrl.train.sharding import is_sharded
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not any(is_sharded(p) for p in params):
+        return saved
+    state = {}
+    for i, st in saved["state"].items():
+        p = params[int(i)]
+        state[i] = {k: like(p, v) if torch.is_tensor(v) and v.shape == p.shape else v for k, v in st.items()}
+    return {**saved, "state": state}
+
+
 def restore_checkpoint(ckpt: Checkpoint, module: nn.Module, optimizer, ema: EMA | None,
                        extras: dict[str, EMA] | None = None) -> None:
     params = trainable_params(module)
@@ -259,14 +305,14 @@ def restore_checkpoint(ckpt: Checkpoint, module: nn.Module, optimizer, ema: EMA 
         extra, missing = sorted(set(ckpt.trainable) - set(params)), sorted(set(params) - set(ckpt.trainable))
         raise ValueError(f"checkpoint {ckpt.path} does not match this model: unexpected {extra[:4]}, missing {missing[:4]} "
                          "(was it trained with another model or LoRA setting?)")
-    with torch.no_grad():
+    with torch.no_grad():  # under FSDP each process keeps its own shard of the full tensors (sharding.like)
         for k, p in params.items():
-            p.copy_(ckpt.trainable[k])
-    optimizer.load_state_dict(ckpt.optimizer)
+            p.copy_(like(p, ckpt.trainable[k]))
+    optimizer.load_state_dict(_optimizer_state_like(optimizer, ckpt.optimizer))
     if ema is not None:
         if ckpt.ema is None:
             raise ValueError(f"checkpoint {ckpt.path} has no EMA weights but train.ema_decay > 0")
-        ema.shadow = {k: v.clone() for k, v in ckpt.ema.items()}
+        ema.shadow = {k: like(ema.params[k], v.clone()) for k, v in ckpt.ema.items()}
         ema.num_updates = ckpt.state.get("ema_num_updates", 0)
     for name, extra in (extras or {}).items():
         if name not in (ckpt.extras or {}):
@@ -275,6 +321,6 @@ def restore_checkpoint(ckpt: Checkpoint, module: nn.Module, optimizer, ema: EMA 
         tensors, num_updates = ckpt.extras[name]
         if set(tensors) != set(extra.shadow):
             raise ValueError(f"checkpoint {ckpt.path}: {name}.safetensors does not match this model's trainable weights")
-        extra.shadow = {k: v.clone() for k, v in tensors.items()}
+        extra.shadow = {k: like(extra.params[k], v.clone()) for k, v in tensors.items()}
         extra.num_updates = num_updates
     torch.set_rng_state(ckpt.rng["torch"])

@@ -1,0 +1,124 @@
+"""Per-process bytes of parameters + gradients + optimizer state: FSDP2 vs DDP on 2 CPU processes (gloo).
+
+    python benchmarks/bench_fsdp_memory.py [--quick] [--json PATH] [--no-write]
+
+Full fine-tuning of a FLUX transformer (the tiny pipeline's family, built in code by difrl.models.tiny; the full
+run widens it to --layers double + single blocks of --dim so that the per-block FSDP units dominate the
+root's). One torchrun job of 2 processes (gloo) trains the same model twice: replicated by DDP, then sharded by
+FSDP2 the way the trainer shards (difrl.train.sharding.shard, one unit per FluxTransformerBlock /
+FluxSingleTransformerBlock). Each time every process runs one forward, backward and AdamW step of the velocity
+on random latents, then counts the bytes of what it holds (difrl.train.sharding.state_bytes): its parameters, their
+gradients and AdamW's two moments (local shards under FSDP). Not counted: DDP's gradient buckets (another
+gradient-sized buffer per process), FSDP's transient all-gathered block during its forward / backward,
+activations and libraries. A DDP process holds what a single process holds. Byte counts, no timings: the
+numbers do not depend on the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import publish, standard_args  # noqa: E402
+
+BEGIN, END = "<!-- bench_fsdp_memory:begin -->", "<!-- bench_fsdp_memory:end -->"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def worker(layers: int, dim: int, out: Path) -> None:
+    """One process of the torchrun job: the model under DDP, then under FSDP2; one update each; this rank's bytes."""
+    import torch
+    import torch.distributed as dist
+    from diffusers import FluxTransformer2DModel
+
+    from difrl.train.sharding import FSDPSettings, shard, state_bytes
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    for mode in ("ddp", "fsdp"):
+        torch.manual_seed(0)
+        net = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=layers, num_single_layers=layers,
+                                     attention_head_dim=16, num_attention_heads=max(1, dim // 16),
+                                     joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8])
+        numel = sum(p.numel() for p in net.parameters())
+        if mode == "fsdp":
+            model = shard(net, ("FluxTransformerBlock", "FluxSingleTransformerBlock"), FSDPSettings())
+        else:
+            model = torch.nn.parallel.DistributedDataParallel(net)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-4)
+        g = torch.Generator().manual_seed(rank)
+        b, seq, txt = 2, 16, 8
+        v = model(hidden_states=torch.randn(b, seq, 4, generator=g),
+                  encoder_hidden_states=torch.randn(b, txt, 32, generator=g),
+                  pooled_projections=torch.randn(b, 32, generator=g), timestep=torch.rand(b, generator=g),
+                  img_ids=torch.zeros(seq, 3), txt_ids=torch.zeros(txt, 3), guidance=None, return_dict=False)[0]
+        v.float().pow(2).mean().backward()
+        optimizer.step()  # AdamW's moments exist after the first step; the gradients are still held
+        counts = state_bytes(params, optimizer)
+        (out / f"{mode}-rank{rank}.json").write_text(json.dumps({"mode": mode, "rank": rank, "numel": numel, **counts}))
+        del model, net, params, optimizer
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch(layers: int, dim: int, out: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(Path(__file__).resolve()), "--worker", "--layers", str(layers), "--dim", str(dim), "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the torchrun job failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4, help="double and single FLUX blocks each")
+    ap.add_argument("--dim", type=int, default=256, help="hidden size (heads of 16)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    standard_args(ap, "the tiny size (1 + 1 blocks of 32)")
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args.layers, args.dim, args.out)
+        return []
+    layers, dim = (1, 32) if args.quick else (args.layers, args.dim)
+    with tempfile.TemporaryDirectory() as tmp:
+        launch(layers, dim, Path(tmp))
+        found = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("*.json"))]
+    rows = []
+    for mode, label in (("ddp", "DDP, 2 processes (= 1 process)"), ("fsdp", "FSDP2, 2 processes")):
+        mine = [r for r in found if r["mode"] == mode]
+        worst = max(mine, key=lambda r: r["total"])  # the process holding the most (FSDP: the larger shards)
+        terms = {k: worst[k] for k in ("params", "grads", "optimizer", "total")}
+        rows.append({"setting": label, "processes": len(mine), **terms, "numel": worst["numel"]})
+    ddp_total = rows[0]["total"]
+    for r in rows:
+        r["vs_ddp"] = r["total"] / ddp_total
+    lines = [f"Full fine-tuning of a FLUX transformer of {rows[0]['numel']:,} parameters ({layers} double + {layers} "
+             f"single blocks, dim {dim}), fp32, AdamW, after one update. Per process (the largest process's): its "
+             "parameters, gradients and AdamW state; under FSDP2 its shards. Not counted: DDP's gradient buckets, "
+             "FSDP's transient gathered block, activations, libraries.", "",
+             "| setting | parameters | gradients | optimizer state | total per process | vs DDP |",
+             "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['setting']} | {mib(r['params'])} | {mib(r['grads'])} | {mib(r['optimizer'])} | "
+              f"{mib(r['total'])} | {r['vs_ddp']:.3f} |" for r in rows]
+    publish(args, BEGIN, END, "FSDP2 vs DDP: per-process model memory (2 CPU processes)", "bench_fsdp_memory.py",
+            argv, lines, rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,400 @@
+"""FSDP2 sharding (difrl/train/sharding.py) on 2 CPU processes (gloo) equals one unsharded process.
+
+    HF_HUB_OFFLINE=1 python -m pytest tests/test_fsdp.py -q            # the end-to-end ones are marked slow
+
+Each sharded run is `accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes 2` (the
+config users run, FSDP2, one unit per transformer block), against one plain process with the same global
+batch (1 process x accumulation 4 == 2 processes x 2) over 3 iterations: every metric row and the gathered
+checkpoint (trainable weights, EMA, optimizer moments) agree to rtol 1e-5. Adam's eps = 1 keeps an update
+proportional to its gradient, as in tests/test_distributed.py: with a tiny eps Adam turns the float noise of a
+zero gradient (attention key biases) into full-size steps of random sign.
+
+a. FLUX (tiny pipeline) full fine-tuning with the KL to a (sharded) frozen reference and EMA; its
+   transformer/ loads with plain diffusers and holds the EMA weights. Killed by SIGKILL (launcher and both
+   processes) after its second checkpoint and resumed: equal to the uninterrupted sharded run.
+b. FLUX LoRA: the same equality; lora/ loads into a plain FluxPipeline with load_lora_weights.
+c. bf16 mixed precision from the launch: ratio 1 on the first micro-step, fp32 masters in the checkpoint.
+d. The masked trainer (hf_masked: the bundled BertForMaskedLM, tied embeddings) full fine-tuning with KL; under
+   FSDP every process runs the whole batch (only the model is split), so it keeps the accumulation.
+e. Fast: gathering, plain copies and checkpoint restore of sharded tensors (a one-process group in the test
+   process); the settings accelerate's config gives, and what is refused with a reason (the rollout copy,
+   Sol-RL / trees, FSDP version 1); block classes with a tied weight stay in the root unit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from difrl.train.flow import TIMING_KEYS
+from difrl.utils.io import load_safetensors_checked
+
+ROOT = Path(__file__).resolve().parent.parent
+FSDP_YAML = ROOT / "configs" / "accelerate" / "fsdp.yaml"
+ACCELERATE = Path(sys.executable).with_name("accelerate")
+# 8 samples per iteration; 1 process accumulates 4 micro-batches of 2, 2 processes 2 each (sharded)
+FLUX = ["threads=1", "rollout.prompts_per_iter=2", "rollout.group_size=4", "sampler.num_steps=3", "eval.num_steps=3",
+        "eval.per_digit=1", "train.iterations=3", "train.micro_batch=2", "train.lr=1.0", "train.adam_eps=1.0",
+        "train.weight_decay=0", "checkpoint_every=1"]
+MASKED = ["threads=1", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=4",
+          "train.inner_updates=2", "train.iterations=3", "train.lr=1.0", "train.adam_eps=1.0", "train.kl_beta=0.1",
+          "eval.count=4", "eval.samples=2", "eval.pass_k=[1]", "checkpoint_every=1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(nproc: int, target: list[str], args: list[str], out: Path) -> list[str]:
+    """`python TARGET ARGS --out OUT` for one plain process, else accelerate launch with the FSDP config."""
+    if nproc == 1:
+        return [sys.executable, *target, *args, "--out", str(out)]
+    return [str(ACCELERATE), "launch", "--config_file", str(FSDP_YAML), "--num_processes", str(nproc),
+            "--main_process_port", str(free_port()), *target, *args, "--out", str(out)]
+
+
+def env() -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+def run(nproc: int, target: list[str], args: list[str], out: Path) -> str:
+    proc = subprocess.run(command(nproc, target, args, out), env=env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout + proc.stderr
+
+
+def run_killed_after(nproc: int, target: list[str], args: list[str], out: Path, checkpoint: int) -> None:
+    """Start the run in its own process group and SIGKILL the whole group (launcher and every process) as soon
+    as checkpoint `checkpoint` is in place."""
+    proc = subprocess.Popen(command(nproc, target, args, out), env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        done = out / "checkpoints" / f"iter-{checkpoint:06d}"
+        deadline = time.monotonic() + 600
+        while not done.exists():
+            assert proc.poll() is None, f"the run ended (status {proc.returncode}) before checkpoint {checkpoint}"
+            assert time.monotonic() < deadline, "no checkpoint within 600 s"
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not (out / "summary.json").exists(), "the kill came after the run had finished"
+
+
+def rows(run_dir: Path) -> list[dict]:
+    out = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in out]
+
+
+def checkpoint_tensors(run_dir: Path, iteration: int) -> dict[str, torch.Tensor]:
+    """Trainable weights, EMA (if any) and Adam's moments of one checkpoint, by a flat name."""
+    path = run_dir / "checkpoints" / f"iter-{iteration:06d}"
+    out = {}
+    for name in ("trainable", "ema"):
+        if (path / f"{name}.safetensors").exists():
+            out |= {f"{name}/{k}": v for k, v in load_safetensors_checked(path / f"{name}.safetensors", name)[0].items()}
+    opt = torch.load(path / "optimizer.pt", weights_only=True)
+    out |= {f"opt/{i}/{k}": v for i, st in opt["state"].items() for k, v in st.items() if torch.is_tensor(v)}
+    return out
+
+
+def assert_same_runs(a: Path, b: Path, iteration: int = 3) -> None:
+    """Every numeric metric of every row, the final evaluation and every checkpoint tensor at `iteration` agree
+    (rtol 1e-5)."""
+    ra, rb = rows(a), rows(b)
+    assert [r["iteration"] for r in ra] == [r["iteration"] for r in rb] == list(range(1, iteration + 1))
+    for x, y in zip(ra, rb):
+        assert x.keys() == y.keys()
+        for k, v in x.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                assert v == pytest.approx(y[k], rel=1e-5, abs=1e-7), (x["iteration"], k)
+    # the evaluation after training (EMA weights swapped into the shards, when on) agrees too
+    ea, eb = (json.loads((d / "summary.json").read_text())["eval_after"] for d in (a, b))
+    for k, v in ea.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            assert v == pytest.approx(eb[k], rel=1e-5, abs=1e-7), ("eval_after", k)
+    ta, tb = checkpoint_tensors(a, iteration), checkpoint_tensors(b, iteration)
+    assert ta.keys() == tb.keys() and any(k.startswith("opt/") for k in ta)
+    for k in ta:
+        torch.testing.assert_close(ta[k], tb[k], rtol=1e-5, atol=1e-7, msg=k)
+
+
+@pytest.fixture(scope="module")
+def tiny_flux(tmp_path_factory):
+    pytest.importorskip("diffusers")
+    from difrl.models.tiny import make_tiny_pipeline
+
+    return make_tiny_pipeline("flux", tmp_path_factory.mktemp("fsdp") / "tiny_flux", seed=0)
+
+
+def flux_args(path: Path, *extra: str) -> list[str]:
+    return [str(ROOT / "configs" / "flux_tiny.yaml"), *FLUX, f"model.path={path}", *extra]
+
+
+# ---------------------------------------------------------------------------------- end to end (2 processes)
+
+
+@pytest.mark.slow  # four launches of the tiny FLUX pipeline, about 1.5 min on 2 cores
+def test_fsdp_full_finetune_flux_equals_one_process_and_resumes_past_a_kill(tiny_flux, tmp_path):
+    script = [str(ROOT / "scripts" / "train_flux.py")]
+    args = flux_args(tiny_flux, "train.lora.enabled=false", "train.kl_beta=0.1", "train.ema_decay=0.9")
+    one, two, killed = tmp_path / "one", tmp_path / "two", tmp_path / "killed"
+    run(1, script, [*args, "train.grad_accum=4"], one)
+    out = run(2, script, [*args, "train.grad_accum=2"], two)
+    assert "difrl: FSDP2 over 2 processes: 3 units (2 blocks of FluxSingleTransformerBlock, FluxTransformerBlock" in out
+    assert "(the frozen reference sharded the same way)" in out
+    assert_same_runs(one, two)
+    # the base weights moved by far more than the tolerance (full fine-tuning: every weight is trainable)
+    base = load_safetensors_checked(tiny_flux / "transformer" / "diffusion_pytorch_model.safetensors", "base")[0]
+    trained = checkpoint_tensors(two, 3)
+    assert set(base) == {k[len("trainable/"):] for k in trained if k.startswith("trainable/")}
+    assert max(float((trained[f"trainable/{k}"] - v).abs().max()) for k, v in base.items()) > 1e-3
+
+    # transformer/ is gathered (the EMA weights, as a single process saves it) and loads with plain diffusers
+    from diffusers import FluxTransformer2DModel
+
+    loaded = FluxTransformer2DModel.from_pretrained(two / "transformer").state_dict()
+    assert loaded.keys() == base.keys()
+    for k, v in loaded.items():
+        torch.testing.assert_close(v, trained[f"ema/{k}"], rtol=0, atol=0, msg=k)
+
+    # SIGKILL after checkpoint 2, resume: the same rows and checkpoint as the run that was never stopped
+    run_killed_after(2, script, [*args, "train.grad_accum=2"], killed, checkpoint=2)
+    out = run(2, script, [*args, "train.grad_accum=2", f"resume={killed}"], killed)
+    assert "resumed from" in out
+    assert_same_runs(two, killed)
+
+
+@pytest.mark.slow  # two launches of the tiny FLUX pipeline
+def test_fsdp_lora_flux_equals_one_process_and_loads_in_diffusers(tiny_flux, tmp_path):
+    script = [str(ROOT / "scripts" / "train_flux.py")]
+    args = flux_args(tiny_flux, "train.kl_beta=0.1")  # LoRA (the config's): the reference is the adapter switched off
+    one, two = tmp_path / "one", tmp_path / "two"
+    run(1, script, [*args, "train.grad_accum=4"], one)
+    assert "difrl: FSDP2 over 2 processes" in run(2, script, [*args, "train.grad_accum=2"], two)
+    assert_same_runs(one, two)
+    trained = {k.split("/", 1)[1]: v for k, v in checkpoint_tensors(two, 3).items() if k.startswith("trainable/")}
+    assert trained and all("lora_" in k for k in trained)
+    assert max(float(v.abs().max()) for k, v in trained.items() if "lora_B" in k) > 1e-3  # B left zero
+
+    # lora/ loads into a plain pipeline: its tensors are the gathered LoRA weights
+    from diffusers import FluxPipeline
+
+    pipe = FluxPipeline.from_pretrained(tiny_flux)
+    pipe.load_lora_weights(two / "lora")
+    state = pipe.transformer.state_dict()
+    for k, v in trained.items():  # base_model.model.X.lora_A.default.weight -> X.lora_A.default_0.weight
+        name = k[len("base_model.model."):].replace(".default.", ".default_0.")
+        torch.testing.assert_close(state[name], v, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.slow  # one launch of the tiny FLUX pipeline
+def test_fsdp_bf16_mixed_precision_from_the_accelerate_config(tiny_flux, tmp_path):
+    # `accelerate launch --mixed_precision bf16` (or mixed_precision: bf16 in the config): the blocks compute in
+    # bf16 in the rollout and in training alike (the first micro-step's ratio is exactly 1), the optimizer keeps
+    # fp32 master weights (the checkpoint is fp32) and the weights move
+    script = [str(ROOT / "scripts" / "train_flux.py")]
+    cmd = command(2, script, flux_args(tiny_flux, "train.lora.enabled=false", "train.iterations=2",
+                                       "train.grad_accum=2"), tmp_path / "bf16")
+    cmd.insert(cmd.index("--num_processes"), "--mixed_precision")
+    cmd.insert(cmd.index("--num_processes"), "bf16")
+    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "mixed precision bf16" in proc.stdout + proc.stderr
+    assert [r["first_step_max_abs_log_ratio"] for r in rows(tmp_path / "bf16")] == [0.0, 0.0]
+    trained = checkpoint_tensors(tmp_path / "bf16", 2)
+    base = load_safetensors_checked(tiny_flux / "transformer" / "diffusion_pytorch_model.safetensors", "base")[0]
+    assert all(v.dtype == torch.float32 for v in trained.values())
+    assert max(float((trained[f"trainable/{k}"] - v).abs().max()) for k, v in base.items()) > 1e-3
+
+
+@pytest.mark.slow  # two launches of the masked trainer
+def test_fsdp_masked_lm_equals_one_process(tmp_path):
+    pytest.importorskip("transformers")
+    target = ["-m", "difrl", "train", str(ROOT / "configs" / "text_arithmetic.yaml")]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run(1, target, [*MASKED, "train.grad_accum=2"], one)
+    out = run(2, target, [*MASKED, "train.grad_accum=2"], two)  # every process runs the whole batch: same accumulation
+    assert "difrl: FSDP2 over 2 processes: 4 units (3 blocks of BertLayer + the root)" in out
+    assert_same_runs(one, two)
+    # policy.safetensors: the gathered weights, loadable into a plain transformers BertForMaskedLM
+    from transformers import BertForMaskedLM
+
+    from difrl.discrete.tiny_mlm import BUNDLED_DIR
+
+    weights = load_safetensors_checked(two / "policy.safetensors", "policy")[0]
+    model = BertForMaskedLM.from_pretrained(BUNDLED_DIR)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and all("decoder" in k for k in missing), (missing, unexpected)  # the tied output weight
+    trained = checkpoint_tensors(two, 3)
+    for k, v in model.state_dict().items():
+        if f"trainable/{k}" in trained:
+            torch.testing.assert_close(v, trained[f"trainable/{k}"], rtol=0, atol=0, msg=k)
+
+
+# ---------------------------------------------------------------------------------- fast checks
+
+
+def test_settings_come_from_the_accelerate_config(monkeypatch):
+    from types import SimpleNamespace
+
+    from difrl.config import ConfigError
+    from difrl.train.sharding import fsdp_settings
+
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    assert fsdp_settings(SimpleNamespace(mixed_precision="no")) is None  # not an FSDP launch
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", "false")
+    monkeypatch.setenv("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP")
+    monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "BlockA,BlockB")
+    s = fsdp_settings(SimpleNamespace(mixed_precision="bf16"))
+    assert (s.reshard_after_forward, s.mixed_precision, s.block_classes) == (False, "bf16", ("BlockA", "BlockB"))
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ConfigError, match="FSDP2"):
+        fsdp_settings(SimpleNamespace(mixed_precision="no"))
+
+
+def test_what_fsdp_refuses_says_why():
+    from difrl.config import ConfigError
+    from difrl.train.config import load_flow_config
+    from difrl.train.sharding import FSDPSettings, refuse_unsupported
+
+    digits = ROOT / "configs" / "digits.yaml"
+    refuse_unsupported(load_flow_config(digits, []), FSDPSettings())  # flat GRPO at fp32: fine
+    refuse_unsupported(load_flow_config(digits, ["rollout.precision=nvfp4"]), None)  # not sharded: fine
+    for overrides, words in ((["rollout.precision=nvfp4"], "rollout copy"), (["rollout.sync_every=2"], "rollout copy"),
+                             (["rollout.kind=solrl"], "not been tested under FSDP"),
+                             (["rollout.kind=tree", "tree.split_steps=[0,1]", "rollout.group_size=4"], "not been tested under FSDP")):
+        with pytest.raises(ConfigError, match=words):
+            refuse_unsupported(load_flow_config(digits, overrides), FSDPSettings())
+
+
+def test_block_classes_and_tied_weights():
+    from torch import nn
+
+    from difrl.models.adapters import ADAPTERS
+    from difrl.train.sharding import block_modules
+
+    import diffusers
+
+    for kind, cls in ADAPTERS.items():  # each adapter names block classes its transformer declares as unsplittable
+        model_cls = {"flux": "FluxTransformer2DModel", "sd3": "SD3Transformer2DModel", "wan": "WanTransformer3DModel"}[kind]
+        assert set(cls.block_classes) <= set(getattr(diffusers, model_cls)._no_split_modules), kind
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(5, 4)
+            self.fc = nn.Linear(4, 4)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = Block(), Block()
+            self.out = nn.Linear(4, 5)
+            self.out.weight = self.first.emb.weight  # tied: FSDP2 needs both uses in one unit
+
+    net = Net()
+    assert block_modules(net, ["Block"]) == [net.second]
+
+
+def test_bench_fsdp_memory_halves_the_per_process_state(tmp_path):
+    # benchmarks/bench_fsdp_memory.py --quick (one torchrun job of 2 processes; byte counts, no timings)
+    import importlib.util
+
+    pytest.importorskip("diffusers")
+    spec = importlib.util.spec_from_file_location("bench_fsdp_memory", ROOT / "benchmarks" / "bench_fsdp_memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ddp, fsdp = bench.main(["--quick", "--json", str(tmp_path / "rows.json")])
+    assert json.loads((tmp_path / "rows.json").read_text()) == [ddp, fsdp]
+    # DDP: AdamW holds two moments per weight and the gradient one copy; FSDP2 holds about half of each
+    assert ddp["params"] == ddp["grads"] > 0 and ddp["optimizer"] == pytest.approx(2 * ddp["params"], rel=1e-2)  # + steps
+    for k in ("params", "grads", "optimizer", "total"):
+        assert 0.45 < fsdp[k] / ddp[k] < 0.55, k
+
+
+def test_gather_copy_and_restore_in_one_process(tmp_path):
+    # FSDP2 on a one-process gloo group, in this process: the DTensor code paths of sharding.py and state.py.
+    # A LoRA network, sharded per block, one update; gathered() shows the full weights, plain_copy() of them merges
+    # LoRA into a plain module that computes what the sharded one computes; a checkpoint written from the shards
+    # restores into a freshly sharded network (weights, EMA, AdamW moments) and the next update matches.
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+    from torch import nn
+
+    from difrl.train.sharding import FSDPSettings, gathered, is_sharded, plain_copy, shard
+    from difrl.train.state import EMA, load_latest_checkpoint, restore_checkpoint, save_checkpoint, trainable_params
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x + self.fc2(torch.relu(self.fc1(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), Block()])
+            self.out = nn.Linear(8, 3)
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return self.out(x)
+
+    def build():
+        torch.manual_seed(0)
+        net = get_peft_model(Net(), LoraConfig(r=2, target_modules=["fc1", "fc2"], init_lora_weights="gaussian"))
+        net = shard(net, ["Block"], FSDPSettings())
+        opt = torch.optim.AdamW(trainable_params(net).values(), lr=0.1)
+        return net, opt, EMA(trainable_params(net), 0.5)
+
+    def update(net, opt, ema, x):
+        net(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ema.update()
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        net, opt, ema = build()
+        assert all(is_sharded(p) for p in net.parameters())
+        update(net, opt, ema, x)
+        with torch.no_grad():
+            y = net(x)
+        with gathered(net):
+            assert not any(is_sharded(p) for p in net.parameters())
+            merged = plain_copy(net).merge_and_unload()
+        assert type(merged) is Net and not any(is_sharded(p) for p in merged.parameters())
+        torch.testing.assert_close(merged(x), y)
+        assert all(is_sharded(p) for p in net.parameters())  # the shards are back
+        save_checkpoint(tmp_path, 1, net, opt, ema, {})
+        update(net, opt, ema, x)
+
+        fresh, fopt, fema = build()
+        restore_checkpoint(load_latest_checkpoint(tmp_path), fresh, fopt, fema)
+        update(fresh, fopt, fema, x)
+        for (k, p), q in zip(trainable_params(net).items(), trainable_params(fresh).values()):
+            torch.testing.assert_close(p.full_tensor(), q.full_tensor(), msg=k)
+            torch.testing.assert_close(ema.shadow[k].full_tensor(), fema.shadow[k].full_tensor(), msg=k)
+    finally:
+        dist.destroy_process_group()
