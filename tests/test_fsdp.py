@@ -41,9 +41,9 @@ from difrl.utils.io import load_safetensors_checked
 ROOT = Path(__file__).resolve().parent.parent
 FSDP_YAML = ROOT / "configs" / "accelerate" / "fsdp.yaml"
 ACCELERATE = Path(sys.executable).with_name("accelerate")
-# 8 samples per iteration; 1 process accumulates 4 micro-batches of 2, 2 processes 2 each (sharded)
+# 8 samples per iteration; 1 process accumulates 4 micro-batches of 2 samples (x 2 steps = 4 transitions), 2 processes 2 each
 FLUX = ["threads=1", "rollout.prompts_per_iter=2", "rollout.group_size=4", "sampler.num_steps=3", "eval.num_steps=3",
-        "eval.per_digit=1", "train.iterations=3", "train.micro_batch=2", "train.lr=1.0", "train.adam_eps=1.0",
+        "eval.per_digit=1", "train.iterations=3", "train.micro_batch=4", "train.lr=1.0", "train.adam_eps=1.0",
         "train.weight_decay=0", "checkpoint_every=1"]
 MASKED = ["threads=1", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=4",
           "train.inner_updates=2", "train.iterations=3", "train.lr=1.0", "train.adam_eps=1.0", "train.kl_beta=0.1",
