@@ -127,16 +127,22 @@ def test_gpu_lowprec_code_path_on_cpu(monkeypatch):
 
     gpu = _load("gpu_lowprec")
     real = gpu.quantize_module
-    monkeypatch.setattr(gpu, "te_support", lambda fmt, device=None: (True, "stand-in"))
-    monkeypatch.setattr(gpu, "quantize_module", lambda m, fmt, skip=(), backend="auto": real(m, fmt, skip, 0, "emulate"))
+    # TE stood in for by the emulation; the torch backend runs for real (torch._scaled_mm on CPU)
+    monkeypatch.setattr(gpu, "quantize_module", lambda m, fmt, skip=(), backend="auto":
+                        real(m, fmt, skip, 0, "emulate" if backend == "te" else backend))
     rows = gpu.run(tokens=32, warmup=1, repeats=2, device="cpu", hidden=64, heads=4)
-    assert [r["format"] for r in rows] == ["bf16", "fp8", "fp8_block", "mxfp8", "nvfp4"]
+    assert [(r["backend"], r["format"]) for r in rows] == [("torch", "bf16"), *gpu.COMBOS]
     assert all(r["ms"] > 0 for r in rows)
     for r in rows[1:]:
         assert r["linears"] == "2/3"  # qkv_mlp and proj_out; the M=1 modulation stays BF16
         assert r["err_vs_fp32"] < 0.3 and r["cos_vs_emulate"] > 0.99
-    assert rows[-1]["emulate_err_vs_fp32"] > rows[1]["emulate_err_vs_fp32"]  # nvfp4 is coarser than fp8
-    assert "| nvfp4 | te | 2/3 |" in gpu.table(rows)
+    assert rows[4]["emulate_err_vs_fp32"] > rows[1]["emulate_err_vs_fp32"]  # nvfp4 is coarser than fp8
+    assert "| nvfp4 | te | 2/3 |" in gpu.table(rows) and "| fp8_row | torch | 2/3 |" in gpu.table(rows)
+    # without the stand-in, TE is not run on a CPU and the row says why
+    monkeypatch.setattr(gpu, "quantize_module", real)
+    monkeypatch.setattr(gpu, "COMBOS", (("te", "fp8"),))
+    rows = gpu.run(tokens=32, warmup=1, repeats=1, device="cpu", hidden=64, heads=4)
+    assert rows[1]["ms"] is None and "no CUDA GPU" in rows[1]["note"]
     block = gpu.SingleStreamBlock(64, 4)
     assert block(torch.randn(2, 8, 64), torch.randn(2, 64)).shape == (2, 8, 64)
 
