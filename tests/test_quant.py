@@ -810,3 +810,43 @@ def test_sync_after_an_optimizer_step_requantizes_every_torch_fp8_layer(fmt, mon
     optimizer_step()
     with pytest.raises(WeightSyncError, match="layer 'blocks.1.fc2' of the .* copy does not hold the policy's current"):
         rc.sync(net)
+
+
+def test_config_quant_backend_values():
+    from difrl.config import ConfigError
+    from difrl.train.config import load_flow_config
+
+    with pytest.raises(ConfigError, match="rollout.quant_backend.*'cuda'.*expected one of 'auto', 'te', 'torch', 'emulate'"):
+        load_flow_config(None, ["rollout.quant_backend=cuda"])
+    cfg = load_flow_config(None, ["rollout.quant_backend=torch", "rollout.precision=fp8_row"])
+    assert (cfg.rollout.quant_backend, cfg.rollout.precision) == ("torch", "fp8_row")
+    assert load_flow_config(None, []).rollout.quant_backend == "auto"
+
+
+@pytest.mark.slow
+def test_solrl_trainer_on_the_torch_backend_and_the_cpu_default_unchanged(tmp_path, capsys):
+    """Sol-RL on digits runs its candidate pool through the torch backend when asked, and the default (auto) on
+    CPU is the emulation, metric for metric (~1-3 min on 2 cores)."""
+    import json
+
+    from difrl.train.config import load_flow_config
+    from difrl.train.flow import train
+
+    tiny = ["seed=3", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=2",
+            "train.grad_accum=2", "train.iterations=2", "eval.every=0", "eval.per_digit=3", "eval.num_steps=3",
+            "rollout.kind=solrl", "solrl.candidates=8", "solrl.preview_steps=3", "rollout.precision=fp8_row"]
+
+    def run(backend):
+        out = tmp_path / backend
+        train(load_flow_config(None, [*tiny, f"rollout.quant_backend={backend}"]), out_dir=out)
+        rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if "time" not in k and "seconds" not in k and not k.startswith("t_")}
+                for r in rows], capsys.readouterr().out
+
+    torch_rows, log = run("torch")
+    assert "rollout copy (stage-1 candidates" in log and "fp8_row: 9 of 13 linear layers quantized; torch (" in log
+    assert all(-1.0 <= r["solrl/spearman_median"] <= 1.0 and r["nfe_lowprec"] == 8 * 2 * 3 for r in torch_rows)
+    auto_rows, log = run("auto")
+    assert "; emulate (exact pure-torch emulation" in log
+    emulate_rows, _ = run("emulate")
+    assert auto_rows == emulate_rows  # CPU default = the exact emulation, unchanged
