@@ -850,3 +850,27 @@ def test_solrl_trainer_on_the_torch_backend_and_the_cpu_default_unchanged(tmp_pa
     assert "; emulate (exact pure-torch emulation" in log
     emulate_rows, _ = run("emulate")
     assert auto_rows == emulate_rows  # CPU default = the exact emulation, unchanged
+
+
+def test_time_rollout_copy_times_a_copy_against_the_module():
+    from difrl.quant.timing import time_rollout_copy
+
+    class Net(nn.Module):  # keyword inputs, a tuple output: the diffusers calling convention
+        def __init__(self):
+            super().__init__()
+            self.inner = _Toy()
+
+        def forward(self, hidden_states, scale=1.0):
+            return (self.inner(hidden_states) * scale,)
+
+    m = Net()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    inputs = {"hidden_states": _randn(4, 8), "scale": 2.0}
+    r = time_rollout_copy(m, inputs, "fp8_row", backend="torch", skip=("embed", "head"), min_dim=0, warmup=1, repeats=2)
+    assert r["quantized"] == "5/7" and set(r["backends"]) == {"torch"} and r["format"] == "fp8_row"
+    assert r["ms_ref"] > 0 and r["ms_copy"] > 0 and r["speedup"] == pytest.approx(r["ms_ref"] / r["ms_copy"])
+    assert 0 < r["rel_err"] < 0.1 and r["cosine"] > 0.99 and "fp8_row: 5 of 7" in r["report"]
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items())  # the module itself is untouched
+    assert time_rollout_copy(m, inputs, "nvfp4", "emulate", warmup=0, repeats=1, baseline_ms=1.0)["ms_ref"] == 1.0
+    with pytest.raises(QuantizationError):
+        time_rollout_copy(m, inputs, "nvfp4", "torch", warmup=0, repeats=1)
