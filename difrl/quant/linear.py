@@ -20,10 +20,9 @@ attention, norms, embeddings, convolutions stay in the model's precision, as in 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterable
-
-import warnings
 
 import torch
 from torch import nn
@@ -72,8 +71,8 @@ def te_support(fmt: str, device: torch.device | str | None = None) -> tuple[bool
     """(usable, why) for running `fmt` through Transformer Engine on this machine."""
     if fmt == "bf16":
         return False, "bf16 needs no Transformer Engine"
-    if fmt in ("nvfp4_single", "mxfp8_floor"):  # TE's NVFP4 is always two-level, its MXFP8 scale rounds up
-        return False, f"Transformer Engine has no {fmt} recipe"
+    if fmt in ("nvfp4_single", "mxfp8_floor", "fp8_row"):  # TE's NVFP4 is always two-level, its MXFP8 scale
+        return False, f"Transformer Engine has no {fmt} recipe"  # rounds up, its FP8 current scaling is per tensor
     if not torch.cuda.is_available():
         return False, "no CUDA GPU"
     try:
@@ -319,11 +318,8 @@ def choose_backend(fmt: str, requested: str = "auto", linear: nn.Linear | None =
     dims = None if linear is None else (linear.out_features, linear.in_features)
     device = _device_of(linear)
     ok, torch_why = torch_fp8.torch_fp8_support(fmt, device, dims)
-    if requested == "torch":
-        if fmt not in torch_fp8.TORCH_FORMATS:
-            raise QuantizationError(f"quant backend 'torch' was requested for {fmt} but cannot be used: {torch_why}")
-        cuda_bad = device.type == "cuda" and not ok
-        if cuda_bad:
+    if requested == "torch":  # on CPU too (a slow reference: what the tests run); on a GPU only where it is fast
+        if fmt not in torch_fp8.TORCH_FORMATS or (device.type == "cuda" and not ok):
             raise QuantizationError(f"quant backend 'torch' was requested for {fmt} but cannot be used: {torch_why}")
         return "torch", torch_why if ok else f"torch._scaled_mm on {device.type} (requested; a reference, not fast here)"
     if ok:
