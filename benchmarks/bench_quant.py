@@ -235,7 +235,8 @@ def write_markdown(res: dict, command: str, path: Path) -> None:
         "never been run against Transformer Engine (no GPU was used). N(0,1) activations, N(0, 1/in) weights, seed 0. "
         "NVFP4 = E2M1 with an E4M3 scale per 16 and an FP32 tensor scale (nvfp4_single: the E4M3 block scale only, "
         "torchao's single-level mode); MXFP8 = E4M3 with an E8M0 scale per 32, rounded up (RCEIL; mxfp8_floor: the "
-        "OCP spec's floor exponent); fp8 = E4M3 with one current-amax scale per tensor; fp8_block = E4M3 with "
+        "OCP spec's floor exponent); fp8 = E4M3 with one current-amax scale per tensor (fp8_row: per row, i.e. per "
+        "token and per output channel); fp8_block = E4M3 with "
         f"power-of-two scales. Digits: batch {d['batch']}, {d['repeats']} round-robin repeats; the emulation fake-"
         "quantizes activations in plain torch on every call, so it is slower than fp32 on a CPU by design. GPU speed of each "
         "backend × format against BF16 is `bench_quant.py --gpu`'s own block, written only by a run on a GPU.",
