@@ -101,9 +101,11 @@ def cuda_capability(device: torch.device) -> tuple[int, int] | None:
 
 def torch_fp8_support(fmt: str, device: torch.device, dims: tuple[int, int] | None = None) -> tuple[bool, str]:
     """(fast here, why) for running `fmt` through torch._scaled_mm on `device`; dims = (out, in) of the layer.
-    True only on a CUDA device of compute capability >= 8.9 (see the module docstring for the rule)."""
+    True only for fp8 / fp8_row on a CUDA device of compute capability >= 8.9 (the module docstring's rule)."""
     cap = cuda_capability(device)
-    where = "no CUDA device" if cap is None else f"sm_{cap[0]}{cap[1]}"
+    if cap is None:
+        return False, f"no CUDA device ({device.type})"
+    where = f"sm_{cap[0]}{cap[1]}"
     if fmt in ("mxfp8", "mxfp8_floor", "nvfp4", "nvfp4_single"):
         if cap is not None and cap[0] >= 10:
             return False, (f"{fmt} has native tensor cores on {where} but difrl runs them only through Transformer "
@@ -113,8 +115,6 @@ def torch_fp8_support(fmt: str, device: torch.device, dims: tuple[int, int] | No
                        "candidate format on an FP8 GPU (sm >= 8.9)")
     if fmt not in TORCH_FORMATS:
         return False, f"the torch-native backend runs {TORCH_FORMATS} only, not {fmt}"
-    if cap is None:
-        return False, f"{where}: torch._scaled_mm is fast only on a CUDA GPU with compute capability >= 8.9"
     if cap < MIN_CAPABILITY:
         return False, f"{where} has no FP8 tensor cores (torch._scaled_mm needs compute capability >= 8.9)"
     if dims is not None and (dims[0] % DIM_MULTIPLE or dims[1] % DIM_MULTIPLE):
