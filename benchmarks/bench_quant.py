@@ -3,7 +3,7 @@ with --gpu, what each backend x format costs on a GPU against BF16.
 
     .venv/bin/python benchmarks/bench_quant.py            # full run (~2-3 min on 2 cores), updates BENCHMARKS.md
     .venv/bin/python benchmarks/bench_quant.py --quick --json /tmp/quant.json --no-write
-    .venv/bin/python benchmarks/bench_quant.py --gpu      # on a CUDA GPU (~3-5 min on an H200), its own block
+    .venv/bin/python benchmarks/bench_quant.py --gpu      # on a CUDA GPU (never run on one yet), its own block
     .venv/bin/python benchmarks/bench_quant.py --gpu --quick   # the same code path, tiny shapes, CPU is fine
 
 Three tables, every format of ``difrl.quant.FORMATS`` (bf16, fp8, fp8_block, mxfp8, mxfp8_floor, nvfp4,
@@ -268,6 +268,10 @@ SD3_TINY = dict(sample_size=8, patch_size=2, in_channels=16, num_layers=2, atten
                 pos_embed_max_size=16)
 
 
+def _not_run(e: Exception) -> str:
+    return f"not run: {e}" if isinstance(e, QuantizationError) else f"FAILED: {type(e).__name__}: {str(e)[:300]}"
+
+
 def _swap(module: nn.Module, backend: str, fmt: str, **kw) -> tuple[nn.Module, str, str]:
     """A copy of `module` with its linears on `backend` (QuantizationError if it cannot run): (copy, backend
     that ran, why)."""
@@ -299,17 +303,17 @@ def gpu_gemm_rows(shapes: dict, combos, device: torch.device, warmup: int, repea
         for backend, fmt in combos:
             try:
                 q, ran, why = _swap(nn.Sequential(lin16), backend, fmt)
-            except QuantizationError as e:
+                y = q(x16).float()
+                if ran == "emulate":
+                    emulated[fmt] = y
+                elif fmt not in emulated and ran == "torch":
+                    emulated[fmt] = _swap(nn.Sequential(lin16), "emulate", fmt)[0](x16).float()
+                ms = statistics.median(time_ms(lambda: q(x16), warmup, repeats, device))
+            except Exception as e:  # cannot run here (QuantizationError), or failed: the row says so, the rest runs
                 rows.append({"shape": name, "x": [M, K], "weight": [N, K], "backend": backend, "format": fmt, "ms": None,
                              "speedup": None, "tflops": None, "err_vs_fp32": None, "err_vs_emulation": None,
-                             "note": f"not run: {e}"})
+                             "note": _not_run(e)})
                 continue
-            y = q(x16).float()
-            if ran == "emulate":
-                emulated[fmt] = y
-            elif fmt not in emulated and ran == "torch":
-                emulated[fmt] = _swap(nn.Sequential(lin16), "emulate", fmt)[0](x16).float()
-            ms = statistics.median(time_ms(lambda: q(x16), warmup, repeats, device))
             rows.append({"shape": name, "x": [M, K], "weight": [N, K], "backend": backend, "format": fmt, "ms": ms,
                          "speedup": ms16 / ms, "tflops": flop / ms / 1e9, "err_vs_fp32": relative_error(y32, y),
                          "err_vs_emulation": relative_error(emulated[fmt], y) if ran == "torch" else None, "note": why})
@@ -356,9 +360,9 @@ def gpu_transformer_rows(combos, device: torch.device, quick: bool, batch: int, 
                 if backend.endswith("+fast"):
                     continue  # the GEMM table shows what fast accumulation buys; one forward per combo here
                 r = time_rollout_copy(model, inputs, fmt, backend, preset["skip"], min_dim, warmup, repeats, base)
-            except QuantizationError as e:
-                rows.append(row | {"ms": None, "speedup": None, "quantized": "-", "rel_err": None, "note": f"not run: {e}"})
-                print(f"{label} {backend} {fmt} not run: {e}", flush=True)
+            except Exception as e:  # cannot run here (QuantizationError), or failed: the row says so, the rest runs
+                rows.append(row | {"ms": None, "speedup": None, "quantized": "-", "rel_err": None, "note": _not_run(e)})
+                print(f"{label} {backend} {fmt} {_not_run(e)}", flush=True)
                 continue
             why = "; ".join(f"{k}: {v}" for k, v in r["backends"].items())
             rows.append(row | {"ms": r["ms_copy"], "speedup": r["speedup"], "quantized": r["quantized"],

@@ -102,6 +102,13 @@ def test_bench_quant_gpu_mode_code_path_on_cpu(tmp_path, monkeypatch, capsys):
         assert rows["emulate", "nvfp4", 16]["rel_err"] > rows["emulate", "fp8_row", 16]["rel_err"]
     md = bench.gpu_tables(res)
     assert "| tiny | 64x64 | 96x64 | torch | fp8_row |" in md and "### (g2)" in md
+    # a combo that fails (e.g. torch.compile on a machine without triton) is a row, not the end of the run
+    def broken(*args, **kwargs):
+        raise RuntimeError("no triton")
+
+    monkeypatch.setattr(bench, "_swap", broken)
+    rows = bench.gpu_gemm_rows(bench.QUICK_GEMM_SHAPES, [("torch", "fp8_row")], torch.device("cpu"), 0, 1)
+    assert rows[1]["ms"] is None and rows[1]["note"] == "FAILED: RuntimeError: no triton"
     assert json.loads((tmp_path / "g.json").read_text()) == res
     assert not (tmp_path / "BENCHMARKS.md").exists()  # never published without a GPU
 
