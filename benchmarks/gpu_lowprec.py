@@ -1,4 +1,4 @@
-"""GPU: a FLUX-size transformer block forward in BF16 vs each low-precision format Transformer Engine runs here.
+"""GPU: a FLUX-size transformer block forward in BF16 vs each low-precision backend x format that runs here.
 
     .venv/bin/python benchmarks/gpu_lowprec.py                 # on an NVIDIA GPU with TE; updates BENCHMARKS.md
     .venv/bin/python benchmarks/gpu_lowprec.py --quick --json /tmp/gpu.json --no-write
@@ -6,18 +6,20 @@
 The block is a self-contained FLUX-like single-stream block in plain torch (hidden 3072, 24 heads, MLP ratio
 4, 4096 image + 512 text tokens, SDPA attention): adaLN modulation, one fused QKV + MLP-in projection,
 RMS-normed q/k, SDPA, and one output projection over [attention, GELU(MLP)], gated residual. Its Linears are
-swapped by ``difrl.quant.quantize_module(copy, fmt, backend='te')`` (te.Linear under te.autocast with the
-format's recipe; attention, norms and the modulation stay BF16). The adaLN modulation linear is kept in
-BF16: its GEMM has M = batch = 1, below what TE's FP8 GEMMs accept.
+swapped by ``difrl.quant.quantize_module(copy, fmt, backend=...)``: 'te' (te.Linear under te.autocast with the
+format's recipe) and 'torch' (difrl's torch-native FP8, torch._scaled_mm with compiled activation quantization);
+attention, norms and the modulation stay BF16. The adaLN modulation linear is kept in BF16: its GEMM has
+M = batch = 1, below what TE's FP8 GEMMs accept.
 
-Formats: fp8 (Float8CurrentScaling) and fp8_block (Float8BlockScaling) need SM >= 9.0 (Hopper); mxfp8 and
-nvfp4 need SM 10.x (Blackwell). A format the card or the TE build cannot run is listed with TE's reason.
+Formats: TE fp8 (Float8CurrentScaling) and fp8_block (Float8BlockScaling) need SM >= 9.0 (Hopper); mxfp8 and
+nvfp4 need SM 10.x (Blackwell); torch fp8 / fp8_row need SM >= 8.9. A backend x format the card or the
+installed packages cannot run is listed with the reason.
 
 Parity: the same block with ``backend='emulate'`` (difrl's exact pure-torch emulation, what CPU CI runs),
-in fp32 on the same GPU with the same (BF16-valued) weights; relative Frobenius error and cosine of TE's
-output against it, and of both against the plain fp32 block.
+in fp32 on the same GPU with the same (BF16-valued) weights; relative Frobenius error and cosine of the
+backend's output against it, and of both against the plain fp32 block.
 
-Without a CUDA GPU, or without Transformer Engine, it prints one line saying so and exits 0.
+Without a CUDA GPU it prints one line saying so and exits 0.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import datetime as _dt
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -37,11 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import standard_args, write_block  # noqa: E402
 from torch import nn
 
-from difrl.quant import quantize_module, relative_error, te_support
+from difrl.quant import QuantizationError, quantize_module, relative_error
+from difrl.quant.timing import time_ms
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- gpu_lowprec:start -->", "<!-- gpu_lowprec:end -->"
-FORMATS = ("fp8", "fp8_block", "mxfp8", "nvfp4")
+COMBOS = (("te", "fp8"), ("te", "fp8_block"), ("te", "mxfp8"), ("te", "nvfp4"), ("torch", "fp8"), ("torch", "fp8_row"))
 SKIP = ("ada",)  # M = batch = 1: not an FP8 GEMM shape
 
 
@@ -83,40 +85,11 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
 
 
-@torch.no_grad()
-def time_ms(fn, warmup: int, repeats: int, device: torch.device) -> list[float]:
-    """Per-call milliseconds: CUDA events on a GPU (wall clock elsewhere, for the CPU smoke test)."""
-    cuda = device.type == "cuda"
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    out = []
-    for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            out.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            out.append(1e3 * (time.perf_counter() - t0))
-    return out
-
-
 def unavailable() -> str | None:
     """One line saying why nothing can be timed here, or None."""
     if not torch.cuda.is_available():
         return ("gpu_lowprec: no CUDA GPU on this machine (torch.cuda.is_available() is False); nothing to time. "
-                "Run it on an NVIDIA GPU with Transformer Engine (pip install 'difrl[te]').")
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception as e:  # ImportError, or a library error at import
-        return (f"gpu_lowprec: Transformer Engine is not importable ({type(e).__name__}: {e}); nothing to time. "
-                "pip install --no-build-isolation 'transformer-engine[pytorch]'.")
+                "Run it on an NVIDIA GPU (FP8: sm >= 8.9; Transformer Engine optional: pip install 'difrl[te]').")
     return None
 
 
@@ -142,30 +115,30 @@ def run(tokens: int, warmup: int, repeats: int, seed: int = 0, device: str = "cu
              "err_vs_emulate": None, "cos_vs_emulate": None, "err_vs_fp32": relative_error(y32, y16),
              "emulate_err_vs_fp32": None, "note": f"sm_{cap[0]}{cap[1]}"}]
     print(f"bf16       {base:8.3f} ms   err vs fp32 {100 * rows[0]['err_vs_fp32']:.3f}%", flush=True)
-    for fmt in FORMATS:
-        ok, why = te_support(fmt, dev)
-        if not ok:
-            rows.append({"format": fmt, "backend": "te", "ms": None, "speedup": None, "linears": "-",
-                         "err_vs_emulate": None, "cos_vs_emulate": None, "err_vs_fp32": None,
-                         "emulate_err_vs_fp32": None, "note": why})
-            print(f"{fmt:10s} not run: {why}", flush=True)
-            continue
+    for backend, fmt in COMBOS:
         te_block = copy.deepcopy(block16)
-        report = quantize_module(te_block, fmt, skip=SKIP, backend="te")
+        try:
+            report = quantize_module(te_block, fmt, skip=SKIP, backend=backend)
+        except QuantizationError as e:
+            rows.append({"format": fmt, "backend": backend, "ms": None, "speedup": None, "linears": "-",
+                         "err_vs_emulate": None, "cos_vs_emulate": None, "err_vs_fp32": None,
+                         "emulate_err_vs_fp32": None, "note": str(e)})
+            print(f"{backend:5s} {fmt:10s} not run: {e}", flush=True)
+            continue
         emu = copy.deepcopy(ref32)
         quantize_module(emu, fmt, skip=SKIP, backend="emulate")
         y_te = te_block(x16, temb16).float()
         y_emu = emu(x32, temb32)
         del emu
         ms = statistics.median(time_ms(lambda: te_block(x16, temb16), warmup, repeats, dev))
-        rows.append({"format": fmt, "backend": "te", "ms": ms, "speedup": base / ms,
+        rows.append({"format": fmt, "backend": backend, "ms": ms, "speedup": base / ms,
                      "linears": f"{len(report.quantized)}/{len(report.rows)}",
                      "err_vs_emulate": relative_error(y_emu, y_te), "cos_vs_emulate": cosine(y_emu, y_te),
                      "err_vs_fp32": relative_error(y32, y_te), "emulate_err_vs_fp32": relative_error(y32, y_emu),
                      "note": next(iter(report.backends.values()), "")})
         r = rows[-1]
-        print(f"{fmt:10s} {ms:8.3f} ms  x{r['speedup']:.2f}  TE vs emulate {100 * r['err_vs_emulate']:.3f}% "
-              f"(cos {r['cos_vs_emulate']:.5f})  TE vs fp32 {100 * r['err_vs_fp32']:.3f}%  "
+        print(f"{backend:5s} {fmt:10s} {ms:8.3f} ms  x{r['speedup']:.2f}  vs emulate {100 * r['err_vs_emulate']:.3f}% "
+              f"(cos {r['cos_vs_emulate']:.5f})  vs fp32 {100 * r['err_vs_fp32']:.3f}%  "
               f"emulate vs fp32 {100 * r['emulate_err_vs_fp32']:.3f}%", flush=True)
         del te_block
         if dev.type == "cuda":
@@ -178,8 +151,8 @@ def _num(v, spec: str, scale: float = 1.0, suffix: str = "") -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| format | backend | linears swapped | ms / forward (median) | speed-up vs BF16 | TE vs emulation rel. err | "
-             "TE vs emulation cosine | rel. err vs fp32 | emulation rel. err vs fp32 | note |",
+    lines = ["| format | backend | linears swapped | ms / forward (median) | speed-up vs BF16 | vs emulation rel. err | "
+             "vs emulation cosine | rel. err vs fp32 | emulation rel. err vs fp32 | note |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         cells = [r["format"], r["backend"], r["linears"], _num(r["ms"], ".3f"), _num(r["speedup"], ".2f"),
@@ -190,16 +163,20 @@ def table(rows: list[dict]) -> str:
 
 
 def write_markdown(rows: list[dict], command: str, tokens: int, path: Path) -> None:
-    import transformer_engine
+    try:
+        import transformer_engine
+        te_version = getattr(transformer_engine, "__version__", "?")
+    except Exception:  # ImportError, or a library error at import
+        te_version = "not installed"
 
     block = "\n".join([
         BEGIN,
-        "## GPU: FLUX-size block forward, BF16 vs Transformer Engine low precision",
+        "## GPU: FLUX-size block forward, BF16 vs Transformer Engine and torch-native low precision",
         "",
         f"Command: `{command}`  ",
         f"Date: {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}  ",
         f"Machine: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
-        f"Transformer Engine {getattr(transformer_engine, '__version__', '?')}",
+        f"Transformer Engine {te_version}",
         "",
         f"FLUX-like single-stream block (hidden 3072, 24 heads, MLP ratio 4), batch 1, {tokens} tokens, SDPA. "
         "Emulation = `difrl.quant` (backend 'emulate') in fp32 on the same GPU.",

@@ -42,7 +42,7 @@ def test_bench_quant_rows_and_markdown(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "ROOT", tmp_path)
     small = ["--flux-dims", "256", "1024", "--tokens", "32", "--small-tokens", "32", "--batch", "16", "--repeats", "2"]
     res = bench.main(["--quick", *small, "--json", str(tmp_path / "quant.json")])
-    fmts = ("bf16", "fp8", "fp8_block", "mxfp8", "mxfp8_floor", "nvfp4", "nvfp4_single")
+    fmts = ("bf16", "fp8", "fp8_row", "fp8_block", "mxfp8", "mxfp8_floor", "nvfp4", "nvfp4_single")
     assert [r["format"] for r in res["layers"]] == list(fmts) * 2
     assert [r["format"] for r in res["storage"]] == list(fmts) * 2
     assert [r["format"] for r in res["digits"]] == ["fp32", *fmts]
@@ -50,6 +50,7 @@ def test_bench_quant_rows_and_markdown(tmp_path, monkeypatch):
     for layer in ("digits-size", "FLUX-size"):
         g = {f: err[layer, f]["gemm_err"] for f in fmts}
         assert g["bf16"] < g["fp8"] < g["nvfp4"] < 0.2 and err[layer, "nvfp4"]["cosine"] > 0.98
+        assert g["bf16"] < g["fp8_row"] < g["nvfp4"]
     mem = {(r["layer"], r["format"]): r for r in res["storage"]}
     assert 0.25 < mem["FLUX-size", "nvfp4"]["x_bf16"] < 0.26  # one E4M3 scale per 16x16 tile
     assert abs(mem["FLUX-size", "nvfp4"]["row_layout_x_bf16"] - 0.28125) < 1e-3  # one per 1x16 row block
@@ -67,6 +68,49 @@ def test_bench_quant_rows_and_markdown(tmp_path, monkeypatch):
     assert "| nvfp4 |" in md
     nv = err["FLUX-size", "nvfp4"]  # the reading is computed from the run's rows (the last run's, equal here)
     assert f"FLUX-size: NVFP4 {100 * nv['act_err']:.2f}% (activations)" in md
+
+
+def test_bench_quant_gpu_mode_code_path_on_cpu(tmp_path, monkeypatch, capsys):
+    """bench_quant --gpu --quick: the GPU tables' code path on the CPU with tiny shapes (timings not asserted)."""
+    import torch
+
+    bench = _load("bench_quant")
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--gpu", "--json", str(tmp_path / "g.json")]) is None  # a full run needs a GPU: says so
+    assert "bench_quant --gpu: no CUDA GPU on this machine" in capsys.readouterr().out
+    combos = ["te:fp8", "torch:fp8", "torch:fp8_row", "torch+fast:fp8_row", "emulate:fp8_row", "emulate:nvfp4"]
+    res = bench.main(["--gpu", "--quick", "--combos", *combos, "--json", str(tmp_path / "g.json")])
+    gemm = {(r["backend"], r["format"]): r for r in res["gemm"]}
+    assert list(gemm) == [("bf16", "bf16")] + [tuple(c.split(":")) for c in combos]
+    assert gemm["te", "fp8"]["ms"] is None and "no CUDA GPU" in gemm["te", "fp8"]["note"]
+    for key in [("torch", "fp8"), ("torch", "fp8_row"), ("torch+fast", "fp8_row")]:
+        r = gemm[key]
+        assert r["ms"] > 0 and r["err_vs_emulation"] < 0.01 and r["err_vs_fp32"] < 0.06  # BF16 outputs both sides
+        assert "torch._scaled_mm on cpu" in r["note"]
+    assert gemm["emulate", "nvfp4"]["err_vs_fp32"] > gemm["emulate", "fp8_row"]["err_vs_fp32"]
+    tr = res["transformer"]
+    if "not run: diffusers" not in tr[0]["note"]:
+        assert tr[0]["backend"] == "bf16" and tr[0]["model"].startswith("SD3 tiny")
+        rows = {(r["backend"], r["format"], r["min_dim"]): r for r in tr[1:]}
+        assert rows["te", "fp8", 16]["ms"] is None and "no CUDA GPU" in rows["te", "fp8", 16]["note"]
+        cut, every = rows["torch", "fp8_row", 16], rows["torch", "fp8_row", 0]
+        n_cut, n_all = (int(r["quantized"].split("/")[0]) for r in (cut, every))
+        assert 0 < n_cut < n_all  # the preset-like cut keeps the 16x16 attention projections in BF16
+        assert all(r["ms"] > 0 and r["rel_err"] < 0.1 for r in (cut, every))
+        assert ("torch+fast", "fp8_row", 16) not in rows  # fast accumulation: the GEMM table only
+        assert rows["emulate", "nvfp4", 16]["rel_err"] > rows["emulate", "fp8_row", 16]["rel_err"]
+    md = bench.gpu_tables(res)
+    assert "| tiny | 64x64 | 96x64 | torch | fp8_row |" in md and "### (g2)" in md
+    # a combo that fails (e.g. torch.compile on a machine without triton) is a row, not the end of the run
+    def broken(*args, **kwargs):
+        raise RuntimeError("no triton")
+
+    monkeypatch.setattr(bench, "_swap", broken)
+    rows = bench.gpu_gemm_rows(bench.QUICK_GEMM_SHAPES, [("torch", "fp8_row")], torch.device("cpu"), 0, 1)
+    assert rows[1]["ms"] is None and rows[1]["note"] == "FAILED: RuntimeError: no triton"
+    assert json.loads((tmp_path / "g.json").read_text()) == res
+    assert not (tmp_path / "BENCHMARKS.md").exists()  # never published without a GPU
 
 
 def test_gpu_lowprec_without_a_gpu_says_so_and_exits_0(tmp_path):
@@ -90,16 +134,22 @@ def test_gpu_lowprec_code_path_on_cpu(monkeypatch):
 
     gpu = _load("gpu_lowprec")
     real = gpu.quantize_module
-    monkeypatch.setattr(gpu, "te_support", lambda fmt, device=None: (True, "stand-in"))
-    monkeypatch.setattr(gpu, "quantize_module", lambda m, fmt, skip=(), backend="auto": real(m, fmt, skip, 0, "emulate"))
+    # TE stood in for by the emulation; the torch backend runs for real (torch._scaled_mm on CPU)
+    monkeypatch.setattr(gpu, "quantize_module", lambda m, fmt, skip=(), backend="auto":
+                        real(m, fmt, skip, 0, "emulate" if backend == "te" else backend))
     rows = gpu.run(tokens=32, warmup=1, repeats=2, device="cpu", hidden=64, heads=4)
-    assert [r["format"] for r in rows] == ["bf16", "fp8", "fp8_block", "mxfp8", "nvfp4"]
+    assert [(r["backend"], r["format"]) for r in rows] == [("torch", "bf16"), *gpu.COMBOS]
     assert all(r["ms"] > 0 for r in rows)
     for r in rows[1:]:
         assert r["linears"] == "2/3"  # qkv_mlp and proj_out; the M=1 modulation stays BF16
         assert r["err_vs_fp32"] < 0.3 and r["cos_vs_emulate"] > 0.99
-    assert rows[-1]["emulate_err_vs_fp32"] > rows[1]["emulate_err_vs_fp32"]  # nvfp4 is coarser than fp8
-    assert "| nvfp4 | te | 2/3 |" in gpu.table(rows)
+    assert rows[4]["emulate_err_vs_fp32"] > rows[1]["emulate_err_vs_fp32"]  # nvfp4 is coarser than fp8
+    assert "| nvfp4 | te | 2/3 |" in gpu.table(rows) and "| fp8_row | torch | 2/3 |" in gpu.table(rows)
+    # without the stand-in, TE is not run on a CPU and the row says why
+    monkeypatch.setattr(gpu, "quantize_module", real)
+    monkeypatch.setattr(gpu, "COMBOS", (("te", "fp8"),))
+    rows = gpu.run(tokens=32, warmup=1, repeats=1, device="cpu", hidden=64, heads=4)
+    assert rows[1]["ms"] is None and "no CUDA GPU" in rows[1]["note"]
     block = gpu.SingleStreamBlock(64, 4)
     assert block(torch.randn(2, 8, 64), torch.randn(2, 64)).shape == (2, 8, 64)
 

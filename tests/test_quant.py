@@ -616,6 +616,261 @@ def test_mxfp8_floor_matches_torchao_bit_for_bit():
 
 
 def test_new_formats_run_in_the_rollout_copy_and_have_no_te_recipe():
-    for fmt in ("nvfp4_single", "mxfp8_floor"):
+    for fmt in ("nvfp4_single", "mxfp8_floor", "fp8_row"):
         assert choose_backend(fmt, "auto")[0] == "emulate"
-        assert "no CUDA GPU" in L.te_support(fmt)[1] or "no " + fmt in L.te_support(fmt)[1]
+        assert L.te_support(fmt) == (False, f"Transformer Engine has no {fmt} recipe")  # never a KeyError on a GPU
+
+
+# ---------------------------------------------------------------------------------- torch-native FP8 backend
+
+
+def test_fp8_row_has_one_scale_per_row_by_hand():
+    w = _randn(6, 40, seed=4) * torch.tensor([1e-3, 1.0, 30.0, 0.0, 5.0, 1e3])[:, None]  # one all-zero row
+    q = quantize(w, "fp8_row", "weight")
+    assert q.data["scale_inv"].shape == (6, 1) and q.data["data"].dtype == torch.float8_e4m3fn
+    for i in range(6):
+        amax = float(w[i].abs().max())
+        scale = 448.0 / amax if amax > 0 else 1.0
+        assert float(q.data["scale_inv"][i]) == pytest.approx(1.0 / scale, rel=1e-7)
+        assert torch.equal(q.data["data"][i], (w[i] * torch.tensor(scale)).clamp(-448, 448).to(torch.float8_e4m3fn))
+        assert float(q.data["data"][i].float().abs().max()) == (448.0 if amax > 0 else 0.0)  # each row reaches 448
+    assert torch.equal(dequantize(q), qdq(w, "fp8_row", "weight"))
+    # rows six decades apart: one scale per row keeps each row's relative error at E4M3's, a per-tensor scale does not
+    row_err = [F.relative_error(w[i], qdq(w, "fp8_row")[i]) for i in (0, 1, 2, 4, 5)]
+    assert max(row_err) < 0.04 and F.relative_error(w[0], qdq(w, "fp8")[0]) > 0.5
+    x = _randn(2, 3, 40)  # activations: one scale per token
+    assert quantize(x, "fp8_row", "activation").data["scale_inv"].shape == (2, 3, 1)
+
+
+def _rows_apart(*shape, seed=3):
+    """x [..., T, K] whose rows (tokens) span six decades, one of them all zero."""
+    x = _randn(*shape, seed=seed) * torch.logspace(-3, 3, shape[-2])[:, None]
+    x[..., 0, :] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_row"])
+def test_torch_fp8_backend_equals_the_emulation_within_the_fp32_accumulation_bound(fmt):
+    from difrl.quant import torch_fp8
+
+    lin = nn.Linear(256, 96)
+    emu, fast = QuantLinear(lin, fmt), L.TorchFP8Linear(lin, fmt)
+    for k in ("data", "scale_inv"):  # the same stored weight: one quantizer, formats.quantize
+        assert torch.equal(getattr(emu, "w_" + k), getattr(fast, "w_" + k))
+    x = _rows_apart(3, 50, 256)
+    y_e, y_t = emu(x), fast(x)
+    assert y_t.dtype == torch.float32 and torch.equal(y_t, y_t.bfloat16().float())  # BF16 values, caller's dtype
+    tol = torch_fp8.accumulation_tolerance(qdq(x, fmt), emu.weight_hat(), lin.bias, y_e)
+    assert ((y_t - y_e).abs() <= tol).all(), float(((y_t - y_e).abs() / tol).max())
+    assert (y_t == y_e.bfloat16().float()).float().mean() > 0.8  # mostly the emulation rounded to BF16 (the bias is
+    # rounded to BF16 before the add, and fp32 sums in another order flip some roundings)
+    # the bound has teeth: the other granularity, or skipping the activation quantization, falls outside it
+    other = QuantLinear(lin, "fp8" if fmt == "fp8_row" else "fp8_row")(x)
+    unquantized_act = x @ emu.weight_hat().T + lin.bias.detach()
+    for wrong in (other, unquantized_act):
+        assert not ((y_t - wrong).abs() <= tol).all()
+    # BF16 in, BF16 out, same bound; no bias; 2-D input
+    xb = x.bfloat16()
+    y_eb = QuantLinear(lin, fmt)(xb.float())
+    assert fast(xb).dtype == torch.bfloat16
+    assert ((fast(xb).float() - y_eb).abs() <= torch_fp8.accumulation_tolerance(qdq(xb.float(), fmt), emu.weight_hat(),
+                                                                                lin.bias, y_eb)).all()
+    nb = nn.Linear(256, 96, bias=False)
+    x2 = x[0]
+    y_nb = QuantLinear(nb, fmt)(x2)
+    assert ((L.TorchFP8Linear(nb, fmt)(x2) - y_nb).abs()
+            <= torch_fp8.accumulation_tolerance(qdq(x2, fmt), QuantLinear(nb, fmt).weight_hat(), None, y_nb)).all()
+    assert "torch._scaled_mm" in repr(fast)
+    with pytest.raises(ValueError, match="runs \\('fp8', 'fp8_row'\\), not 'nvfp4'"):
+        L.TorchFP8Linear(lin, "nvfp4")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_row"])
+def test_torch_fp8_compiled_path_equals_eager(fmt):
+    """The torch.compile'd quantize + _scaled_mm (what runs on a GPU) traces and gives the eager result on CPU."""
+    lin = nn.Linear(64, 48)
+    eager, compiled = L.TorchFP8Linear(lin, fmt, compile=False), L.TorchFP8Linear(lin, fmt, compile=True)
+    for x in (_rows_apart(37, 64), _rows_apart(2, 5, 64, seed=4)):  # a second shape: no recompile needed (dynamic)
+        assert torch.equal(compiled(x), eager(x))
+
+
+def _fake_gpu(monkeypatch, cap, te=(False, "transformer_engine is not importable (ImportError: none)")):
+    """Pretend the layers live on a CUDA device of compute capability `cap`, with TE's answer `te`."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    monkeypatch.setattr(L, "te_support", lambda fmt, device=None: te)
+    monkeypatch.setattr(L, "_device_of", lambda linear: torch.device("cuda"))
+
+
+def test_auto_backend_on_cpu_is_the_emulation_and_torch_can_be_forced(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for fmt in F.FORMATS[1:]:
+        kind, why = choose_backend(fmt, "auto", nn.Linear(64, 64))
+        assert kind == "emulate" and "no CUDA" in why, (fmt, why)
+    kind, why = choose_backend("fp8_row", "torch", nn.Linear(64, 64))
+    assert kind == "torch" and "requested" in why
+    with pytest.raises(QuantizationError, match="'torch' was requested for nvfp4 but cannot be used"):
+        choose_backend("nvfp4", "torch")
+    with pytest.raises(ValueError, match=r"quant backend must be one of \('auto', 'te', 'torch', 'emulate'\)"):
+        choose_backend("fp8", "fast")
+
+
+def test_auto_backend_on_hopper_without_transformer_engine_is_torch_for_fp8(monkeypatch):
+    _fake_gpu(monkeypatch, (9, 0))
+    for fmt in ("fp8", "fp8_row"):
+        kind, why = choose_backend(fmt, "auto", nn.Linear(64, 96))
+        assert kind == "torch" and "sm_90" in why and "transformer_engine is not importable" in why
+    for fmt in ("mxfp8", "nvfp4"):  # said plainly: emulated, and FP8 is the fast format here
+        kind, why = choose_backend(fmt, "auto", nn.Linear(64, 96))
+        assert kind == "emulate" and "no native kernel on sm_90" in why and "slower than BF16" in why
+        assert "fp8_row" in why
+    assert choose_backend("fp8_block", "auto")[0] == "emulate"
+    kind, why = choose_backend("fp8", "auto", nn.Linear(24, 40))  # cuBLASLt FP8 needs dims % 16
+    assert kind == "emulate" and "divisible by 16" in why
+    with pytest.raises(QuantizationError, match="divisible by 16"):
+        choose_backend("fp8", "torch", nn.Linear(24, 40))
+    # quantize_module: the report says which layers run where, and why
+    report = quantize_module(_Toy(), "fp8_row", min_dim=0)
+    rows = {r[0]: r for r in report.rows}
+    assert rows["blocks.0.0"][2] == rows["small"][2] == "torch" and "torch._scaled_mm on sm_90" in rows["small"][3]
+    assert rows["embed"][2] == rows["head"][2] == "emulate" and "divisible by 16" in rows["head"][3]
+    assert "torch (torch._scaled_mm on sm_90" in report.summary() and "emulate (" in report.summary()
+
+
+def test_auto_backend_prefers_transformer_engine_and_knows_old_and_blackwell_gpus(monkeypatch):
+    _fake_gpu(monkeypatch, (9, 0), te=(True, "Transformer Engine on sm_90"))
+    assert choose_backend("fp8", "auto", nn.Linear(64, 96)) == ("te", "Transformer Engine on sm_90")
+    assert choose_backend("fp8", "torch", nn.Linear(64, 96))[0] == "torch"  # requested explicitly
+    _fake_gpu(monkeypatch, (8, 6))  # Ampere: no FP8 tensor cores
+    kind, why = choose_backend("fp8_row", "auto", nn.Linear(64, 96))
+    assert kind == "emulate" and "sm_86 has no FP8 tensor cores" in why
+    with pytest.raises(QuantizationError, match="sm_86 has no FP8 tensor cores"):
+        choose_backend("fp8_row", "torch", nn.Linear(64, 96))
+    _fake_gpu(monkeypatch, (10, 0))  # Blackwell without TE: native MX / NVFP4 exist, but only through TE here
+    kind, why = choose_backend("nvfp4", "auto", nn.Linear(64, 96))
+    assert kind == "emulate" and "native tensor cores on sm_100" in why and "Transformer Engine" in why
+    assert choose_backend("fp8_row", "auto", nn.Linear(64, 96))[0] == "torch"
+
+
+def test_the_emulation_on_a_gpu_warns_once(monkeypatch):
+    import warnings
+
+    monkeypatch.setattr(L, "_WARNED_ON_GPU", [])
+    x = _randn(4, 64)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        QuantLinear(nn.Linear(64, 32), "nvfp4")(x)  # on CPU the emulation is the default: no warning
+        assert not rec
+        monkeypatch.setattr(L, "_on_cuda", lambda t: True)
+        L.TorchFP8Linear(nn.Linear(64, 32), "fp8_row")(x)  # the fast backend never warns
+        assert not rec
+        for fmt in ("nvfp4", "fp8", "mxfp8"):
+            layer = QuantLinear(nn.Linear(64, 32), fmt)
+            layer(x)
+            layer(x)
+    assert len(rec) == 1 and rec[0].category is RuntimeWarning
+    msg = str(rec[0].message)
+    assert "nvfp4 layers run the exact pure-torch emulation on a CUDA device" in msg and "SLOWER than BF16" in msg
+    assert "rollout.quant_backend=auto or torch" in msg and "fp8_row" in msg and "Transformer Engine" in msg
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_row"])
+def test_sync_after_an_optimizer_step_requantizes_every_torch_fp8_layer(fmt, monkeypatch):
+    from difrl.models.digits import digit_prompt
+
+    policy, net = _lora_digits()
+    rc = RolloutCopy(net, fmt, backend="torch", **QUANT_PRESETS["digits"])
+    layers = quantized_layers(rc.module)
+    assert len(layers) == 9 and all(isinstance(m, L.TorchFP8Linear) for m in layers.values())
+    assert {r[2] for r in rc.report.rows if r[2] != "skipped"} == {"torch"} and "; torch (" in rc.report.summary()
+    cond = policy.encode([digit_prompt(i % 10) for i in range(8)])
+    x, s = _randn(8, 64), torch.full((8,), 0.6)
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
+
+    def optimizer_step():
+        opt.zero_grad()
+        policy.velocity(x, s, cond).pow(2).mean().backward()
+        opt.step()
+
+    for _ in range(2):
+        before = {n: (m.w_data.clone(), m.w_scale_inv.clone()) for n, m in layers.items()}
+        optimizer_step()
+        stats = rc.sync(net)  # verify() runs inside: every layer against the policy's merged weight
+        assert stats["changed_layers"] == 9
+        for n, m in layers.items():
+            assert not torch.equal(before[n][0], m.w_data), n
+        _assert_copy_matches(rc, _merged_by_peft(net))  # bit for bit: formats.quantize of the merged weight
+    with rc.active(policy), torch.no_grad():
+        v_q = policy.velocity(x, s, cond)
+    with torch.no_grad():
+        assert F.relative_error(policy.velocity(x, s, cond), v_q) < 0.1
+    # a sync that skips one torch layer is caught by the verification, naming the layer
+    monkeypatch.setattr(layers["blocks.1.fc2"], "set_weight", lambda w, b=None: False)
+    optimizer_step()
+    with pytest.raises(WeightSyncError, match="layer 'blocks.1.fc2' of the .* copy does not hold the policy's current"):
+        rc.sync(net)
+
+
+def test_config_quant_backend_values():
+    from difrl.config import ConfigError
+    from difrl.train.config import load_flow_config
+
+    with pytest.raises(ConfigError, match="rollout.quant_backend.*'cuda'.*expected one of 'auto', 'te', 'torch', 'emulate'"):
+        load_flow_config(None, ["rollout.quant_backend=cuda"])
+    cfg = load_flow_config(None, ["rollout.quant_backend=torch", "rollout.precision=fp8_row"])
+    assert (cfg.rollout.quant_backend, cfg.rollout.precision) == ("torch", "fp8_row")
+    assert load_flow_config(None, []).rollout.quant_backend == "auto"
+
+
+@pytest.mark.slow
+def test_solrl_trainer_on_the_torch_backend_and_the_cpu_default_unchanged(tmp_path, capsys):
+    """Sol-RL on digits runs its candidate pool through the torch backend when asked, and the default (auto) on
+    CPU is the emulation, metric for metric (~1-3 min on 2 cores)."""
+    import json
+
+    from difrl.train.config import load_flow_config
+    from difrl.train.flow import train
+
+    tiny = ["seed=3", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=2",
+            "train.grad_accum=2", "train.iterations=2", "eval.every=0", "eval.per_digit=3", "eval.num_steps=3",
+            "rollout.kind=solrl", "solrl.candidates=8", "solrl.preview_steps=3", "rollout.precision=fp8_row"]
+
+    def run(backend):
+        out = tmp_path / backend
+        train(load_flow_config(None, [*tiny, f"rollout.quant_backend={backend}"]), out_dir=out)
+        rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if "time" not in k and "seconds" not in k and not k.startswith("t_")}
+                for r in rows], capsys.readouterr().out
+
+    torch_rows, log = run("torch")
+    assert "rollout copy (stage-1 candidates" in log and "fp8_row: 9 of 13 linear layers quantized; torch (" in log
+    assert all(-1.0 <= r["solrl/spearman_median"] <= 1.0 and r["nfe_lowprec"] == 8 * 2 * 3 for r in torch_rows)
+    auto_rows, log = run("auto")
+    assert "; emulate (exact pure-torch emulation" in log
+    emulate_rows, _ = run("emulate")
+    assert auto_rows == emulate_rows  # CPU default = the exact emulation, unchanged
+
+
+def test_time_rollout_copy_times_a_copy_against_the_module():
+    from difrl.quant.timing import time_rollout_copy
+
+    class Net(nn.Module):  # keyword inputs, a tuple output: the diffusers calling convention
+        def __init__(self):
+            super().__init__()
+            self.inner = _Toy()
+
+        def forward(self, hidden_states, scale=1.0):
+            return (self.inner(hidden_states) * scale,)
+
+    m = Net()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    inputs = {"hidden_states": _randn(4, 8), "scale": 2.0}
+    r = time_rollout_copy(m, inputs, "fp8_row", backend="torch", skip=("embed", "head"), min_dim=0, warmup=1, repeats=2)
+    assert r["quantized"] == "5/7" and set(r["backends"]) == {"torch"} and r["format"] == "fp8_row"
+    assert r["ms_ref"] > 0 and r["ms_copy"] > 0 and r["speedup"] == pytest.approx(r["ms_ref"] / r["ms_copy"])
+    assert 0 < r["rel_err"] < 0.1 and r["cosine"] > 0.99 and "fp8_row: 5 of 7" in r["report"]
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items())  # the module itself is untouched
+    assert time_rollout_copy(m, inputs, "nvfp4", "emulate", warmup=0, repeats=1, baseline_ms=1.0)["ms_ref"] == 1.0
+    with pytest.raises(QuantizationError):
+        time_rollout_copy(m, inputs, "nvfp4", "torch", warmup=0, repeats=1)

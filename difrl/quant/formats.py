@@ -22,6 +22,9 @@ never run against TE itself, no GPU was used; tests compare with torchao, see te
 - ``mxfp8_floor`` MXFP8 with the OCP MX v1.0 spec's scale (§6.3, torchao's default FLOOR mode):
   s = 2^(floor(log2 amax_b) - 8), 8 = E4M3's largest exponent; elements above 448 * s saturate to 448.
 - ``fp8``    E4M3 with one FP32 scale per tensor from the current amax (``Float8CurrentScaling``).
+- ``fp8_row`` E4M3 with one FP32 scale per row from that row's current amax: per token for activations,
+  per output channel for weights (torchao's ``PerRow`` float8 inference granularity; the layout
+  ``torch._scaled_mm`` takes as rowwise scales). Scale 448/amax_row (1 for an all-zero row), as ``fp8``.
 - ``fp8_block`` E4M3, 1x128 blocks for activations and 128x128 tiles for weights, scale 448/amax_b
   rounded down to a power of two (``Float8BlockScaling``, the DeepSeek-V3 recipe).
 - ``bf16``   a plain cast (the reference rollout precision).
@@ -206,6 +209,13 @@ def _fp8_tensor(x: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor | None =
     return cast_fp8(x * scale, dtype), 1.0 / scale
 
 
+def _fp8_rows(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rowwise current scaling: (E4M3 values [.., K], dequantization scale 1/scale [.., 1] fp32), one scale per row
+    of the last dim (per token of x [.., K], per output channel of W [N, K])."""
+    x = x.float()
+    return _fp8_tensor(x, dtype, amax=x.abs().amax(-1, keepdim=True))
+
+
 def _e8m0_scale(amax_b: torch.Tensor) -> torch.Tensor:
     """MXFP8 block scale 2^ceil(log2(amax_b / 448)), within E8M0's [2^-127, 2^127]; 2^-127 for a zero block."""
     e = torch.ceil(torch.log2(amax_b / E4M3_MAX)).clamp(-127, 127)
@@ -264,7 +274,8 @@ class Quantized:
     """A tensor stored in a low-precision format: `data` holds exactly what a kernel would read.
 
     nvfp4: codes uint8 [.., K/2] (two per byte), scales float8_e4m3fn one per block, s_dec fp32 scalar.
-    fp8 / mxfp8 / fp8_block: data float8_e4m3fn, scales fp32 (per tensor) / E8M0 exponents int8 / fp32 per block.
+    fp8 / fp8_row / mxfp8 / fp8_block: data float8_e4m3fn, scale_inv fp32 [1] (per tensor) / scale_inv fp32 [.., 1]
+    (per row) / E8M0 exponents int8 / fp32 scales per block.
     bf16: data bfloat16."""
 
     fmt: str
@@ -317,6 +328,9 @@ def quantize(x: torch.Tensor, fmt: str, role: str = "weight") -> Quantized:
     elif fmt == "fp8":
         q, scale_inv = _fp8_tensor(x, torch.float8_e4m3fn)
         data = {"data": q, "scale_inv": scale_inv.reshape(1)}
+    elif fmt == "fp8_row":
+        q, scale_inv = _fp8_rows(x)
+        data = {"data": q, "scale_inv": scale_inv}
     elif fmt in ("mxfp8", "mxfp8_floor"):
         q, s = _mxfp8(x, fmt == "mxfp8_floor")
         *lead, K = q.shape
@@ -351,7 +365,7 @@ def dequantize(q: Quantized) -> torch.Tensor:
         x = e2m1_values(unpack_e2m1(d["codes"])) * _expand_blocks(d["scales"].float(), NVFP4_BLOCK, tr) * d["s_dec"]
     elif q.fmt == "nvfp4_single":
         x = e2m1_values(unpack_e2m1(d["codes"])) * _expand_blocks(d["scales"].float(), NVFP4_BLOCK, tr)
-    elif q.fmt == "fp8":
+    elif q.fmt in ("fp8", "fp8_row"):
         x = d["data"].float() * d["scale_inv"]
     elif q.fmt in ("mxfp8", "mxfp8_floor"):
         x = d["data"].float() * torch.exp2(_expand_blocks(d["exponents"].float(), MX_BLOCK, 1))
@@ -362,7 +376,7 @@ def dequantize(q: Quantized) -> torch.Tensor:
     return _crop(x, q.shape)
 
 
-FORMATS = ("bf16", "fp8", "fp8_block", "mxfp8", "mxfp8_floor", "nvfp4", "nvfp4_single")
+FORMATS = ("bf16", "fp8", "fp8_row", "fp8_block", "mxfp8", "mxfp8_floor", "nvfp4", "nvfp4_single")
 
 
 def _check_format(fmt: str) -> None:
@@ -380,6 +394,9 @@ def qdq(x: torch.Tensor, fmt: str, role: str = "activation") -> torch.Tensor:
         return nvfp4_single_qdq(x, tr)
     if fmt == "fp8":
         return fp8_tensor_qdq(x)
+    if fmt == "fp8_row":
+        q, scale_inv = _fp8_rows(x)
+        return q.float() * scale_inv
     if fmt in ("mxfp8", "mxfp8_floor"):
         return mxfp8_qdq(x, fmt == "mxfp8_floor")
     if fmt == "fp8_block":

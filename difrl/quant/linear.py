@@ -5,15 +5,22 @@
     report = quantize_module(copy, "nvfp4", **QUANT_PRESETS["flux"])   # in place; skip list + min dim
     print(report)                                                        # which layers, which backend, why
 
-Each replaced ``nn.Linear`` becomes a ``QuantLinear`` (the exact pure-torch emulation: W4A4 for NVFP4,
-W8A8 for the FP8 family, ``y = qdq_act(x) @ dequant(W_q).T + b`` with fp32 accumulation; specs §3) or,
-when Transformer Engine is installed and the GPU supports the format, a ``TELinear`` (``te.Linear``
-under ``te.autocast`` with the format's recipe; specs §2.3-2.5). Only linear layers are quantized:
+Each replaced ``nn.Linear`` becomes one of three backends (``backend``: auto | te | torch | emulate):
+- ``te``: a ``TELinear`` (``te.Linear`` under ``te.autocast`` with the format's recipe; specs §2.3-2.5), when
+  Transformer Engine is installed and supports the format on this GPU;
+- ``torch``: a ``TorchFP8Linear`` for fp8 / fp8_row, ``torch._scaled_mm`` with compiled dynamic activation
+  quantization, BF16 out (difrl/quant/torch_fp8.py says why and when);
+- ``emulate``: a ``QuantLinear``, the exact pure-torch emulation (W4A4 for NVFP4, W8A8 for the FP8 family,
+  ``y = qdq_act(x) @ dequant(W_q).T + b`` with fp32 accumulation; specs §3). Exact, and slower than BF16 on a
+  GPU: it warns once when it runs on one.
+``auto`` takes the first of te, torch, emulate that can run the format on the layer's device (torch only on a
+CUDA GPU with compute capability >= 8.9; on CPU auto is the emulation). Only linear layers are quantized:
 attention, norms, embeddings, convolutions stay in the model's precision, as in Sol-RL (specs §1.4).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -21,6 +28,7 @@ import torch
 from torch import nn
 
 from difrl.quant import formats as F
+from difrl.quant import torch_fp8
 
 # Sol-RL's exclusions (specs §1.4): a layer is skipped if its name contains one of `skip`, or if
 # max(in, out) <= min_dim. Wan and digits are ours: embedders and the output projection stay exact.
@@ -34,7 +42,7 @@ QUANT_PRESETS: dict[str, dict] = {
     "digits": {"skip": ("x_in", "t_mlp", "x_out"), "min_dim": 0},
 }
 
-BACKENDS = ("auto", "emulate", "te")
+BACKENDS = ("auto", "te", "torch", "emulate")
 
 
 class QuantizationError(RuntimeError):
@@ -63,8 +71,8 @@ def te_support(fmt: str, device: torch.device | str | None = None) -> tuple[bool
     """(usable, why) for running `fmt` through Transformer Engine on this machine."""
     if fmt == "bf16":
         return False, "bf16 needs no Transformer Engine"
-    if fmt in ("nvfp4_single", "mxfp8_floor"):  # TE's NVFP4 is always two-level, its MXFP8 scale rounds up
-        return False, f"Transformer Engine has no {fmt} recipe"
+    if fmt in ("nvfp4_single", "mxfp8_floor", "fp8_row"):  # TE's NVFP4 is always two-level, its MXFP8 scale
+        return False, f"Transformer Engine has no {fmt} recipe"  # rounds up, its FP8 current scaling is per tensor
     if not torch.cuda.is_available():
         return False, "no CUDA GPU"
     try:
@@ -171,8 +179,8 @@ class QuantLinear(nn.Module):
         for k, v in self.quantized_weight().data.items():
             if k == "scales":  # one per tile of tr rows (nvfp4*, fp8_block)
                 data[k] = v[start // tr:end // tr] if tr > 1 else v[start:stop]
-            elif k in ("codes", "data", "exponents"):  # one row per weight row
-                data[k] = v[start:end] if tr > 1 else v[start:stop]
+            elif k in ("codes", "data", "exponents") or (k == "scale_inv" and v.ndim == 2):  # one row per weight row
+                data[k] = v[start:end] if tr > 1 else v[start:stop]  # (fp8_row's scale_inv is [out, 1])
             else:  # per-tensor scales
                 data[k] = v
         return F.dequantize(F.Quantized(self.fmt, "weight", torch.Size((stop - start, self.in_features)), data))
@@ -185,6 +193,8 @@ class QuantLinear(nn.Module):
         return self.quantized_weight().nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _on_cuda(x):
+            warn_emulation_on_gpu(self.fmt)
         y = F.qdq(x, self.fmt, "activation") @ self.weight_hat().T
         if self.bias is not None:
             y = y + self.bias.float()
@@ -192,6 +202,50 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, emulated"
+
+
+_WARNED_ON_GPU: list[str] = []  # the format the once-per-process warning was given for
+
+
+def _on_cuda(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+def warn_emulation_on_gpu(fmt: str) -> None:
+    """Once per process: the exact emulation ran on a CUDA device, where it is slower than BF16."""
+    if _WARNED_ON_GPU:
+        return
+    _WARNED_ON_GPU.append(fmt)
+    warnings.warn(
+        f"difrl.quant: the {fmt} layers run the exact pure-torch emulation on a CUDA device. It fake-quantizes every "
+        "activation in plain torch and is SLOWER than BF16 (16-21x a BF16 Linear at a FLUX shape on an H200). For a "
+        "rollout copy faster than BF16 use rollout.precision=fp8_row (or fp8) with rollout.quant_backend=auto or "
+        "torch (torch._scaled_mm, compute capability >= 8.9, no extra install), or install Transformer Engine "
+        "(pip install 'difrl[te]') for its fp8 recipes and, on Blackwell, mxfp8 / nvfp4.", RuntimeWarning, stacklevel=3)
+
+
+class TorchFP8Linear(QuantLinear):
+    """QuantLinear's storage (E4M3 weight codes and fp32 scales, re-quantized by set_weight at every sync) run
+    through torch._scaled_mm: ``y = bf16(scaled_mm(quantize(x), W_q) + b)`` (difrl.quant.torch_fp8.fp8_linear),
+    returned in x's dtype. fmt fp8 (per-tensor scales) or fp8_row (per token x per output channel).
+    compile: torch.compile the activation quantization into the GEMM call (None = on a CUDA input).
+    fast_accum: Hopper's reduced-precision accumulation (off: fp32 accumulation, the tested tolerance)."""
+
+    def __init__(self, linear: nn.Linear, fmt: str, compile: bool | None = None, fast_accum: bool = False):
+        if fmt not in torch_fp8.TORCH_FORMATS:
+            raise ValueError(f"the torch-native FP8 backend runs {torch_fp8.TORCH_FORMATS}, not {fmt!r}")
+        super().__init__(linear, fmt)
+        self.rowwise, self.compile, self.fast_accum = fmt == "fp8_row", compile, fast_accum
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        compiled = x.is_cuda if self.compile is None else self.compile
+        fn = torch_fp8.compiled_fp8_linear() if compiled else torch_fp8.fp8_linear
+        y = fn(x.reshape(-1, self.in_features), self.w_data, self.w_scale_inv, self.bias, self.rowwise, self.fast_accum)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, torch._scaled_mm "
+                f"({'rowwise' if self.rowwise else 'per-tensor'} scales)")
 
 
 # ---------------------------------------------------------------------------------- swapping
@@ -234,22 +288,43 @@ class QuantReport:
         return "\n".join(lines)
 
 
+def _device_of(linear: nn.Linear | None) -> torch.device:
+    """Where the layer will run: its weight's device (a rollout copy is built on the policy's device)."""
+    if linear is not None:
+        return linear.weight.device
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
 def choose_backend(fmt: str, requested: str = "auto", linear: nn.Linear | None = None) -> tuple[str, str]:
-    """('te' | 'emulate', why). 'te' demanded and unavailable is an error; 'auto' falls back with the reason."""
+    """('te' | 'torch' | 'emulate', why) for `fmt` on `linear`'s device (without a layer: the current CUDA
+    device if there is one). 'auto' takes Transformer Engine where it imports and supports the format, else the
+    torch-native FP8 backend (fp8 / fp8_row on CUDA sm >= 8.9), else the exact emulation, and says why; 'te' or
+    'torch' requested and unusable is a QuantizationError ('torch' is allowed on any device, e.g. CPU tests)."""
     if requested not in BACKENDS:
         raise ValueError(f"quant backend must be one of {BACKENDS}, got {requested!r}")
     if requested == "emulate":
         return "emulate", "exact pure-torch emulation (requested)"
-    ok, why = te_support(fmt)
-    if ok and linear is not None:
-        mult = 128 if fmt == "fp8_block" else 32 if fmt == "mxfp8" else 16
-        if linear.in_features % mult or linear.out_features % mult:
-            ok, why = False, f"TE needs both GEMM dims divisible by {mult}"
+    te_why = ""
+    if requested in ("auto", "te"):
+        ok, te_why = te_support(fmt)
+        if ok and linear is not None:
+            mult = 128 if fmt == "fp8_block" else 32 if fmt == "mxfp8" else 16
+            if linear.in_features % mult or linear.out_features % mult:
+                ok, te_why = False, f"TE needs both GEMM dims divisible by {mult}"
+        if ok:
+            return "te", te_why
+        if requested == "te":
+            raise QuantizationError(f"quant backend 'te' was requested for {fmt} but cannot be used: {te_why}")
+    dims = None if linear is None else (linear.out_features, linear.in_features)
+    device = _device_of(linear)
+    ok, torch_why = torch_fp8.torch_fp8_support(fmt, device, dims)
+    if requested == "torch":  # on CPU too (a slow reference: what the tests run); on a GPU only where it is fast
+        if fmt not in torch_fp8.TORCH_FORMATS or (device.type == "cuda" and not ok):
+            raise QuantizationError(f"quant backend 'torch' was requested for {fmt} but cannot be used: {torch_why}")
+        return "torch", torch_why if ok else f"torch._scaled_mm on {device.type} (requested; a reference, not fast here)"
     if ok:
-        return "te", why
-    if requested == "te":
-        raise QuantizationError(f"quant backend 'te' was requested for {fmt} but cannot be used: {why}")
-    return "emulate", f"exact pure-torch emulation: {why}"
+        return "torch", f"{torch_why} (Transformer Engine: {te_why})"
+    return "emulate", f"exact pure-torch emulation: Transformer Engine: {te_why}; torch-native: {torch_why}"
 
 
 def quantize_module(module: nn.Module, fmt: str, skip: Iterable[str] = (), min_dim: int = 0,
@@ -271,7 +346,7 @@ def quantize_module(module: nn.Module, fmt: str, skip: Iterable[str] = (), min_d
             report.rows.append((name, shape, "skipped", f"max(in, out) = {max(shape)} <= min_dim {min_dim}"))
             continue
         kind, why = ("emulate", "a cast") if fmt == "bf16" else choose_backend(fmt, backend, child)
-        new = TELinear(child, fmt) if kind == "te" else QuantLinear(child, fmt)
+        new = {"te": TELinear, "torch": TorchFP8Linear, "emulate": QuantLinear}[kind](child, fmt)
         _set_submodule(module, name, new)
         report.rows.append((name, shape, kind, why))
     return report

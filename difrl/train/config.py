@@ -26,6 +26,7 @@ from difrl.config import cfg_field, config_error, load_config, load_config_union
 from difrl.correct import METHODS, POLICY_LOSSES, option_problems
 from difrl.models.adapters import ADAPTERS
 from difrl.quant.formats import FORMATS as QUANT_FORMATS
+from difrl.quant.linear import BACKENDS as QUANT_BACKENDS
 from difrl.solrl import SELECT_RULES
 from difrl.train.eval_config import EvalConfig, FidConfig, FlowEvalConfig, StopConfig  # noqa: F401  (re-exported)
 from difrl.worlds import FLOW_KINDS
@@ -250,9 +251,11 @@ class RolloutConfig:
                                               "rolls out from a stale copy (asynchronous RL; any rollout.precision)")
     quant_skip: list[str] | None = cfg_field(None, help="linear layers kept exact (name substrings); None = the model's preset")
     quant_min_dim: int | None = cfg_field(None, ge=0, help="keep layers with max(in, out) <= this exact; None = preset")
-    quant_backend: str = cfg_field("auto", choices=("auto", "emulate", "te"),
-                                   help="te = Transformer Engine (error if unusable), auto = TE where the GPU supports "
-                                        "the format, else the exact emulation")
+    quant_backend: str = cfg_field("auto", choices=QUANT_BACKENDS,
+                                   help="te = Transformer Engine, torch = torch._scaled_mm for fp8 / fp8_row (both an "
+                                        "error if unusable), emulate = the exact pure-torch emulation (slower than BF16 "
+                                        "on a GPU), auto = TE where it supports the format, else torch on a CUDA GPU "
+                                        "with compute capability >= 8.9, else the emulation (always on CPU)")
 
 
 @dataclass
