@@ -2,8 +2,11 @@
 `reward_plugins:<name>` with tests/ on PYTHONPATH)."""
 
 import time
+from pathlib import Path
 
 import torch
+
+from difrl.rewards.base import RewardModel
 
 
 def boom():
@@ -32,4 +35,19 @@ def nan_for_first():
     return fn
 
 
-__all__ = ["boom", "sleepy", "nan_for_first", "torch"]
+class scaled(RewardModel):
+    """Brightness times the number in the file `path`: a reward whose "weights" are a file (hashed into
+    info()["weights_sha256"]); its version stays "1" whatever the file holds."""
+
+    version = "1"
+
+    def __init__(self, path: str):
+        super().__init__(device="cpu", dtype="float32", batch_size=None)
+        self.weight_files = [Path(path)]
+        self.factor = float(Path(path).read_text())
+
+    def score(self, images, prompts, metadata):
+        return self.factor * images.float().flatten(1).mean(1)
+
+
+__all__ = ["boom", "sleepy", "nan_for_first", "scaled", "torch"]
