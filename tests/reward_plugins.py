@@ -35,6 +35,18 @@ def nan_for_first():
     return fn
 
 
+def on_uint8_pixels():
+    """Brightness of the pixels the `raw` wire encoding sends: round(255 clamp(x, 0, 1)) / 255 (the in-process
+    twin of `remote` brightness with encoding raw)."""
+    from difrl.rewards.simple import brightness
+
+    inner = brightness()
+
+    def fn(images, prompts, metadata):
+        return inner((images.float().clamp(0, 1) * 255).round() / 255, prompts, metadata)["brightness"]
+    return fn
+
+
 class scaled(RewardModel):
     """Brightness times the number in the file `path`: a reward whose "weights" are a file (hashed into
     info()["weights_sha256"]); its version stays "1" whatever the file holds."""
@@ -50,4 +62,4 @@ class scaled(RewardModel):
         return self.factor * images.float().flatten(1).mean(1)
 
 
-__all__ = ["boom", "sleepy", "nan_for_first", "scaled", "torch"]
+__all__ = ["boom", "sleepy", "nan_for_first", "on_uint8_pixels", "scaled", "torch"]

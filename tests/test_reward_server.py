@@ -375,3 +375,33 @@ def test_digits_run_through_the_server_equals_in_process(server, token_file, tmp
     train(local_chunked, out_dir=tmp_path / "local_chunked")
     lines = [json.loads(ln) for ln in (tmp_path / "local_chunked" / "metrics.jsonl").read_text().splitlines()]
     assert rows["remote_overlap"] == [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in lines]
+
+
+def test_image_run_through_the_server_with_uint8_pixels(server, token_file, tmp_path):
+    """A tiny FLUX run (3-channel images) scored remotely with the default `raw` encoding, i.e. the uint8 pixels
+    round(255 clamp(x, 0, 1)). Tolerance: none against the in-process reward on those same pixels (metric for
+    metric equal); against the float pixels, each image's brightness moves by at most 0.5/255 (the rounding), so
+    the first iteration's mean reward (same policy, same seeds) is within 0.5/255 and not equal."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("peft")
+    from difrl.models.tiny import make_tiny_pipeline
+    from difrl.train.config import load_flow_config
+    from difrl.train.flow import TIMING_KEYS, train
+
+    path = make_tiny_pipeline("flux", tmp_path / "tiny_flux", seed=0)
+    small = [f"model.path={path}", "rollout.prompts_per_iter=2", "rollout.group_size=4", "sampler.num_steps=3",
+             "eval.num_steps=2", "eval.per_digit=1", "eval.every=0", "train.iterations=2", "train.micro_batch=4",
+             "train.grad_accum=2", "threads=1"]
+    opts = json.dumps({"remote@brightness": {"url": server.url, "reward": "brightness", "token_file": str(token_file)}})
+    runs = {"remote_raw": ["reward.weights={remote@brightness: 1.0}", f"reward.options={opts}"],
+            "local_uint8": ["reward.weights={reward_plugins:on_uint8_pixels@brightness: 1.0}"],
+            "local_float": ["reward.weights={brightness: 1.0}"]}
+    rows = {}
+    for name, over in runs.items():
+        train(load_flow_config(ROOT / "configs" / "flux_tiny.yaml", [*small, *over]), out_dir=tmp_path / name)
+        lines = [json.loads(ln) for ln in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        rows[name] = [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in lines]
+    assert len(rows["remote_raw"]) == 2 and "reward/brightness" in rows["remote_raw"][0]
+    assert rows["remote_raw"] == rows["local_uint8"]
+    a, b = rows["remote_raw"][0]["reward/brightness"], rows["local_float"][0]["reward/brightness"]
+    assert 0 < abs(a - b) <= 0.5 / 255, (a, b)
