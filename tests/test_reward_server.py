@@ -6,8 +6,11 @@ Scores equal in-process scoring (bit for bit with raw32, on the quantised pixels
 a missing or wrong token is 401; oversize bodies, too many items and too many pixels are 413; a
 malformed body is 400; a reward that raises fails only its own request, and the client raises with the
 items; a server killed mid-request or a hung one gives a clear client error within the deadline or
-timeout; 503 is retried after Retry-After; a digits run trained through the server equals the
-in-process run.
+timeout; 503 is retried after Retry-After, the server's own 504 is not (the client's read timeout
+defaults to the server's timeout + 10 s); a server restarted with other weights under the same
+version is detected by the weights SHA-256 of every response; a digits run trained through the server
+equals the in-process run, and a tiny FLUX run through the default `raw` encoding (uint8 pixels)
+equals the in-process run on those pixels.
 """
 
 from __future__ import annotations
