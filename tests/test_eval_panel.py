@@ -108,7 +108,7 @@ def test_tiny_flux_eval_json_holds_fid_kid_and_the_heldout_panel(tmp_path, monke
 
     net = FeatureExtractorInceptionV3("inception-v3-compat", ["2048"], feature_extractor_weights_path=str(inception)).eval()
     feats = lambda x: net((x.clamp(0, 1) * 255).round().to(torch.uint8))[0].double()  # noqa: E731
-    refs = torch.stack([torch.from_numpy(np.asarray(Image.open(p).convert("RGB").resize((32, 32), Image.BICUBIC)))
+    refs = torch.stack([torch.from_numpy(np.array(Image.open(p).convert("RGB").resize((32, 32), Image.BICUBIC)))
                         .permute(2, 0, 1) for p in sorted(ref.glob("*.png"))]).float() / 255
     hps, clip = build_reward("hpsv2", **tiny["hpsv2"]), build_reward("clip_score", **tiny["clip_score"])
     with torch.no_grad():
@@ -248,7 +248,7 @@ def test_tiny_wan_eval_has_per_frame_and_clip_level_fd(tmp_path, monkeypatch):
         return torch.cat([f.mean(0), (f[1:] - f[:-1]).abs().mean(0)])
 
     def load(img):
-        return torch.from_numpy(np.asarray(img.convert("RGB"))).permute(2, 0, 1).float() / 255
+        return torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1).float() / 255
 
     videos = calls[-1][0]
     assert videos.shape == (8, 5, 3, 32, 32)
