@@ -232,15 +232,17 @@ def test_tiny_wan_eval_has_per_frame_and_clip_level_fd(tmp_path, monkeypatch):
     assert after["fd_report"]["n_ref"] == 18
     rep = after["fd_clip_report"]
     assert rep["n_gen"] == 8 and rep["n_ref"] == 3 and rep["dim"] == 32 and "clip(mean,motion)" in rep["extractor"]
-    # the values, recomputed from the evaluation clips with transformers' CLIP image features (32 x 32 frames: no
-    # resize, OpenAI mean/std) and the closed forms above: per frame against the reference frames, and per clip on
-    # [mean frame feature, mean |change between frames|] against the reference GIFs
+    # the values, recomputed from the evaluation clips with transformers' CLIP image features of the rounded pixels
+    # (what a PNG holds, the extractor's convention; 32 x 32 frames: no resize, OpenAI mean/std) and the closed forms
+    # above: per frame against the reference frames, and per clip on [mean frame feature, mean |change between
+    # frames|] against the reference GIFs
     from transformers import CLIPModel
 
     clip = CLIPModel.from_pretrained(tiny["clip_score"]["model_dir"], local_files_only=True).eval()
     mean, std = torch.tensor([0.48145466, 0.4578275, 0.40821073]), torch.tensor([0.26862954, 0.26130258, 0.27577711])
 
     def feats(frames):  # [N, 3, 32, 32] in [0, 1] -> [N, 16] float64
+        frames = (frames.clamp(0, 1) * 255).round() / 255
         out = clip.get_image_features(pixel_values=(frames - mean.view(1, 3, 1, 1)) / std.view(1, 3, 1, 1))
         return (out.pooler_output if hasattr(out, "pooler_output") else out).double()
 
@@ -258,6 +260,6 @@ def test_tiny_wan_eval_has_per_frame_and_clip_level_fd(tmp_path, monkeypatch):
         ref_clips = torch.stack([clip_feature(feats(torch.stack([load(f) for f in ImageSequence.Iterator(Image.open(p))])))
                                  for p in sorted(clips_dir.glob("*.gif"))])
     gen_clips = torch.stack([clip_feature(f) for f in gen.view(8, 5, -1)])
-    assert after["fd"] == pytest.approx(fd_closed_form(gen, ref_frames), rel=1e-4)
-    assert after["fd_clip"] == pytest.approx(fd_closed_form(gen_clips, ref_clips), rel=1e-4)
+    assert after["fd"] == pytest.approx(fd_closed_form(gen, ref_frames), rel=1e-6)
+    assert after["fd_clip"] == pytest.approx(fd_closed_form(gen_clips, ref_clips), rel=1e-6)
     assert after["kid_clip"] == pytest.approx(kid_subsets(ref_clips, gen_clips, 100, 3), rel=1e-5, abs=1e-9)
