@@ -155,7 +155,7 @@ def test_digits_fd_and_kid_match_torchmetrics(digits, tmp_path):
     tm.update(real, real=True)
     tm.update(gen, real=False)
     tm_fd = float(tm.compute())
-    assert abs(rep["fd"] - tm_fd) / tm_fd < 1e-6, (rep["fd"], tm_fd)  # measured: ~8e-8
+    assert abs(rep["fd"] - tm_fd) / tm_fd < 1e-6, (rep["fd"], tm_fd)
 
     # KID: the same subsets (torchmetrics draws from the global generator, real first) and the same estimator
     tk = KernelInceptionDistance(feature=_DoubleFeatures(clf), subsets=20, subset_size=100)
