@@ -355,3 +355,120 @@ def test_bench_gpu_readings_are_computed_from_the_rows():
     assert "cost 0.60x a bf16 rollout per forward (target <= 0.75: met)" in text
     assert "gradient checkpointing: 1.30x the seconds per iteration, peak memory 12.5 vs 20.0 GiB" in text
     assert "pruning" not in text  # no row, no sentence
+
+
+# ---- smoke tests of the --quick runs: the rows' values, not only that they ran ---------------------------------
+
+def _quick(name: str, argv: list[str], tmp_path) -> list[dict]:
+    """`benchmarks/<name>.py --quick ... --json` in this process; the rows it returns equal its JSON and
+    BENCHMARKS.md is left alone. torch's thread count is restored (the scripts set their own)."""
+    import torch
+
+    bench = _load(name)
+    md = (ROOT / "BENCHMARKS.md").read_text()
+    threads = torch.get_num_threads()
+    try:
+        rows = bench.main(["--quick", *argv, "--json", str(tmp_path / f"{name}.json")])
+    finally:
+        torch.set_num_threads(threads)
+    assert json.loads((tmp_path / f"{name}.json").read_text()) == json.loads(json.dumps(rows))
+    assert (ROOT / "BENCHMARKS.md").read_text() == md  # --quick never publishes
+    return rows
+
+
+@pytest.mark.slow  # one server process, 24 clients, 2 rewards x 5 encodings (~2 min on 2 cores)
+def test_bench_reward_server_quick_rows(tmp_path):
+    rows = _quick("bench_reward_server", [], tmp_path)
+    rtt = rows[0]
+    assert rtt["part"] == "RTT" and rtt["samples"] == 10
+    a = {r["encoding"]: r for r in rows if r["part"] == "A"}
+    assert set(a) == {"raw", "raw32", "png", "jpeg", "all"} and a["all"]["clients"] == 24
+    for enc, r in a.items():  # every request answered once, every item back once, every score = the in-process one
+        assert r["answered"] == r["requests"] == r["http_attempts"] - r["busy_503"], enc
+        assert r["items_answered"] == r["items"] == r["requests"] * 2, enc
+        assert r["items_lost"] == r["items_duplicated"] == r["items_foreign"] == r["item_errors"] == 0, enc
+        assert r["scores_mismatched"] == 0 and r["max_abs_diff"] <= 1e-5 and r["problems"] == [], enc
+    assert sum(a[e]["requests"] for e in ("raw", "raw32", "png", "jpeg")) == a["all"]["requests"] == 48
+    b = [r for r in rows if r["part"] == "B"]
+    assert {(r["reward"], r["encoding"], r["clients"]) for r in b} == {
+        (rw, enc, c) for rw in ("clip_score", "brightness")
+        for enc, c in (("in-process", 1), ("raw", 4), ("raw32", 4), ("png", 4), ("jpeg", 4), ("raw", 1))}
+    for r in b:
+        assert r["scores_mismatched"] == 0 and r["repeats"] == 2 and r["latency_samples"] == 16, r
+        if r["encoding"] == "in-process":
+            assert r["ratio_mean"] == r["ratio_min"] == r["ratio_max"] == 1.0 and r["bytes_per_image"] is None
+        else:  # 512 x 512 x 3 pixels: 1 byte each with raw, 4 with raw32, plus a few hundred bytes of msgpack
+            per_pixel = {"raw": 1, "raw32": 4}.get(r["encoding"])
+            if per_pixel:
+                assert 0 < r["bytes_per_image"] - per_pixel * 512 * 512 * 3 < 512, r
+            assert r["ratio_min"] <= r["ratio_mean"] <= r["ratio_max"]
+    png = next(r for r in b if r["encoding"] == "png")
+    jpeg = next(r for r in b if r["encoding"] == "jpeg")
+    assert jpeg["bytes_per_image"] < png["bytes_per_image"] < 512 * 512 * 3  # both compress these smooth images
+
+
+@pytest.mark.slow  # every built-in reward's throughput, then 2 seeds x 6 digits iterations serial and overlapped
+def test_bench_rewards_quick_rows(tmp_path):
+    rows = _quick("bench_rewards", [], tmp_path)
+    tp = {r["reward"].split(" ")[0]: r for r in rows if r["part"] == "throughput"}
+    assert set(tp) == {"clip_score", "pickscore", "aesthetic", "hpsv2", "ocr", "jpeg_compressibility", "geneval",
+                       "digit_prob", "video"}
+    for name, r in tp.items():
+        assert r["samples_per_s"] > 0 and r["one_at_a_time_per_s"] > 0, name
+        # the speed-up is the ratio of the two rates, which the row rounds to 0.1
+        sps, one = r["samples_per_s"], r["one_at_a_time_per_s"]
+        assert (sps - 0.05) / (one + 0.05) - 0.005 <= r["batched_speedup"] <= (sps + 0.05) / max(one - 0.05, 1e-9) + 0.005
+    assert tp["clip_score"]["batch"] == 16 and tp["ocr"]["batch"] == 4 and tp["video"]["batch"] == 2
+    ov = [r for r in rows if r["part"] == "overlap"]
+    assert ov and all(r["metrics_identical"] is True for r in ov)  # overlapped scoring changes no number
+    for r in ov:
+        assert r["ratio_min"] <= r["ratio_mean"] <= r["ratio_max"]
+
+
+@pytest.mark.slow  # NVFP4 rank agreement on 2 prompts, then 2 methods x 2 iterations (~1 min)
+def test_bench_solrl_quick_rows(tmp_path):
+    out = tmp_path / "runs"
+    rows = _quick("bench_solrl", ["--no-write", "--formats", "nvfp4", "--prompts", "2", "--pool", "6",
+                                  "--grpo-iterations", "2", "--nft-iterations", "2", "--every", "1",
+                                  "--methods", "plain GRPO", "Sol-RL", "--out", str(out)], tmp_path)
+    agree = {(r["format"], r["steps"]): r for r in rows if r["section"] == "agreement"}
+    assert set(agree) == {("fp32", 6), ("nvfp4", 6), ("nvfp4", 10)}
+    for r in agree.values():
+        assert r["prompts"] == 2 and r["seeds_per_prompt"] == 6 and -1 <= r["spearman_min"] <= r["spearman_median"] <= 1
+        assert r["reward_mae"] > 0  # fewer steps or NVFP4 weights move the rewards
+    learn = {r["method"]: r for r in rows if r["section"] == "learning"}
+    assert set(learn) == {"plain GRPO", "Sol-RL"}
+    for name, r in learn.items():  # the row's numbers are the run's own files
+        run = out / name.replace(" ", "_") / "seed0"
+        summary = json.loads((run / "summary.json").read_text())
+        metrics = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+        assert r["iterations"] == 2 and r["seeds"] == [0] and r["accuracy_std"] == 0.0
+        assert r["accuracy_mean"] == summary["eval_after"]["accuracy"] and r["fd_mean"] == summary["eval_after"]["fd"]
+        assert r["nfe_full"] == sum(m["nfe_full"] for m in metrics) > 0
+        assert r["nfe_lowprec"] == sum(m["nfe_lowprec"] for m in metrics)
+    assert learn["plain GRPO"]["nfe_lowprec"] == 0 and learn["Sol-RL"]["nfe_lowprec"] > 0
+    assert learn["plain GRPO"]["target_accuracy"] == learn["plain GRPO"]["accuracy_mean"]
+    assert learn["plain GRPO"]["nfe_full_to_target_ratio"] == 1.0  # the baseline reaches itself at its own budget
+
+
+@pytest.mark.slow  # 2 methods x 3 digits iterations under an NVFP4 rollout mismatch (~1 min)
+def test_bench_correct_quick_rows(tmp_path):
+    out = tmp_path / "runs"
+    methods = ["on-policy fp32 (no mismatch)", "token TIS (cap 2)"]
+    rows = _quick("bench_correct", ["--no-write", "--iterations", "3", "--every", "3", "--scenarios", "mean",
+                                    "--methods", *methods, "--out", str(out)], tmp_path)
+    assert [r["method"] for r in rows] == methods and all(r["iterations"] == 3 and r["seeds"] == [0] for r in rows)
+    on, tis = rows
+    assert on["mismatch"] == "none" and tis["mismatch"] == "rollout.precision=nvfp4 rollout.sync_every=4"
+    for r, d in ((on, "on-policy_fp32"), (tis, "token_TIS")):  # the row's numbers are the run's own files
+        run = out / "mean" / d / "seed0"
+        summary = json.loads((run / "summary.json").read_text())
+        metrics = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+        assert r["accuracy_mean"] == summary["eval_after"]["accuracy"] and r["accuracy_std"] == 0.0
+        assert r["fd_mean"] == summary["eval_after"]["fd"] and r["per_seed"][0]["accuracy"] == r["accuracy_mean"]
+        assert r["reward_last10_mean"] == pytest.approx(sum(m["reward_mean"] for m in metrics) / len(metrics))
+    assert on["kl_k3_mean"] is None  # no corrector, no diagnostics
+    k3 = [m["correct/kl_k3"] for m in map(json.loads, (out / "mean" / "token_TIS" / "seed0" / "metrics.jsonl")
+                                          .read_text().splitlines())]
+    assert tis["kl_k3_mean"] == pytest.approx(sum(k3) / len(k3)) and tis["kl_k3_mean"] > 0  # NVFP4 rollouts differ
+    assert 0 < tis["ess_frac_mean"] <= 1

@@ -155,7 +155,7 @@ def test_digits_fd_and_kid_match_torchmetrics(digits, tmp_path):
     tm.update(real, real=True)
     tm.update(gen, real=False)
     tm_fd = float(tm.compute())
-    assert abs(rep["fd"] - tm_fd) / tm_fd < 1e-3, (rep["fd"], tm_fd)
+    assert abs(rep["fd"] - tm_fd) / tm_fd < 1e-6, (rep["fd"], tm_fd)
 
     # KID: the same subsets (torchmetrics draws from the global generator, real first) and the same estimator
     tk = KernelInceptionDistance(feature=_DoubleFeatures(clf), subsets=20, subset_size=100)
@@ -255,6 +255,24 @@ def inception_weights(tmp_path_factory):
     return F.save_random_inception_weights(tmp_path_factory.mktemp("inception") / "weights-random-inception.pth")
 
 
+def _tf1_bilinear(x: torch.Tensor, size: int) -> torch.Tensor:
+    """TF1 `resize_bilinear(align_corners=False)` (the original FID code's resize), written out: output index i
+    reads input position i * in / out (no half-pixel offset), interpolating between floor and floor + 1 (clamped).
+    x: [B, C, H, W] float -> [B, C, size, size]."""
+    def along(t, dim):
+        n = t.shape[dim]
+        pos = torch.arange(size, dtype=torch.float64) * (n / size)
+        i0 = pos.floor().long().clamp(max=n - 1)
+        i1 = (i0 + 1).clamp(max=n - 1)
+        w = (pos - i0).to(t.dtype)
+        shape = [1] * t.dim()
+        shape[dim] = size
+        a, b = t.index_select(dim, i0), t.index_select(dim, i1)
+        return a + (b - a) * w.view(shape)
+
+    return along(along(x.float(), 2), 3)
+
+
 def test_inception_extractor_offline(inception_weights, monkeypatch):
     import torch_fidelity.feature_extractor_inceptionv3 as tfi
     from torchmetrics.image.fid import NoTrainInceptionV3
@@ -272,13 +290,32 @@ def test_inception_extractor_offline(inception_weights, monkeypatch):
         feats = ext(images)
         assert feats.shape == (2, 2048) and feats.dtype == torch.float32 and torch.isfinite(feats).all()
         assert feats.std() > 1e-3  # He-initialised random weights: activations keep their scale
-        # the same network as torchmetrics' FID extractor with antialias=False, on the rounded uint8 pixels
+        # what decides FID's feature space, checked without torch-fidelity / torchmetrics code (torchmetrics'
+        # NoTrainInceptionV3 subclasses torch-fidelity's extractor, so comparing the two could not fail): the
+        # network's first convolution sees the TF1 bilinear resize (align_corners=False, no half-pixel offset)
+        # of the rounded uint8 pixels, scaled (x - 128) / 128, and every weight is the file's
+        seen = {}
+        hook = ext.net.Conv2d_1a_3x3.register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0].clone()))
+        assert torch.equal(ext(images), feats)
+        hook.remove()
+        u8 = (images.clamp(0, 1) * 255).round()
+        torch.testing.assert_close(seen["x"], (_tf1_bilinear(u8, 299) - 128) / 128, rtol=0, atol=1e-5)
+        net = ext.net.state_dict()
+        file = torch.load(inception_weights, weights_only=True)
+        assert set(file) <= set(net) and all(torch.equal(net[k], v) for k, v in file.items())
+        assert any(k.endswith("conv.weight") for k in file) and len(file) > 300
+        # torchmetrics with antialias=False is that same network (a sanity check of the naming below, not a proof)
         tm = NoTrainInceptionV3("inception-v3-compat", ["2048"], str(inception_weights), antialias=False)
         torch.testing.assert_close(feats, tm(F.to_uint8(images)), rtol=1e-5, atol=1e-6)
         # torchmetrics' default resize (torch bilinear with antialias) is another feature space, named apart
         aa = F.InceptionExtractor(inception_weights, antialias=True)
         assert aa.name != ext.name and "antialias" in aa.resize_mode and aa.weights_sha256 == ext.weights_sha256
         assert not torch.allclose(aa(images[:1]), feats[:1], atol=1e-4)
+        seen.clear()  # and the input check above tells the two resizes apart (torch's has half-pixel centres)
+        hook = aa.net.Conv2d_1a_3x3.register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0].clone()))
+        aa(images)
+        hook.remove()
+        assert (seen["x"] - (_tf1_bilinear(u8, 299) - 128) / 128).abs().max() > 1e-2
 
 
 def test_inception_extractor_errors(tmp_path):

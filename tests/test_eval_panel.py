@@ -27,8 +27,51 @@ SMALL = ["rollout.prompts_per_iter=2", "rollout.group_size=4", "sampler.num_step
          "reward.options={}"]
 
 
+def fd_closed_form(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Fréchet distance of two feature sets [N, D] (float64), written out without a D x D matrix square root:
+    |mu_a - mu_b|^2 + tr S_a + tr S_b - 2 tr (S_a S_b)^(1/2), where with centred rows X_a, X_b and
+    S = X^T X / (N - 1), tr (S_a S_b)^(1/2) is the sum of the singular values of X_a X_b^T / sqrt((N_a-1)(N_b-1))."""
+    a, b = a.double(), b.double()
+    xa, xb = a - a.mean(0), b - b.mean(0)
+    na, nb = a.shape[0] - 1, b.shape[0] - 1
+    cross = torch.linalg.svdvals(xa @ xb.T / math.sqrt(na * nb)).sum()
+    return float(((a.mean(0) - b.mean(0)) ** 2).sum() + (xa ** 2).sum() / na + (xb ** 2).sum() / nb - 2 * cross)
+
+
+def kid_subsets(real: torch.Tensor, fake: torch.Tensor, subsets: int, m: int, seed: int = 0) -> float:
+    """KID (Binkowski et al. 2018): the mean over subsets of the unbiased MMD^2 with the kernel (x.y / D + 1)^3,
+    subsets drawn as torchmetrics draws them (per subset: randperm(real), then randperm(fake), one generator)."""
+    real, fake = real.double(), fake.double()
+    k = lambda x, y: (x @ y.T / x.shape[1] + 1) ** 3  # noqa: E731
+    g = torch.Generator().manual_seed(seed)
+    vals = []
+    for _ in range(subsets):
+        x = real[torch.randperm(real.shape[0], generator=g)[:m]]
+        y = fake[torch.randperm(fake.shape[0], generator=g)[:m]]
+        kxx, kyy, kxy = k(x, x), k(y, y), k(x, y)
+        vals.append(float((kxx.sum() - kxx.diagonal().sum()) / (m * (m - 1))
+                          + (kyy.sum() - kyy.diagonal().sum()) / (m * (m - 1)) - 2 * kxy.mean()))
+    return sum(vals) / len(vals)
+
+
+def _record_panel(monkeypatch) -> list:
+    """Every EvalPanel call's (images, prompts, result) (test-side recording)."""
+    from difrl.eval import panel
+
+    calls, real = [], panel.EvalPanel.__call__
+
+    def call(self, images, prompts, *a):
+        out = real(self, images, prompts, *a)
+        calls.append((images.detach().clone(), list(prompts), out))
+        return out
+
+    monkeypatch.setattr(panel.EvalPanel, "__call__", call)
+    return calls
+
+
 @pytest.mark.slow  # end to end, several seconds: left out by `make test-fast`
-def test_tiny_flux_eval_json_holds_fid_kid_and_the_heldout_panel(tmp_path):
+def test_tiny_flux_eval_json_holds_fid_kid_and_the_heldout_panel(tmp_path, monkeypatch):
+    import numpy as np
     from PIL import Image
 
     from difrl.eval.fid import save_random_inception_weights
@@ -51,12 +94,37 @@ def test_tiny_flux_eval_json_holds_fid_kid_and_the_heldout_panel(tmp_path):
                       "cache_dir": str(tmp_path / "cache"), "kid_subset_size": 4})
     cfg = load_flow_config(ROOT / "configs" / "flux_tiny.yaml", [*SMALL,
         f"model.path={path}", "train.iterations=1", "threads=1", f"eval.rewards={panel}", f"eval.fid={fid}"])
+    calls = _record_panel(monkeypatch)
     summary = train(cfg, out_dir=tmp_path / "run")
     evals = json.loads((tmp_path / "run" / "eval.json").read_text())
     assert [(e["tag"], e["iteration"]) for e in evals] == [("before", 0), ("after", 1)]
+    assert len(calls) == 2
+    # the values, recomputed from the evaluation samples: held-out rewards as the means of the rewards' scores,
+    # FD / KID from Inception features of the rounded pixels (torch-fidelity's network called here) against the
+    # reference PNGs loaded here, with the closed forms written above
+    from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
+
+    from difrl.rewards import build_reward
+
+    net = FeatureExtractorInceptionV3("inception-v3-compat", ["2048"], feature_extractor_weights_path=str(inception)).eval()
+    feats = lambda x: net((x.clamp(0, 1) * 255).round().to(torch.uint8))[0].double()  # noqa: E731
+    refs = torch.stack([torch.from_numpy(np.array(Image.open(p).convert("RGB").resize((32, 32), Image.BICUBIC)))
+                        .permute(2, 0, 1) for p in sorted(ref.glob("*.png"))]).float() / 255
+    hps, clip = build_reward("hpsv2", **tiny["hpsv2"]), build_reward("clip_score", **tiny["clip_score"])
+    with torch.no_grad():
+        ref_feats = feats(refs)
+        for e, (images, prompts, _) in zip(evals, calls):
+            assert images.shape == (8, 3, 32, 32)
+            assert e["reward/brightness"] == pytest.approx(float(images.mean()), rel=1e-5)
+            assert e["heldout/hpsv2"] == pytest.approx(float(hps(images, prompts)["hpsv2"].mean()), rel=1e-5)
+            c = clip(images, prompts)
+            assert e["heldout/clip_score"] == pytest.approx(float(c["clip_score"].mean()), rel=1e-5)
+            assert e["heldout/clip_score/cos"] == pytest.approx(float(c["cos"].mean()), rel=1e-5)
+            gen_feats = feats(images)
+            assert e["fd"] == pytest.approx(fd_closed_form(gen_feats, ref_feats), rel=1e-4)
+            assert e["kid"] == pytest.approx(kid_subsets(ref_feats, gen_feats, 100, 4), rel=1e-6, abs=1e-9)
+    assert evals[0]["fd"] != evals[1]["fd"]  # the trained policy's samples differ from the base's
     for e in evals:
-        for key in ("reward/brightness", "heldout/hpsv2", "heldout/clip_score", "heldout/clip_score/cos", "fd", "kid"):
-            assert isinstance(e[key], float) and math.isfinite(e[key]), key
         rep = e["fd_report"]
         assert rep["fd"] == e["fd"] and rep["n_gen"] == 8 and rep["n_ref"] == 6 and rep["kid_subset_size"] == 4
         assert rep["extractor"] == e["fd_extractor"] and "inception" in rep["extractor"].lower()
@@ -132,8 +200,9 @@ def test_tensorboard_tracker_logs_every_iteration(tmp_path):
         load_flow_config(None, [*tiny, "log_with=[tensorbord]"])
 
 
-def test_tiny_wan_eval_has_per_frame_and_clip_level_fd(tmp_path):
-    from PIL import Image
+def test_tiny_wan_eval_has_per_frame_and_clip_level_fd(tmp_path, monkeypatch):
+    import numpy as np
+    from PIL import Image, ImageSequence
 
     from difrl.models.tiny import make_tiny_pipeline
     from difrl.rewards.tiny import tiny_reward_options
@@ -156,10 +225,41 @@ def test_tiny_wan_eval_has_per_frame_and_clip_level_fd(tmp_path):
     cfg = load_flow_config(ROOT / "configs" / "flux_tiny.yaml", [*SMALL,
         "model.kind=wan", f"model.path={wan}", "model.num_frames=5", "sampler.guidance=1.0", "train.iterations=1",
         "threads=1", f"eval.fid={fid}"])
+    calls = _record_panel(monkeypatch)
     train(cfg, out_dir=tmp_path / "run")
     after = json.loads((tmp_path / "run" / "eval.json").read_text())[-1]
     assert after["fd_report"]["per_frame"] is True and after["fd_report"]["n_gen"] == 8 * 5  # 8 clips x 5 frames
     assert after["fd_report"]["n_ref"] == 18
     rep = after["fd_clip_report"]
-    assert math.isfinite(after["fd_clip"]) and rep["n_gen"] == 8 and rep["n_ref"] == 3 and rep["dim"] == 32
-    assert "clip(mean,motion)" in rep["extractor"] and math.isfinite(after["kid_clip"])
+    assert rep["n_gen"] == 8 and rep["n_ref"] == 3 and rep["dim"] == 32 and "clip(mean,motion)" in rep["extractor"]
+    # the values, recomputed from the evaluation clips with transformers' CLIP image features of the rounded pixels
+    # (what a PNG holds, the extractor's convention; 32 x 32 frames: no resize, OpenAI mean/std) and the closed forms
+    # above: per frame against the reference frames, and per clip on [mean frame feature, mean |change between
+    # frames|] against the reference GIFs
+    from transformers import CLIPModel
+
+    clip = CLIPModel.from_pretrained(tiny["clip_score"]["model_dir"], local_files_only=True).eval()
+    mean, std = torch.tensor([0.48145466, 0.4578275, 0.40821073]), torch.tensor([0.26862954, 0.26130258, 0.27577711])
+
+    def feats(frames):  # [N, 3, 32, 32] in [0, 1] -> [N, 16] float64
+        frames = (frames.clamp(0, 1) * 255).round() / 255
+        out = clip.get_image_features(pixel_values=(frames - mean.view(1, 3, 1, 1)) / std.view(1, 3, 1, 1))
+        return (out.pooler_output if hasattr(out, "pooler_output") else out).double()
+
+    def clip_feature(f):  # [F, D] -> [2 D]
+        return torch.cat([f.mean(0), (f[1:] - f[:-1]).abs().mean(0)])
+
+    def load(img):
+        return torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1).float() / 255
+
+    videos = calls[-1][0]
+    assert videos.shape == (8, 5, 3, 32, 32)
+    with torch.no_grad():
+        gen = feats(videos.flatten(0, 1))
+        ref_frames = feats(torch.stack([load(Image.open(p)) for p in sorted(frames_dir.glob("*.png"))]))
+        ref_clips = torch.stack([clip_feature(feats(torch.stack([load(f) for f in ImageSequence.Iterator(Image.open(p))])))
+                                 for p in sorted(clips_dir.glob("*.gif"))])
+    gen_clips = torch.stack([clip_feature(f) for f in gen.view(8, 5, -1)])
+    assert after["fd"] == pytest.approx(fd_closed_form(gen, ref_frames), rel=1e-6)
+    assert after["fd_clip"] == pytest.approx(fd_closed_form(gen_clips, ref_clips), rel=1e-6)
+    assert after["kid_clip"] == pytest.approx(kid_subsets(ref_clips, gen_clips, 100, 3), rel=1e-5, abs=1e-9)

@@ -6,8 +6,11 @@ Scores equal in-process scoring (bit for bit with raw32, on the quantised pixels
 a missing or wrong token is 401; oversize bodies, too many items and too many pixels are 413; a
 malformed body is 400; a reward that raises fails only its own request, and the client raises with the
 items; a server killed mid-request or a hung one gives a clear client error within the deadline or
-timeout; 503 is retried after Retry-After; a digits run trained through the server equals the
-in-process run.
+timeout; 503 is retried after Retry-After, the server's own 504 is not (the client's read timeout
+defaults to the server's timeout + 10 s); a server restarted with other weights under the same
+version is detected by the weights SHA-256 of every response; a digits run trained through the server
+equals the in-process run, and a tiny FLUX run through the default `raw` encoding (uint8 pixels)
+equals the in-process run on those pixels.
 """
 
 from __future__ import annotations
@@ -210,6 +213,7 @@ def test_response_checks(server, token_file):
           "results": [{"id": "a", "status": "ok", "scores": {"brightness": 0.5}}]}
     assert fn._check(ok, "q", ["a"], ["p"])["remote"].tolist() == [0.5]
     cases = [({"request_id": "other"}, "not the answer"), ({"reward": {"version": "2"}}, "now version '2'"),
+             ({"reward": {"version": "1", "weights_sha256": "f" * 64}}, "weights SHA-256 'f{64}'"),
              ({"results": []}, "0 results for 1 items"),
              ({"results": [{"id": "b", "status": "ok", "scores": {"brightness": 0.5}}]}, "do not match"),
              ({"results": [{"id": "a", "status": "ok", "scores": {"brightness": None}}]}, "not a number"),
@@ -217,6 +221,88 @@ def test_response_checks(server, token_file):
     for change, message in cases:
         with pytest.raises(RemoteRewardError, match=message):
             fn._check({**ok, **change}, "q", ["a"], ["p"])
+
+
+_HTTPX_CLIENT = httpx.Client
+
+
+def _mock_remote(monkeypatch, handler, **kw):
+    """A `remote` reward whose HTTP goes to `handler(request) -> httpx.Response` (no server)."""
+    monkeypatch.setattr(httpx, "Client", lambda **a: _HTTPX_CLIENT(transport=httpx.MockTransport(handler), **a))
+    return build_reward("remote", url="http://scorer.test", reward="r", **kw)
+
+
+INFO = {"protocol": 1, "rewards": {"r": {"name": "r", "key": "r", "version": "1", "weights_sha256": "ab" * 32,
+                                         "modality": "image"}}, "max_items": 64, "timeout_s": 7.0}
+
+
+def test_504_is_not_retried_and_the_read_timeout_outlasts_the_servers(monkeypatch):
+    """The server answers 504 when its own timeout passes (a stuck or overloaded scorer): retrying would wait as
+    long again, so the client raises at once; 502 / 503 / 429 are retried. The client's read timeout defaults to
+    the server's timeout + 10 s, so the server's 504 (which says why) comes before the client gives up."""
+    calls = {"score": 0}
+
+    def handler(status):
+        def h(request):
+            if request.url.path == "/v1/info":
+                return httpx.Response(200, json=INFO)
+            calls["score"] += 1
+            return httpx.Response(status, json={"protocol": 1, "error": f"status {status}"}, headers={"Retry-After": "0"})
+        return h
+
+    r = _mock_remote(monkeypatch, handler(504), retries=3)
+    assert r.fn.client.timeout.read == 7.0 + 10.0 and r.fn.client.timeout.connect == 5.0
+    with pytest.raises(RemoteRewardError, match="answered 504: status 504 .not retried"):
+        r(torch.rand(2, 3, 4, 4), ["a", "b"])
+    assert calls["score"] == 1
+    for status in (503, 502, 429):
+        calls["score"] = 0
+        r = _mock_remote(monkeypatch, handler(status), retries=2)
+        with pytest.raises(RemoteRewardError, match=f"failed after 3 attempt.*{status}"):
+            r(torch.rand(2, 3, 4, 4), ["a", "b"])
+        assert calls["score"] == 3, status
+    assert _mock_remote(monkeypatch, handler(504), timeout=2.5).fn.client.timeout.read == 2.5  # explicit: as given
+
+
+def test_server_timeout_gives_the_client_a_504_at_once(token_file):
+    s = Server("reward_plugins:sleepy", "--timeout", "1", "--options-json",
+               json.dumps({"reward_plugins:sleepy": {"seconds": 3.0}}), token_file=token_file)
+    try:
+        r = build_reward("remote", url=s.url, reward="reward_plugins:sleepy", token_file=str(token_file), retries=3)
+        assert r.fn.client.timeout.read == 11.0  # the server's --timeout 1 + 10
+        with pytest.raises(RemoteRewardError, match="answered 504: no scores within the server's 1.0 s timeout"):
+            r(torch.rand(2, 3, 4, 4), ["a", "b"])
+    finally:
+        s.stop()
+
+
+def test_server_restarted_with_other_weights_is_detected(token_file, tmp_path):
+    """Same reward, same version label, other weights file: the response's weights SHA-256 differs from the
+    one read at start-up, and the client refuses to mix the two scorers' numbers."""
+    w1, w2 = tmp_path / "w1", tmp_path / "w2"
+    w1.write_text("1.0")
+    w2.write_text("2.0")
+    opts = lambda w: json.dumps({"reward_plugins:scaled": {"path": str(w)}})  # noqa: E731
+    a = Server("reward_plugins:scaled", "--options-json", opts(w1), token_file=token_file)
+    try:
+        r = build_reward("remote", url=a.url, reward="reward_plugins:scaled", token_file=str(token_file))
+        images = torch.full((2, 3, 4, 4), 0.5)
+        assert r(images, ["a", "b"])["remote"].tolist() == pytest.approx([128 / 255] * 2)
+        start_sha = r.fn.weights_sha256
+        assert len(start_sha) == 64
+    finally:
+        a.stop()
+    port = a.url.rsplit(":", 1)[1]
+    b = Server("reward_plugins:scaled", "--port", port, "--options-json", opts(w2), token_file=token_file)
+    try:
+        assert b.url == a.url
+        info = httpx.get(b.url + "/v1/info", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        meta = info["rewards"]["reward_plugins:scaled"]
+        assert meta["version"] == r.fn.version == "1" and meta["weights_sha256"] != start_sha
+        with pytest.raises(RemoteRewardError, match="weights SHA-256.*restarted with other weights"):
+            r(images, ["a", "b"])
+    finally:
+        b.stop()
 
 
 @pytest.mark.slow  # end to end, several seconds: left out by `make test-fast`
@@ -292,3 +378,33 @@ def test_digits_run_through_the_server_equals_in_process(server, token_file, tmp
     train(local_chunked, out_dir=tmp_path / "local_chunked")
     lines = [json.loads(ln) for ln in (tmp_path / "local_chunked" / "metrics.jsonl").read_text().splitlines()]
     assert rows["remote_overlap"] == [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in lines]
+
+
+def test_image_run_through_the_server_with_uint8_pixels(server, token_file, tmp_path):
+    """A tiny FLUX run (3-channel images) scored remotely with the default `raw` encoding, i.e. the uint8 pixels
+    round(255 clamp(x, 0, 1)). Tolerance: none against the in-process reward on those same pixels (metric for
+    metric equal); against the float pixels, each image's brightness moves by at most 0.5/255 (the rounding), so
+    the first iteration's mean reward (same policy, same seeds) is within 0.5/255 and not equal."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("peft")
+    from difrl.models.tiny import make_tiny_pipeline
+    from difrl.train.config import load_flow_config
+    from difrl.train.flow import TIMING_KEYS, train
+
+    path = make_tiny_pipeline("flux", tmp_path / "tiny_flux", seed=0)
+    small = [f"model.path={path}", "rollout.prompts_per_iter=2", "rollout.group_size=4", "sampler.num_steps=3",
+             "eval.num_steps=2", "eval.per_digit=1", "eval.every=0", "train.iterations=2", "train.micro_batch=4",
+             "train.grad_accum=2", "threads=1"]
+    opts = json.dumps({"remote@brightness": {"url": server.url, "reward": "brightness", "token_file": str(token_file)}})
+    runs = {"remote_raw": ["reward.weights={remote@brightness: 1.0}", f"reward.options={opts}"],
+            "local_uint8": ["reward.weights={reward_plugins:on_uint8_pixels@brightness: 1.0}"],
+            "local_float": ["reward.weights={brightness: 1.0}"]}
+    rows = {}
+    for name, over in runs.items():
+        train(load_flow_config(ROOT / "configs" / "flux_tiny.yaml", [*small, *over]), out_dir=tmp_path / name)
+        lines = [json.loads(ln) for ln in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        rows[name] = [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in lines]
+    assert len(rows["remote_raw"]) == 2 and "reward/brightness" in rows["remote_raw"][0]
+    assert rows["remote_raw"] == rows["local_uint8"]
+    a, b = rows["remote_raw"][0]["reward/brightness"], rows["local_float"][0]["reward/brightness"]
+    assert 0 < abs(a - b) <= 0.5 / 255, (a, b)

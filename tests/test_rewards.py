@@ -317,7 +317,7 @@ def test_broken_rewards_stop_even_under_drop_group(tmp_path, registered):
 
 
 @pytest.mark.slow  # end to end, several seconds: left out by `make test-fast`
-def test_tiny_flux_trains_with_two_reward_models(tmp_path):
+def test_tiny_flux_trains_with_two_reward_models(tmp_path, monkeypatch):
     """Tiny FLUX trained on two plug-in reward models at once (HPSv2 and CLIP score on tiny backbones in their real
     file layouts), weighted sum and GDPO-style; then tiny Wan on a video reward over its frames."""
     pytest.importorskip("diffusers")
@@ -330,7 +330,19 @@ def test_tiny_flux_trains_with_two_reward_models(tmp_path):
     tiny = tiny_reward_options(tmp_path / "rewards")
     options = json.dumps({"hpsv2": tiny["hpsv2"], "clip_score": tiny["clip_score"]})
     path = make_tiny_pipeline("flux", tmp_path / "flux", seed=0)
+    import difrl.rewards as rewards_mod
+
+    calls, call_rewards = [], rewards_mod.call_rewards  # what the rewards are called on (test-side recording)
+
+    def record(rw, samples, prompts, metadata, decode=None):
+        images = decode(samples) if decode is not None else samples
+        calls.append((images.detach().clone(), list(prompts)))
+        return call_rewards(rw, images, prompts, metadata)
+
+    monkeypatch.setattr(rewards_mod, "call_rewards", record)
+    hps, clip = build_reward("hpsv2", **tiny["hpsv2"]), build_reward("clip_score", **tiny["clip_score"])
     for aggregate in ("reward_sum", "advantage_sum"):
+        calls.clear()
         cfg = load_flow_config(ROOT / "configs" / "flux_tiny.yaml", [
             f"model.path={path}", "train.iterations=1", "eval.every=0", "threads=1", f"reward.aggregate={aggregate}",
             "reward.weights={hpsv2: 1.0, clip_score: 0.5}", f"reward.options={options}"])
@@ -339,7 +351,13 @@ def test_tiny_flux_trains_with_two_reward_models(tmp_path):
         for key in ("reward/hpsv2", "reward/clip_score", "reward/clip_score/cos", "reward_norm/hpsv2",
                     "reward_norm/clip_score"):
             assert math.isfinite(r[key]), key
-        assert -1 <= r["reward/hpsv2"] <= 1 and r["failed_reward_groups"] == 0
+        assert r["failed_reward_groups"] == 0
+        # the logged means are the two rewards' mean scores on the iteration's samples
+        (images, prompts), = [c for c in calls if len(c[1]) == 32]  # the iteration's 4 x 8 rollout
+        assert r["reward/hpsv2"] == pytest.approx(float(hps(images, prompts)["hpsv2"].mean()), rel=1e-5)
+        c = clip(images, prompts)
+        assert r["reward/clip_score"] == pytest.approx(float(c["clip_score"].mean()), rel=1e-5)
+        assert r["reward/clip_score/cos"] == pytest.approx(float(c["cos"].mean()), rel=1e-5)
         summary = json.loads((tmp_path / aggregate / "summary.json").read_text())
         assert math.isfinite(summary["eval_after"]["reward/hpsv2"])
 

@@ -62,9 +62,7 @@ def test_every_reward_builds_and_scores(rewards, images):
         assert info["version"] not in ("", "1"), name
     assert set(rewards["clip_score"](images, PROMPTS)) == {"clip_score", "cos"}
     assert set(rewards["pickscore"](images, PROMPTS)) == {"pickscore", "cos", "logit"}
-    # the same image with the same prompt scores the same (rows 0, 2, 5 share a prompt)
-    same = rewards["hpsv2"](images[[0, 0]], [PROMPTS[0], PROMPTS[2]])["hpsv2"]
-    assert same[0] == same[1]
+    # the values themselves are checked against transformers / open_clip in tests/test_rewards_values.py
 
 
 def test_device_auto_and_bfloat16(opts, rewards, images):
@@ -134,7 +132,8 @@ def test_preprocessing_matches_transformers_and_pil():
     x = (x * 255).round() / 255  # exactly representable as uint8 for the PIL comparison
     proc = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     settings = hf_image_settings(proc)
-    assert settings == {"size": 32, "crop": (32, 32), "mean": tuple(OPENAI_MEAN), "std": tuple(OPENAI_STD)}
+    assert settings == {"size": 32, "resample": "bicubic", "crop": (32, 32), "mean": tuple(OPENAI_MEAN),
+                        "std": tuple(OPENAI_STD)}
     ours = preprocess_clip(x, settings)
     theirs = proc(images=list(x), do_rescale=False, return_tensors="pt")["pixel_values"]
     assert ours.shape == theirs.shape == (2, 3, 32, 32) and torch.allclose(ours, theirs, atol=1e-5)

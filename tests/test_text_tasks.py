@@ -7,6 +7,7 @@ sampler parity, training log-probs, peft LoRA round trip, pass@k, and the masked
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -282,14 +283,29 @@ def test_lora_saved_in_peft_format_loads_with_plain_peft(tmp_path, arith):
     ("eb_sampler", ("sampler.kind=eb", "sampler.gamma=0.5", "sampler.block_length=2")),
     ("erils_checkpoint", ("external.source=checkpoint", f"external.path={BUNDLED_DIR}", "external.per_group=1")),
 ])
-def test_every_estimator_sampler_and_erils_run_on_the_text_path(tmp_path, name, overrides):
+def test_every_estimator_sampler_and_erils_run_on_the_text_path(tmp_path, name, overrides, monkeypatch):
+    import difrl.eval.passk as passk
+
+    calls = []  # every masked_pass_at_k call's result, with the per-problem correct counts (test-side recording)
+    real = passk.masked_pass_at_k
+    monkeypatch.setattr(passk, "masked_pass_at_k", lambda *a, **k: calls.append(real(*a, **{**k, "per_problem": True}))
+                        or calls[-1])
     summary = _train(tmp_path / "r", *overrides)
     row = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["first_step_max_abs_log_ratio"] <= 1e-5  # on-policy first micro-step: ratio 1
     assert row["prompt_masked_frac"] == 0.0
     assert row["trained_samples"] == 16 - 4 * row["zero_spread_groups"]  # groups of 4 with a reward spread train
     ev = summary["eval_after"]
-    assert ev["problems"] == 8 and ev["n"] in (1, 2) and 0.0 <= ev["pass@1"] <= ev["pass@2"] <= 1.0
+    assert ev["problems"] == 8 and ev["n"] in (1, 2)
+    # the reported pass@k from the per-problem correct counts c of n samples: 1 - C(n - c, k) / C(n, k) (pass@1 =
+    # mean c / n); at n = 1 (greedy) pass@2 is the solve rate too; greedy_accuracy is the last (temperature 0) call
+    sampled, greedy = calls[-2], calls[-1]
+    n, c = sampled["n"], sampled["correct_per_problem"]
+    assert n == ev["n"] and len(c) == 8
+    assert ev["pass@1"] == pytest.approx(sum(ci / n for ci in c) / 8, abs=1e-12)
+    want2 = (sum(1 - math.comb(n - ci, 2) / math.comb(n, 2) for ci in c) / 8 if n >= 2 else sum(c) / 8)
+    assert ev["pass@2"] == pytest.approx(want2, abs=1e-12)
+    assert ev["greedy_accuracy"] == pytest.approx(sum(greedy["correct_per_problem"]) / 8, abs=1e-12)
     if name == "erils_checkpoint":
         assert "external/reward_mean" in row
     if name == "eb_sampler":

@@ -2,6 +2,7 @@
 
     fn = build_reward("clip_score", model_dir="/ckpt/clip-vit-large-patch14")             # plain cosine
     fn = build_reward("clip_score", model_dir=..., scale="clipscore")                      # 2.5 * max(cos, 0)
+    fn = build_reward("clip_score", model_dir=..., scale="flow_grpo")                      # exp(logit_scale) * cos / 30
     fn = build_reward("pickscore", model_dir="/ckpt/PickScore_v1",
                       processor_dir="/ckpt/CLIP-ViT-H-14-laion2B-s32B-b79K")                # logit_scale.exp() * cos / 26
     fn = build_reward("aesthetic", clip_dir="/ckpt/clip-vit-large-patch14", mlp_path="/ckpt/sac+logos+ava1-l14-linearMSE.pth")
@@ -14,8 +15,14 @@ embedding is kept, default 4096; 0 disables): a GRPO group repeats its prompt G 
 Images are preprocessed on tensors with the processor's own settings (shortest side to `size`, centre crop,
 normalise with its mean/std; see difrl.rewards.vision): bicubic `F.interpolate` with antialias instead of PIL's
 bicubic on uint8 images, so scores differ slightly (third decimal of a cosine) from the reference scorers that
-go through PIL. Score conventions (rewards-eval.md §1.2, §1.3, §1.5, §3.3) are options, and `version`
-names the one in use, since the "same" reward means different numbers in different repos.
+go through PIL. The processor's `resample` (bicubic for every CLIP processor we know; bilinear or nearest
+also honoured) picks the interpolation. Score conventions (rewards-eval.md §1.2, §1.3, §1.5, §3.3) are
+options, and `version` names the one in use, since the "same" reward means different numbers in different
+repos. `logit_scale.exp()` is read in float32 when the model loads, before it is cast to `dtype`: in bf16,
+ln(100) rounds to 4.59375 and exp gives 98.86, 1.1% below the checkpoint's 100.
+
+Weights load strictly: a directory whose weights miss a parameter of its config's architecture, or carry one it
+does not have, is a RewardConfigError (transformers would initialise the missing ones at random and warn).
 """
 
 from __future__ import annotations
@@ -30,6 +37,9 @@ from torch import nn
 from difrl.rewards import register_reward
 from difrl.rewards.base import RewardConfigError, RewardModel, load_state_dict_file, local_dir, local_file
 from difrl.rewards.vision import TextEmbeddingCache, feature_tensor, hf_image_settings, preprocess_clip
+
+# parameters transformers recomputes (CLIP's position_ids buffers, saved by older transformers): not weights
+_IGNORED_KEYS = ("position_ids",)
 
 _HF_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".txt", ".model")
 
@@ -75,15 +85,33 @@ def _clip_config(d: Path, reward: str, option: str) -> dict:
     return cfg
 
 
+def _image_settings(pdir: Path, reward: str, option: str) -> dict:
+    """hf_image_settings of the CLIPImageProcessor saved in `pdir`; an unsupported setting names the option."""
+    from transformers import CLIPImageProcessor
+
+    try:
+        return hf_image_settings(CLIPImageProcessor.from_pretrained(str(pdir), local_files_only=True))
+    except ValueError as e:
+        raise RewardConfigError(f"reward {reward!r}: the processor in {str(pdir)!r} (reward.options.{reward}.{option}): "
+                                f"{e}") from e
+
+
 def _load_clip_model(model_dir, reward: str, option: str, vision_only: bool = False):
-    """transformers CLIPModel from a local directory, in eval mode; `vision_only` drops the text tower after
-    loading (CLIPVisionModelWithProjection would read projection_dim from the vision sub-config, which a
-    CLIPModel config need not set, and reports every text key as unexpected)."""
+    """transformers CLIPModel from a local directory, in eval mode, every parameter from the file (strict);
+    `vision_only` drops the text tower after loading (CLIPVisionModelWithProjection would read projection_dim
+    from the vision sub-config, which a CLIPModel config need not set, and reports every text key as unexpected)."""
     from transformers import CLIPModel
 
     d = local_dir(model_dir, "the CLIP model", option, reward)
     _clip_config(d, reward, option)
-    model = CLIPModel.from_pretrained(str(d), local_files_only=True)
+    model, info = CLIPModel.from_pretrained(str(d), local_files_only=True, output_loading_info=True)
+    bad = {kind: sorted(k for k in info.get(kind, ()) if not str(k).endswith(_IGNORED_KEYS))
+           for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if any(bad.values()):
+        raise RewardConfigError(
+            f"reward {reward!r}: the weights in {str(d)!r} (reward.options.{reward}.{option}) do not fit its "
+            f"config.json's CLIPModel: " + "; ".join(f"{len(v)} {k.replace('_', ' ')} {v[:4]}" for k, v in bad.items() if v)
+            + " (not a transformers CLIPModel save_pretrained directory? an open_clip / OpenAI file needs converting)")
     if vision_only:  # get_image_features reads vision_model + visual_projection only
         model.text_model = model.text_projection = None
     return model.eval().requires_grad_(False), d
@@ -99,7 +127,7 @@ class _HFClipReward(RewardModel):
     def __init__(self, model_dir, processor_dir=None, *, device="cpu", dtype="float32", batch_size=32,
                  text_cache_size: int = 4096, processor_note: str = ""):
         super().__init__(device=device, dtype=dtype, batch_size=batch_size)
-        from transformers import AutoTokenizer, CLIPImageProcessor
+        from transformers import AutoTokenizer
 
         mdir = local_dir(model_dir, "the CLIP model", "model_dir", self.name)
         pdir = _check_processor_dir(processor_dir if processor_dir not in (None, "") else mdir, self.name,
@@ -107,7 +135,9 @@ class _HFClipReward(RewardModel):
                                     text=True, note=processor_note)  # before the (GBs) model loads
         self.model, _ = _load_clip_model(mdir, self.name, "model_dir")
         self.tokenizer = AutoTokenizer.from_pretrained(str(pdir), local_files_only=True)
-        self.image_settings = hf_image_settings(CLIPImageProcessor.from_pretrained(str(pdir), local_files_only=True))
+        self.image_settings = _image_settings(pdir, self.name, "processor_dir" if processor_dir not in (None, "") else "model_dir")
+        # exp(logit_scale) in float32 before the cast (a bf16 logit_scale = ln 100 would give 98.86)
+        self.logit_scale_exp = float(self.model.logit_scale.detach().float().exp())
         self.model.to(device=self.device, dtype=self.dtype)
         self.max_length = int(self.model.config.text_config.max_position_embeddings)  # 77 for every CLIP
         self.text_cache = TextEmbeddingCache(self.encode_text, max_size=max(int(text_cache_size), 1),
@@ -133,7 +163,7 @@ class _HFClipReward(RewardModel):
         return (self.encode_image(images) * self.text_cache(prompts)).sum(-1)
 
 
-CLIP_SCALES = ("cos", "clipscore", "x100")
+CLIP_SCALES = ("cos", "clipscore", "x100", "flow_grpo")
 
 
 @register_reward("clip_score")
@@ -142,9 +172,15 @@ class ClipScore(_HFClipReward):
 
     Options: `model_dir` (CLIPModel save_pretrained directory), `processor_dir` (tokenizer + image processor;
     default `model_dir`), `scale`:
-      - "cos" (default): the plain cosine, as flow_grpo / DiffusionNFT `clip_scorer.py` (logits_per_image / 100);
+      - "cos" (default): the plain cosine, as Pref-GRPO and Flow-Factory `rewards/clip.py`; DiffusionNFT's
+        `clip_scorer.py` divides logits_per_image by 100, the same with OpenAI's exp(logit_scale) = 100
+        (rewards-eval.md §1.2);
+      - "flow_grpo": exp(logit_scale) * cos / 30, flow_grpo's `clip_scorer.py` (logits_per_image.diagonal() / 30,
+        about 3.33 * cos for OpenAI CLIP; from the issue 32 review of its source, not re-read here): use it with
+        reward weights copied from flow_grpo's configs;
       - "clipscore": 2.5 * max(cos, 0), Hessel et al. 2021 "CLIPScore" (with ViT-B/32 in the paper);
       - "x100": 100 * max(cos, 0), torchmetrics `CLIPScore`.
+    exp(logit_scale) is the checkpoint's, in float32 whatever `dtype`.
     Returns {"clip_score": [B], "cos": [B]} (the raw cosine is always logged)."""
 
     name = "clip_score"
@@ -156,12 +192,15 @@ class ClipScore(_HFClipReward):
         super().__init__(model_dir, processor_dir, device=device, dtype=dtype, batch_size=batch_size,
                          text_cache_size=text_cache_size)
         self.scale = scale
-        self.version = {"cos": "cos", "clipscore": "2.5*max(cos,0)", "x100": "100*max(cos,0)"}[scale]
+        self.version = {"cos": "cos", "clipscore": "2.5*max(cos,0)", "x100": "100*max(cos,0)",
+                        "flow_grpo": "exp(logit_scale)*cos/30"}[scale]
 
     def score(self, images, prompts, metadata):
-        cos = self.cosine(images, prompts)
+        cos = self.cosine(images, prompts)  # float32
         if self.scale == "cos":
             s = cos
+        elif self.scale == "flow_grpo":
+            s = self.logit_scale_exp * cos / 30.0
         else:
             s = (2.5 if self.scale == "clipscore" else 100.0) * cos.clamp(min=0)
         return {"clip_score": s, "cos": cos}
@@ -197,7 +236,7 @@ class PickScore(_HFClipReward):
 
     def score(self, images, prompts, metadata):
         cos = self.cosine(images, prompts)
-        logit = self.model.logit_scale.detach().float().exp() * cos
+        logit = self.logit_scale_exp * cos  # float32 scale (read before the cast to dtype) times float32 cos
         return {"pickscore": logit / 26.0 if self.scale == "div26" else logit, "cos": cos, "logit": logit}
 
 
@@ -254,13 +293,12 @@ class Aesthetic(RewardModel):
     def __init__(self, clip_dir=None, mlp_path=None, processor_dir=None, device="cpu", dtype="float32",
                  batch_size=32):
         super().__init__(device=device, dtype=dtype, batch_size=batch_size)
-        from transformers import CLIPImageProcessor
-
         mlp_file = local_file(mlp_path, "the aesthetic MLP weights", "mlp_path", "aesthetic")
         self.mlp = load_aesthetic_mlp(mlp_file)  # first: a wrong file fails before the CLIP loads
         cdir = local_dir(clip_dir, "the CLIP model", "clip_dir", "aesthetic")
-        pdir = _check_processor_dir(processor_dir if processor_dir not in (None, "") else cdir, "aesthetic",
-                                    "processor_dir" if processor_dir not in (None, "") else "clip_dir", text=False)
+        popt = "processor_dir" if processor_dir not in (None, "") else "clip_dir"
+        pdir = _check_processor_dir(processor_dir if processor_dir not in (None, "") else cdir, "aesthetic", popt,
+                                    text=False)
         dim = int(_clip_config(cdir, "aesthetic", "clip_dir").get("projection_dim", 512))  # CLIPConfig's default
         in_dim = self.mlp.layers[0].in_features
         if in_dim != dim:
@@ -269,7 +307,7 @@ class Aesthetic(RewardModel):
                                     f"{dim}-d ones (the LAION MLP goes with CLIP ViT-L/14: 768-d)")
         self.clip, _ = _load_clip_model(cdir, "aesthetic", "clip_dir", vision_only=True)
         assert int(self.clip.config.projection_dim) == dim
-        self.image_settings = hf_image_settings(CLIPImageProcessor.from_pretrained(str(pdir), local_files_only=True))
+        self.image_settings = _image_settings(pdir, "aesthetic", popt)
         self.clip.to(device=self.device, dtype=self.dtype)
         self.mlp.to(device=self.device)
         self.weight_files = _hf_files(cdir, tokenizer=False) + (_hf_files(pdir, tokenizer=False) if pdir != cdir else []) \

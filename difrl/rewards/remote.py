@@ -6,11 +6,14 @@
         remote@hps: {url: "http://127.0.0.1:8765", reward: hpsv2, token_file: ~/.difrl_token}
 
 Fail-closed (rewards-eval.md §2.5): httpx with one connection pool per reward, bounded retries with
-exponential backoff and jitter only for transient failures (connection refused or reset, 502 / 503
-/ 504, 429, honouring Retry-After) under an overall `deadline`; a read that exceeds `timeout` (a
-hung server) is not retried. Every response is checked: the protocol, the request id, one result per
-item with the same ids in the same order, numeric scores, and the scorer's version as at start-up
-(a server restarted with other weights stops the run). Any failure raises, naming the items; the
+exponential backoff and jitter only for transient failures (connection refused or reset, 502 / 503,
+429, honouring Retry-After) under an overall `deadline`. A hung or stuck scorer is not retried:
+neither the server's own 504 (no scores within its `--timeout`; a retry would wait as long again) nor
+a read that exceeds the client's `timeout`. That read timeout defaults to the server's timeout (from
+/v1/info) + 10 s, so the server's 504, which says why, arrives first. Every response is checked:
+the protocol, the request id, one result per item with the same ids in the same order, numeric
+scores, and the scorer's version and weights SHA-256 as at start-up (a server restarted with other
+weights under the same version label stops the run). Any failure raises, naming the items; the
 trainer then stops after a checkpoint or drops those groups (`reward.on_error`) — a failure is never a
 score of 0. At start-up the client reads /v1/info and fails fast when the server is down, the token
 is wrong or the reward is not served. With `rollout.chunks > 1` and `reward.overlap=true` the
@@ -29,7 +32,8 @@ from difrl.rewards import register_reward
 from difrl.rewards.base import RewardConfigError, RewardModel, optional_import
 from difrl.rewards.wire import ENCODINGS, PROTOCOL, pack_request, unpack
 
-TRANSIENT_STATUS = (429, 502, 503, 504)
+TRANSIENT_STATUS = (429, 502, 503)  # 504 is the server's own timeout: a stuck scorer, not retried
+READ_MARGIN_S = 10.0  # the client's default read timeout: the server's timeout + this
 
 
 class RemoteRewardError(RuntimeError):
@@ -46,7 +50,7 @@ class RemoteReward(RewardModel):
     """A reward served by `difrl reward-server` (see the module docstring)."""
 
     def __init__(self, url: str | None = None, reward: str | None = None, token_file: str | None = None,
-                 encoding: str = "raw", timeout: float = 120.0, connect_timeout: float = 5.0, deadline: float = 600.0,
+                 encoding: str = "raw", timeout: float | None = None, connect_timeout: float = 5.0, deadline: float = 600.0,
                  retries: int = 3, batch_size: int | None = None, expect_version: str | None = None):
         httpx = optional_import("httpx", "server", "remote")
         optional_import("msgpack", "server", "remote")
@@ -64,7 +68,8 @@ class RemoteReward(RewardModel):
         except ValueError as e:
             raise RewardConfigError(f"reward 'remote': {e}") from e
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.client = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout, connect=connect_timeout))
+        # /v1/info answers at once; the scoring timeout is set from it below
+        self.client = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout or 120.0, connect=connect_timeout))
         self.device, self.dtype = None, None  # samples are sent as they come; the server has its own device
 
         try:
@@ -73,6 +78,9 @@ class RemoteReward(RewardModel):
             raise RemoteStartupError(f"reward 'remote': no usable reward server at start-up: {e}; start one "
                                      "(difrl reward-server --reward NAME --port PORT) or check the reward's url and "
                                      "token_file options") from e
+        if timeout is None:
+            timeout = float(info.get("timeout_s", 120.0)) + READ_MARGIN_S
+        self.client.timeout = httpx.Timeout(float(timeout), connect=connect_timeout)
         served = info.get("rewards", {})
         if reward is None:
             if len(served) != 1:
@@ -119,7 +127,9 @@ class RemoteReward(RewardModel):
                         else r.json()
                 message = _error_text(r)
                 if r.status_code not in TRANSIENT_STATUS:
-                    raise RemoteRewardError(f"{self.url}{path} ({what}) answered {r.status_code}: {message}")
+                    raise RemoteRewardError(f"{self.url}{path} ({what}) answered {r.status_code}: {message}"
+                                            + (" (not retried: the scorer is stuck or overloaded past the server's "
+                                               "timeout)" if r.status_code == 504 else ""))
                 problem = f"{r.status_code}: {message}"
                 if r.headers.get("retry-after", "").isdigit():
                     wait = float(r.headers["retry-after"])
@@ -145,10 +155,12 @@ class RemoteReward(RewardModel):
         if not isinstance(resp, dict) or resp.get("protocol") != PROTOCOL or resp.get("request_id") != request_id:
             raise RemoteRewardError(f"{where}: the response is not the answer to request {request_id} "
                                     f"(protocol {resp.get('protocol') if isinstance(resp, dict) else '?'})")
-        version = (resp.get("reward") or {}).get("version")
-        if version != self.version:
-            raise RemoteRewardError(f"{where}: the scorer is now version {version!r}, it was {self.version!r} at start-up "
-                                    "(restarted with other weights?); scores of two scorers must not mix in one run")
+        scorer = resp.get("reward") or {}
+        version, sha = scorer.get("version"), scorer.get("weights_sha256", "")
+        if version != self.version or sha != self.weights_sha256:
+            raise RemoteRewardError(f"{where}: the scorer is now version {version!r} with weights SHA-256 {sha!r}; at "
+                                    f"start-up it was {self.version!r} with {self.weights_sha256!r} (restarted with "
+                                    "other weights?); scores of two scorers must not mix in one run")
         results = resp.get("results")
         if not isinstance(results, list) or len(results) != len(ids):
             raise RemoteRewardError(f"{where}: {len(results) if isinstance(results, list) else 'no'} results for "

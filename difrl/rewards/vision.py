@@ -28,13 +28,21 @@ OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
-def _resize(images: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """[B, C, H, W] -> [B, C, *size], bicubic with antialias, computed in float32 (the CPU kernels lack half
-    precision). Not clamped: bicubic overshoots [0, 1] slightly at sharp edges, as in transformers' torchvision
-    backend (which this equals on float input); PIL would clip to uint8 there."""
+# PIL resample codes (what a processor's `resample` holds) -> F.interpolate modes, as transformers' torchvision
+# backend maps them (`pil_torch_interpolation_mapping`: NEAREST -> NEAREST_EXACT); antialias applies to the
+# (bi)linear and bicubic ones. BOX, HAMMING and LANCZOS have no F.interpolate counterpart.
+RESAMPLE_MODES = {0: "nearest-exact", 2: "bilinear", 3: "bicubic"}
+
+
+def _resize(images: torch.Tensor, size: tuple[int, int], mode: str = "bicubic") -> torch.Tensor:
+    """[B, C, H, W] -> [B, C, *size] with `mode` (antialiased for bilinear / bicubic), computed in float32 (the
+    CPU kernels lack half precision). Not clamped: bicubic overshoots [0, 1] slightly at sharp edges, as in
+    transformers' torchvision backend (which this equals on float input); PIL would clip to uint8 there."""
     if tuple(images.shape[-2:]) == tuple(size):
         return images
-    out = F.interpolate(images.float(), size=size, mode="bicubic", antialias=True, align_corners=False)
+    smooth = mode in ("bilinear", "bicubic")
+    out = F.interpolate(images.float(), size=size, mode=mode, antialias=smooth,
+                        **({"align_corners": False} if smooth else {}))
     return out.to(images.dtype)
 
 
@@ -60,13 +68,14 @@ def center_crop(images: torch.Tensor, crop: tuple[int, int]) -> torch.Tensor:
 
 
 def resize_shortest_center_crop(images: torch.Tensor, size: int | tuple[int, int],
-                                crop: tuple[int, int] | None) -> torch.Tensor:
-    """CLIP's preprocessing: shorter side to `size` (an int), or to exactly (h, w) for a pair, then a centre crop.
+                                crop: tuple[int, int] | None, mode: str = "bicubic") -> torch.Tensor:
+    """CLIP's preprocessing: shorter side to `size` (an int), or to exactly (h, w) for a pair, with the
+    F.interpolate `mode` (RESAMPLE_MODES), then a centre crop.
 
     images: [B, 3, H, W] in [0, 1] -> [B, 3, crop_h, crop_w] (or the resized size when `crop` is None)."""
     h, w = images.shape[-2:]
     target = shortest_side_size(h, w, size) if isinstance(size, int) else tuple(size)
-    out = _resize(images, target)
+    out = _resize(images, target, mode)
     return center_crop(out, crop) if crop is not None else out
 
 
@@ -75,10 +84,18 @@ def resize_longest_pad_square(images: torch.Tensor, size: int, fill: float = 0.0
     `size`, keeping the aspect ratio (rounded), then pad the shorter side, centred (the extra pixel at the end),
     with `fill` in pixel space (0 = black, before normalisation). Square images: just a resize.
 
-    Differs from upstream in one corner: upstream skips padding when the longer side is already `size`, which
-    leaves a non-square input; here the output is always [B, 3, size, size].
+    As upstream, an image whose longer side is already `size` is neither resized nor padded (ResizeMaxSize does
+    both only when the scale is not 1). A square one is then passed through untouched; a non-square one
+    (e.g. 224 x 160) would reach the model unpadded, which a fixed-size ViT cannot take (upstream fails on it
+    inside the model), so it is a ValueError here rather than a score upstream never gives.
     images: [B, 3, H, W] in [0, 1] -> [B, 3, size, size]."""
     h, w = images.shape[-2:]
+    if max(h, w) == size:
+        if h != w:
+            raise ValueError(f"HPSv2 preprocessing: a {h}x{w} image has its longer side at {size} already, so "
+                             f"HPSv2's ResizeMaxSize leaves it unpadded and the {size}x{size} model cannot take it; "
+                             "resize the images (e.g. to a longer side other than " f"{size}) before scoring")
+        return images
     scale = size / max(h, w)
     nh, nw = (size, size) if h == w else (round(h * scale), round(w * scale))
     out = _resize(images, (nh, nw))
@@ -114,7 +131,9 @@ def feature_tensor(out) -> torch.Tensor:
 
 def hf_image_settings(processor) -> dict:
     """What a transformers `CLIPImageProcessor` (any backend) would do, as plain values: {"size": int (shortest
-    edge) or (h, w) or None (no resize), "crop": (h, w) or None, "mean": 3 floats, "std": 3 floats}."""
+    edge) or (h, w) or None (no resize), "resample": an F.interpolate mode (from the processor's PIL `resample`
+    code, RESAMPLE_MODES), "crop": (h, w) or None, "mean": 3 floats, "std": 3 floats}. A resample mode with no
+    F.interpolate counterpart (box, hamming, lanczos) is a ValueError."""
     def get(d, key):
         if d is None:
             return None
@@ -131,6 +150,10 @@ def hf_image_settings(processor) -> dict:
         resize = (int(get(size, "height")), int(get(size, "width")))
     else:
         raise ValueError(f"unsupported image processor size {size!r} (expected shortest_edge or height/width)")
+    code = getattr(processor, "resample", 3)
+    code = 3 if code is None else int(getattr(code, "value", code))  # PILImageResampling or int; None: bicubic
+    if resize is not None and code not in RESAMPLE_MODES:
+        raise ValueError(f"unsupported image processor resample {code} (supported PIL codes: {RESAMPLE_MODES})")
     crop = getattr(processor, "crop_size", None)
     if not getattr(processor, "do_center_crop", True) or crop is None:
         crop = None
@@ -142,14 +165,14 @@ def hf_image_settings(processor) -> dict:
         mean, std = tuple(processor.image_mean), tuple(processor.image_std)
     else:
         mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
-    return {"size": resize, "crop": crop, "mean": mean, "std": std}
+    return {"size": resize, "resample": RESAMPLE_MODES.get(code, "bicubic"), "crop": crop, "mean": mean, "std": std}
 
 
 def preprocess_clip(images: torch.Tensor, settings: dict) -> torch.Tensor:
     """`hf_image_settings`' recipe on a tensor batch: [B, 3, H, W] in [0, 1] -> normalised [B, 3, h, w]."""
     x = images
     if settings["size"] is not None:
-        x = resize_shortest_center_crop(x, settings["size"], settings["crop"])
+        x = resize_shortest_center_crop(x, settings["size"], settings["crop"], settings.get("resample", "bicubic"))
     elif settings["crop"] is not None:
         x = center_crop(x, settings["crop"])
     return normalize(x, settings["mean"], settings["std"])
