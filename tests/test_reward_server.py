@@ -393,7 +393,7 @@ def test_image_run_through_the_server_with_uint8_pixels(server, token_file, tmp_
 
     path = make_tiny_pipeline("flux", tmp_path / "tiny_flux", seed=0)
     small = [f"model.path={path}", "rollout.prompts_per_iter=2", "rollout.group_size=4", "sampler.num_steps=3",
-             "eval.num_steps=2", "eval.per_digit=1", "eval.every=0", "train.iterations=2", "train.micro_batch=4",
+             "eval.num_steps=2", "eval.per_digit=1", "eval.every=0", "train.iterations=2", "train.micro_batch=8",
              "train.grad_accum=2", "threads=1"]
     opts = json.dumps({"remote@brightness": {"url": server.url, "reward": "brightness", "token_file": str(token_file)}})
     runs = {"remote_raw": ["reward.weights={remote@brightness: 1.0}", f"reward.options={opts}"],
