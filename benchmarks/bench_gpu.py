@@ -18,7 +18,8 @@ goes on; the JSON rows are rewritten after every stage, so a killed run keeps wh
    and ODE; plus 16 bare transformer forwards. Ratios to pipe().
 2. the trainer (`difrl.train.flow.train`, LoRA rank 32, KL off, evaluation reduced to one sample) for 2 iterations
    per method, the second timed: flat GRPO, BranchGRPO (splits [0, 4, 8, 12] x 2 = 16 leaves), + width and depth
-   pruning, BranchGRPO-Mix (SDE window 0..7), Sol-RL (32 candidates in 8 steps from an fp8 rollout copy, 16
+   pruning, BranchGRPO-Mix (SDE window 0..7), Sol-RL (32 candidates in 8 steps from an fp8_row rollout copy on the automatically chosen backend: the
+   torch-native one on a GPU without Transformer Engine, difrl.quant.torch_fp8; 16
    regenerated); the same `train.micro_batch` (transitions) and leaves per prompt in each. Seconds per iteration
    split into rollout / update, NFE, peak GPU memory (`torch.cuda.max_memory_allocated`), the update's achieved
    TFLOP/s (FLOPs of one trained transition's forward + backward counted by torch's FlopCounterMode, times the
@@ -228,7 +229,7 @@ def methods(size: str) -> dict[str, list[str]]:
         "BranchGRPO + width/depth pruning": tree + ["tree.width_prune=best_worst", "tree.width_ratio=0.5",
                                                     f"tree.depth_prune={json.dumps(r['depth_prune'])}"],
         "BranchGRPO-Mix": tree + ["steps.mode=fixed_window", "steps.window_start=0", f"steps.window_size={r['window']}"],
-        "Sol-RL (fp8 candidates)": ["rollout.kind=solrl", "rollout.precision=fp8", f"solrl.candidates={r['candidates']}",
+        "Sol-RL (fp8_row candidates)": ["rollout.kind=solrl", "rollout.precision=fp8_row", "rollout.quant_backend=auto", f"solrl.candidates={r['candidates']}",
                                     f"solrl.preview_steps={r['preview']}"],
         "flat GRPO + gradient checkpointing": ["model.gradient_checkpointing=true"],
         **({"flat GRPO + compile": ["model.compile=true"]} if size == "full" else {}),
@@ -388,10 +389,10 @@ def readings(rows: list[dict]) -> list[str]:
         if flat and r and "x_flat" in r:
             out.append(f"- {name}: {r['x_flat']:.2f}x flat GRPO's seconds per iteration at equal leaves and the same "
                        f"train.micro_batch ({_target(r['x_flat'], target)}).")
-    sol = by.get("Sol-RL (fp8 candidates)")
+    sol = by.get("Sol-RL (fp8_row candidates)")
     if sol and flat and "candidate_s_per_forward" in sol and "rollout_s_per_forward" in flat:
         ratio = sol["candidate_s_per_forward"] / flat["rollout_s_per_forward"]
-        out.append(f"- Sol-RL's fp8 candidate stage cost {ratio:.2f}x a {meta['dtype']} rollout per forward "
+        out.append(f"- Sol-RL's fp8_row candidate stage cost {ratio:.2f}x a {meta['dtype']} rollout per forward "
                    f"({_target(ratio, 0.75)}).")
     for name in ("flat GRPO + gradient checkpointing", "flat GRPO + compile"):
         r = by.get(name)

@@ -2,7 +2,8 @@
 # The prepared GPU check: one command on a machine with one CUDA GPU (the device tool's H200), writing what it
 # measured under $OUT (the JSON rows, the log, the regenerated BENCHMARKS.md).
 #
-#   bash benchmarks/gpu_check.sh [bench_gpu|...]          # default: bench_gpu (about 8 minutes on one H200)
+#   bash benchmarks/gpu_check.sh bench_gpu      # issue 29 (and Sol-RL's candidate stage): about 8 minutes on one H200
+#   bash benchmarks/gpu_check.sh bench_quant    # issue 30: bench_quant.py --gpu, FP8 backends x formats, 2B forward
 #
 # That machine has torch, transformers, peft and accelerate but not diffusers: carry its wheel. Here, once:
 #   echo /.whl/ >> .git/info/exclude
@@ -24,7 +25,9 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 status=0
 for bench in "${@:-bench_gpu}"; do
-    timeout 540 python3 "benchmarks/$bench.py" --json "$OUT/$bench.json" 2>&1 | tee "$OUT/$bench.log" || status=1
+    extra=()
+    [ "$bench" = bench_quant ] && extra=(--gpu)
+    timeout 540 python3 "benchmarks/$bench.py" "${extra[@]}" --json "$OUT/$bench.json" 2>&1 | tee "$OUT/$bench.log" || status=1
 done
 cp BENCHMARKS.md "$OUT/BENCHMARKS.md"
 exit $status

@@ -329,7 +329,7 @@ def test_bench_gpu_quick_rows(tmp_path):
     assert t["BranchGRPO"]["transitions_trained"] == num_trained_edges(sched, 6, all_sde)
     assert t["BranchGRPO-Mix"]["transitions_trained"] == num_trained_edges(sched, 6, window)
     assert t["BranchGRPO + width/depth pruning"]["transitions_trained"] < t["BranchGRPO"]["transitions_trained"]
-    assert t["Sol-RL (fp8 candidates)"]["nfe_lowprec"] == 8 * 3  # 8 candidates x 3 preview steps
+    assert t["Sol-RL (fp8_row candidates)"]["nfe_lowprec"] == 8 * 3  # 8 candidates x 3 preview steps
     assert t["flat GRPO"]["x_flat"] == 1.0
     for r in t.values():
         assert r["x_flat"] == pytest.approx(r["seconds_iter"] / t["flat GRPO"]["seconds_iter"])
@@ -345,14 +345,14 @@ def test_bench_gpu_readings_are_computed_from_the_rows():
              "peak_gib": 20.0},
             {"stage": "trainer", "method": "BranchGRPO", "seconds_iter": 5.0, "x_flat": 0.5},
             {"stage": "trainer", "method": "BranchGRPO-Mix", "seconds_iter": 2.0, "x_flat": 0.2},
-            {"stage": "trainer", "method": "Sol-RL (fp8 candidates)", "candidate_s_per_forward": 0.006},
+            {"stage": "trainer", "method": "Sol-RL (fp8_row candidates)", "candidate_s_per_forward": 0.006},
             {"stage": "trainer", "method": "flat GRPO + gradient checkpointing", "seconds_iter": 13.0, "peak_gib": 12.5,
              "seconds_first_iter": 14.0}]
     text = "\n".join(bench.readings(rows))
     assert "1.020x pipe() on the same pipeline (target <= 1.03: met)" in text
     assert "BranchGRPO: 0.50x flat GRPO's seconds per iteration" in text and "(target <= 0.45: missed)" in text
     assert "BranchGRPO-Mix: 0.20x" in text and "(target <= 0.25: met)" in text
-    assert "cost 0.60x a bf16 rollout per forward (target <= 0.75: met)" in text
+    assert "fp8_row candidate stage cost 0.60x a bf16 rollout per forward (target <= 0.75: met)" in text
     assert "gradient checkpointing: 1.30x the seconds per iteration, peak memory 12.5 vs 20.0 GiB" in text
     assert "pruning" not in text  # no row, no sentence
 

@@ -85,7 +85,8 @@ def test_two_processes_equal_one_for_solrl_with_nft(tmp_path):
     # at fp32 here: NVFP4 scales activations per tensor, i.e. over each process's forward batch (as TE does), so an
     # NVFP4 pool split over processes is quantized slightly differently and may select other seeds
     extra = ["rollout.kind=solrl", "solrl.candidates=8", "solrl.preview_steps=3", "train.objective=nft",
-             "nft.ref_beta=0.1", "train.kl_beta=0", "train.clip_low=1e-4", "train.clip_high=1e-4"]
+             "nft.ref_beta=0.1", "train.kl_beta=0", "train.clip_low=1e-4", "train.clip_high=1e-4",
+             "train.micro_batch=4"]  # 2 samples x 2 trained sigmas per micro-batch
     one, two = tmp_path / "one", tmp_path / "two"
     _train(one, 1, *extra, "train.grad_accum=4")
     _train(two, 2, *extra, "train.grad_accum=2")

@@ -26,7 +26,7 @@ from difrl.train.flow import TIMING_KEYS, train
 TINY = ["seed=3", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=6",
         "train.grad_accum=2", "train.iterations=2", "eval.every=0", "eval.per_digit=3", "eval.num_steps=3"]
 SOLRL = ["rollout.kind=solrl", "rollout.precision=nvfp4", "solrl.candidates=8", "solrl.preview_steps=3"]
-NFT = ["train.objective=nft", "nft.ref_beta=0.1"]
+NFT = ["train.objective=nft", "nft.ref_beta=0.1", "train.micro_batch=4"]  # 2 samples x 2 trained sigmas
 
 
 def rows(run_dir):

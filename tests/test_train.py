@@ -72,9 +72,12 @@ def test_run_writes_every_artifact(tmp_path):
 @pytest.mark.parametrize("overrides", [
     (),
     ("sampler.kind=cps", "sampler.noise_level=0.8"),
-    ("sampler.kind=dance_sde", "sampler.noise_level=0.3", "steps.mode=random_subset", "steps.fraction=0.5"),
-    ("steps.mode=sliding_window", "steps.window_size=2", "train.kl_beta=0.1", "train.lora.enabled=false"),
-    ("sampler.guidance=2.0", "steps.mode=random_window", "steps.window_size=1"),
+    # train.micro_batch counts transitions: 2 samples x the T trained steps of each mode
+    ("sampler.kind=dance_sde", "sampler.noise_level=0.3", "steps.mode=random_subset", "steps.fraction=0.5",
+     "train.micro_batch=4"),
+    ("steps.mode=sliding_window", "steps.window_size=2", "train.kl_beta=0.1", "train.lora.enabled=false",
+     "train.micro_batch=4"),
+    ("sampler.guidance=2.0", "steps.mode=random_window", "steps.window_size=1", "train.micro_batch=2"),
 ], ids=["flow_sde", "cps", "dance_subset", "sliding_full_ft_kl", "cfg_random_window"])
 def test_first_micro_step_is_on_policy(tmp_path, overrides):
     _, d = run(tmp_path / "r", *overrides)
@@ -153,7 +156,7 @@ def test_every_trainable_parameter_changes_and_base_stays(tmp_path, lora):
 def test_resume_continues_exactly(tmp_path):
     # random windows, EMA, KL and FD-based stopping state all cross the resume boundary
     extra = ("steps.mode=random_window", "steps.window_size=2", "train.ema_decay=0.7", "train.kl_beta=0.1",
-             "eval.every=2", "stop.fd_rise=100")
+             "eval.every=2", "stop.fd_rise=100", "train.micro_batch=4")  # 2 samples x 2 steps
     _, full = run(tmp_path / "full", *extra, "train.iterations=6")
     _, part = run(tmp_path / "part", *extra, "train.iterations=3")
     cfg = load_flow_config(None, [*TINY, *extra, "train.iterations=6", f"resume={part}"])
@@ -268,7 +271,8 @@ def test_startup_validation_messages(tmp_path):
     # DiffusionNFT's loss takes every trained sigma of a sample together: a micro-batch of whole samples only
     with pytest.raises(ValueError, match=r"train.micro_batch=3 transitions is not a multiple of the 2 trained step\(s\) "
                                          r"per sample, and DiffusionNFT's loss needs .*: use 2 or 4$"):
-        run(tmp_path / "n", "train.objective=nft", "train.micro_batch=3", "train.grad_accum=1")
+        run(tmp_path / "n", "train.objective=nft", "train.clip_low=1e-4", "train.clip_high=1e-4", "train.micro_batch=3",
+            "train.grad_accum=1")  # (TINY's PPO clip range is refused under nft: reset to the default)
     from difrl.config import ConfigError
 
     with pytest.raises(ConfigError, match="steps.window_start"):
