@@ -44,7 +44,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import publish, standard_args  # noqa: E402
+from common import publish, standard_args, write_json  # noqa: E402
 
 BEGIN, END = "<!-- bench_gpu:begin -->", "<!-- bench_gpu:end -->"
 PROMPTS = ["a photo of a cat", "a red dog", "a bright sky", "a dark forest", "a green tree", "a blue car",
@@ -198,11 +198,11 @@ def rollout_vs_pipe(path: Path, size: str, device: str, dtype: str) -> tuple[lis
                 policy._forward(x, sigma, cond, 1.0)
 
     t_pipe = timed(run_pipe, device, r["repeats"])
-    rows = [{"stage": "rollout_vs_pipe", "method": "pipe(output_type='latent')", "seconds": t_pipe, "x_pipe": 1.0}]
+    rows = [{"stage": "rollout_vs_pipe", "method": "pipe(output_type='latent')", "seconds": t_pipe}]
     for name, fn in ((f"rollout() flow_sde, {N - 1} transitions stored (the trainer's)", run_rollout("flow_sde")),
                      ("rollout() ode", run_rollout("ode")), (f"{N} bare transformer forwards", bare_forwards)):
         t = timed(fn, device, r["repeats"])
-        rows.append({"stage": "rollout_vs_pipe", "method": name, "seconds": t, "x_pipe": t / t_pipe})
+        rows.append({"stage": "rollout_vs_pipe", "method": name, "seconds": t})
 
     # FLOPs of one trained transition (LoRA as the trainer wraps it): forward + backward of a batch of 2, halved
     net, _ = wrap_policy(policy, LoraConfig(rank=r["rank"], alpha=2 * r["rank"]), 0, need_reference=False)
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         except StageTimeout as e:
             rows.append({"stage": "rollout_vs_pipe", "method": "timed out", "error": str(e)})
         meta["flops_per_transition"] = flops
-        write_rows(args.json, rows)
+        write_json(args.json, rows)
         chosen = methods(size)
         if args.methods:
             chosen = {k: v for k, v in chosen.items() if k in args.methods.split(",")}
@@ -325,21 +325,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 rows.append({"stage": "trainer", "method": name, "error": str(e)})
             rows[-1]["seconds_stage"] = time.perf_counter() - t
             print(f"{name}: {rows[-1]}", flush=True)
-            write_rows(args.json, rows)
-    flat = next((r for r in rows if r.get("method") == "flat GRPO" and "seconds_iter" in r), None)
-    for r in rows:
-        if r.get("stage") == "trainer" and flat and "seconds_iter" in r:
-            r["x_flat"] = r["seconds_iter"] / flat["seconds_iter"]
+            write_json(args.json, rows)
+    add_ratios(rows)
     lines = report(rows)
     publish(args, BEGIN, END, "GPU: rollouts and trainer iterations at 2B scale (bench_gpu)", "bench_gpu.py", argv,
             lines, rows)
     return rows
 
 
-def write_rows(path: Path | None, rows: list[dict]) -> None:
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(rows, indent=1))
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Each rollout row's seconds over pipe()'s (`x_pipe`) and each trainer row's seconds per iteration over flat
+    GRPO's (`x_flat`), in place: the baselines are measured in the same run."""
+    pipe = next((r for r in rows if r.get("stage") == "rollout_vs_pipe" and "seconds" in r), None)
+    flat = next((r for r in rows if r.get("method") == "flat GRPO" and "seconds_iter" in r), None)
+    for r in rows:
+        if pipe and r.get("stage") == "rollout_vs_pipe" and "seconds" in r:
+            r["x_pipe"] = r["seconds"] / pipe["seconds"]
+        if flat and r.get("stage") == "trainer" and "seconds_iter" in r:
+            r["x_flat"] = r["seconds_iter"] / flat["seconds_iter"]
+    return rows
 
 
 def _f(v, fmt: str = ".2f") -> str:

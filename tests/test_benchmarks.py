@@ -316,8 +316,7 @@ def test_bench_gpu_quick_rows(tmp_path):
     assert meta["transformer_params"] == sum(p.numel() for p in SD3Transformer2DModel(**bench.SHAPE["quick"]).parameters())
     assert meta["flops_per_transition"] > 0
     pipe = [r for r in rows if r["stage"] == "rollout_vs_pipe"]
-    assert len(pipe) == 4 and pipe[0]["x_pipe"] == 1.0
-    assert all(r["x_pipe"] == pytest.approx(r["seconds"] / pipe[0]["seconds"]) for r in pipe)
+    assert len(pipe) == 4 and pipe[0]["x_pipe"] == 1.0 and all("x_pipe" in r for r in pipe)
     t = {r["method"]: r for r in rows if r["stage"] == "trainer"}
     assert list(t) == [m for m in bench.methods("quick")]
     assert all("error" not in r for r in t.values()), t
@@ -330,11 +329,22 @@ def test_bench_gpu_quick_rows(tmp_path):
     assert t["BranchGRPO-Mix"]["transitions_trained"] == num_trained_edges(sched, 6, window)
     assert t["BranchGRPO + width/depth pruning"]["transitions_trained"] < t["BranchGRPO"]["transitions_trained"]
     assert t["Sol-RL (fp8_row candidates)"]["nfe_lowprec"] == 8 * 3  # 8 candidates x 3 preview steps
-    assert t["flat GRPO"]["x_flat"] == 1.0
+    assert t["flat GRPO"]["x_flat"] == 1.0 and all("x_flat" in r for r in t.values())
     for r in t.values():
-        assert r["x_flat"] == pytest.approx(r["seconds_iter"] / t["flat GRPO"]["seconds_iter"])
         assert r["update_tflops"] == pytest.approx(meta["flops_per_transition"] * r["transitions_trained"]
                                                    / r["seconds_update"] / 1e12)
+
+
+def test_bench_gpu_ratios_are_to_the_baselines_of_the_same_run():
+    bench = _load("bench_gpu")
+    rows = bench.add_ratios([{"stage": "meta"},
+                             {"stage": "rollout_vs_pipe", "method": "pipe(output_type='latent')", "seconds": 2.0},
+                             {"stage": "rollout_vs_pipe", "method": "rollout() ode", "seconds": 2.5},
+                             {"stage": "trainer", "method": "flat GRPO", "seconds_iter": 8.0},
+                             {"stage": "trainer", "method": "BranchGRPO", "seconds_iter": 2.0},
+                             {"stage": "trainer", "method": "Sol-RL (fp8_row candidates)", "error": "stage ran past 90 s"}])
+    assert [r.get("x_pipe") for r in rows[1:3]] == [1.0, 1.25]
+    assert [r.get("x_flat") for r in rows[3:]] == [1.0, 0.25, None]
 
 
 def test_bench_gpu_readings_are_computed_from_the_rows():
@@ -350,10 +360,10 @@ def test_bench_gpu_readings_are_computed_from_the_rows():
              "seconds_first_iter": 14.0}]
     text = "\n".join(bench.readings(rows))
     assert "1.020x pipe() on the same pipeline (target <= 1.03: met)" in text
-    assert "BranchGRPO: 0.50x flat GRPO's seconds per iteration" in text and "(target <= 0.45: missed)" in text
+    assert "BranchGRPO: 0.50x flat GRPO's" in text and "(target <= 0.45: missed)" in text
     assert "BranchGRPO-Mix: 0.20x" in text and "(target <= 0.25: met)" in text
     assert "fp8_row candidate stage cost 0.60x a bf16 rollout per forward (target <= 0.75: met)" in text
-    assert "gradient checkpointing: 1.30x the seconds per iteration, peak memory 12.5 vs 20.0 GiB" in text
+    assert "gradient checkpointing: 1.30x the" in text and "peak memory 12.5 vs 20.0 GiB" in text
     assert "pruning" not in text  # no row, no sentence
 
 

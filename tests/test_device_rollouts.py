@@ -22,7 +22,7 @@ from difrl.rollout import per_transition, regenerate, rollout
 from difrl.samplers import sigma_schedule
 from difrl.solrl import candidate_pool
 from difrl.train.config import load_flow_config
-from difrl.train.scaffold import Metrics
+from difrl.train.metrics import Metrics
 from difrl.tree_rollout import tree_rollout
 
 META = torch.device("meta")

@@ -20,7 +20,8 @@ from difrl.samplers import sigma_schedule
 from difrl.train import objectives
 from difrl.train.config import load_flow_config
 from difrl.train.flow import train
-from difrl.train.scaffold import Metrics, RatioCheckError
+from difrl.train.metrics import Metrics
+from difrl.train.scaffold import RatioCheckError
 
 TINY = ["seed=3", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=6",
         "train.grad_accum=2", "train.iterations=1", "eval.every=0", "eval.per_digit=2", "eval.num_steps=2"]

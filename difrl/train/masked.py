@@ -48,7 +48,8 @@ from difrl.rewards import score_all
 from difrl.train.masked_config import MaskedConfig
 from difrl.train.reward_stage import (build_rewards, finite_mean_std, reward_stats, score_rewards,
                                      track_reward_failures, valid_group_advantages)
-from difrl.train.scaffold import (TIMING_KEYS, Metrics, RatioCheckError, Run, check_ratio, clip_and_step,  # noqa: F401
+from difrl.train.metrics import Metrics
+from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, check_ratio, clip_and_step,  # noqa: F401
                                   cores_available, fmt_eval, make_optimizer, progress, record_eval, reference_policy,
                                   save_policy, shard_policy, sharded_processes, wrap_policy)
 from difrl.train.sharding import gathered

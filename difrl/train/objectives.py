@@ -7,7 +7,7 @@
 
 Each loss is summed over its micro-batch's elements and divided by a denominator fixed per optimizer
 update (the update's records x steps), so gradient accumulation 1x8 equals 8x1; metrics go into `m`
-(difrl.train.scaffold.Metrics). `reference_ctx()` is the context in which the policy computes the
+(difrl.train.metrics.Metrics). `reference_ctx()` is the context in which the policy computes the
 reference (difrl.train.scaffold.reference_policy).
 """
 
