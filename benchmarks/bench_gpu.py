@@ -44,7 +44,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import publish, standard_args, write_json  # noqa: E402
+from common import cell, publish, standard_args, write_json  # noqa: E402
 
 BEGIN, END = "<!-- bench_gpu:begin -->", "<!-- bench_gpu:end -->"
 PROMPTS = ["a photo of a cat", "a red dog", "a bright sky", "a dark forest", "a green tree", "a blue car",
@@ -125,22 +125,11 @@ def time_limit(seconds: float | None):
         signal.signal(signal.SIGALRM, old)
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def timed(fn, device: str, repeats: int) -> float:
-    """Mean seconds of `repeats` calls after one warm-up call."""
-    fn()
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return statistics.mean(times)
+    """Mean seconds of `repeats` calls after one warm-up call (difrl.quant.timing.time_ms: CUDA events on a GPU)."""
+    from difrl.quant.timing import time_ms
+
+    return statistics.mean(time_ms(fn, 1, repeats, device)) / 1e3
 
 
 def reset_peak(device: str) -> None:
@@ -346,10 +335,6 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def _f(v, fmt: str = ".2f") -> str:
-    return "-" if v is None else format(v, fmt)
-
-
 def report(rows: list[dict]) -> list[str]:
     """The block's lines: every number and sentence computed from `rows`."""
     meta = rows[0]
@@ -357,7 +342,7 @@ def report(rows: list[dict]) -> list[str]:
              f"SD3.5-Medium-shaped transformer of {meta['transformer_params'] / 1e6:,.1f}M parameters (random weights), "
              f"{meta['dtype']}, {meta['steps']} steps, {meta['prompts']} prompt(s) x {meta['leaves']} leaves per iteration.",
              "", "| rollout | seconds | x pipe() |", "|---|---:|---:|"]
-    lines += [f"| {r['method']} | {_f(r.get('seconds'), '.3f')} | {_f(r.get('x_pipe'))} |"
+    lines += [f"| {r['method']} | {cell(r.get('seconds'), '.3f')} | {cell(r.get('x_pipe'))} |"
               for r in rows if r.get("stage") == "rollout_vs_pipe"]
     lines += ["", "| method | s / iter | x flat | rollout s | update s | rollout NFE | trained transitions | "
                   "update TFLOP/s | peak GiB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -367,9 +352,9 @@ def report(rows: list[dict]) -> list[str]:
         if "error" in r:
             lines.append(f"| {r['method']} | {r['error']} | | | | | | | |")
             continue
-        lines.append(f"| {r['method']} | {r['seconds_iter']:.2f} | {_f(r.get('x_flat'))} | {r['seconds_rollout']:.2f} | "
+        lines.append(f"| {r['method']} | {r['seconds_iter']:.2f} | {cell(r.get('x_flat'))} | {r['seconds_rollout']:.2f} | "
                      f"{r['seconds_update']:.2f} | {r['nfe_rollout']} | {r['transitions_trained']:.0f} | "
-                     f"{_f(r['update_tflops'], '.3g')} | {_f(r['peak_gib'], '.1f')} |")
+                     f"{cell(r['update_tflops'], '.3g')} | {cell(r['peak_gib'], '.1f')} |")
     lines += ["", *readings(rows)]
     return lines
 

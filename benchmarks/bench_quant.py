@@ -55,11 +55,12 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, standard_args, write_block  # noqa: E402
+from common import cell, machine, standard_args, write_block  # noqa: E402
 
 from difrl.models.digits import DigitsPolicy, digit_prompt
 from difrl.quant import (FORMATS, QUANT_PRESETS, QuantizationError, RolloutCopy, qdq, quantize, quantize_module,
                          quantized_layers, relative_error, storage_bytes)
+from difrl.quant.formats import cosine
 from difrl.quant.timing import time_ms, time_rollout_copy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,10 +69,6 @@ ROW_BLOCK = {"bf16": "-", "fp8": "tensor", "fp8_row": "row", "fp8_block": "1x128
              "nvfp4_single": "1x16"}
 WEIGHT_BLOCK = {"bf16": "-", "fp8": "tensor", "fp8_row": "row", "fp8_block": "128x128", "mxfp8": "1x32", "mxfp8_floor": "1x32",
                 "nvfp4": "16x16", "nvfp4_single": "16x16"}
-
-
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
 
 
 @torch.no_grad()
@@ -373,26 +370,22 @@ def gpu_transformer_rows(combos, device: torch.device, quick: bool, batch: int, 
     return rows
 
 
-def _cell(v, spec: str, scale: float = 1.0, suffix: str = "") -> str:
-    return "-" if v is None else f"{scale * v:{spec}}{suffix}"
-
-
 def gpu_tables(res: dict) -> str:
     out = ["### (g1) One linear layer, BF16 vs each backend x format", "",
            "| shape | x | weight | backend | format | ms (median) | × BF16 speed | TFLOP/s | rel. err vs fp32 | "
            "rel. err vs emulation | note |", "|---|---|---|---|---|---:|---:|---:|---:|---:|---|"]
     for r in res["gemm"]:
         out.append(f"| {r['shape']} | {_shape(r['x'])} | {_shape(r['weight'])} | {r['backend']} | {r['format']} | "
-                   f"{_cell(r['ms'], '.3f')} | {_cell(r['speedup'], '.2f')} | {_cell(r['tflops'], '.0f')} | "
-                   f"{_cell(r['err_vs_fp32'], '.3f', 100, '%')} | {_cell(r['err_vs_emulation'], '.3f', 100, '%')} | "
+                   f"{cell(r['ms'], '.3f')} | {cell(r['speedup'], '.2f')} | {cell(r['tflops'], '.0f')} | "
+                   f"{cell(r['err_vs_fp32'], '.3f', 100, '%')} | {cell(r['err_vs_emulation'], '.3f', 100, '%')} | "
                    f"{r['note']} |")
     out += ["", "### (g2) Whole transformer forward, BF16 vs a rollout copy per backend x format", "",
             "| model | backend | format | min_dim | linears quantized | ms (median) | × BF16 speed | rel. err vs BF16 | note |",
             "|---|---|---|---:|---:|---:|---:|---:|---|"]
     for r in res["transformer"]:
         out.append(f"| {r['model']} | {r['backend']} | {r['format']} | {'-' if r.get('min_dim') is None else r['min_dim']} | "
-                   f"{r.get('quantized', '-')} | {_cell(r.get('ms'), '.2f')} | {_cell(r.get('speedup'), '.2f')} | "
-                   f"{_cell(r.get('rel_err'), '.2f', 100, '%')} | {r['note']} |")
+                   f"{r.get('quantized', '-')} | {cell(r.get('ms'), '.2f')} | {cell(r.get('speedup'), '.2f')} | "
+                   f"{cell(r.get('rel_err'), '.2f', 100, '%')} | {r['note']} |")
     return "\n".join(out)
 
 

@@ -78,6 +78,11 @@ def publish(args, begin: str, end: str, title: str, script: str, argv: list[str]
         write_block(Path(__file__).resolve().parent.parent / "BENCHMARKS.md", begin, end, body)
 
 
+def cell(v, spec: str = ".2f", scale: float = 1.0, suffix: str = "") -> str:
+    """A table cell: `scale * v` formatted with `spec`, or "-" where nothing was measured (None)."""
+    return "-" if v is None else f"{scale * v:{spec}}{suffix}"
+
+
 def write_json(path: Path | None, rows: list[dict]) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -35,10 +35,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import standard_args, write_block  # noqa: E402
+from common import cell, standard_args, write_block  # noqa: E402
 from torch import nn
 
 from difrl.quant import QuantizationError, quantize_module, relative_error
+from difrl.quant.formats import cosine
 from difrl.quant.timing import time_ms
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,10 +80,6 @@ class SingleStreamBlock(nn.Module):
         attn = nn.functional.scaled_dot_product_attention(self.q_norm(q), self.k_norm(k), v)
         attn = attn.transpose(1, 2).reshape(B, T, H)
         return x + gate * self.proj_out(torch.cat([attn, nn.functional.gelu(mlp, approximate="tanh")], dim=-1))
-
-
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
 
 
 def unavailable() -> str | None:
@@ -146,18 +143,14 @@ def run(tokens: int, warmup: int, repeats: int, seed: int = 0, device: str = "cu
     return rows
 
 
-def _num(v, spec: str, scale: float = 1.0, suffix: str = "") -> str:
-    return "-" if v is None else f"{scale * v:{spec}}{suffix}"
-
-
 def table(rows: list[dict]) -> str:
     lines = ["| format | backend | linears swapped | ms / forward (median) | speed-up vs BF16 | vs emulation rel. err | "
              "vs emulation cosine | rel. err vs fp32 | emulation rel. err vs fp32 | note |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        cells = [r["format"], r["backend"], r["linears"], _num(r["ms"], ".3f"), _num(r["speedup"], ".2f"),
-                 _num(r["err_vs_emulate"], ".3f", 100, "%"), _num(r["cos_vs_emulate"], ".5f"),
-                 _num(r["err_vs_fp32"], ".3f", 100, "%"), _num(r["emulate_err_vs_fp32"], ".3f", 100, "%"), r["note"]]
+        cells = [r["format"], r["backend"], r["linears"], cell(r["ms"], ".3f"), cell(r["speedup"], ".2f"),
+                 cell(r["err_vs_emulate"], ".3f", 100, "%"), cell(r["cos_vs_emulate"], ".5f"),
+                 cell(r["err_vs_fp32"], ".3f", 100, "%"), cell(r["emulate_err_vs_fp32"], ".3f", 100, "%"), r["note"]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

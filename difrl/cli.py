@@ -230,17 +230,18 @@ def _preset_hint(args, message: str) -> str:
 def _write_eval(run: Path | None, out: str | None, metrics: dict) -> None:
     """Print the evaluation; write it to --out, or append it to a run directory's eval.json (tag "difrl-eval",
     every call kept). A metric that is not a number (NaN, e.g. a diversity of one sample) is written as null."""
-    from difrl.utils.io import json_safe
+    from difrl.utils.io import atomic_write_text, json_safe
 
     metrics = json_safe(metrics)
     text = json.dumps(metrics, indent=2, default=str, allow_nan=False)
     if out:  # written before printing: a closed pipe (| head) must not lose the evaluation
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(text + "\n")
+        atomic_write_text(out, text + "\n")
     elif run is not None:
         from difrl.train.scaffold import record_eval
 
         summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
+        # the parsed text: what default=str made of a value JSON has no type for (a path, a dtype) is what is stored
         record_eval(run, "difrl-eval", int(summary.get("iterations", 0)), json.loads(text), keep_earlier=True)
     print(text)
 

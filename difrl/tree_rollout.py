@@ -188,7 +188,8 @@ def tree_rollout(
     for i in range(N):
         M = x.shape[0]
         sigma, sigma_next = sigma_values[i], sigma_values[i + 1]
-        live_tree = node_tree[tree.nodes_at(i).to(device)]  # [M]
+        lo, hi = (int(o) for o in tree.depth_offsets[i:i + 2])  # this step's live nodes: a contiguous range
+        live_tree = node_tree[lo:hi]  # [M] each live node's tree
         bs = batch_size or M
         vs = []
         for lo in range(0, M, bs):  # every live node of the step, one batched forward per chunk
@@ -221,7 +222,7 @@ def tree_rollout(
         children = tree.nodes_at(i + 1)
         node_seed_t[children] = seed_next
         if sde[i]:
-            log_prob_node[children.to(device)] = out.log_prob.float()
+            log_prob_node[hi:hi + len(children)] = out.log_prob.float()  # children = the next depth's range
             for name, val in (("child", children), ("x", x_in), ("x_next", out.x_next), ("sigma", sig_in),
                               ("sigma_next", sig_next_in), ("log_prob", out.log_prob), ("mean", out.mean),
                               ("std", out.std), ("logprob_scale", torch.full_like(sig_in, scale))):

@@ -425,3 +425,8 @@ def qdq_weight_rows(w: torch.Tensor, fmt: str, start: int, stop: int) -> torch.T
 def relative_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:
     """||x_hat - x||_F / ||x||_F."""
     return float((x_hat.float() - x.float()).norm() / x.float().norm().clamp(min=1e-30))
+
+
+def cosine(x: torch.Tensor, x_hat: torch.Tensor) -> float:
+    """Cosine similarity of the flattened tensors, in fp64."""
+    return float(torch.nn.functional.cosine_similarity(x.flatten().double(), x_hat.flatten().double(), dim=0))

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from difrl.quant.formats import relative_error
+from difrl.quant.formats import cosine, relative_error
 from difrl.quant.sync import RolloutCopy
 
 
@@ -78,10 +78,9 @@ def time_rollout_copy(module: nn.Module, inputs: dict[str, Any], fmt: str, backe
     try:
         y = first_tensor(copy.module(**inputs)).float()
         ms = statistics.median(time_ms(lambda: copy.module(**inputs), warmup, repeats, device))
-        cos = float(nn.functional.cosine_similarity(y.flatten().double(), y_ref.flatten().double(), dim=0))
         return {"format": fmt, "backend": backend, "backends": copy.report.backends,
                 "quantized": f"{len(copy.report.quantized)}/{len(copy.report.rows)}", "ms_ref": ms_ref, "ms_copy": ms,
-                "speedup": ms_ref / ms, "rel_err": relative_error(y_ref, y), "cosine": cos,
+                "speedup": ms_ref / ms, "rel_err": relative_error(y_ref, y), "cosine": cosine(y_ref, y),
                 "report": copy.report.summary()}
     finally:
         del copy

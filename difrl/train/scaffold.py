@@ -19,14 +19,13 @@ import dataclasses
 import json
 import math
 import os
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 from difrl.config import save_config
 from difrl.models.base import use_module
-from difrl.train.sharding import gathered, is_sharded, plain_copy, shard
+from difrl.train.sharding import is_sharded, plain_copy, shard
 from difrl.train.state import load_latest_checkpoint, restore_checkpoint, snapshot, write_checkpoint
 from difrl.utils.io import atomic_write_json, json_safe, save_safetensors
 from difrl.utils.rng import mix_seed
@@ -336,13 +335,13 @@ def truncate_evals(path: Path, keep_iterations: int) -> None:
         atomic_write_json(path, kept)
 
 
-def save_policy(policy, net, lora_enabled: bool, path: Path, ema=None) -> None:
-    """A plain checkpoint of the trained network (EMA weights if on, LoRA merged) that loads as model.path:
-    the adapter's own `state_dict_and_meta()` format."""
-    with ema.swapped() if ema is not None else nullcontext(), gathered(net):
-        module = plain_copy(net).merge_and_unload() if lora_enabled else net
-        with use_module(policy, module):
-            tensors, meta = policy.state_dict_and_meta()
+def save_policy(policy, net, lora_enabled: bool, path: Path) -> None:
+    """A plain checkpoint of the trained network (LoRA merged) that loads as model.path: the adapter's own
+    `state_dict_and_meta()` format. Call it on the main process inside `gathered(net)` (and the EMA's `swapped()`
+    for EMA weights): gathering is collective, so every process enters that block, one writes."""
+    module = plain_copy(net).merge_and_unload() if lora_enabled else net
+    with use_module(policy, module):
+        tensors, meta = policy.state_dict_and_meta()
     save_safetensors(tensors, path, meta)
 
 
