@@ -51,6 +51,7 @@ import torch
 from difrl.rewards import register_reward
 from difrl.rewards.base import RewardConfigError, RewardModel, load_state_dict_file, local_dir, optional_import
 from difrl.rewards.vision import feature_tensor
+from difrl.utils.images import to_uint8
 
 # GenEval's task tags and colour list (djghosh13/geneval prompts/create_prompts.py, evaluation/evaluate_images.py).
 TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
@@ -477,7 +478,7 @@ class CLIPColorClassifier:
             if d.mask is not None:
                 img = torch.where(d.mask.to(img.device)[None], img, torch.full_like(img, self.BACKGROUND))
             ys, xs = _box_slices(d.box, H, W)
-            arr = (img[:, ys, xs].clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+            arr = to_uint8(img[:, ys, xs]).permute(1, 2, 0).cpu().numpy()
             crops.append(Image.fromarray(arr))
         pix = self.processor.image_processor(images=crops, return_tensors="pt")["pixel_values"].to(self.device)
         f = feature_tensor(self.model.get_image_features(pixel_values=pix.to(self.model.dtype))).float()

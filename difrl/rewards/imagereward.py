@@ -19,6 +19,7 @@ import torch
 
 from difrl.rewards import register_reward
 from difrl.rewards.base import RewardConfigError, RewardModel, local_file
+from difrl.utils.images import to_uint8
 
 INCOMPATIBLE = ("ImageReward cannot run inside difrl's environment: the image-reward package {why}. Its last release "
                 "(1.5) needs transformers < 5 and timm==0.6.13, which conflict with difrl's pins. Run it in a separate "
@@ -54,6 +55,6 @@ class ImageRewardScore(RewardModel):
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
         from PIL import Image
 
-        pixels = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        pixels = to_uint8(images).permute(0, 2, 3, 1).cpu().numpy()
         out = [float(self.model.score(p, Image.fromarray(x))) for p, x in zip(prompts, pixels)]
         return torch.tensor(out)

@@ -22,6 +22,7 @@ import torch
 
 from difrl.rewards import register_reward
 from difrl.rewards.base import RewardConfigError, RewardModel
+from difrl.utils.images import to_uint8
 
 
 def to_uint8_hwc(images: torch.Tensor, reward: str) -> np.ndarray:
@@ -37,8 +38,7 @@ def to_uint8_hwc(images: torch.Tensor, reward: str) -> np.ndarray:
     if not bool(finite.all()):
         bad = (~finite).nonzero().flatten().tolist()
         raise ValueError(f"reward {reward!r}: samples {bad[:8]} of the batch have NaN or infinite pixels")
-    x = (x.clamp(0.0, 1.0) * 255.0).round().to(torch.uint8)  # [B, 3, H, W]
-    return x.permute(0, 2, 3, 1).contiguous().cpu().numpy()  # [B, H, W, 3]
+    return to_uint8(x).permute(0, 2, 3, 1).contiguous().cpu().numpy()  # [B, H, W, 3]
 
 
 def jpeg_sizes(images: torch.Tensor, quality: int = 95, reward: str = "jpeg") -> list[int]:

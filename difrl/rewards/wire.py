@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from difrl.utils.images import to_uint8
+
 PROTOCOL = 1
 ENCODINGS = ("raw", "raw32", "png", "jpeg")
 DTYPES = {"uint8": torch.uint8, "float32": torch.float32, "float16": torch.float16, "int64": torch.int64,
@@ -71,7 +73,7 @@ def encode_sample(sample, encoding: str = "raw") -> dict:
     if encoding not in ENCODINGS:
         raise WireError(f"encoding must be one of {ENCODINGS}, got {encoding!r}")
     if _is_image(t) and encoding != "raw32":
-        pixels = (t.float().clamp(0, 1) * 255).round().to(torch.uint8)
+        pixels = to_uint8(t)
         if encoding == "raw":
             return _raw(pixels)
         from PIL import Image

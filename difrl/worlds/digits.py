@@ -24,6 +24,7 @@ from difrl.eval.metrics import frechet_distance, within_class_diversity
 from difrl.models.digits import digit_prompt
 from difrl.rewards.digits import BUNDLED_CLASSIFIER, DigitClassifier, load_classifier  # noqa: F401  (the reward model)
 from difrl.rollout import rollout
+from difrl.utils.images import to_uint8
 from difrl.utils.rng import mix_seed
 from difrl.samplers.schedules import sigma_schedule
 
@@ -139,4 +140,4 @@ def image_grid(images: torch.Tensor, nrow: int, scale: int = 4, pad: int = 1) ->
     for i in range(n):
         r, col = divmod(i, nrow)
         grid[:, pad + r * H: pad + r * H + h * scale, pad + col * W: pad + col * W + w * scale] = imgs[i]
-    return (grid.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+    return to_uint8(grid).permute(1, 2, 0).numpy()
