@@ -36,7 +36,7 @@ def _split(argv: list[str]) -> tuple[str | None, list[str]]:
 
 def _load(path: str | None, overrides: list[str]):
     """The typed config of the trainer that model.kind names (a FlowConfig or a MaskedConfig)."""
-    from difrl.train.config import load_train_config
+    from difrl.train.recipes import load_train_config
 
     return load_train_config(path, overrides)
 
@@ -52,7 +52,7 @@ def _run_dir_config(path: str | None) -> tuple[Path | None, str | None]:
 
 
 def cmd_train(args) -> int:
-    from difrl.train.config import train_function
+    from difrl.train.recipes import train_function
 
     path, overrides = _split(args.rest)
     if path is None:
@@ -114,7 +114,7 @@ def cmd_eval(args) -> int:
         cfg.model.eval_prompt_file = args.prompts
     torch.set_num_threads(cfg.threads or cores_available())
     if cfg.trainer == "masked":  # Sudoku, digit tokens, text tasks: the masked world's eval
-        from difrl.worlds.masked import build_masked_world
+        from difrl.worlds import build_masked_world
 
         # the run's trained policy (a merged policy.safetensors, LoRA runs too), not the base it started from
         weights = Path(args.checkpoint) if args.checkpoint else (run / "policy.safetensors" if run else None)
@@ -124,10 +124,11 @@ def cmd_eval(args) -> int:
         policy = world.policy if weights is None else world.load_policy(str(weights))
         metrics = world.evaluate(policy)
         if args.pass_k:  # pass@k over --samples draws per problem with the training sampler (difrl.eval.passk)
-            from difrl.eval.passk import masked_pass_at_k, sudoku_eval_prompts
+            from difrl.eval.passk import masked_pass_at_k
 
-            if cfg.model.kind != "sudoku":
-                raise ValueError(f"--pass-k needs a verifier: model.kind=sudoku or hf_masked, not {cfg.model.kind!r}")
+            if world.verifier is None:  # hf_masked's own evaluation is pass@k (eval.pass_k): it needs no flag
+                raise ValueError(f"--pass-k needs a world with a verifier (model.kind=sudoku; hf_masked reports "
+                                 f"pass@k in its evaluation), not {cfg.model.kind!r}")
             try:
                 ks = [int(k) for k in args.pass_k.split(",") if k.strip()]
             except ValueError:
@@ -135,9 +136,7 @@ def cmd_eval(args) -> int:
             temperature = cfg.sampler.temperature if args.temperature is None else args.temperature
             res = masked_pass_at_k(world, policy, cfg.sampler.kind, cfg.sampler.sampler_kwargs(),
                                    8 if args.samples is None else args.samples, ks,
-                                   temperature, cfg.eval.seed, args.problems, None,
-                                   prompts=sudoku_eval_prompts(cfg.eval.num_blanks, cfg.eval.count, cfg.eval.seed),
-                                   per_problem=False)
+                                   temperature, cfg.eval.seed, args.problems, per_problem=False)
             metrics["pass_at_k"] = res
         elif args.samples is not None or args.temperature is not None or args.problems is not None:
             raise ValueError("--samples, --temperature and --problems go with --pass-k")

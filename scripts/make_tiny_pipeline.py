@@ -17,7 +17,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from difrl.models.adapters import ADAPTERS  # noqa: E402
-from difrl.models.tiny import make_tiny_pipeline  # noqa: E402
+from difrl.models.adapters import make_tiny_pipeline  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

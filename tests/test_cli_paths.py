@@ -78,7 +78,7 @@ def test_eval_of_a_trained_text_run_gives_its_final_evaluation(tmp_path, capsys,
 # ----------------------------------------------------------------------------- tiny FLUX runs
 @pytest.fixture(scope="module")
 def flux_pipe(tmp_path_factory):
-    from difrl.models.tiny import make_tiny_pipeline
+    from difrl.models.adapters import make_tiny_pipeline
 
     return make_tiny_pipeline("flux", tmp_path_factory.mktemp("flux_pipe") / "pipe", seed=0)
 

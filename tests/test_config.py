@@ -351,7 +351,8 @@ def test_describe_config_lists_nested_keys():
 
 # ---------------------------------------------------------------------------------- the trainers' configs
 def test_the_trainer_is_chosen_from_the_typed_model_kind(tmp_path):
-    from difrl.train.config import FlowConfig, load_train_config
+    from difrl.train.config import FlowConfig
+    from difrl.train.recipes import load_train_config
     from difrl.train.masked_config import MaskedConfig
 
     root = os.path.join(os.path.dirname(__file__), "..", "configs")
@@ -376,7 +377,7 @@ def test_the_trainer_is_chosen_from_the_typed_model_kind(tmp_path):
 
 
 def test_a_diffusers_world_must_name_its_reward():
-    from difrl.train.config import load_train_config
+    from difrl.train.recipes import load_train_config
 
     with pytest.raises(ConfigError, match=r"'reward.weights'.*model.kind=flux has no reward of its own"):
         load_train_config(None, ["model.kind=flux", "model.path=/nowhere", "model.prompts=[a cat]"])
@@ -384,7 +385,7 @@ def test_a_diffusers_world_must_name_its_reward():
 
 def test_empty_config_file_is_refused(tmp_path):
     from difrl.config import ConfigError
-    from difrl.train.config import load_train_config
+    from difrl.train.recipes import load_train_config
 
     empty = tmp_path / "empty.yaml"
     empty.write_text("# nothing here\n")

@@ -86,7 +86,7 @@ def test_solrl_candidates_and_regeneration_stay_on_the_policy_device():
 
 def test_diffusers_adapter_rollout_has_no_host_round_trip():
     from difrl.models.sd3 import SD3Policy
-    from difrl.models.tiny import build_tiny_pipeline
+    from difrl.models.adapters import build_tiny_pipeline
 
     policy = SD3Policy(build_tiny_pipeline("sd3"), height=32, width=32, max_sequence_length=16)
     cond = policy.encode(PROMPTS)  # the text encoders stay on the CPU here; the transformer moves to `meta`

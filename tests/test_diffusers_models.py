@@ -23,7 +23,7 @@ from difrl.models.base import FlowPolicy  # noqa: E402
 from difrl.models.adapters import ADAPTERS, load_flow_policy  # noqa: E402
 from difrl.models.diffusers_base import ModelKindError, PipelineDirError, check_pipeline_dir  # noqa: E402
 from difrl.models.lora_io import LORA_MARKER, load_lora, save_lora  # noqa: E402
-from difrl.models.tiny import make_tiny_pipeline  # noqa: E402
+from difrl.models.adapters import make_tiny_pipeline  # noqa: E402
 from difrl.rollout import INIT_STEP, rollout, sample_noise  # noqa: E402
 from difrl.samplers.kernels import KERNELS  # noqa: E402
 from difrl.samplers.schedules import fixed_window  # noqa: E402
@@ -135,7 +135,7 @@ def test_bad_directories_name_the_problem(kind, tiny_dirs, tmp_path):
     (wrong / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(ModelKindError, match=rf"wrong_kind holds a {PIPELINE_CLASS[other]}.*kind '{other}'"):
         load_flow_policy(kind, wrong)
-    assert check_pipeline_dir(good, kind) == good
+    assert check_pipeline_dir(good, ADAPTERS[kind]) == good
 
     with pytest.raises(ValueError, match="unknown model kind"):
         load_flow_policy("sdxl", good)

@@ -75,7 +75,7 @@ def test_tiny_flux_eval_json_holds_fid_kid_and_the_heldout_panel(tmp_path, monke
     from PIL import Image
 
     from difrl.eval.fid import save_random_inception_weights
-    from difrl.models.tiny import make_tiny_pipeline
+    from difrl.models.adapters import make_tiny_pipeline
     from difrl.rewards.tiny import tiny_reward_options
     from difrl.train.config import load_flow_config
     from difrl.train.flow import train
@@ -204,7 +204,7 @@ def test_tiny_wan_eval_has_per_frame_and_clip_level_fd(tmp_path, monkeypatch):
     import numpy as np
     from PIL import Image, ImageSequence
 
-    from difrl.models.tiny import make_tiny_pipeline
+    from difrl.models.adapters import make_tiny_pipeline
     from difrl.rewards.tiny import tiny_reward_options
     from difrl.train.config import load_flow_config
     from difrl.train.flow import train

@@ -16,12 +16,11 @@ import pytest
 import torch
 
 from difrl.discrete.samplers import SAMPLERS
-from difrl.eval.passk import (masked_pass_at_k, pass_at_k, pass_at_k_many, pass_at_k_per_problem, sudoku_eval_prompts,
-                              sudoku_solved)
+from difrl.eval.passk import masked_pass_at_k, pass_at_k, pass_at_k_many, pass_at_k_per_problem
 from difrl.train.masked_config import load_masked_config
 from difrl.utils.rng import mix_seed
-from difrl.worlds.masked import build_masked_world
-from difrl.worlds.sudoku import decode, evaluate_sudoku
+from difrl.worlds import build_masked_world
+from difrl.worlds.sudoku import decode, eval_prompts, evaluate_sudoku, solved_fn
 
 torch.set_num_threads(1)
 CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "sudoku.yaml")
@@ -100,7 +99,7 @@ def sudoku():
 def _run(sudoku, **kw):
     cfg, world = sudoku
     args = dict(sampler=cfg.sampler.kind, sampler_kwargs=cfg.sampler.sampler_kwargs(), n=8, ks=[1, 8], temperature=1.0,
-                seed=1234, problems=16, correct_fn=sudoku_solved) | kw
+                seed=1234, problems=16, correct_fn=solved_fn) | kw
     return masked_pass_at_k(world, world.policy, **args)
 
 
@@ -130,12 +129,12 @@ def test_sudoku_seeds_are_per_problem_and_sample(sudoku):
     """Sample j of problem p is the training sampler's rollout with seed mix_seed(seed, p, j)."""
     cfg, world = sudoku
     res = _run(sudoku)
-    prompts = sudoku_eval_prompts(count=16)
+    prompts = eval_prompts(count=16)
     for p in (0, 5, 15):
         one = prompts.select(torch.tensor([p])).repeat(8)
         seeds = torch.tensor([mix_seed(1234, p, j) for j in range(8)])
         out = SAMPLERS["llada"](world.policy, one.tokens, one.cond, seeds=seeds, **cfg.sampler.sampler_kwargs())
-        assert int(sudoku_solved(decode(out.tokens), one).sum()) == res["correct_per_problem"][p]
+        assert int(solved_fn(decode(out.tokens), one).sum()) == res["correct_per_problem"][p]
 
 
 def test_sudoku_greedy_is_one_sample_and_matches_evaluate(sudoku):

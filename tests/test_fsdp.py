@@ -136,7 +136,7 @@ def assert_same_runs(a: Path, b: Path, iteration: int = 3) -> None:
 @pytest.fixture(scope="module")
 def tiny_flux(tmp_path_factory):
     pytest.importorskip("diffusers")
-    from difrl.models.tiny import make_tiny_pipeline
+    from difrl.models.adapters import make_tiny_pipeline
 
     return make_tiny_pipeline("flux", tmp_path_factory.mktemp("fsdp") / "tiny_flux", seed=0)
 

@@ -15,8 +15,9 @@ import pytest
 
 from difrl.config import ConfigError
 from difrl.rewards import RewardError
-from difrl.train.config import load_flow_config, load_train_config
-from difrl.train.masked_config import HF_MASKED_EVAL_KEYS, HF_MASKED_MODEL_KEYS, load_masked_config
+from difrl.train.config import load_flow_config
+from difrl.train.recipes import load_train_config
+from difrl.train.masked_config import load_masked_config
 from difrl.train.reward_stage import track_reward_failures
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,16 +67,27 @@ def test_hf_masked_keys_on_other_masked_worlds_are_errors(kind, override):
 
 
 def test_every_hf_masked_key_is_checked():
-    # a key added to the hf_masked world must be added to the lists (its help says "hf_masked:")
+    # a key added to the hf_masked world must be added to its OWN_KEYS (its help says "hf_masked:")
     from difrl.train.masked_config import MaskedEvalConfig, MaskedModelConfig
+    from difrl.worlds.text_tasks import OWN_KEYS
 
     def hf_only(cls):
         from dataclasses import fields
 
         return {f.name for f in fields(cls) if f.metadata.get("help", "").startswith("hf_masked:")}
 
-    assert hf_only(MaskedModelConfig) == set(HF_MASKED_MODEL_KEYS)
-    assert hf_only(MaskedEvalConfig) == set(HF_MASKED_EVAL_KEYS)
+    assert hf_only(MaskedModelConfig) == set(OWN_KEYS["model"])
+    assert hf_only(MaskedEvalConfig) == set(OWN_KEYS["eval"])
+
+
+@pytest.mark.parametrize("kind", ["digit_tokens", "hf_masked"])
+@pytest.mark.parametrize("override", ["rollout.num_blanks=[2,3]", "eval.num_blanks=6"])
+def test_sudoku_keys_on_other_masked_worlds_are_errors(kind, override):
+    # the Sudoku world declares them as its own (difrl/worlds/sudoku.py OWN_KEYS); set elsewhere they would be ignored
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"'{key}'.*model.kind=sudoku.*ignored by model.kind={kind}"):
+        load_masked_config(None, [f"model.kind={kind}", override])
+    load_masked_config(None, ["model.kind=sudoku", override])  # the world that reads them takes them
 
 
 def test_every_shipped_config_loads():

@@ -172,19 +172,23 @@ def test_pretrain_script_reproduces_bundled_base(tmp_path):
 
 
 def test_world_refuses_unreadable_training_prompts_and_the_diffusers_eval_panel():
+    from difrl.config import ConfigError
     from difrl.train.config import load_flow_config
+    from difrl.worlds import check_world_config
 
-    cfg = load_flow_config(ROOT / "configs" / "moving_digits.yaml", ['model.prompts=["a 3 moving left", "a cat"]'])
+    # at load time, located: the world's check_config (difrl/worlds/moving_digits.py) names the key
+    with pytest.raises(ConfigError, match=r"'model.prompts\[1\]'.*cannot read the prompt 'a cat'"):
+        load_flow_config(ROOT / "configs" / "moving_digits.yaml", ['model.prompts=["a 3 moving left", "a cat"]'])
+    cfg = load_flow_config(ROOT / "configs" / "moving_digits.yaml")
+    cfg.model.prompts = ["a 3 moving left", "a cat"]  # past the config check: the builder still cannot read it
     with pytest.raises(ValueError, match="cannot read the prompt 'a cat'"):
         build_world("moving_digits", cfg.model.path, cfg)
-    from difrl.config import ConfigError
-
     with pytest.raises(ConfigError, match="eval.rewards.*moving_digits world evaluates with its own"):  # at load time
         load_flow_config(ROOT / "configs" / "moving_digits.yaml", ["eval.rewards={brightness: {}}"])
     cfg = load_flow_config(ROOT / "configs" / "moving_digits.yaml")
-    cfg.eval.rewards = {"brightness": {}}  # past the config check: the world still refuses it
-    with pytest.raises(ValueError, match="eval.rewards and eval.fid are for diffusers models"):
-        build_world("moving_digits", cfg.model.path, cfg)
+    cfg.eval.rewards = {"brightness": {}}  # the one place that check lives: the world's check_config
+    with pytest.raises(ConfigError, match="eval.fid are for diffusers models"):
+        check_world_config(cfg)
     cfg = load_flow_config(ROOT / "configs" / "moving_digits.yaml", ['model.prompts=["a 3 moving left", "a 7 moving up"]'])
     world = build_world("moving_digits", cfg.model.path, cfg)
     assert world.prompts == ["a 3 moving left", "a 7 moving up"] and world.metadata(1)["direction"] == UP

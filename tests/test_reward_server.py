@@ -387,7 +387,7 @@ def test_image_run_through_the_server_with_uint8_pixels(server, token_file, tmp_
     the first iteration's mean reward (same policy, same seeds) is within 0.5/255 and not equal."""
     pytest.importorskip("diffusers")
     pytest.importorskip("peft")
-    from difrl.models.tiny import make_tiny_pipeline
+    from difrl.models.adapters import make_tiny_pipeline
     from difrl.train.config import load_flow_config
     from difrl.train.flow import TIMING_KEYS, train
 

@@ -322,7 +322,7 @@ def test_tiny_flux_trains_with_two_reward_models(tmp_path, monkeypatch):
     file layouts), weighted sum and GDPO-style; then tiny Wan on a video reward over its frames."""
     pytest.importorskip("diffusers")
     pytest.importorskip("open_clip")
-    from difrl.models.tiny import make_tiny_pipeline
+    from difrl.models.adapters import make_tiny_pipeline
     from difrl.rewards.tiny import tiny_reward_options
     from difrl.train.config import load_flow_config
     from difrl.train.flow import train
@@ -388,3 +388,15 @@ def test_jsonl_prompt_file_gives_metadata(tmp_path):
     f.write_text('{"prompt": "ok"}\n{"no_prompt": 1}\n')
     with pytest.raises(ValueError, match="line 2: expected an object"):
         read_prompts(MC)
+
+
+def test_every_module_that_registers_a_reward_is_a_builtin():
+    """A built-in reward is its file plus its module name in BUILTIN_MODULES: a file that registers rewards but is
+    missing there would never be found by name."""
+    import re
+
+    folder = Path(rewards_mod.__file__).parent
+    registering = {p.stem for p in folder.glob("*.py") if re.search(r"^@register_reward\(", p.read_text(), re.M)}
+    assert registering == set(rewards_mod.BUILTIN_MODULES)
+    rewards_mod.describe_rewards()  # loads the built-ins
+    assert {"digit_prob", "clip_score", "geneval", "sudoku_cells", "text_correct", "video"} <= set(REWARDS)

@@ -82,7 +82,7 @@ def test_layout_answer_ids_pad_with_eos_and_refuse_long_answers(base, arith):
 
 @pytest.mark.parametrize("task,gen", [("arithmetic", 4), ("countdown", 8), ("sudoku_text", 20)])
 def test_world_layout_round_trips_reference_answers_to_full_reward(task, gen):
-    from difrl.worlds.masked import build_masked_world
+    from difrl.worlds import build_masked_world
 
     cfg = load_masked_config(CONFIG, [f"model.task={task}", f"model.gen_length={gen}", f"sampler.block_length={gen}",
                                       f"sampler.steps={gen}"])
@@ -284,11 +284,11 @@ def test_lora_saved_in_peft_format_loads_with_plain_peft(tmp_path, arith):
     ("erils_checkpoint", ("external.source=checkpoint", f"external.path={BUNDLED_DIR}", "external.per_group=1")),
 ])
 def test_every_estimator_sampler_and_erils_run_on_the_text_path(tmp_path, name, overrides, monkeypatch):
-    import difrl.eval.passk as passk
+    import difrl.worlds.text_tasks as text_world
 
     calls = []  # every masked_pass_at_k call's result, with the per-problem correct counts (test-side recording)
-    real = passk.masked_pass_at_k
-    monkeypatch.setattr(passk, "masked_pass_at_k", lambda *a, **k: calls.append(real(*a, **{**k, "per_problem": True}))
+    real = text_world.masked_pass_at_k
+    monkeypatch.setattr(text_world, "masked_pass_at_k", lambda *a, **k: calls.append(real(*a, **{**k, "per_problem": True}))
                         or calls[-1])
     summary = _train(tmp_path / "r", *overrides)
     row = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[-1])

@@ -25,7 +25,7 @@ diffusers = pytest.importorskip("diffusers")
 peft = pytest.importorskip("peft")
 
 from difrl.models.adapters import load_flow_policy  # noqa: E402
-from difrl.models.tiny import make_tiny_pipeline  # noqa: E402
+from difrl.models.adapters import make_tiny_pipeline  # noqa: E402
 from difrl.rollout import INIT_STEP, rollout, sample_noise  # noqa: E402
 from difrl.train import flow  # noqa: E402
 from difrl.train.config import load_flow_config  # noqa: E402

@@ -326,7 +326,7 @@ def test_masked_reward_errors_name_prompt_ids_not_group_ids(tmp_path):
 
 
 def test_every_masked_world_gives_its_prompts_ids():
-    from difrl.worlds.masked import build_masked_world
+    from difrl.worlds import build_masked_world
     from difrl.worlds.text_tasks import bundled_problems, load_problems
 
     for kind in ("sudoku", "digit_tokens", "hf_masked"):

@@ -142,7 +142,7 @@ def test_resume_continues_exactly_on_the_video_world(tmp_path):
 def tiny_wan(tmp_path_factory):
     pytest.importorskip("diffusers")
     pytest.importorskip("peft")
-    from difrl.models.tiny import make_tiny_pipeline
+    from difrl.models.adapters import make_tiny_pipeline
 
     return make_tiny_pipeline("wan", tmp_path_factory.mktemp("tiny_wan") / "wan", seed=0)
 

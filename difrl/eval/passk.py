@@ -1,11 +1,10 @@
 """pass@k for masked (discrete) diffusion worlds: the unbiased estimator and a sampler-faithful eval.
 
-    from difrl.eval.passk import pass_at_k, pass_at_k_many, masked_pass_at_k, sudoku_eval_prompts
+    from difrl.eval.passk import pass_at_k, pass_at_k_many, masked_pass_at_k
     pass_at_k(n=5, c=2, k=2)                                   # 0.7 = 1 - C(3, 2) / C(5, 2)
     pass_at_k_many([8, 8, 16], [0, 3, 16], k=8)                # mean over problems (n may differ)
     res = masked_pass_at_k(world, world.policy, cfg.sampler.kind, cfg.sampler.sampler_kwargs(), n=8, ks=[1, 8],
-                           temperature=1.0, seed=1234, problems=64, correct_fn=None,
-                           prompts=sudoku_eval_prompts(cfg.eval.num_blanks, cfg.eval.count, cfg.eval.seed))
+                           temperature=1.0, seed=1234, problems=64)   # the world's Verifier: its set, its check
     res["pass@1"], res["pass@8"], res["n"], res["greedy"], res["steps"], res["remasking"], ...
 
     difrl eval configs/sudoku.yaml --pass-k 1,8 --samples 8 [--temperature 1.0] [--problems 64]
@@ -24,7 +23,7 @@ sampler (``difrl.discrete.samplers.SAMPLERS[sampler]`` with the kwargs of
 the train path), policy in eval mode. Sample j of problem p has seed ``mix_seed(seed, p, j)``; the
 samplers' randomness is counter-based per sample, so results do not depend on the batch size.
 Each sample is judged by ``correct_fn(samples, batch) -> [N] bool`` on the world's decoded samples
-(Sudoku default: ``solved``, the whole grid valid). The result records n, ks, temperature, sampler,
+(default: the world's ``verifier``; Sudoku's is ``solved``, the whole grid valid). The result records n, ks, temperature, sampler,
 remasking strategy, steps, block length, every sampler kwarg and the mean forward passes.
 
 Greedy: at temperature 0 with a deterministic sampler (LLaDA low-confidence remasking, EB-Sampler)
@@ -37,6 +36,7 @@ they draw n real samples and are not greedy.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -94,32 +94,14 @@ def pass_at_k_many(n_per_problem: Sequence[int] | np.ndarray, c_per_problem: Seq
     return float(pass_at_k_per_problem(n_per_problem, c_per_problem, k).mean())
 
 
-# ----------------------------------------------------------------------------- evaluation problems and verifiers
-def sudoku_eval_prompts(num_blanks: int | tuple[int, int] | None = None, count: int | None = None,
-                        seed: int | None = None):
-    """The Sudoku world's fixed test puzzles (``evaluate_sudoku``'s set, defaults EVAL_BLANKS /
-    EVAL_PUZZLES / EVAL_SEED) as MaskedPrompts: tokens [count, 16], cond {"prompt_mask"}, texts,
-    metadata {"puzzle": [16]} (built as the world's training prompts are)."""
-    from difrl.worlds import sudoku
-    from difrl.worlds.masked import MaskedPrompts
-
-    nb = sudoku.EVAL_BLANKS if num_blanks is None else num_blanks
-    nb = tuple(nb) if isinstance(nb, (list, tuple)) else int(nb)
-    puzzles, _ = sudoku.test_puzzles(nb, sudoku.EVAL_PUZZLES if count is None else int(count),
-                                     sudoku.EVAL_SEED if seed is None else int(seed))
-    tokens, prompt = sudoku.encode(puzzles)
-    return MaskedPrompts(tokens, {"prompt_mask": prompt}, [sudoku.puzzle_text(p) for p in puzzles],
-                         [{"puzzle": p} for p in puzzles])
-
-
-def sudoku_solved(filled: torch.Tensor, batch) -> torch.Tensor:
-    """The Sudoku verifier as a correct_fn: filled digits [N, 16], MaskedPrompts [N] -> [N] bool (grid valid)."""
-    from difrl.rewards.sudoku_cells import solved
-
-    return solved(filled, torch.stack([torch.as_tensor(m["puzzle"]) for m in batch.metadata]))
-
-
-DEFAULT_EVAL = {"sudoku": (sudoku_eval_prompts, sudoku_solved, "solved (the completed 4x4 grid is valid)")}
+# ----------------------------------------------------------------------------- a world's evaluation problems
+@dataclass(frozen=True)
+class Verifier:
+    """A masked world's default pass@k set (``MaskedWorld.verifier``): its fixed evaluation problems and the
+    check of a sample (Sudoku: the test puzzles and ``solved``; difrl/worlds/sudoku.py)."""
+    prompts: Callable[[], object]  # () -> MaskedPrompts of the evaluation problems
+    correct: Callable  # (samples [N, ...], MaskedPrompts [N]) -> [N] bool
+    metric: str  # what correct means, recorded with the numbers
 
 
 # ----------------------------------------------------------------------------- pass@k of a masked policy
@@ -156,8 +138,8 @@ def masked_pass_at_k(world, policy, sampler: str, sampler_kwargs: dict, n: int, 
     (its temperature is replaced by `temperature`); n samples per problem; ks: the k of pass@k
     (each 1 <= k <= n); seed: sample j of problem p uses mix_seed(seed, p, j); problems: the first
     `problems` evaluation problems (None = all); correct_fn(samples [N, ...], MaskedPrompts [N]) ->
-    [N] bool (None = the world's default verifier: Sudoku ``solved``); prompts: the evaluation
-    problems as MaskedPrompts (None = the world's default set: Sudoku's fixed test puzzles); batch:
+    [N] bool (None = ``world.verifier.correct``: Sudoku ``solved``); prompts: the evaluation
+    problems as MaskedPrompts (None = ``world.verifier.prompts()``: Sudoku's fixed test puzzles); batch:
     rows per sampler call (results do not depend on it).
 
     Returns {"pass@k" for k in ks, "n", "n_requested", "ks", "greedy", "temperature", "sampler",
@@ -175,15 +157,15 @@ def masked_pass_at_k(world, policy, sampler: str, sampler_kwargs: dict, n: int, 
         _check(n, 0, k)
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    default = DEFAULT_EVAL.get(getattr(world, "name", None))
+    default = getattr(world, "verifier", None)
     metric = getattr(correct_fn, "__name__", "correct_fn")
     if prompts is None or correct_fn is None:
         if default is None:
             raise ValueError(f"pass@k on the masked world {getattr(world, 'name', world)!r} needs prompts= and "
-                             "correct_fn= (a verifier); only sudoku has defaults")
-        prompts = default[0]() if prompts is None else prompts
+                             "correct_fn= (a verifier): the world has no default set (MaskedWorld.verifier)")
+        prompts = default.prompts() if prompts is None else prompts
         if correct_fn is None:
-            correct_fn, metric = default[1], default[2]
+            correct_fn, metric = default.correct, default.metric
     total = len(prompts)
     P = total if problems is None else int(problems)
     if not 1 <= P <= total:
@@ -227,5 +209,4 @@ def masked_pass_at_k(world, policy, sampler: str, sampler_kwargs: dict, n: int, 
     return res
 
 
-__all__ = ["DEFAULT_EVAL", "masked_pass_at_k", "pass_at_k", "pass_at_k_many", "pass_at_k_per_problem",
-           "sudoku_eval_prompts", "sudoku_solved"]
+__all__ = ["Verifier", "masked_pass_at_k", "pass_at_k", "pass_at_k_many", "pass_at_k_per_problem"]

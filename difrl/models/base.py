@@ -11,7 +11,6 @@ lives behind this protocol; samplers, the rollout engine and the trainer only se
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -58,18 +57,6 @@ class HoldsNet:
     @module.setter
     def module(self, m: nn.Module) -> None:
         self.net = m
-
-
-@contextmanager
-def use_module(policy, module: nn.Module):
-    """Run `policy` with another network inside the block (the frozen reference of full fine-tuning, a
-    quantized rollout copy, a merged checkpoint being saved): the one place an adapter's module is swapped."""
-    saved = policy.module
-    policy.module = module
-    try:
-        yield module
-    finally:
-        policy.module = saved
 
 
 def policy_device(policy) -> torch.device:

@@ -71,14 +71,10 @@ def as_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
 
 # ---- pipeline directories ------------------------------------------------------------------------
 
-def check_pipeline_dir(path: str | Path, kind: str) -> Path:
-    """Check that `path` is a diffusers pipeline directory of model `kind` with every component the
-    adapter needs, before diffusers' own (less specific) errors. Returns the path."""
-    from difrl.models.adapters import ADAPTERS  # the table imports the family files, which import this one
-
-    cls = ADAPTERS[kind] if kind in ADAPTERS else None
-    if cls is None:
-        raise ValueError(f"unknown model kind {kind!r}; expected one of {sorted(ADAPTERS)}")
+def check_pipeline_dir(path: str | Path, cls: type[DiffusersFlowPolicy]) -> Path:
+    """Check that `path` is a diffusers pipeline directory of the family `cls` (an adapter class) with every
+    component the adapter needs, before diffusers' own (less specific) errors. Returns the path."""
+    kind = cls.kind
     path = Path(path)
     if not path.is_dir():
         raise PipelineDirError(f"{path}: no such directory (expected a diffusers {cls.pipeline_class} directory "
@@ -93,7 +89,7 @@ def check_pipeline_dir(path: str | Path, kind: str) -> Path:
         raise ValueError(f"{index_file} is not valid JSON: {e}") from None
     found = index.get("_class_name")
     if found not in cls.accepted_classes:
-        hint = next((f"; that is kind {k!r}" for k, c in ADAPTERS.items() if found in c.accepted_classes), "")
+        hint = next((f"; that is kind {c.kind!r}" for c in _families() if found in c.accepted_classes), "")
         raise ModelKindError(f"{path} holds a {found} (model_index.json _class_name), not a {cls.pipeline_class} "
                              f"as kind {kind!r} needs{hint}")
     for comp in cls.required_components:
@@ -104,6 +100,17 @@ def check_pipeline_dir(path: str | Path, kind: str) -> Path:
         if not (path / comp).is_dir():
             raise PipelineDirError(f"{path} is missing component {comp!r}: no {comp}/ folder")
     return path
+
+
+def _families() -> list[type[DiffusersFlowPolicy]]:
+    """Every adapter class defined so far (the family files subclass DiffusersFlowPolicy; difrl.models.adapters
+    imports them all), found without importing the table, which imports this file."""
+    out, todo = [], list(DiffusersFlowPolicy.__subclasses__())
+    while todo:
+        c = todo.pop(0)
+        out.append(c)
+        todo += c.__subclasses__()
+    return [c for c in out if c.kind]
 
 
 def present_targets(module: nn.Module, candidates: tuple[str, ...]) -> list[str]:

@@ -36,7 +36,7 @@ class SD3Policy(DiffusersFlowPolicy):
 
     @classmethod
     def from_pretrained(cls, path, dtype="fp32", height: int = 1024, width: int = 1024, device=None, **options):
-        check_pipeline_dir(path, cls.kind)
+        check_pipeline_dir(path, cls)
         return cls(cls._load_pipeline(path, as_dtype(dtype), device), height=height, width=width, **options)
 
     def _encode_batch(self, prompts):

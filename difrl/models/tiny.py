@@ -1,8 +1,8 @@
-"""Tiny random-initialised diffusers pipelines, one per kind of ADAPTERS, built in code with no hub access.
+"""The parts of tiny random-initialised diffusers pipelines, built in code with no hub access.
 
-    from difrl.models.tiny import make_tiny_pipeline
+    from difrl.models.adapters import make_tiny_pipeline      # one per kind of ADAPTERS, from these parts
     path = make_tiny_pipeline("flux", tmp_dir / "flux")        # saves a pipeline directory, returns its path
-    policy = load_flow_policy("flux", path, height=32, width=32)   # difrl.models.adapters
+    policy = load_flow_policy("flux", path, height=32, width=32)
 
 They stand in for a real checkpoint directory in tests: every component (transformer, VAE, text
 encoders, tokenizers, scheduler) has the real class and the real on-disk layout, so the adapter's
@@ -13,17 +13,15 @@ with the end-of-word marker, and no merges) and a character-level T5 unigram voc
 prompt tokenizes and nothing is read from a hub.
 
 Each family's sizes and scheduler are in its `tiny_pipeline` (difrl/models/flux.py, sd3.py, wan.py):
-a new model kind in difrl/models/adapters.py gets a tiny pipeline here by defining that method.
+a new model kind in difrl/models/adapters.py gets a tiny pipeline by defining that method (the family files
+import these parts; this file imports none of them).
 """
 
 from __future__ import annotations
 
 import string
-from pathlib import Path
 
 import torch
-
-from difrl.models.adapters import ADAPTERS
 
 TEXT_LEN = 16  # CLIP context of the tiny tokenizers / encoders (the real ones use 77)
 
@@ -90,25 +88,3 @@ def tiny_image_vae():
                          up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(4, 8), layers_per_block=1,
                          latent_channels=4, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
                          shift_factor=0.0609, scaling_factor=1.5035)
-
-
-def build_tiny_pipeline(kind: str, seed: int = 0):
-    """The tiny pipeline object for `kind` (a key of ADAPTERS), in memory, eval mode, fp32."""
-    if kind not in ADAPTERS:
-        raise ValueError(f"unknown tiny pipeline kind {kind!r}; expected one of {tuple(ADAPTERS)}")
-    torch.manual_seed(seed)
-    pipe = ADAPTERS[kind].tiny_pipeline()
-    for name, comp in pipe.components.items():
-        if isinstance(comp, torch.nn.Module):
-            comp.eval()  # models built directly are in train mode (T5 dropout: ecosystem.md §1.1)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def make_tiny_pipeline(kind: str, out_dir: str | Path, seed: int = 0) -> Path:
-    """Build the tiny `kind` pipeline with weights drawn from `seed` and save it to `out_dir` (a
-    diffusers pipeline directory: model_index.json plus one folder per component). Returns the path."""
-    out_dir = Path(out_dir)
-    pipe = build_tiny_pipeline(kind, seed)
-    pipe.save_pretrained(out_dir)
-    return out_dir

@@ -51,7 +51,7 @@ class WanPolicy(DiffusersFlowPolicy):
         """The Wan VAE runs in fp32 by default (diffusers' Wan examples load it so)."""
         import diffusers
 
-        check_pipeline_dir(path, cls.kind)
+        check_pipeline_dir(path, cls)
         vae = diffusers.AutoencoderKLWan.from_pretrained(str(path), subfolder="vae", local_files_only=True,
                                                          **{dtype_keyword(): as_dtype(vae_dtype)})
         pipe = cls._load_pipeline(path, as_dtype(dtype), device, vae=vae)

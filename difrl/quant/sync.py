@@ -23,9 +23,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from difrl.models.base import use_module
 from difrl.quant import formats as F
 from difrl.quant.linear import QuantLinear, QuantReport, quantize_module, quantized_layers
+from difrl.utils.modules import use_module
 
 
 class WeightSyncError(RuntimeError):

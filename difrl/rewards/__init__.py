@@ -261,12 +261,16 @@ class Reward:
         return out
 
 
+# The built-in reward modules: each registers its rewards with @register_reward when imported, and imports its
+# heavy packages (open_clip, transformers, rapidocr) only when a reward is built. A new built-in reward is its
+# file in difrl/rewards/ plus its module name here.
+BUILTIN_MODULES = ("clip", "digits", "geneval", "hps", "imagereward", "jpeg", "moving_digits", "ocr", "remote",
+                   "simple", "sudoku_cells", "text_tasks", "video")
+
+
 def _load_builtins() -> None:
-    # each module registers its rewards; heavy packages (open_clip, transformers, rapidocr) import only when
-    # a reward is built
-    from difrl.rewards import digits, imagereward, moving_digits, remote, simple, sudoku_cells, text_tasks, video  # noqa: F401
-    for optional in ("clip", "hps", "ocr", "jpeg", "geneval"):
-        importlib.import_module(f"difrl.rewards.{optional}")
+    for module in BUILTIN_MODULES:
+        importlib.import_module(f"difrl.rewards.{module}")
 
 
 class RewardError(RuntimeError):

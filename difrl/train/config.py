@@ -1,16 +1,15 @@
 """The trainers' typed configs: every key, its default, its range (``difrl config`` lists them).
 
-    cfg = load_train_config("configs/digits.yaml", ["train.lr=1e-4"])   # FlowConfig or MaskedConfig, by model.kind
     cfg = load_flow_config("configs/digits.yaml", ["sampler.kind=cps"])  # a flow config, whatever it says
-    train = train_function(cfg)                                             # difrl.train.flow.train or .masked
+    cfg = load_train_config("configs/sudoku.yaml")    # FlowConfig or MaskedConfig by model.kind: difrl.train.recipes
 
 One base (``TrainerConfig``) holds what every trainer has, defined once: the run keys (seed,
 threads, out, resume, resume_unverified, checkpoint_every) and the sections ``reward``, ``advantage``, ``train``
 (common keys; ``FlowTrainConfig`` / ``MaskedTrainConfig`` add their own), ``eval`` and ``model``
 (``kind``, ``path``). A trainer's config sets its own defaults through the section's default
 instance (``MaskedConfig.train`` starts from lr 1e-4, clip 0.2, LoRA off). The trainer is chosen
-from the typed ``model.kind`` (``load_train_config``): the flow kinds come from the world table
-(difrl.worlds.WORLDS), the masked ones from difrl.worlds.masked.MASKED_WORLDS.
+from the typed ``model.kind`` (``difrl.train.recipes.load_train_config``): the flow kinds come from the world table
+(difrl.worlds.WORLDS), the masked ones from difrl.worlds.MASKED_WORLDS.
 
 Flow defaults follow Flow-GRPO (flow-grpo-family.md §2.8, §8.7) where they carry over to a model
 of this size; the digits YAML sets what the bundled demo needs. The masked sections are in
@@ -23,15 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from difrl.config import cfg_field, config_error, load_config, load_config_union
+from difrl.config import cfg_field, config_error, load_config
 from difrl.correct import METHODS, POLICY_LOSSES, option_problems
-from difrl.models.adapters import ADAPTERS
 from difrl.quant.formats import FORMATS as QUANT_FORMATS
 from difrl.quant.linear import BACKENDS as QUANT_BACKENDS
 from difrl.train.method_config import NFTConfig, SolRLConfig, TreeConfig  # noqa: F401  (re-exported)
 from difrl.train.eval_config import EvalConfig, FidConfig, FlowEvalConfig, StopConfig  # noqa: F401  (re-exported)
-from difrl.worlds import FLOW_KINDS
-from difrl.worlds.masked import MASKED_KINDS
+from difrl.worlds import FLOW_KINDS, MASKED_KINDS, check_world_config
 
 
 # ---------------------------------------------------------------------------------- every trainer
@@ -361,58 +358,8 @@ class FlowConfig(TrainerConfig):
             raise config_error("rollout.chunks", f"= {r.chunks} would be ignored: a tree rollout samples each "
                                                  "process's trees in one pass (chunks apply to flat and solrl "
                                                  "rollouts); set rollout.chunks=1")
-        mc = self.model
-        if mc.kind in ADAPTERS:  # a diffusers pipeline directory (the bundled worlds bring their own model and prompts)
-            if mc.path is None:
-                raise config_error("model.path", f"model.kind={mc.kind} needs a local diffusers pipeline directory")
-            if (mc.prompts is None) == (mc.prompt_file is None):
-                raise config_error("model.prompts", f"model.kind={mc.kind} needs training prompts: give model.prompts "
-                                                    "or model.prompt_file (one of them)")
-            if mc.schedule == "pipeline" and self.sampler.shift != 1.0:
-                raise config_error("sampler.shift", "model.schedule=pipeline samples on the pipeline scheduler's own "
-                                                    "shift; set model.schedule=shift to use sampler.shift")
-            if self.reward.weights is None:
-                raise config_error("reward.weights", f"model.kind={mc.kind} has no reward of its own: name one, e.g. "
-                                                     "reward.weights={brightness: 1.0} or a module:function")
-            if self.stop.fd_rise is not None:
-                raise config_error("stop.fd_rise", "FD early stopping needs the digits world's features")
-        else:
-            for key in ("gradient_checkpointing", "compile"):
-                if getattr(mc, key):
-                    raise config_error(f"model.{key}", f"applies to the diffusers transformers (flux, sd3, wan); the "
-                                                       f"{mc.kind} world's network is small enough without it")
-        if mc.kind not in ADAPTERS and (self.eval.rewards or self.eval.fid.reference is not None):
-            raise config_error("eval.rewards" if self.eval.rewards else "eval.fid.reference",
-                               f"the {mc.kind} world evaluates with its own classifier, unseen judge and FD; the held-out "
-                               "reward panel and eval.fid are for diffusers models")
+        check_world_config(self)  # the world's own needs (difrl/worlds/<its file>.check_config)
 
 
 def load_flow_config(path, overrides=()) -> FlowConfig:
     return load_config(FlowConfig, path, overrides)
-
-
-# ---------------------------------------------------------------------------------- choosing the trainer
-
-def config_class(kind: str) -> type:
-    """The config class of the trainer for model.kind."""
-    if kind in MASKED_KINDS:
-        from difrl.train.masked_config import MaskedConfig
-
-        return MaskedConfig
-    return FlowConfig
-
-
-def load_train_config(path, overrides=()) -> TrainerConfig:
-    """The typed config of the trainer that model.kind (YAML, then overrides) names: a FlowConfig or a
-    MaskedConfig. model.kind is checked against every known kind first, with the usual located error."""
-    kinds = FLOW_KINDS + MASKED_KINDS
-    return load_config_union({k: config_class(k) for k in kinds}, "model.kind", path, overrides)
-
-
-def train_function(cfg: TrainerConfig):
-    """The recipe that runs a typed config: train(cfg, out_dir=None) of difrl.train.flow or difrl.train.masked."""
-    if cfg.trainer == "masked":
-        from difrl.train.masked import train
-    else:
-        from difrl.train.flow import train
-    return train

@@ -55,7 +55,7 @@ from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, check_ratio
 from difrl.train.sharding import gathered
 from difrl.train.state import trainable_params
 from difrl.utils.rng import mix_seed
-from difrl.worlds.masked import build_masked_world
+from difrl.worlds import build_masked_world
 
 
 def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:

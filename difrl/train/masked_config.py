@@ -17,7 +17,7 @@ from typing import ClassVar
 from difrl.config import cfg_field, config_error, load_config
 from difrl.train.config import (AdvantageConfig, CorrectConfig, EvalConfig, LoraConfig, ModelConfig, TrainConfig,
                                 TrainerConfig, set_keys)
-from difrl.worlds.masked import MASKED_KINDS
+from difrl.worlds import MASKED_KINDS, world_file
 
 
 @dataclass
@@ -157,30 +157,22 @@ class MaskedConfig(TrainerConfig):
         if ext.source != "none" and ext.per_group >= self.rollout.group_size:
             raise config_error("external.per_group", f"{ext.per_group} external rollouts leave no on-policy rollout in a "
                                                      f"group of rollout.group_size={self.rollout.group_size}")
-        if ext.source == "solver" and self.model.kind != "sudoku":
-            raise config_error("external.source", f"the solver source exists for model.kind=sudoku only, not {self.model.kind!r}")
+        world = world_file(self.model.kind)
+        if ext.source == "solver" and getattr(world, "solver_sample", None) is None:
+            raise config_error("external.source", f"the solver source needs a world with an exact solver (model.kind="
+                                                  f"sudoku), not {self.model.kind!r}")
         if self.reward.overlap:
             raise config_error("reward.overlap", "= true would be ignored: the masked trainer scores each iteration's "
                                                  "samples in one call after sampling, so there is nothing to overlap")
-        if self.model.kind != "hf_masked":
-            ignored = ([f"model.{k}" for k in set_keys(self.model, HF_MASKED_MODEL_KEYS)]
-                       + [f"eval.{k}" for k in set_keys(self.eval, HF_MASKED_EVAL_KEYS)])
-            for key in ignored:
-                raise config_error(key, f"is a key of model.kind=hf_masked (a transformers text model) and would be "
-                                        f"ignored by model.kind={self.model.kind}; remove it")
-        bl, gl = self.sampler.block_length, self.model.gen_length
-        if self.model.kind == "hf_masked" and bl is not None and gl % bl:
-            raise config_error("sampler.block_length", f"{bl} does not divide model.gen_length={gl} (LLaDA's blocks tile "
-                                                       "the answer)")
-        if self.model.kind == "hf_masked" and self.sampler.kind == "llada" and self.sampler.steps % (gl // (bl or gl)):
-            raise config_error("sampler.steps", f"{self.sampler.steps} is not divisible by the number of blocks "
-                                                f"{gl // (bl or gl)} (model.gen_length / sampler.block_length)")
-
-
-# the keys only model.kind=hf_masked reads (difrl/worlds/text_tasks.py); set on another masked world they are an error
-HF_MASKED_MODEL_KEYS = ("task", "problems", "gen_length", "chat_template", "trust_remote_code", "dtype",
-                        "gradient_checkpointing", "mask_id")
-HF_MASKED_EVAL_KEYS = ("problems", "samples", "pass_k")
+        own = {f"{section}.{k}" for section, keys in getattr(world, "OWN_KEYS", {}).items() for k in keys}
+        for kind in MASKED_KINDS:  # a key only another world reads, set here, would be ignored
+            for section, keys in getattr(world_file(kind), "OWN_KEYS", {}).items():
+                for key in set_keys(getattr(self, section), keys):
+                    if f"{section}.{key}" not in own:
+                        raise config_error(f"{section}.{key}", f"is a key of model.kind={kind} and would be ignored by "
+                                                               f"model.kind={self.model.kind}; remove it")
+        if hasattr(world, "check_config"):  # the world's own needs (difrl/worlds/<its file>.check_config)
+            world.check_config(self)
 
 
 def load_masked_config(path, overrides=()) -> MaskedConfig:

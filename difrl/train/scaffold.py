@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from difrl.config import save_config
-from difrl.models.base import use_module
+from difrl.utils.modules import use_module
 from difrl.train.sharding import is_sharded, plain_copy, shard
 from difrl.train.state import load_latest_checkpoint, restore_checkpoint, snapshot, write_checkpoint
 from difrl.utils.io import atomic_write_json, json_safe, save_safetensors

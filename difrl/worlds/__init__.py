@@ -5,10 +5,15 @@
     world.save_grid(images, "samples/iter-0000.png")
     world = build_world("flux", "/models/FLUX.1-dev", cfg)   # a diffusers pipeline dir; prompts etc. from cfg.model
     sigmas = world.sigmas(28, 1.0)                           # the schedule the trainer samples on
+    masked = build_masked_world(cfg)                         # a MaskedConfig: Sudoku, digit tokens, text (difrl.worlds.masked)
 
-A plain dict maps the config's ``model.kind`` to a builder ``(model_path, cfg) -> World``; new
-worlds add an entry. The diffusers entries come from the adapter table (``difrl.models.adapters.ADAPTERS``),
-one per model kind, all built by ``difrl/worlds/diffusers.py``; ``FLOW_KINDS`` lists every key.
+Two plain dicts map the config's ``model.kind`` to the file in difrl/worlds/ that builds its world:
+``FLOW_FILES`` (a flow world's file defines ``flow_world(kind, model_path, cfg) -> World`` and
+``check_config(cfg)``; every diffusers adapter kind in ``difrl.models.adapters.ADAPTERS`` is built by
+``difrl/worlds/diffusers.py``) and ``MASKED_FILES`` (``masked_world(cfg) -> MaskedWorld``, optionally
+``check_config`` and ``OWN_KEYS``). A new world is its file plus one entry; the trainers read the kinds
+(``FLOW_KINDS``, ``MASKED_KINDS``) and each world's config checks from here, and name no world themselves
+(docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -38,74 +43,40 @@ class World:
     headline: tuple[str, ...] = ("reward",)  # eval keys shown in the progress bar, the CLI table and the plot
 
 
-def _digits(model_path: str | None, cfg=None) -> World:
-    from PIL import Image
+def check_bundled_config(cfg) -> None:
+    """What a bundled flow world (digits, moving digits: a small network of its own, its own evaluation) refuses
+    of a FlowConfig: the diffusers-only keys, which it would ignore."""
+    from difrl.config import config_error
 
-    from difrl.models.digits import DigitsPolicy
-    from difrl.worlds.digits import PROMPTS, DigitsWorld, evaluate_digits, image_grid
-
-    world = DigitsWorld.load()
-    policy = DigitsPolicy.from_checkpoint(model_path)
-
-    def evaluate(policy, per_digit=50, num_steps=10, seed=1234, shift=1.0):
-        return evaluate_digits(policy, world, per_digit, num_steps, seed, shift)
-
-    def save_grid(images: torch.Tensor, path: Path) -> None:
-        # images come prompt-major (per_digit of 0, then of 1, ...): one row per digit, 10 samples each
-        per = images.shape[0] // 10
-        rows = torch.cat([images[d * per: d * per + min(per, 10)] for d in range(10)])
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(image_grid(rows, nrow=min(per, 10))).save(path)
-
-    return World("digits", policy, list(PROMPTS), evaluate, save_grid, lambda pid: {"digit": pid}, device="cpu",
-                 default_reward="digit_prob", headline=("accuracy", "fd"))
+    mc = cfg.model
+    for key in ("gradient_checkpointing", "compile"):
+        if getattr(mc, key):
+            raise config_error(f"model.{key}", f"applies to the diffusers transformers (flux, sd3, wan); the "
+                                               f"{mc.kind} world's network is small enough without it")
+    if cfg.eval.rewards or cfg.eval.fid.reference is not None:
+        raise config_error("eval.rewards" if cfg.eval.rewards else "eval.fid.reference",
+                           f"the {mc.kind} world evaluates with its own classifier, unseen judge and FD; the held-out "
+                           "reward panel and eval.fid are for diffusers models")
 
 
-def _moving_digits(model_path: str | None, cfg=None) -> World:
-    from difrl.models.video_flow import MovingDigitsPolicy, parse_moving_prompt
-    from difrl.worlds.moving_digits import PROMPTS, MovingDigitsWorld, evaluate_moving_digits, grid_order, save_gif
-
-    world = MovingDigitsWorld.load()
-    policy = MovingDigitsPolicy.from_checkpoint(model_path)
-    prompts = list(PROMPTS)  # model.prompts (if set): train on those; the eval always covers all 40
-    if cfg is not None and getattr(cfg.model, "prompts", None):
-        prompts = [str(p) for p in cfg.model.prompts]
-        for p in prompts:
-            parse_moving_prompt(p)  # an unreadable prompt stops the run here, named
-    ev = getattr(cfg, "eval", None)
-    if ev is not None and (getattr(ev, "rewards", None) or getattr(getattr(ev, "fid", None), "reference", None)):
-        raise ValueError("model.kind=moving_digits evaluates with its own classifier, unseen judge and clip FD; "
-                         "eval.rewards and eval.fid are for diffusers models (they would be ignored here)")
-
-    def evaluate(policy, per_digit=10, num_steps=10, seed=1234, shift=1.0):
-        return evaluate_moving_digits(policy, world, per_digit, num_steps, seed, shift)
-
-    def save_grid(videos: torch.Tensor, path: Path) -> None:
-        # a GIF beside the trainer's .png name: row = digit, columns = left, right, up, down x 3 samples
-        per = videos.shape[0] // len(PROMPTS)
-        save_gif(videos[grid_order(per)], Path(path).with_suffix(".gif"), nrow=4 * min(per, 3))
-
-    def metadata(pid: int) -> dict:
-        digit, direction = parse_moving_prompt(prompts[pid])
-        return {"digit": digit, "direction": direction, "prompt_id": pid}
-
-    return World("moving_digits", policy, prompts, evaluate, save_grid, metadata, device="cpu",
-                 default_reward="moving_digit", headline=("accuracy", "motion_accuracy", "fd"))
-
-
-def _diffusers(kind: str) -> Callable[..., World]:
+def _flow(kind: str) -> Callable[..., World]:
     def build(model_path: str | None, cfg=None) -> World:
-        from difrl.worlds.diffusers import diffusers_world
-
-        return diffusers_world(kind, model_path, cfg)
+        return world_file(kind).flow_world(kind, model_path, cfg)
 
     return build
 
 
+# model.kind -> its world's file in difrl/worlds/, which defines flow_world(kind, model_path, cfg) -> World and
+# check_config(cfg) (what that world refuses of a FlowConfig); a new bundled flow world is its file plus one entry
+FLOW_FILES: dict[str, str] = {"digits": "digits", "moving_digits": "moving_digits"}
 # one entry per diffusers adapter: a new model kind in difrl/models/adapters.py is a world (and a flow-config choice)
-WORLDS: dict[str, Callable[..., World]] = {"digits": _digits, "moving_digits": _moving_digits,
-                                           **{kind: _diffusers(kind) for kind in ADAPTERS}}
+WORLDS: dict[str, Callable[..., World]] = {kind: _flow(kind) for kind in (*FLOW_FILES, *ADAPTERS)}
 FLOW_KINDS: tuple[str, ...] = tuple(WORLDS)  # the model.kind values the flow trainer runs (difrl/train/config.py)
+
+
+def check_world_config(cfg) -> None:
+    """The chosen world's own checks of a FlowConfig (FlowConfig.validate calls it): a located ConfigError."""
+    world_file(cfg.model.kind).check_config(cfg)
 
 
 def build_world(kind: str, model_path: str | None = None, cfg=None) -> World:
@@ -113,3 +84,38 @@ def build_world(kind: str, model_path: str | None = None, cfg=None) -> World:
     if kind not in WORLDS:
         raise ValueError(f"unknown model.kind {kind!r}; known: {', '.join(WORLDS)}")
     return WORLDS[kind](model_path, cfg)
+
+
+# ---- masked (discrete) worlds: model.kind -> the builder in the world's own file (types: difrl/worlds/masked.py)
+
+# model.kind -> its world's file in difrl/worlds/, which defines masked_world(cfg) -> MaskedWorld, check_config(cfg)
+# (what that world refuses of a MaskedConfig) and OWN_KEYS (the config keys only it reads); a new masked world is
+# its file plus one entry
+MASKED_FILES: dict[str, str] = {"sudoku": "sudoku", "digit_tokens": "digit_tokens", "hf_masked": "text_tasks"}
+MASKED_KINDS: tuple[str, ...] = tuple(MASKED_FILES)  # the model.kind values the masked trainer runs
+
+
+def world_file(kind: str):
+    """The module in difrl/worlds/ that builds model.kind `kind`'s world (difrl/worlds/diffusers.py for an adapter
+    kind), imported when asked for: the tables above import no world."""
+    from importlib import import_module
+
+    name = FLOW_FILES.get(kind) or MASKED_FILES.get(kind) or ("diffusers" if kind in ADAPTERS else None)
+    if name is None:
+        raise ValueError(f"unknown model.kind {kind!r}; known: {', '.join(FLOW_KINDS + MASKED_KINDS)}")
+    return import_module(f"difrl.worlds.{name}")
+
+
+def _masked(kind: str) -> Callable:
+    return lambda cfg: world_file(kind).masked_world(cfg)
+
+
+MASKED_WORLDS: dict[str, Callable] = {kind: _masked(kind) for kind in MASKED_FILES}
+
+
+def build_masked_world(cfg):
+    """The MaskedWorld (difrl.worlds.masked) of cfg.model.kind, built from `cfg` (a MaskedConfig)."""
+    kind = cfg.model.kind
+    if kind not in MASKED_WORLDS:
+        raise ValueError(f"unknown masked model.kind {kind!r}; known: {', '.join(MASKED_WORLDS)}")
+    return MASKED_WORLDS[kind](cfg)

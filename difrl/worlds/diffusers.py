@@ -86,7 +86,7 @@ def policy_device() -> str | None:
     return None
 
 
-def diffusers_world(kind: str, model_path: str | None, cfg=None) -> World:
+def flow_world(kind: str, model_path: str | None, cfg=None) -> World:
     """The world of the diffusers pipeline directory `model_path` (model `kind`, a key of ADAPTERS), set up
     from `cfg` (see the module docstring for the attributes read)."""
     from PIL import Image
@@ -168,3 +168,26 @@ def diffusers_world(kind: str, model_path: str | None, cfg=None) -> World:
 
     return World(kind, policy, prompts, evaluate, save_grid, lambda pid: {**prompt_meta[pid], "prompt_id": pid, "prompt": prompts[pid]},
                  sigmas=sigmas, save_lora=save_lora)
+
+
+def check_config(cfg) -> None:
+    """What a diffusers world needs of a FlowConfig before anything loads: the pipeline directory, training
+    prompts, a named reward (it has none of its own), a schedule the shift applies to; FD early stopping is the
+    bundled worlds'."""
+    from difrl.config import config_error
+
+    mc = cfg.model
+    if mc.path is None:
+        raise config_error("model.path", f"model.kind={mc.kind} needs a local diffusers pipeline directory")
+    if (mc.prompts is None) == (mc.prompt_file is None):
+        raise config_error("model.prompts", f"model.kind={mc.kind} needs training prompts: give model.prompts "
+                                            "or model.prompt_file (one of them)")
+    if mc.schedule == "pipeline" and cfg.sampler.shift != 1.0:
+        raise config_error("sampler.shift", "model.schedule=pipeline samples on the pipeline scheduler's own "
+                                            "shift; set model.schedule=shift to use sampler.shift")
+    if cfg.reward.weights is None:
+        raise config_error("reward.weights", f"model.kind={mc.kind} has no reward of its own: name one, e.g. "
+                                             "reward.weights={brightness: 1.0} or a module:function")
+    if cfg.stop.fd_rise is not None:
+        raise config_error("stop.fd_rise", "FD early stopping needs the digits world's features")
+

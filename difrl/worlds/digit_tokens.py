@@ -7,6 +7,7 @@ masked-diffusion generator, and the digits world's classifier as reward and metr
     out = emerge_sample(policy, tokens, cond, seeds=...)  # any difrl.discrete sampler
     r = digit_token_reward(out.tokens, labels, world)     # [64] classifier p(label | image)
     metrics, images = evaluate_digit_tokens(load_base(), world)   # the digits world's keys + nfe, sampler
+    masked = masked_world(cfg)                            # the MaskedWorld of model.kind=digit_tokens
 
 Tokens: pixel k of the row-major 8x8 image is token k; its value v in 0..16 (sklearn's grey levels)
 is token id v, ``MASK_ID = 17``. The prompt is the digit label, passed as ``cond["label"]`` (the
@@ -27,8 +28,10 @@ from pathlib import Path
 
 import torch
 
+from difrl.models.digits import digit_prompt
 from difrl.utils.rng import mix_seed
 from difrl.worlds.digits import DigitsWorld, image_grid, image_metrics
+from difrl.worlds.masked import MaskedPrompts, MaskedWorld
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED_BASE = ASSETS / "digit_tokens_base.safetensors"
@@ -158,7 +161,28 @@ def save_grid(images: torch.Tensor, path: str | Path) -> None:
     Image.fromarray(image_grid(rows, nrow=min(per, 10))).save(path)
 
 
-__all__ = ["BUNDLED_BASE", "DEFAULT_SAMPLER", "EVAL_PER_DIGIT", "EVAL_SEED", "LEVELS", "MASK_ID", "NUM_LABELS",
-           "SAMPLER_DEFAULTS", "SEQ_LEN", "VOCAB", "digit_token_reward", "evaluate_digit_tokens", "images_to_tokens",
-           "load_base", "sample_digit_tokens", "sample_training_labels", "save_grid", "start_tokens",
-           "tokens_to_images"]
+def masked_world(cfg) -> MaskedWorld:
+    """The MaskedWorld of model.kind=digit_tokens: cfg.eval.{per_digit, seed} for the evaluation."""
+    images_world = DigitsWorld.load()
+
+    def prompts(n: int, seed: int) -> MaskedPrompts:
+        labels = sample_training_labels(n, seed)
+        tokens, cond = start_tokens(labels)
+        return MaskedPrompts(tokens, cond, [digit_prompt(d) for d in labels.tolist()],
+                             [{"digit": d} for d in labels.tolist()], labels)
+
+    def evaluate(policy) -> dict:
+        return evaluate_digit_tokens(policy, images_world, cfg.eval.per_digit, seed=cfg.eval.seed)[0]
+
+    def save_samples(policy, path: Path) -> None:
+        _, images = evaluate_digit_tokens(policy, images_world, min(cfg.eval.per_digit, 10), seed=cfg.eval.seed)
+        save_grid(images, path)
+
+    return MaskedWorld("digit_tokens", load_base(cfg.model.path), prompts, tokens_to_images, "digit_prob",
+                       evaluate, ("accuracy", "fd"), load_base, save_samples)
+
+
+__all__ = ["BUNDLED_BASE", "DEFAULT_SAMPLER", "EVAL_PER_DIGIT", "EVAL_SEED", "LEVELS", "MASK_ID",
+           "NUM_LABELS", "SAMPLER_DEFAULTS", "SEQ_LEN", "VOCAB", "digit_token_reward",
+           "evaluate_digit_tokens", "images_to_tokens", "load_base", "masked_world", "sample_digit_tokens",
+           "sample_training_labels", "save_grid", "start_tokens", "tokens_to_images"]

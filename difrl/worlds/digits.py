@@ -26,6 +26,7 @@ from difrl.rewards.digits import BUNDLED_CLASSIFIER, DigitClassifier, load_class
 from difrl.rollout import rollout
 from difrl.utils.images import to_uint8
 from difrl.utils.rng import mix_seed
+from difrl.worlds import World, check_bundled_config
 from difrl.samplers.schedules import sigma_schedule
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -141,3 +142,31 @@ def image_grid(images: torch.Tensor, nrow: int, scale: int = 4, pad: int = 1) ->
         r, col = divmod(i, nrow)
         grid[:, pad + r * H: pad + r * H + h * scale, pad + col * W: pad + col * W + w * scale] = imgs[i]
     return to_uint8(grid).permute(1, 2, 0).numpy()
+
+
+# ---- the world the flow trainer runs (difrl.worlds.WORLDS["digits"]) ----
+
+def flow_world(kind: str, model_path: str | None, cfg=None) -> World:
+    """The digits world (the bundled 8x8 flow model and its classifier reward); `cfg` is not read."""
+    from PIL import Image
+
+    from difrl.models.digits import DigitsPolicy
+
+    world = DigitsWorld.load()
+    policy = DigitsPolicy.from_checkpoint(model_path)
+
+    def evaluate(policy, per_digit=50, num_steps=10, seed=1234, shift=1.0):
+        return evaluate_digits(policy, world, per_digit, num_steps, seed, shift)
+
+    def save_grid(images: torch.Tensor, path: Path) -> None:
+        # images come prompt-major (per_digit of 0, then of 1, ...): one row per digit, 10 samples each
+        per = images.shape[0] // 10
+        rows = torch.cat([images[d * per: d * per + min(per, 10)] for d in range(10)])
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image_grid(rows, nrow=min(per, 10))).save(path)
+
+    return World("digits", policy, list(PROMPTS), evaluate, save_grid, lambda pid: {"digit": pid}, device="cpu",
+                 default_reward="digit_prob", headline=("accuracy", "fd"))
+
+
+check_config = check_bundled_config  # gradient checkpointing, compile, the eval panel: refused

@@ -1,6 +1,6 @@
 """Masked-diffusion worlds: what the masked GRPO trainer needs from a bundled discrete task.
 
-    world = build_masked_world(cfg)                  # cfg: a MaskedConfig; cfg.model.kind picks the world
+    world = build_masked_world(cfg)                  # difrl.worlds: cfg (a MaskedConfig).model.kind picks the world
     batch = world.prompts(16, seed)                  # MaskedPrompts: start tokens, cond, prompt texts, metadata
     samples = world.decode(out.tokens)               # what rewards score (Sudoku: digits; digit tokens: images)
     scores = score_all(rewards, samples, batch.texts, batch.metadata, seeds, prompt_ids)   # difrl.rewards
@@ -8,8 +8,9 @@
 
 Rewards are scored through the one reward registry (difrl.rewards), like the flow worlds', so
 ``module:function`` plug-ins, multi-reward weights and ``reward.on_error`` work here too; a reward
-gets ``world.decode(tokens)``, the prompt texts and each sample's metadata. A plain dict
-(``MASKED_WORLDS``) maps ``model.kind`` to a builder ``cfg -> MaskedWorld``. Three worlds:
+gets ``world.decode(tokens)``, the prompt texts and each sample's metadata. This file holds the two types;
+each world's file has its builder ``masked_world(cfg) -> MaskedWorld``, and a plain dict in difrl/worlds/__init__.py
+(``MASKED_WORLDS``) maps ``model.kind`` to it. Three worlds:
 
 - ``sudoku`` (difrl/worlds/sudoku.py): prompt = the puzzle's givens (token positions that are
   never masked; text "12.4/..3./...." row by row, "." = blank), samples = filled digits [N, 16],
@@ -30,6 +31,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from difrl.eval.passk import Verifier
 
 
 @dataclass
@@ -82,65 +85,7 @@ class MaskedWorld:
     load_policy: Callable[[str | Path | None], object]  # checkpoint path (None = bundled base) -> a policy
     save_samples: Callable[[object, Path], None] | None = None  # (policy, png path): a picture of the eval samples
     external: dict[str, Callable] = field(default_factory=dict)  # ERILS sources without a checkpoint: name -> sampler
+    verifier: Verifier | None = None  # the default pass@k set and check (difrl eval --pass-k); None: none
 
 
-def _sudoku(cfg) -> MaskedWorld:
-    from difrl.worlds import sudoku
-
-    def prompts(n: int, seed: int) -> MaskedPrompts:
-        puzzles, grids = sudoku.sample_training_puzzles(n, tuple(cfg.rollout.num_blanks), seed=seed)
-        tokens, prompt = sudoku.encode(puzzles)
-        ids = (grids[:, None, :] == sudoku.solutions()[None]).all(-1).int().argmax(1)  # [n] source grid's row
-        return MaskedPrompts(tokens, {"prompt_mask": prompt}, [sudoku.puzzle_text(p) for p in puzzles],
-                             [{"puzzle": p} for p in puzzles], ids)
-
-    def evaluate(policy) -> dict:
-        return sudoku.evaluate_sudoku(policy, cfg.eval.num_blanks, cfg.eval.count, seed=cfg.eval.seed)[0]
-
-    return MaskedWorld("sudoku", sudoku.load_base(cfg.model.path), prompts, sudoku.decode, "sudoku_cells", evaluate,
-                       ("cell_accuracy", "solve_rate"), sudoku.load_base, external={"solver": sudoku.solver_sample})
-
-
-def _digit_tokens(cfg) -> MaskedWorld:
-    from difrl.models.digits import digit_prompt
-    from difrl.worlds import digit_tokens as dt
-    from difrl.worlds.digits import DigitsWorld
-
-    images_world = DigitsWorld.load()
-
-    def prompts(n: int, seed: int) -> MaskedPrompts:
-        labels = dt.sample_training_labels(n, seed)
-        tokens, cond = dt.start_tokens(labels)
-        return MaskedPrompts(tokens, cond, [digit_prompt(d) for d in labels.tolist()],
-                             [{"digit": d} for d in labels.tolist()], labels)
-
-    def evaluate(policy) -> dict:
-        return dt.evaluate_digit_tokens(policy, images_world, cfg.eval.per_digit, seed=cfg.eval.seed)[0]
-
-    def save_samples(policy, path: Path) -> None:
-        _, images = dt.evaluate_digit_tokens(policy, images_world, min(cfg.eval.per_digit, 10), seed=cfg.eval.seed)
-        dt.save_grid(images, path)
-
-    return MaskedWorld("digit_tokens", dt.load_base(cfg.model.path), prompts, dt.tokens_to_images, "digit_prob",
-                       evaluate, ("accuracy", "fd"), dt.load_base, save_samples)
-
-
-def _hf_masked(cfg) -> MaskedWorld:
-    from difrl.worlds.text_tasks import build_text_world
-
-    return build_text_world(cfg)
-
-
-MASKED_WORLDS: dict[str, Callable[..., MaskedWorld]] = {"sudoku": _sudoku, "digit_tokens": _digit_tokens,
-                                                        "hf_masked": _hf_masked}
-MASKED_KINDS = tuple(MASKED_WORLDS)  # the model.kind values the masked trainer runs (difrl/train/masked_config.py)
-
-
-def build_masked_world(cfg) -> MaskedWorld:
-    kind = cfg.model.kind
-    if kind not in MASKED_WORLDS:
-        raise ValueError(f"unknown masked model.kind {kind!r}; known: {', '.join(MASKED_WORLDS)}")
-    return MASKED_WORLDS[kind](cfg)
-
-
-__all__ = ["MASKED_KINDS", "MASKED_WORLDS", "MaskedPrompts", "MaskedWorld", "build_masked_world"]
+__all__ = ["MaskedPrompts", "MaskedWorld"]

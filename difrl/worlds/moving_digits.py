@@ -46,6 +46,7 @@ from difrl.rewards.moving_digits import (SPEED, SPRITE, UNIT, centre_of_mass, cl
 from difrl.rollout import rollout
 from difrl.samplers.schedules import sigma_schedule
 from difrl.utils.rng import mix_seed
+from difrl.worlds import World, check_bundled_config
 from difrl.worlds.digits import fit_judge, image_grid, load_split
 
 FRAMES, SIZE = 8, 16
@@ -251,3 +252,46 @@ def grid_order(per_prompt: int, per_cell: int = 3) -> torch.Tensor:
     """Indices into prompt-major eval clips for a 10-row grid: row = digit, columns = 4 directions x per_cell."""
     k = min(per_cell, per_prompt)
     return torch.tensor([prompt_id(d, r) * per_prompt + j for d in range(10) for r in range(4) for j in range(k)])
+
+
+# ---- the world the flow trainer runs (difrl.worlds.WORLDS["moving_digits"]) ----
+
+def flow_world(kind: str, model_path: str | None, cfg=None) -> World:
+    """The moving-digits world; `cfg.model.prompts` (if set) are the training prompts (checked by check_config)."""
+    from difrl.models.video_flow import MovingDigitsPolicy, parse_moving_prompt
+
+    world = MovingDigitsWorld.load()
+    policy = MovingDigitsPolicy.from_checkpoint(model_path)
+    prompts = list(PROMPTS)  # model.prompts (if set): train on those; the eval always covers all 40
+    if cfg is not None and getattr(cfg.model, "prompts", None):
+        prompts = [str(p) for p in cfg.model.prompts]
+        for p in prompts:
+            parse_moving_prompt(p)  # an unreadable prompt stops the run here, named (check_config names the key)
+
+    def evaluate(policy, per_digit=10, num_steps=10, seed=1234, shift=1.0):
+        return evaluate_moving_digits(policy, world, per_digit, num_steps, seed, shift)
+
+    def save_grid(videos: torch.Tensor, path: Path) -> None:
+        # a GIF beside the trainer's .png name: row = digit, columns = left, right, up, down x 3 samples
+        per = videos.shape[0] // len(PROMPTS)
+        save_gif(videos[grid_order(per)], Path(path).with_suffix(".gif"), nrow=4 * min(per, 3))
+
+    def metadata(pid: int) -> dict:
+        digit, direction = parse_moving_prompt(prompts[pid])
+        return {"digit": digit, "direction": direction, "prompt_id": pid}
+
+    return World("moving_digits", policy, prompts, evaluate, save_grid, metadata, device="cpu",
+                 default_reward="moving_digit", headline=("accuracy", "motion_accuracy", "fd"))
+
+
+def check_config(cfg) -> None:
+    """What this world refuses of a FlowConfig: the diffusers-only keys, and model.prompts it cannot read."""
+    from difrl.config import config_error
+    from difrl.models.video_flow import parse_moving_prompt
+
+    check_bundled_config(cfg)
+    for i, p in enumerate(cfg.model.prompts or ()):
+        try:
+            parse_moving_prompt(str(p))
+        except ValueError as e:
+            raise config_error(f"model.prompts[{i}]", str(e)) from None

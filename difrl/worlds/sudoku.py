@@ -6,6 +6,7 @@
     tokens, prompt = encode(puzzles)                      # [N, 16]: digit - 1 at givens, MASK_ID at blanks
     r = sudoku_reward(decode(out.tokens), puzzles)        # [N] fraction of blanks filled without conflict
     metrics, filled = evaluate_sudoku(policy)             # {"cell_accuracy", "solve_rate", ...} on the test split
+    world = masked_world(cfg)                             # the MaskedWorld of model.kind=sudoku (cfg: a MaskedConfig)
 
 Tokens: one per cell in row-major order; vocabulary {digit 1..4 -> ids 0..3, MASK_ID = 4}. The
 prompt is the puzzle (its givens, never masked or changed); the answer positions are the blanks,
@@ -24,7 +25,9 @@ from pathlib import Path
 import torch
 
 from difrl.rewards.sudoku_cells import CELLS, PEERS, SIZE, cell_valid, solved, sudoku_reward  # noqa: F401  (the verifier)
+from difrl.eval.passk import Verifier
 from difrl.utils.rng import mix_seed
+from difrl.worlds.masked import MaskedPrompts, MaskedWorld
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED_BASE = ASSETS / "sudoku_base.safetensors"
@@ -182,6 +185,50 @@ def evaluate_sudoku(policy, num_blanks: int | tuple[int, int] = EVAL_BLANKS, cou
     return metrics, filled
 
 
-__all__ = ["BUNDLED_BASE", "CELLS", "EVAL_BLANKS", "MASK_ID", "PEERS", "VOCAB", "cell_valid", "decode", "encode",
-           "evaluate_sudoku", "load_base", "make_puzzles", "puzzle_text", "sample_training_puzzles", "solution_split", "solutions",
-           "solved", "solver_sample", "sudoku_reward", "test_puzzles"]
+def eval_prompts(num_blanks: int | tuple[int, int] | None = None, count: int | None = None,
+                 seed: int | None = None) -> MaskedPrompts:
+    """The fixed test puzzles (``evaluate_sudoku``'s set, defaults EVAL_BLANKS / EVAL_PUZZLES / EVAL_SEED) as
+    MaskedPrompts: tokens [count, 16], cond {"prompt_mask"}, texts, metadata {"puzzle": [16]}."""
+    nb = EVAL_BLANKS if num_blanks is None else num_blanks
+    nb = tuple(nb) if isinstance(nb, (list, tuple)) else int(nb)
+    puzzles, _ = test_puzzles(nb, EVAL_PUZZLES if count is None else int(count), EVAL_SEED if seed is None else int(seed))
+    return _prompts(puzzles)
+
+
+def solved_fn(filled: torch.Tensor, batch: MaskedPrompts) -> torch.Tensor:
+    """The verifier as a pass@k correct_fn: filled digits [N, 16], MaskedPrompts [N] -> [N] bool (grid valid)."""
+    return solved(filled, torch.stack([torch.as_tensor(m["puzzle"]) for m in batch.metadata]))
+
+
+def _prompts(puzzles: torch.Tensor, ids: torch.Tensor | None = None) -> MaskedPrompts:
+    tokens, prompt = encode(puzzles)
+    return MaskedPrompts(tokens, {"prompt_mask": prompt}, [puzzle_text(p) for p in puzzles],
+                         [{"puzzle": p} for p in puzzles], ids)
+
+
+def masked_world(cfg) -> MaskedWorld:
+    """The MaskedWorld of model.kind=sudoku: cfg.rollout.num_blanks for training, cfg.eval.{num_blanks, count,
+    seed} for the fixed evaluation and the default pass@k set."""
+
+    def prompts(n: int, seed: int) -> MaskedPrompts:
+        puzzles, grids = sample_training_puzzles(n, tuple(cfg.rollout.num_blanks), seed=seed)
+        ids = (grids[:, None, :] == solutions()[None]).all(-1).int().argmax(1)  # [n] source grid's row
+        return _prompts(puzzles, ids)
+
+    def evaluate(policy) -> dict:
+        return evaluate_sudoku(policy, cfg.eval.num_blanks, cfg.eval.count, seed=cfg.eval.seed)[0]
+
+    verifier = Verifier(lambda: eval_prompts(cfg.eval.num_blanks, cfg.eval.count, cfg.eval.seed), solved_fn,
+                        "solved (the completed 4x4 grid is valid)")
+    return MaskedWorld("sudoku", load_base(cfg.model.path), prompts, decode, "sudoku_cells", evaluate,
+                       ("cell_accuracy", "solve_rate"), load_base, external={"solver": solver_sample}, verifier=verifier)
+
+
+# the config keys only this world reads (fields in difrl/train/masked_config.py); another masked world refuses them
+OWN_KEYS = {"rollout": ("num_blanks",), "eval": ("num_blanks",)}
+
+
+__all__ = ["BUNDLED_BASE", "CELLS", "EVAL_BLANKS", "MASK_ID", "OWN_KEYS", "PEERS", "VOCAB", "cell_valid",
+           "decode", "encode", "eval_prompts", "evaluate_sudoku", "load_base", "make_puzzles", "masked_world",
+           "puzzle_text", "sample_training_puzzles", "solution_split", "solutions", "solved", "solved_fn",
+           "solver_sample", "sudoku_reward", "test_puzzles"]

@@ -39,8 +39,10 @@ from pathlib import Path
 
 import torch
 
+from difrl.eval.passk import masked_pass_at_k
 from difrl.rewards.text_tasks import TEXT_TASKS, extract_answer, is_correct
 from difrl.utils.rng import mix_seed
+from difrl.worlds.masked import MaskedPrompts, MaskedWorld
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 PROBLEM_DIR = ASSETS / "text_tasks"
@@ -185,8 +187,6 @@ class TextLayout:
 
     def prompts(self, problems: list[dict], task: str, ids: torch.Tensor | None = None):
         """MaskedPrompts of `problems`; `ids` [n]: their lines in the problem file (what a reward error names)."""
-        from difrl.worlds.masked import MaskedPrompts
-
         tokens, cond = self.policy.encode([p["question"] for p in problems], self.gen_length, chat=self.chat,
                                           width=self.width)
         return MaskedPrompts(tokens, cond, [p["question"] for p in problems], [dict(p, task=task) for p in problems],
@@ -217,8 +217,6 @@ def evaluate_text(policy, layout: TextLayout, problems: list[dict], task: str, s
     mean forward passes. Keys: "pass@k" for k in ks, "greedy_accuracy", "format_rate", "nfe", "n", "problems"."""
     from types import SimpleNamespace
 
-    from difrl.eval.passk import masked_pass_at_k
-
     world = SimpleNamespace(name="hf_masked", decode=layout.decode)  # what masked_pass_at_k reads of a world
     batch = layout.prompts(problems, task)
     fmt: list[float] = []
@@ -244,10 +242,8 @@ def evaluate_text(policy, layout: TextLayout, problems: list[dict], task: str, s
 
 
 # ----------------------------------------------------------------------------- the world
-def build_text_world(cfg):
+def masked_world(cfg) -> MaskedWorld:
     """The MaskedWorld of model.kind=hf_masked: cfg.model.{path, task, problems, gen_length, ...}."""
-    from difrl.worlds.masked import MaskedWorld
-
     m = cfg.model
     train = load_problems(m.problems or bundled_problems(m.task, "train"), m.task)
     test = load_problems(cfg.eval.problems or bundled_problems(m.task, "test"), m.task)[: cfg.eval.count]
@@ -275,5 +271,26 @@ def build_text_world(cfg):
     return world
 
 
-__all__ = ["PROBLEM_DIR", "TextLayout", "bundled_problems", "build_text_world", "evaluate_text", "load_problems",
-           "load_text_policy", "make_problems", "prompt_width", "write_problems"]
+# the config keys only this world reads (the fields are in difrl/train/masked_config.py, where a saved config.yaml
+# of any masked world lists them); another masked world refuses them when set
+OWN_KEYS = {"model": ("task", "problems", "gen_length", "chat_template", "trust_remote_code", "dtype",
+                      "gradient_checkpointing", "mask_id"),
+            "eval": ("problems", "samples", "pass_k")}
+
+
+def check_config(cfg) -> None:
+    """What this world refuses of a MaskedConfig: LLaDA blocks that do not tile the answer block."""
+    from difrl.config import config_error
+
+    bl, gl = cfg.sampler.block_length, cfg.model.gen_length
+    if bl is not None and gl % bl:
+        raise config_error("sampler.block_length", f"{bl} does not divide model.gen_length={gl} (LLaDA's blocks tile "
+                                                   "the answer)")
+    if cfg.sampler.kind == "llada" and cfg.sampler.steps % (gl // (bl or gl)):
+        raise config_error("sampler.steps", f"{cfg.sampler.steps} is not divisible by the number of blocks "
+                                            f"{gl // (bl or gl)} (model.gen_length / sampler.block_length)")
+
+
+__all__ = ["OWN_KEYS", "PROBLEM_DIR", "TextLayout", "bundled_problems", "check_config", "evaluate_text",
+           "load_problems", "load_text_policy", "make_problems", "masked_world", "prompt_width",
+           "write_problems"]

@@ -1,0 +1,37 @@
+"""Choosing the trainer: model.kind picks the typed config and the recipe that runs it.
+
+    cfg = load_train_config("configs/digits.yaml", ["train.lr=1e-4"])   # FlowConfig or MaskedConfig, by model.kind
+    summary = train_function(cfg)(cfg, out_dir=None)                    # difrl.train.flow.train or .masked.train
+
+The flow kinds come from the world table (difrl.worlds.WORLDS), the masked ones from
+difrl.worlds.MASKED_WORLDS. This sits above both configs and both recipes, so neither config module
+imports a recipe (difrl/train/config.py is the common base that difrl/train/masked_config.py extends).
+"""
+
+from __future__ import annotations
+
+from difrl.config import load_config_union
+from difrl.train.config import FlowConfig, TrainerConfig
+from difrl.train.masked_config import MaskedConfig
+from difrl.worlds import FLOW_KINDS, MASKED_KINDS
+
+
+def config_class(kind: str) -> type:
+    """The config class of the trainer for model.kind."""
+    return MaskedConfig if kind in MASKED_KINDS else FlowConfig
+
+
+def load_train_config(path, overrides=()) -> TrainerConfig:
+    """The typed config of the trainer that model.kind (YAML, then overrides) names: a FlowConfig or a
+    MaskedConfig. model.kind is checked against every known kind first, with the usual located error."""
+    return load_config_union({k: config_class(k) for k in FLOW_KINDS + MASKED_KINDS}, "model.kind", path, overrides)
+
+
+def train_function(cfg: TrainerConfig):
+    """The recipe that runs a typed config: train(cfg, out_dir=None) of difrl.train.flow or difrl.train.masked
+    (imported when asked for: loading a config does not import the trainers)."""
+    if cfg.trainer == "masked":
+        from difrl.train.masked import train
+    else:
+        from difrl.train.flow import train
+    return train
