@@ -1,4 +1,4 @@
-"""The HTML run report (difrl/report.py) on tiny real runs (digits, Sudoku), on unfinished and empty run
+"""The HTML run report (difrl/report/: data, charts, render) on tiny real runs (digits, Sudoku), on unfinished and empty run
 directories, and, where Chromium is installed, rendered headless (apt-get install chromium; skipped otherwise).
 
     .venv/bin/python -m pytest tests/test_report.py -q
@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -310,6 +311,67 @@ def test_eval_json_provenance_gif_and_escaping(digits_run, tmp_path):
     assert any("fid.extractor: inception <script>" in c["text"] for c in page.cells if c["table"] == "all-evals")
     assert_chart(page, "eval/fid.fd", 3)
     assert_chart(page, "eval/accuracy", 4)  # eval.json's three plus metrics.jsonl's evaluation at iteration 2
+
+
+def test_run_data_is_read_before_any_html(digits_run, tmp_path):
+    """difrl.report.data alone reads a run directory (the page is built from this, no HTML inside): samples in
+    page order, the trainer's curve, the other run files, and every "not here" line in the order they print."""
+    from difrl.report.data import load_run
+
+    data = load_run(digits_run)
+    assert [p.name for p in data.samples] == ["before-iter-000000.png", "eval-iter-000001.png",
+                                              "eval-iter-000002.png", "after-iter-000003.png"]
+    assert data.samples_found == 4 and data.reward_curve == digits_run / "reward_curve.png"
+    assert data.last_written == max((digits_run / n).stat().st_mtime for n in ("metrics.jsonl", "config.yaml"))
+    assert [r["iteration"] for r in data.rows] == [r["iteration"] for r in metric_rows(digits_run)]
+    assert not any("<" in m for m in data.missing)
+    d = copy_run(digits_run, tmp_path / "bare")
+    (d / "reward_curve.png").unlink()
+    shutil.rmtree(d / "samples")
+    (d / "checkpoints").mkdir()
+    (d / "checkpoints" / "latest").write_text("iter-000003\n")
+    bare = load_run(d)
+    assert bare.samples == [] and bare.samples_found == 0 and bare.reward_curve is None
+    assert [m.split(":")[0] for m in bare.missing] == ["reward_curve.png", "samples/"]
+    assert bare.other_files == [("checkpoints", "/", " (latest: iter-000003)")]
+    words = "".join(render(d)[2].text)
+    assert "Not here:" in words and "No samples saved." in words and "(latest: iter-000003)" in words
+
+
+def test_too_large_sample_is_listed_not_embedded(digits_run, tmp_path, monkeypatch):
+    import difrl.report.data
+
+    d = copy_run(digits_run, tmp_path / "big")
+    big = d / "samples" / "eval-iter-000002.png"
+    monkeypatch.setattr(difrl.report.data, "MAX_EMBED_BYTES", big.stat().st_size - 1)
+    for p in (d / "samples").glob("*.png"):
+        if p != big:  # only this one is over the limit
+            p.write_bytes(p.read_bytes()[:64])
+    _, text, page = render(d)
+    assert_self_contained(text, page)
+    assert "samples/eval-iter-000002.png" not in [i["data-file"] for i in page.imgs]
+    assert [i["data-file"] for i in page.imgs if i["data-file"].startswith("samples/")] == [
+        "samples/before-iter-000000.png", "samples/eval-iter-000001.png", "samples/after-iter-000003.png"]
+    assert "samples/eval-iter-000002.png: 0 MiB, too large to embed" in "".join(page.text)
+
+
+def test_report_file_and_command(digits_run, tmp_path):
+    """`python -m difrl.report RUN_DIR` writes the same page as write_report, readable by others (0644), with no
+    temporary file left; a second out= path gets its own file."""
+    d = copy_run(digits_run, tmp_path / "cmd")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-m", "difrl.report", str(d)], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == f"report: {d / 'report.html'}"
+    assert (d / "report.html").stat().st_mode & 0o777 == 0o644
+    assert 'data-series="reward_mean"' in (d / "report.html").read_text(encoding="utf-8")
+    out = write_report(d, tmp_path / "elsewhere.html")
+    assert out == tmp_path / "elsewhere.html" and out.stat().st_mode & 0o777 == 0o644
+    assert not [p for p in list(d.iterdir()) + list(tmp_path.iterdir()) if p.name.endswith(".tmp")]
+    bad = subprocess.run([sys.executable, "-m", "difrl.report"], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "usage: python -m difrl.report RUN_DIR" in bad.stdout
 
 
 # ------------------------------------------------------------------------- rendered by headless Chromium

@@ -62,6 +62,22 @@ def sigma_embedding(sigma: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 
+def zero_linear(fan_in: int, fan_out: int) -> nn.Linear:
+    """adaLN-Zero's modulation layer (DiT, Peebles & Xie 2023, §3.2): weight and bias start at 0, so every
+    (shift, scale, gate) starts at 0. The default init still runs first, so the RNG stream (and with it every
+    seeded network built after it) is what it was before this helper."""
+    layer = nn.Linear(fan_in, fan_out)
+    nn.init.zeros_(layer.weight)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+def gated_mlp(h: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, fc1: nn.Module, fc2: nn.Module) -> torch.Tensor:
+    """The block's MLP residual: h + (1 + gate) * fc2(silu(fc1(y))), y the modulated LN(h) (shapes as h's).
+    fc1 / fc2 are passed in at call time: LoRA and the quant module swap replace them on the block."""
+    return h + (1 + gate) * fc2(torch.nn.functional.silu(fc1(y)))
+
+
 class AdaLNBlock(nn.Module):
     """h + gate * MLP(LN(h) * (1 + scale) + shift), with (shift, scale, gate) from the conditioning."""
 
@@ -70,14 +86,12 @@ class AdaLNBlock(nn.Module):
         self.norm = nn.LayerNorm(hidden, elementwise_affine=False)
         self.fc1 = nn.Linear(hidden, hidden * mlp_ratio)
         self.fc2 = nn.Linear(hidden * mlp_ratio, hidden)
-        self.ada = nn.Linear(hidden, 3 * hidden)
-        nn.init.zeros_(self.ada.weight)
-        nn.init.zeros_(self.ada.bias)
+        self.ada = zero_linear(hidden, 3 * hidden)
 
     def forward(self, h: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         shift, scale, gate = self.ada(c).chunk(3, dim=-1)
         y = self.norm(h) * (1 + scale) + shift
-        return h + (1 + gate) * self.fc2(torch.nn.functional.silu(self.fc1(y)))
+        return gated_mlp(h, y, gate, self.fc1, self.fc2)
 
 
 class DigitsFlowNet(nn.Module):

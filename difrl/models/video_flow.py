@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from difrl.models.base import Cond, HoldsNet
-from difrl.models.digits import DIGIT_WORDS, sigma_embedding
+from difrl.models.digits import DIGIT_WORDS, gated_mlp, sigma_embedding, zero_linear
 
 DIRECTIONS = ("left", "right", "up", "down")
 # unit displacement per frame (dx, dy) in image coordinates (y grows downwards)
@@ -75,9 +75,7 @@ class VideoBlock(nn.Module):
         self.norm2 = nn.LayerNorm(hidden, elementwise_affine=False)
         self.fc1 = nn.Linear(hidden, hidden * mlp_ratio)
         self.fc2 = nn.Linear(hidden * mlp_ratio, hidden)
-        self.ada = nn.Linear(hidden, 6 * hidden)
-        nn.init.zeros_(self.ada.weight)
-        nn.init.zeros_(self.ada.bias)
+        self.ada = zero_linear(hidden, 6 * hidden)
 
     def forward(self, h: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         """h [B, N tokens, hidden], c [B, hidden] -> [B, N, hidden]."""
@@ -88,7 +86,7 @@ class VideoBlock(nn.Module):
         a = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, F, D)
         h = h + (1 + g1) * self.proj(a)
         y = self.norm2(h) * (1 + sc2) + s2
-        return h + (1 + g2) * self.fc2(torch.nn.functional.silu(self.fc1(y)))
+        return gated_mlp(h, y, g2, self.fc1, self.fc2)
 
 
 SIGMA_MIN = 0.05  # the velocity's 1 / sigma is clamped here (JiT's t clamp)
