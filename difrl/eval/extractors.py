@@ -23,7 +23,6 @@ rewards use too (a CLIP reward and a ClipExtractor on the same directory report 
 
 from __future__ import annotations
 
-import hashlib
 import math
 from pathlib import Path
 from typing import Callable, Iterable
@@ -35,7 +34,7 @@ from torch import nn
 from difrl.rewards.vision import (OPENAI_MEAN, OPENAI_STD, clip_image_settings, feature_tensor, load_clip_model,
                                   preprocess_clip)
 from difrl.utils.images import to_uint8
-from difrl.utils.io import weights_sha256
+from difrl.utils.io import state_dict_sha256, weights_sha256
 from difrl.utils.local import local_dir, local_file, model_config, optional_import
 
 # ImageNet normalisation of DINOv2 (facebookresearch/dinov2 `dinov2/data/transforms.py` IMAGENET_DEFAULT_MEAN/STD)
@@ -51,16 +50,6 @@ def _eval_import(module: str, who: str):
     """A package of the `eval` extra (torch-fidelity, torchmetrics), or an EvalConfigError saying how to install it."""
     return optional_import(module, "eval", who, EvalConfigError)
 
-
-def state_dict_sha256(module: nn.Module) -> str:
-    """SHA-256 over a module's state dict (names, dtypes, shapes and bytes, in key order): the identity of an
-    in-memory extractor's weights."""
-    h = hashlib.sha256()
-    for k, v in module.state_dict().items():
-        t = v.detach().cpu().contiguous()
-        h.update(f"{k}|{t.dtype}|{tuple(t.shape)}\0".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 # --- feature extractors -------------------------------------------------------------------------------------
 

@@ -171,6 +171,17 @@ def weights_sha256(paths) -> str:
     return h.hexdigest()
 
 
+def state_dict_sha256(module: torch.nn.Module) -> str:
+    """SHA-256 over a module's state dict (names, dtypes, shapes and bytes, in key order): the identity of an
+    in-memory model's weights (difrl.eval.extractors.ModuleExtractor), where `weights_sha256` names files."""
+    h = hashlib.sha256()
+    for k, v in module.state_dict().items():
+        t = v.detach().cpu().contiguous()
+        h.update(f"{k}|{t.dtype}|{tuple(t.shape)}\0".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def json_safe(obj):
     """`obj` with every non-finite float (NaN, inf) replaced by None, recursively through dicts, lists and
     tuples: what json.dumps(..., allow_nan=False) accepts, so the file is valid JSON (null = not a number)."""
