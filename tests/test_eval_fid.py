@@ -390,6 +390,22 @@ def test_clip_reward_and_extractor_report_one_weights_hash(tiny_clip, tmp_path):
     assert after[0] == after[1] and after[0] != before[0]
 
 
+def test_clip_extractor_loads_strictly_like_the_rewards(tiny_clip, tmp_path):
+    """rewards.vision.load_clip_model for both: a weights file missing a parameter is an EvalConfigError naming
+    the option, not a randomly initialised projection (transformers' from_pretrained would only warn)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    mdir = tmp_path / "model"
+    shutil.copytree(tiny_clip["model_dir"], mdir)
+    sd = load_file(str(mdir / "model.safetensors"))
+    save_file({k: v for k, v in sd.items() if k != "visual_projection.weight"}, str(mdir / "model.safetensors"))
+    with pytest.raises(EvalConfigError, match=r"ClipExtractor: the weights in .* \(eval.fid.weights\) do not fit.*"
+                                              r"1 missing keys \['visual_projection.weight'\]"):
+        ClipExtractor(mdir, option="eval.fid.weights")
+
+
 @pytest.fixture(scope="module")
 def tiny_dinov2(tmp_path_factory):
     from transformers import Dinov2Config, Dinov2Model

@@ -118,7 +118,8 @@ def test_local_paths_name_who_the_full_option_and_the_path(tmp_path):
 def test_reward_wrappers_keep_their_signatures_and_texts(tmp_path):
     with pytest.raises(RewardConfigError, match=r"reward 'r' needs the MLP: set reward.options.r.mlp_path to a local"):
         local_file(None, "the MLP", "mlp_path", "r")
-    with pytest.raises(RewardConfigError, match=r"reward 'r': the MLP not found at .*x.pth' \(reward.options.r.mlp_path"):
+    with pytest.raises(RewardConfigError, match=r"reward 'r': the MLP not found at .*x.pth' "
+                                                r"\(reward.options.r.mlp_path"):
         local_file(tmp_path / "x.pth", "the MLP", "mlp_path", "r")
     with pytest.raises(RewardConfigError, match=r"reward 'r': the CLIP directory .* \(reward.options.r.model_dir\) "
                                                 r"lacks config.json"):

@@ -66,7 +66,7 @@ class _HFClipReward(RewardModel):
     modality = "image"
     name = "clip"
 
-    # scale option -> the version string naming that score convention (subclasses; the first is the default)
+    # scale option -> the `version` string that names its score convention (each subclass has its own table)
     SCALES: dict[str, str] = {"cos": "cos"}
 
     def __init__(self, model_dir, processor_dir=None, scale: str = "cos", *, device="cpu", dtype="float32",
@@ -129,7 +129,8 @@ class ClipScore(_HFClipReward):
     Returns {"clip_score": [B], "cos": [B]} (the raw cosine is always logged)."""
 
     name = "clip_score"
-    SCALES = {"cos": "cos", "clipscore": "2.5*max(cos,0)", "x100": "100*max(cos,0)", "flow_grpo": "exp(logit_scale)*cos/30"}
+    SCALES = {"cos": "cos", "clipscore": "2.5*max(cos,0)", "x100": "100*max(cos,0)",
+              "flow_grpo": "exp(logit_scale)*cos/30"}
 
     def __init__(self, model_dir=None, processor_dir=None, scale: str = "cos", device="cpu", dtype="float32",
                  batch_size=32, text_cache_size: int = 4096):
@@ -173,6 +174,9 @@ class PickScore(_HFClipReward):
         cos = self.cosine(images, prompts)
         logit = self.logit_scale_exp * cos  # float32 scale (read before the cast to dtype) times float32 cos
         return {"pickscore": logit / 26.0 if self.scale == "div26" else logit, "cos": cos, "logit": logit}
+
+
+CLIP_SCALES, PICK_SCALES = tuple(ClipScore.SCALES), tuple(PickScore.SCALES)  # the accepted `scale` values
 
 
 class AestheticMLP(nn.Module):
@@ -234,7 +238,8 @@ class Aesthetic(RewardModel):
         popt = "processor_dir" if processor_dir not in (None, "") else "clip_dir"
         pdir = _check_processor_dir(processor_dir if processor_dir not in (None, "") else cdir, "aesthetic", popt,
                                     text=False)
-        dim = int(clip_config(cdir, **_option("aesthetic", "clip_dir")).get("projection_dim", 512))  # CLIPConfig's default
+        cfg = clip_config(cdir, **_option("aesthetic", "clip_dir"))
+        dim = int(cfg.get("projection_dim", 512))  # CLIPConfig's default
         in_dim = self.mlp.layers[0].in_features
         if in_dim != dim:
             raise RewardConfigError(f"reward 'aesthetic': the MLP {str(mlp_file)!r} (reward.options.aesthetic.mlp_path) "
