@@ -74,7 +74,7 @@ def test_tiny_flux_eval_json_holds_fid_kid_and_the_heldout_panel(tmp_path, monke
     import numpy as np
     from PIL import Image
 
-    from difrl.eval.fid import save_random_inception_weights
+    from difrl.eval.extractors import save_random_inception_weights
     from difrl.models.adapters import make_tiny_pipeline
     from difrl.rewards.tiny import tiny_reward_options
     from difrl.train.config import load_flow_config

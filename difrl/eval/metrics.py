@@ -14,19 +14,27 @@ from __future__ import annotations
 import torch
 
 
-def _sqrt_psd(m: torch.Tensor) -> torch.Tensor:
+def sqrt_psd(m: torch.Tensor) -> torch.Tensor:
+    """The symmetric PSD square root of a symmetric [D, D] matrix by eigendecomposition, negative round-off
+    eigenvalues clamped to 0 (real, unlike scipy.linalg.sqrtm on a near-singular covariance)."""
     w, v = torch.linalg.eigh((m + m.T) / 2)
     return (v * w.clamp_min(0).sqrt()) @ v.T
+
+
+def frechet_distance_gaussians(mu_a: torch.Tensor, cov_a: torch.Tensor, mu_b: torch.Tensor,
+                               cov_b: torch.Tensor) -> float:
+    """||mu_a - mu_b||^2 + tr(S_a + S_b - 2 (S_a^1/2 S_b S_a^1/2)^1/2) for means [D] and covariances [D, D] (float64
+    in, float out). (S_a^1/2 S_b S_a^1/2)^1/2 has the trace of (S_a S_b)^1/2 (similar matrices), the form of
+    Heusel et al. 2017 and pytorch-fid."""
+    sa = sqrt_psd(cov_a)
+    cross = sqrt_psd(sa @ cov_b @ sa)
+    return float(((mu_a - mu_b) ** 2).sum() + torch.trace(cov_a) + torch.trace(cov_b) - 2 * torch.trace(cross))
 
 
 def frechet_distance(a: torch.Tensor, b: torch.Tensor) -> float:
     """Fréchet distance between Gaussians fitted to feature sets a [N, D] and b [M, D]."""
     a, b = a.double(), b.double()
-    mu_a, mu_b = a.mean(0), b.mean(0)
-    cov_a, cov_b = torch.cov(a.T), torch.cov(b.T)
-    sa = _sqrt_psd(cov_a)
-    cross = _sqrt_psd(sa @ cov_b @ sa)
-    return float(((mu_a - mu_b) ** 2).sum() + torch.trace(cov_a) + torch.trace(cov_b) - 2 * torch.trace(cross))
+    return frechet_distance_gaussians(a.mean(0), torch.cov(a.T), b.mean(0), torch.cov(b.T))
 
 
 def within_class_diversity(x: torch.Tensor, labels: torch.Tensor) -> float:

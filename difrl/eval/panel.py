@@ -7,7 +7,7 @@
 Held-out rewards are scored on the same fixed-seed evaluation samples as the training reward and are
 never trained on, so a training reward that climbs while they stay flat or fall is reward hacking
 (rewards-eval.md §3.2). The Fréchet distance uses a named extractor from local weights
-(difrl.eval.fid): Inception (FID, TF1 resize), CLIP or DINOv2, against a reference image directory
+(difrl.eval.extractors, difrl.eval.reference): Inception (FID, TF1 resize), CLIP or DINOv2, against a reference image directory
 (resized to the samples' size, bicubic) or a saved FeatureStats `.npz`; the reference statistics
 are cached per (dataset, extractor, weights, resolution). Videos [N, F, 3, H, W] are scored per
 frame against the reference images (`fd` over all frames; the report says "per frame"), and with
@@ -28,7 +28,7 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
 
 def make_extractor(kind: str, weights, device="cpu"):
-    from difrl.eval.fid import ClipExtractor, DinoV2Extractor, InceptionExtractor
+    from difrl.eval.extractors import ClipExtractor, DinoV2Extractor, InceptionExtractor
 
     option = "eval.fid.weights"  # the config key errors name
     if kind == "inception":
@@ -124,7 +124,8 @@ class EvalPanel:
             raise RewardConfigError(str(e).replace(f"reward.options.{name}.", f"eval.rewards.{name}.")) from e
 
     def fid(self, images: torch.Tensor) -> dict:
-        from difrl.eval.fid import FeatureStats, extract_features, fid_report, reference_stats
+        from difrl.eval.extractors import extract_features
+        from difrl.eval.reference import FeatureStats, fid_report, reference_stats
 
         fc = self.cfg.fid
         if self.extractor is None:
@@ -151,7 +152,8 @@ class EvalPanel:
 
     def clip_fd(self, frame_feats: torch.Tensor) -> dict:
         """Clip-level FD / KID on `clip_features` against the reference clips (features computed once)."""
-        from difrl.eval.fid import extract_features, fid_report
+        from difrl.eval.extractors import extract_features
+        from difrl.eval.reference import fid_report
 
         if self.reference_clip_feats is None:
             clips = reference_clips(Path(self.cfg.fid.reference_clips).expanduser(), self.resolution)

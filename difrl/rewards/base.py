@@ -22,11 +22,12 @@ say which option names it; `optional_import` names the extra to install when a p
 
 from __future__ import annotations
 
-import hashlib
-import importlib
 from pathlib import Path
 
 import torch
+
+from difrl.utils import local as _local
+from difrl.utils.io import weights_sha256
 
 MODALITIES = ("image", "video", "tokens", "any")
 
@@ -59,7 +60,8 @@ class RewardModel:
     too: it then scores everything at once, on the CPU, with whatever dtype the samples have).
 
     Attributes read by `difrl.rewards.Reward`: `modality`, `device`, `dtype`, `batch_size`, `version` and
-    `weight_files` (hashed for run reports and the reward server)."""
+    `weight_files` (files and save_pretrained directories, hashed by `sha256_files` for run reports and the
+    reward server)."""
 
     modality: str = "image"
     version: str = "1"
@@ -81,41 +83,25 @@ class RewardModel:
         return self.score(samples, prompts, metadata if metadata is not None else [{} for _ in prompts])
 
 
+def _where(option: str, reward: str) -> dict:
+    """The reward layer's naming for difrl.utils.local: the full option and who needs it."""
+    return {"option": f"reward.options.{reward}.{option}", "who": f"reward {reward!r}", "error": RewardConfigError}
+
+
 def local_file(path, what: str, option: str, reward: str) -> Path:
-    """A weights file that must exist locally; the error names the reward, the option and the path."""
-    if path in (None, ""):
-        raise RewardConfigError(f"reward {reward!r} needs {what}: set reward.options.{reward}.{option} to a local file "
-                                "(difrl never downloads weights)")
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise RewardConfigError(f"reward {reward!r}: {what} not found at {str(p)!r} "
-                                f"(reward.options.{reward}.{option}{'; it is a directory' if p.is_dir() else ''})")
-    return p
+    """A weights file that must exist locally; the error names the reward, reward.options.<reward>.<option> and the
+    path (difrl.utils.local.local_file with RewardConfigError)."""
+    return _local.local_file(path, what, **_where(option, reward))
 
 
 def local_dir(path, what: str, option: str, reward: str, needs: tuple[str, ...] = ("config.json",)) -> Path:
     """A `save_pretrained` directory that must exist locally and hold `needs`; the error names what is missing."""
-    if path in (None, ""):
-        raise RewardConfigError(f"reward {reward!r} needs {what}: set reward.options.{reward}.{option} to a local "
-                                "directory saved with save_pretrained (difrl never downloads weights)")
-    p = Path(path).expanduser()
-    if not p.is_dir():
-        raise RewardConfigError(f"reward {reward!r}: {what} directory not found at {str(p)!r} "
-                                f"(reward.options.{reward}.{option})")
-    missing = [n for n in needs if not (p / n).exists()]
-    if missing:
-        raise RewardConfigError(f"reward {reward!r}: {what} directory {str(p)!r} (reward.options.{reward}.{option}) "
-                                f"lacks {', '.join(missing)}: is it a save_pretrained directory?")
-    return p
+    return _local.local_dir(path, what, **_where(option, reward), needs=needs)
 
 
 def optional_import(module: str, extra: str, reward: str, hint: str = ""):
-    """Import a package of an optional extra, or say which extra installs it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise RewardConfigError(f"reward {reward!r} needs the package {module!r}, which does not import here ({e}); "
-                                f"install it with: pip install 'difrl[{extra}]'" + (f". {hint}" if hint else "")) from e
+    """Import a package of an optional extra, or say which extra installs it (a RewardConfigError)."""
+    return _local.optional_import(module, extra, f"reward {reward!r}", RewardConfigError, hint)
 
 
 def load_state_dict_file(path, what: str, option: str, reward: str) -> dict[str, torch.Tensor]:
@@ -147,15 +133,6 @@ def load_state_dict_file(path, what: str, option: str, reward: str) -> dict[str,
 
 
 def sha256_files(paths) -> str:
-    """One SHA-256 over the files' bytes in order (the identity of a reward's weights), or '' for none."""
-    paths = [Path(p) for p in paths]
-    if not paths:
-        return ""
-    h = hashlib.sha256()
-    for p in paths:
-        for sub in sorted(p.rglob("*")) if p.is_dir() else [p]:
-            if sub.is_file():
-                with open(sub, "rb") as f:
-                    for block in iter(lambda: f.read(1 << 20), b""):
-                        h.update(block)
-    return h.hexdigest()
+    """The identity of a reward's weights (`weight_files`: files and save_pretrained directories), or '' for none:
+    difrl.utils.io.weights_sha256, the definition FD extractors use too (one file: its plain SHA-256)."""
+    return weights_sha256(paths)

@@ -27,7 +27,6 @@ does not have, is a RewardConfigError (transformers would initialise the missing
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -36,25 +35,13 @@ from torch import nn
 
 from difrl.rewards import register_reward
 from difrl.rewards.base import RewardConfigError, RewardModel, load_state_dict_file, local_dir, local_file
-from difrl.rewards.vision import TextEmbeddingCache, feature_tensor, hf_image_settings, preprocess_clip
-
-# parameters transformers recomputes (CLIP's position_ids buffers, saved by older transformers): not weights
-_IGNORED_KEYS = ("position_ids",)
-
-_HF_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".txt", ".model")
+from difrl.rewards.vision import (TextEmbeddingCache, clip_config, clip_image_settings, feature_tensor,
+                                  load_clip_model, preprocess_clip)
 
 
-def _hf_files(d: Path, tokenizer: bool = True) -> list[Path]:
-    """The files from_pretrained may read in a save_pretrained directory (configs, weights and, with `tokenizer`,
-    the tokenizer's), sorted; `.bin` weights are left out when `.safetensors` ones exist (transformers prefers
-    those). They are the reward's identity in `Reward.info()["weights_sha256"]`."""
-    files = sorted(p for p in d.iterdir() if p.is_file() and p.suffix in _HF_FILE_SUFFIXES)
-    if not tokenizer:
-        files = [p for p in files if p.suffix in (".safetensors", ".bin")
-                 or p.name in ("config.json", "preprocessor_config.json", "model.safetensors.index.json")]
-    if any(p.suffix == ".safetensors" for p in files):
-        files = [p for p in files if p.suffix != ".bin"]
-    return files
+def _option(reward: str, option: str) -> dict:
+    """The naming of the CLIP helpers in difrl.rewards.vision for one option of one reward."""
+    return {"option": f"reward.options.{reward}.{option}", "who": f"reward {reward!r}"}
 
 
 def _check_processor_dir(path, reward: str, option: str, text: bool, note: str = "") -> Path:
@@ -72,51 +59,6 @@ def _check_processor_dir(path, reward: str, option: str, text: bool, note: str =
     return p
 
 
-def _clip_config(d: Path, reward: str, option: str) -> dict:
-    """The config.json of a CLIPModel directory, checked to be one (read before the weights load)."""
-    try:
-        cfg = json.loads((d / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise RewardConfigError(f"reward {reward!r}: cannot read {str(d / 'config.json')!r} "
-                                f"(reward.options.{reward}.{option}): {e}") from e
-    if cfg.get("model_type") != "clip":
-        raise RewardConfigError(f"reward {reward!r}: {str(d)!r} (reward.options.{reward}.{option}) holds a "
-                                f"{cfg.get('model_type')!r} model, not a transformers CLIPModel ('clip')")
-    return cfg
-
-
-def _image_settings(pdir: Path, reward: str, option: str) -> dict:
-    """hf_image_settings of the CLIPImageProcessor saved in `pdir`; an unsupported setting names the option."""
-    from transformers import CLIPImageProcessor
-
-    try:
-        return hf_image_settings(CLIPImageProcessor.from_pretrained(str(pdir), local_files_only=True))
-    except ValueError as e:
-        raise RewardConfigError(f"reward {reward!r}: the processor in {str(pdir)!r} (reward.options.{reward}.{option}): "
-                                f"{e}") from e
-
-
-def _load_clip_model(model_dir, reward: str, option: str, vision_only: bool = False):
-    """transformers CLIPModel from a local directory, in eval mode, every parameter from the file (strict);
-    `vision_only` drops the text tower after loading (CLIPVisionModelWithProjection would read projection_dim
-    from the vision sub-config, which a CLIPModel config need not set, and reports every text key as unexpected)."""
-    from transformers import CLIPModel
-
-    d = local_dir(model_dir, "the CLIP model", option, reward)
-    _clip_config(d, reward, option)
-    model, info = CLIPModel.from_pretrained(str(d), local_files_only=True, output_loading_info=True)
-    bad = {kind: sorted(k for k in info.get(kind, ()) if not str(k).endswith(_IGNORED_KEYS))
-           for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-    if any(bad.values()):
-        raise RewardConfigError(
-            f"reward {reward!r}: the weights in {str(d)!r} (reward.options.{reward}.{option}) do not fit its "
-            f"config.json's CLIPModel: " + "; ".join(f"{len(v)} {k.replace('_', ' ')} {v[:4]}" for k, v in bad.items() if v)
-            + " (not a transformers CLIPModel save_pretrained directory? an open_clip / OpenAI file needs converting)")
-    if vision_only:  # get_image_features reads vision_model + visual_projection only
-        model.text_model = model.text_projection = None
-    return model.eval().requires_grad_(False), d
-
-
 class _HFClipReward(RewardModel):
     """Shared loading and scoring of the transformers-CLIP rewards: image and text embeddings, L2-normalised,
     and their cosine. Subclasses turn the cosine into their score."""
@@ -124,25 +66,31 @@ class _HFClipReward(RewardModel):
     modality = "image"
     name = "clip"
 
-    def __init__(self, model_dir, processor_dir=None, *, device="cpu", dtype="float32", batch_size=32,
-                 text_cache_size: int = 4096, processor_note: str = ""):
+    # scale option -> the `version` string that names its score convention (each subclass has its own table)
+    SCALES: dict[str, str] = {"cos": "cos"}
+
+    def __init__(self, model_dir, processor_dir=None, scale: str = "cos", *, device="cpu", dtype="float32",
+                 batch_size=32, text_cache_size: int = 4096, processor_note: str = ""):
+        if scale not in self.SCALES:
+            raise RewardConfigError(f"reward {self.name!r}: scale must be one of {tuple(self.SCALES)}, got {scale!r}")
         super().__init__(device=device, dtype=dtype, batch_size=batch_size)
         from transformers import AutoTokenizer
 
+        self.scale, self.version = scale, self.SCALES[scale]
         mdir = local_dir(model_dir, "the CLIP model", "model_dir", self.name)
-        pdir = _check_processor_dir(processor_dir if processor_dir not in (None, "") else mdir, self.name,
-                                    "processor_dir" if processor_dir not in (None, "") else "model_dir",
+        popt = "processor_dir" if processor_dir not in (None, "") else "model_dir"
+        pdir = _check_processor_dir(processor_dir if processor_dir not in (None, "") else mdir, self.name, popt,
                                     text=True, note=processor_note)  # before the (GBs) model loads
-        self.model, _ = _load_clip_model(mdir, self.name, "model_dir")
+        self.model, _ = load_clip_model(mdir, **_option(self.name, "model_dir"))
         self.tokenizer = AutoTokenizer.from_pretrained(str(pdir), local_files_only=True)
-        self.image_settings = _image_settings(pdir, self.name, "processor_dir" if processor_dir not in (None, "") else "model_dir")
+        self.image_settings = clip_image_settings(pdir, **_option(self.name, popt))
         # exp(logit_scale) in float32 before the cast (a bf16 logit_scale = ln 100 would give 98.86)
         self.logit_scale_exp = float(self.model.logit_scale.detach().float().exp())
         self.model.to(device=self.device, dtype=self.dtype)
         self.max_length = int(self.model.config.text_config.max_position_embeddings)  # 77 for every CLIP
         self.text_cache = TextEmbeddingCache(self.encode_text, max_size=max(int(text_cache_size), 1),
                                              enabled=int(text_cache_size) > 0)
-        self.weight_files = _hf_files(mdir) + (_hf_files(pdir) if pdir != mdir else [])
+        self.weight_files = list(dict.fromkeys([mdir, pdir]))  # hashed with difrl.utils.io.weights_sha256
 
     def encode_text(self, prompts: list[str]) -> torch.Tensor:
         """[N] prompts -> [N, D] L2-normalised float32 text embeddings (truncated to 77 tokens, as peers do)."""
@@ -163,9 +111,6 @@ class _HFClipReward(RewardModel):
         return (self.encode_image(images) * self.text_cache(prompts)).sum(-1)
 
 
-CLIP_SCALES = ("cos", "clipscore", "x100", "flow_grpo")
-
-
 @register_reward("clip_score")
 class ClipScore(_HFClipReward):
     """Image-prompt agreement under a CLIP model (e.g. openai/clip-vit-large-patch14 saved locally).
@@ -184,16 +129,13 @@ class ClipScore(_HFClipReward):
     Returns {"clip_score": [B], "cos": [B]} (the raw cosine is always logged)."""
 
     name = "clip_score"
+    SCALES = {"cos": "cos", "clipscore": "2.5*max(cos,0)", "x100": "100*max(cos,0)",
+              "flow_grpo": "exp(logit_scale)*cos/30"}
 
     def __init__(self, model_dir=None, processor_dir=None, scale: str = "cos", device="cpu", dtype="float32",
                  batch_size=32, text_cache_size: int = 4096):
-        if scale not in CLIP_SCALES:
-            raise RewardConfigError(f"reward 'clip_score': scale must be one of {CLIP_SCALES}, got {scale!r}")
-        super().__init__(model_dir, processor_dir, device=device, dtype=dtype, batch_size=batch_size,
+        super().__init__(model_dir, processor_dir, scale, device=device, dtype=dtype, batch_size=batch_size,
                          text_cache_size=text_cache_size)
-        self.scale = scale
-        self.version = {"cos": "cos", "clipscore": "2.5*max(cos,0)", "x100": "100*max(cos,0)",
-                        "flow_grpo": "exp(logit_scale)*cos/30"}[scale]
 
     def score(self, images, prompts, metadata):
         cos = self.cosine(images, prompts)  # float32
@@ -204,9 +146,6 @@ class ClipScore(_HFClipReward):
         else:
             s = (2.5 if self.scale == "clipscore" else 100.0) * cos.clamp(min=0)
         return {"clip_score": s, "cos": cos}
-
-
-PICK_SCALES = ("div26", "logit")
 
 
 @register_reward("pickscore")
@@ -222,22 +161,22 @@ class PickScore(_HFClipReward):
     Returns {"pickscore": [B], "cos": [B], "logit": [B]}."""
 
     name = "pickscore"
+    SCALES = {"div26": "exp(logit_scale)*cos/26", "logit": "exp(logit_scale)*cos"}
 
     def __init__(self, model_dir=None, processor_dir=None, scale: str = "div26", device="cpu", dtype="float32",
                  batch_size=32, text_cache_size: int = 4096):
-        if scale not in PICK_SCALES:
-            raise RewardConfigError(f"reward 'pickscore': scale must be one of {PICK_SCALES}, got {scale!r}")
-        super().__init__(model_dir, processor_dir, device=device, dtype=dtype, batch_size=batch_size,
+        super().__init__(model_dir, processor_dir, scale, device=device, dtype=dtype, batch_size=batch_size,
                          text_cache_size=text_cache_size,
                          processor_note="PickScore uses the laion/CLIP-ViT-H-14-laion2B-s32B-b79K processor: "
                                         "save it locally and set processor_dir")
-        self.scale = scale
-        self.version = {"div26": "exp(logit_scale)*cos/26", "logit": "exp(logit_scale)*cos"}[scale]
 
     def score(self, images, prompts, metadata):
         cos = self.cosine(images, prompts)
         logit = self.logit_scale_exp * cos  # float32 scale (read before the cast to dtype) times float32 cos
         return {"pickscore": logit / 26.0 if self.scale == "div26" else logit, "cos": cos, "logit": logit}
+
+
+CLIP_SCALES, PICK_SCALES = tuple(ClipScore.SCALES), tuple(PickScore.SCALES)  # the accepted `scale` values
 
 
 class AestheticMLP(nn.Module):
@@ -299,19 +238,19 @@ class Aesthetic(RewardModel):
         popt = "processor_dir" if processor_dir not in (None, "") else "clip_dir"
         pdir = _check_processor_dir(processor_dir if processor_dir not in (None, "") else cdir, "aesthetic", popt,
                                     text=False)
-        dim = int(_clip_config(cdir, "aesthetic", "clip_dir").get("projection_dim", 512))  # CLIPConfig's default
+        cfg = clip_config(cdir, **_option("aesthetic", "clip_dir"))
+        dim = int(cfg.get("projection_dim", 512))  # CLIPConfig's default
         in_dim = self.mlp.layers[0].in_features
         if in_dim != dim:
             raise RewardConfigError(f"reward 'aesthetic': the MLP {str(mlp_file)!r} (reward.options.aesthetic.mlp_path) "
                                     f"takes {in_dim}-d embeddings but the CLIP in {str(cdir)!r} (clip_dir) makes "
                                     f"{dim}-d ones (the LAION MLP goes with CLIP ViT-L/14: 768-d)")
-        self.clip, _ = _load_clip_model(cdir, "aesthetic", "clip_dir", vision_only=True)
+        self.clip, _ = load_clip_model(cdir, **_option("aesthetic", "clip_dir"), vision_only=True)
         assert int(self.clip.config.projection_dim) == dim
-        self.image_settings = _image_settings(pdir, "aesthetic", popt)
+        self.image_settings = clip_image_settings(pdir, **_option("aesthetic", popt))
         self.clip.to(device=self.device, dtype=self.dtype)
         self.mlp.to(device=self.device)
-        self.weight_files = _hf_files(cdir, tokenizer=False) + (_hf_files(pdir, tokenizer=False) if pdir != cdir else []) \
-            + [mlp_file]
+        self.weight_files = list(dict.fromkeys([cdir, pdir, mlp_file]))  # hashed with difrl.utils.io.weights_sha256
 
     def score(self, images, prompts, metadata):
         x = preprocess_clip(images, self.image_settings).to(self.dtype)

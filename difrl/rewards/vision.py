@@ -1,10 +1,13 @@
-"""Tensor-side image preprocessing and feature helpers shared by the CLIP-family rewards (clip.py, hps.py).
+"""Tensor-side image preprocessing, feature helpers and CLIP loading shared by the CLIP-family rewards (clip.py,
+hps.py) and the FD_CLIP extractor (difrl.eval.extractors).
 
     x = resize_shortest_center_crop(images, 224, (224, 224))   # CLIP / PickScore / aesthetic: [B, 3, 224, 224]
     x = resize_longest_pad_square(images, 224)                 # HPSv2: longest side to 224, zero pad to a square
     x = normalize(x, OPENAI_MEAN, OPENAI_STD)
     feats = feature_tensor(model.get_image_features(pixel_values=x))   # a [B, D] tensor on any transformers
     cache = TextEmbeddingCache(encode)                          # prompts repeat within a GRPO group: encode once
+    model, d = load_clip_model(path, "reward.options.clip_score.model_dir", "reward 'clip_score'", vision_only=True)
+    settings = clip_image_settings(processor_dir, option, who)  # hf_image_settings of the saved CLIPImageProcessor
 
 Images are [B, 3, H, W] float in [0, 1], on the reward's device: they are never turned into PIL images. The
 resize is `F.interpolate(mode="bicubic", antialias=True)` on float pixels. The reference scorers (HPSv2's
@@ -18,10 +21,14 @@ tests/test_rewards_clip.py).
 from __future__ import annotations
 
 from collections import OrderedDict
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from difrl.rewards.base import RewardConfigError
+from difrl.utils.local import local_dir, model_config
 
 # OpenAI CLIP's normalisation (openai/CLIP clip/clip.py `_transform`; open_clip constants.py OPENAI_DATASET_MEAN/STD).
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -215,3 +222,49 @@ class TextEmbeddingCache:
         while len(self._store) > self.max_size:
             self._store.popitem(last=False)
         return torch.stack(rows)
+
+
+# --- CLIP from a save_pretrained directory ------------------------------------------------------------------------
+
+# parameters transformers recomputes (CLIP's position_ids buffers, saved by older transformers): not weights
+_IGNORED_KEYS = ("position_ids",)
+
+
+def clip_config(d: Path, option: str, who: str, error: type[Exception] = RewardConfigError) -> dict:
+    """The config.json of a CLIPModel directory, checked to be one (read before the weights load)."""
+    return model_config(d, option, who, error, model_type="clip", kind="a transformers CLIPModel")
+
+
+def load_clip_model(model_dir, option: str, who: str, error: type[Exception] = RewardConfigError,
+                    vision_only: bool = False):
+    """(transformers CLIPModel, its directory) from a local save_pretrained directory, in eval mode without grads,
+    every parameter from the file (strict: transformers would initialise a missing one at random and only warn);
+    errors are `error`s naming `who`, the full `option` and the path. `vision_only` drops the text tower after
+    loading (`get_image_features` reads vision_model + visual_projection only; CLIPVisionModelWithProjection
+    would read projection_dim from the vision sub-config, which a CLIPModel config need not set, and report
+    every text key as unexpected)."""
+    from transformers import CLIPModel
+
+    d = local_dir(model_dir, "the CLIP model", option, who, error)
+    clip_config(d, option, who, error)
+    model, info = CLIPModel.from_pretrained(str(d), local_files_only=True, output_loading_info=True)
+    bad = {kind: sorted(k for k in info.get(kind, ()) if not str(k).endswith(_IGNORED_KEYS))
+           for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if any(bad.values()):
+        raise error(f"{who}: the weights in {str(d)!r} ({option}) do not fit its config.json's CLIPModel: "
+                    + "; ".join(f"{len(v)} {k.replace('_', ' ')} {v[:4]}" for k, v in bad.items() if v)
+                    + " (not a transformers CLIPModel save_pretrained directory? an open_clip / OpenAI file needs "
+                    "converting)")
+    if vision_only:
+        model.text_model = model.text_projection = None
+    return model.eval().requires_grad_(False), d
+
+
+def clip_image_settings(pdir: Path, option: str, who: str, error: type[Exception] = RewardConfigError) -> dict:
+    """`hf_image_settings` of the CLIPImageProcessor saved in `pdir`; an unsupported setting names the option."""
+    from transformers import CLIPImageProcessor
+
+    try:
+        return hf_image_settings(CLIPImageProcessor.from_pretrained(str(pdir), local_files_only=True))
+    except ValueError as e:
+        raise error(f"{who}: the processor in {str(pdir)!r} ({option}): {e}") from e

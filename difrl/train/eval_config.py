@@ -24,7 +24,7 @@ class EvalConfig:
 
 @dataclass
 class FidConfig:
-    """Fréchet distance (and KID) of the evaluation samples against a reference image set (difrl.eval.fid);
+    """Fréchet distance (and KID) of the evaluation samples against a reference image set (difrl.eval.reference, difrl.eval.extractors);
     diffusers worlds (the digits world has its own FD on its classifier's features)."""
     extractor: str = cfg_field("inception", choices=("inception", "clip", "dinov2"),
                                help="inception: FID (TF1 resize, antialias=False); clip / dinov2: FD_CLIP / FD_DINOv2")
