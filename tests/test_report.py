@@ -365,10 +365,11 @@ def test_report_file_and_command(digits_run, tmp_path):
                          timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == f"report: {d / 'report.html'}"
-    assert (d / "report.html").stat().st_mode & 0o777 == 0o644
+    mode = 0o666 & ~_umask()  # what a plain open() gives a new file (0644 under the usual umask 022)
+    assert (d / "report.html").stat().st_mode & 0o777 == mode
     assert 'data-series="reward_mean"' in (d / "report.html").read_text(encoding="utf-8")
     out = write_report(d, tmp_path / "elsewhere.html")
-    assert out == tmp_path / "elsewhere.html" and out.stat().st_mode & 0o777 == 0o644
+    assert out == tmp_path / "elsewhere.html" and out.stat().st_mode & 0o777 == mode
     assert not [p for p in list(d.iterdir()) + list(tmp_path.iterdir()) if p.name.endswith(".tmp")]
     bad = subprocess.run([sys.executable, "-m", "difrl.report"], capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "usage: python -m difrl.report RUN_DIR" in bad.stdout
@@ -426,3 +427,9 @@ def test_report_renders_in_headless_chromium(digits_run, tmp_path):
     assert set(rendered.svgs) == set(page.svgs) and rendered.svgs["reward_mean"]["points"] == 3
     assert [i["data-file"] for i in rendered.imgs] == [i["data-file"] for i in page.imgs]
     assert all(i["src"].startswith("data:image/") for i in rendered.imgs)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -148,3 +148,21 @@ def test_atomic_write_npz_writes_exactly_the_path_and_keeps_the_old_file_on_fail
 class _Unsaveable:
     def __array__(self, dtype=None, copy=None):
         raise TypeError("cannot be an array")
+
+
+def test_atomic_writes_get_the_mode_a_plain_open_gives(tmp_path):
+    # mkstemp's temporary file is private (0600); the renamed file must read like one open() created (summary.json,
+    # report.html and checkpoints are shared with whoever may read the run directory)
+    import os
+
+    from difrl.utils.io import atomic_write_json, atomic_write_text, save_safetensors
+
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")
+    want = plain.stat().st_mode & 0o777
+    atomic_write_text(tmp_path / "a.txt", "x")
+    atomic_write_json(tmp_path / "a.json", {"x": 1})
+    save_safetensors({"w": torch.zeros(2)}, tmp_path / "a.safetensors")
+    atomic_write_npz(tmp_path / "a.npz", mu=np.zeros(2))
+    for name in ("a.txt", "a.json", "a.safetensors", "a.npz"):
+        assert os.stat(tmp_path / name).st_mode & 0o777 == want, name

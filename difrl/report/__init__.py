@@ -30,7 +30,6 @@ writes it.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -49,8 +48,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir} is not a run directory")
     out = Path(out) if out is not None else run_dir / REPORT_NAME
-    atomic_write_text(out, build_report(run_dir))
-    os.chmod(out, 0o644)  # a page to share (the atomic writer's temporary file is private, 0600)
+    atomic_write_text(out, build_report(run_dir))  # readable as a plain open() would leave it (a page to share)
     return out
 
 

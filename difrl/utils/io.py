@@ -22,13 +22,25 @@ from safetensors import SafetensorError
 from safetensors.torch import safe_open, save_file
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    return mask
+
+
+_FILE_MODE = 0o666 & ~_umask()  # what open() would give a new file (mkstemp's temporary file is 0600)
+
+
 def _atomic(path: Path, write) -> None:
+    """Write through a temporary file in the same directory, fsync, then rename over `path`: a reader sees the old
+    file or the new one, never a part. The file gets the permissions a plain open() would give it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, _FILE_MODE)  # after the write: a writer may recreate the file (safetensors does)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
