@@ -7,15 +7,16 @@
     out = fn(images, prompts, metadata)   # {"geneval": partial [B], "strict": 0/1 [B], "count", "color", "position",
                                           #  "strict_<tag>", "partial_<tag>" (NaN where not applicable), "objects"}
 
-`metadata[i]` is the GenEval record of the sample's prompt, in GenEval's JSONL schema (djghosh13/geneval
-`prompts/evaluation_metadata.jsonl`, flow_grpo `dataset/geneval/*.jsonl`)::
+Importing this module registers the reward "geneval". `metadata[i]` is the GenEval record of the sample's prompt,
+in GenEval's JSONL schema (djghosh13/geneval `prompts/evaluation_metadata.jsonl`, flow_grpo
+`dataset/geneval/*.jsonl`)::
 
     {"tag": "position", "prompt": "a photo of a cat left of a dog",
      "include": [{"class": "dog", "count": 1}, {"class": "cat", "count": 1, "position": ["left of", 0]}],
      "exclude": [{"class": "dog", "count": 2}]}                       # exclude: "fewer than count"
 
 Pieces (each usable alone):
-- `GenEvalRules`: a pure-Python rules engine over a record and one image's detections. `strict` is GenEval's
+- `GenEvalRules` (here): a pure-Python rules engine over a record and one image's detections. `strict` is GenEval's
   pass/fail (djghosh13/geneval `evaluation/evaluate_images.py`, `evaluate` + `evaluate_image`): per class, keep
   detections with score > 0.3 (> 0.9 for the "counting" tag), highest first, at most 16, no NMS; an include clause
   passes when its top `count` detections exist, have the colour (if asked) and stand in the relation (if asked)
@@ -23,14 +24,10 @@ Pieces (each usable alone):
   the partial-credit reward of flow_grpo's reward server (yifan123/reward-server `reward_server/gen_eval.py`,
   `evaluate_reward`), rewards-eval.md §1.7; see `GenEvalRules.evaluate` for its terms and our three documented
   changes. Aspects not asked by a record are NaN (never a sentinel such as the -10 of grouped peer outputs).
-- A detector: any callable `(images [B, 3, H, W] in [0, 1], class_names: list[str]) -> list[list[Detection]]`
-  (one list per image; boxes x0, y0, x1, y1 in pixels). It may take a third keyword `metadata` (the samples'
-  dicts). Built in: "synthetic" (reads `metadata[i]["detections"]`), "torchvision" (a COCO detection model from a
-  local weights file, COCO names mapped to GenEval's), or a "module:function" path / a callable.
-- A colour classifier `(image [3, H, W], detections, class_name) -> list[str]` for detections that carry no
-  `color`: "pixel" (HSV pixel vote over the box or mask, documented in `pixel_color`; a crude stand-in that is
-  right for flat rendered colours), "clip" (GenEval's zero-shot CLIP classifier on a local transformers CLIP
-  directory), "none" (detections must carry their colour), or a "module:function" / callable.
+- A detector (`difrl.rewards.geneval_detect`, with the `Detection` type): "synthetic", "torchvision", or a
+  "module:function" path / a callable.
+- A colour classifier (`difrl.rewards.geneval_colour`) for detections that carry no `color`: "pixel", "clip",
+  "none", or a "module:function" path / a callable.
 
 Failures raise (a malformed record, a detector returning the wrong number of lists, a missing colour): the trainer
 then stops or drops the group; nothing becomes a score of 0 (rewards-eval.md §6). Paper-faithful GenEval numbers
@@ -39,68 +36,21 @@ need GenEval's Mask2Former + CLIP ViT-L-14 (mmdet 2.x): use the remote reward se
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from difrl.rewards import register_reward
-from difrl.rewards.base import RewardConfigError, RewardModel, load_state_dict_file, local_dir, optional_import
-from difrl.rewards.vision import feature_tensor
-from difrl.utils.images import to_uint8
+from difrl.rewards.base import RewardConfigError, RewardModel
+from difrl.rewards.geneval_colour import ColorsOf, build_color_classifier, detection_colors, own_colors
+from difrl.rewards.geneval_detect import Detection, as_detection, build_detector, call_detector
 
-# GenEval's task tags and colour list (djghosh13/geneval prompts/create_prompts.py, evaluation/evaluate_images.py).
+# GenEval's task tags and relations (djghosh13/geneval prompts/create_prompts.py, evaluation/evaluate_images.py).
 TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
-COLORS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white")
 RELATIONS = ("left of", "right of", "above", "below")
-
-# GenEval's object names are COCO's 80 (mmdet spelling) except three, renamed for readable prompts
-# (geneval `object_names.txt`: "computer mouse", "tv remote", "computer keyboard").
-COCO_TO_GENEVAL = {"mouse": "computer mouse", "remote": "tv remote", "keyboard": "computer keyboard"}
-
-
-@dataclass
-class Detection:
-    """One detected object. `box` is (x0, y0, x1, y1) in pixels of the scored image; `mask` an optional [H, W]
-    bool tensor over the whole image; `color` an optional known colour (synthetic worlds), which then wins over
-    the colour classifier."""
-
-    label: str
-    score: float
-    box: tuple[float, float, float, float]
-    mask: torch.Tensor | None = None
-    color: str | None = None
-
-    def __post_init__(self):
-        self.score = float(self.score)
-        box = tuple(float(v) for v in (self.box.tolist() if torch.is_tensor(self.box) else self.box))
-        if len(box) != 4 or not all(math.isfinite(v) for v in box) or box[2] < box[0] or box[3] < box[1]:
-            raise ValueError(f"detection {self.label!r}: box must be 4 finite numbers x0 <= x1, y0 <= y1, got {self.box!r}")
-        if not math.isfinite(self.score):
-            raise ValueError(f"detection {self.label!r}: score must be finite, got {self.score!r}")
-        self.box = box
-        if self.mask is not None and not torch.is_tensor(self.mask):
-            self.mask = torch.as_tensor(self.mask)
-        if self.mask is not None:
-            if self.mask.ndim != 2:
-                raise ValueError(f"detection {self.label!r}: mask must be [H, W], got {tuple(self.mask.shape)}")
-            self.mask = self.mask.bool()
-
-
-def as_detection(obj) -> Detection:
-    """A Detection from a Detection or a dict {"class" | "label", "box", "score"=1.0, "color"?, "mask"?}."""
-    if isinstance(obj, Detection):
-        return obj
-    if not isinstance(obj, dict):
-        raise ValueError(f"a detection must be a Detection or a dict, got {type(obj).__name__}")
-    label = obj.get("class", obj.get("label"))
-    if not isinstance(label, str) or "box" not in obj:
-        raise ValueError(f"a detection dict needs 'class' (or 'label') and 'box' [x0, y0, x1, y1], got keys {sorted(obj)}")
-    return Detection(label, obj.get("score", 1.0), obj["box"], obj.get("mask"), obj.get("color"))
 
 
 # ----------------------------------------------------------------------------------------------------------- rules
@@ -185,17 +135,6 @@ class GenEvalResult:
     reasons: list[str] = field(default_factory=list)
 
 
-ColorsOf = Callable[[list[Detection], str], list[str]]
-
-
-def _colors_from_detections(dets: list[Detection], class_name: str) -> list[str]:
-    missing = [d for d in dets if d.color is None]
-    if missing:
-        raise ValueError(f"GenEval: {len(missing)} {class_name!r} detection(s) carry no colour and no colour "
-                         "classifier was given")
-    return [d.color for d in dets]
-
-
 class GenEvalRules:
     """GenEval's selection and rules with its thresholds (evaluate_images.py defaults): `threshold` 0.3,
     `counting_threshold` 0.9 (tag "counting"), `max_objects` 16 per class, `max_overlap` 1.0 (no NMS; below 1 a
@@ -256,7 +195,7 @@ class GenEvalRules:
             the count term already prices them and they add nothing here).
         """
         check_record(record)
-        colors_of = colors_of or _colors_from_detections
+        colors_of = colors_of or own_colors
         color_cache: dict[int, str] = {}
 
         def colors(dets: list[Detection], cls: str) -> list[str]:
@@ -338,265 +277,6 @@ class GenEvalRules:
         return GenEvalResult(strict, _mean(terms), _mean(count_terms), _mean(color_terms), _mean(pos_terms), reasons)
 
 
-# --------------------------------------------------------------------------------------------------------- colours
-
-
-def _hsv(pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[3, N] RGB in [0, 1] -> hue in degrees [0, 360), saturation, value, each [N]."""
-    r, g, b = pixels.float()
-    mx, mn = pixels.float().max(0).values, pixels.float().min(0).values
-    delta = mx - mn
-    safe = torch.where(delta > 0, delta, torch.ones_like(delta))
-    h = torch.where(mx == r, ((g - b) / safe) % 6, torch.where(mx == g, (b - r) / safe + 2, (r - g) / safe + 4))
-    h = torch.where(delta > 0, h * 60.0, torch.zeros_like(h)) % 360
-    s = torch.where(mx > 0, delta / torch.where(mx > 0, mx, torch.ones_like(mx)), torch.zeros_like(mx))
-    return h, s, mx
-
-
-def pixel_color(pixels: torch.Tensor) -> str:
-    """GenEval colour of a set of pixels [3, N] (RGB in [0, 1]) by a per-pixel HSV vote (our own heuristic):
-
-    - v < 0.2: black; saturation < 0.15 (grey axis): v >= 0.8 white, v < 0.35 black, else grey (no vote);
-    - hue h in degrees: [340, 15) red (pink when s < 0.6 and v > 0.7); [15, 45) orange (brown when v < 0.65);
-      [45, 70) yellow; [70, 165) green; [165, 255) blue; [255, 300) purple; [300, 340) pink (purple when v < 0.7).
-
-    The colour with most votes wins (ties: GenEval's list order); all grey: white if the mean value >= 0.5, else
-    black. Right for flat rendered colours; for photographs use the CLIP classifier (GenEval's)."""
-    if pixels.ndim != 2 or pixels.shape[0] != 3 or pixels.shape[1] == 0:
-        raise ValueError(f"pixel_color needs [3, N>0] pixels, got {tuple(pixels.shape)}")
-    h, s, v = _hsv(pixels)
-    idx = {c: i for i, c in enumerate(COLORS)}
-    lab = torch.full_like(h, -1, dtype=torch.long)
-
-    def put(cond, name):
-        lab[(lab == -1) & cond] = idx[name] if name in idx else -2  # -2: grey, decided (no vote)
-
-    dark, grey = v < 0.2, s < 0.15
-    put(dark, "black")
-    put(grey & (v >= 0.8), "white")
-    put(grey & (v < 0.35), "black")
-    put(grey, "grey")
-    red = (h >= 340) | (h < 15)
-    put(red & (s < 0.6) & (v > 0.7), "pink")
-    put(red, "red")
-    orange = (h >= 15) & (h < 45)
-    put(orange & (v < 0.65), "brown")
-    put(orange, "orange")
-    put((h >= 45) & (h < 70), "yellow")
-    put((h >= 70) & (h < 165), "green")
-    put((h >= 165) & (h < 255), "blue")
-    put((h >= 255) & (h < 300), "purple")
-    magenta = (h >= 300) & (h < 340)
-    put(magenta & (v < 0.7), "purple")
-    put(magenta, "pink")
-    votes = torch.bincount(lab[lab >= 0], minlength=len(COLORS))
-    if int(votes.sum()) == 0:
-        return "white" if float(v.mean()) >= 0.5 else "black"
-    return COLORS[int(votes.argmax())]  # argmax returns the first maximum: GenEval's list order on ties
-
-
-def _check_mask(d: Detection, h: int, w: int) -> None:
-    if d.mask is not None and tuple(d.mask.shape) != (h, w):
-        raise ValueError(f"detection {d.label!r}: mask {tuple(d.mask.shape)} does not cover the image ({h}, {w})")
-
-
-def _box_slices(box, h: int, w: int) -> tuple[slice, slice]:
-    """Integer pixel slices covering an xyxy box, clipped to the image, at least one pixel each way."""
-    x0 = min(max(int(math.floor(box[0])), 0), w - 1)
-    y0 = min(max(int(math.floor(box[1])), 0), h - 1)
-    x1 = max(min(int(math.ceil(box[2])), w), x0 + 1)
-    y1 = max(min(int(math.ceil(box[3])), h), y0 + 1)
-    return slice(y0, y1), slice(x0, x1)
-
-
-class PixelColorClassifier:
-    """`pixel_color` over each detection's mask pixels inside its box (all box pixels without a mask)."""
-
-    palette = COLORS
-
-    def __call__(self, image: torch.Tensor, detections: list[Detection], class_name: str) -> list[str]:
-        _, H, W = image.shape
-        out = []
-        for d in detections:
-            _check_mask(d, H, W)
-            ys, xs = _box_slices(d.box, H, W)
-            crop = image[:, ys, xs].reshape(3, -1)  # [3, h*w]
-            if d.mask is not None:
-                m = d.mask.to(image.device)[ys, xs].reshape(-1)
-                if bool(m.any()):
-                    crop = crop[:, m]
-            out.append(pixel_color(crop))
-        return out
-
-
-class CLIPColorClassifier:
-    """GenEval's colour classifier (evaluate_images.py `color_classification`): each detection is pasted on a
-    #999 grey background through its mask (if any), cropped to its box, and classified zero-shot among COLORS with
-    the templates "a photo of a {c} {object}", "a photo of a {c}-colored {object}", "a photo of a {c} object"
-    (clip_benchmark's zero_shot_classifier: per colour, the mean of the L2-normalised template embeddings,
-    renormalised). GenEval uses open_clip ViT-L-14 (OpenAI weights); here any transformers CLIP directory."""
-
-    palette = COLORS
-    TEMPLATES = ("a photo of a {c} {cls}", "a photo of a {c}-colored {cls}", "a photo of a {c} object")
-    BACKGROUND = 153 / 255  # "#999"
-
-    def __init__(self, path, device="cpu"):
-        import transformers  # a core dependency of difrl
-        d = local_dir(path, "a CLIP model for colours", "clip_model", "geneval")
-        try:  # the tokenizer and image-processor files sit next to the weights (save_pretrained of both)
-            self.model = transformers.CLIPModel.from_pretrained(str(d), local_files_only=True).eval().to(device)
-            self.processor = transformers.CLIPProcessor.from_pretrained(str(d), local_files_only=True)
-        except (OSError, ValueError) as e:
-            raise RewardConfigError(f"reward 'geneval': cannot load a CLIP model and processor from {str(d)!r} "
-                                    f"(reward.options.geneval.clip_model): {e}") from e
-        self.device = torch.device(device)
-        self.path = d
-        self._text: dict[str, torch.Tensor] = {}
-
-    @torch.no_grad()
-    def class_weights(self, class_name: str) -> torch.Tensor:
-        """[len(COLORS), D] unit colour embeddings for one object class (cached)."""
-        if class_name not in self._text:
-            texts = [t.format(c=c, cls=class_name) for c in COLORS for t in self.TEMPLATES]
-            tok = self.processor.tokenizer(texts, padding=True, return_tensors="pt").to(self.device)
-            f = feature_tensor(self.model.get_text_features(**tok)).float()
-            f = torch.nn.functional.normalize(f, dim=-1).view(len(COLORS), len(self.TEMPLATES), -1).mean(1)
-            self._text[class_name] = torch.nn.functional.normalize(f, dim=-1)
-        return self._text[class_name]
-
-    @torch.no_grad()
-    def __call__(self, image: torch.Tensor, detections: list[Detection], class_name: str) -> list[str]:
-        from PIL import Image
-
-        if not detections:
-            return []
-        _, H, W = image.shape
-        crops = []
-        for d in detections:
-            _check_mask(d, H, W)
-            img = image.float()
-            if d.mask is not None:
-                img = torch.where(d.mask.to(img.device)[None], img, torch.full_like(img, self.BACKGROUND))
-            ys, xs = _box_slices(d.box, H, W)
-            arr = to_uint8(img[:, ys, xs]).permute(1, 2, 0).cpu().numpy()
-            crops.append(Image.fromarray(arr))
-        pix = self.processor.image_processor(images=crops, return_tensors="pt")["pixel_values"].to(self.device)
-        f = feature_tensor(self.model.get_image_features(pixel_values=pix.to(self.model.dtype))).float()
-        logits = torch.nn.functional.normalize(f, dim=-1) @ self.class_weights(class_name).T  # [N, 10]
-        return [COLORS[int(i)] for i in logits.argmax(-1)]
-
-
-# ------------------------------------------------------------------------------------------------------- detectors
-
-
-def load_object(path: str, what: str):
-    """The object named by a 'module:attribute' path."""
-    module, sep, attr = path.partition(":")
-    if not sep or not module or not attr:
-        raise RewardConfigError(f"reward 'geneval': {what} {path!r} must be a built-in name or a 'module:function' path")
-    from difrl.rewards import import_user_module  # the package's __init__ imports the built-ins, this one too
-
-    try:
-        obj = import_user_module(module)  # also from the current directory
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise RewardConfigError(f"reward 'geneval': cannot load {what} {path!r} ({e})") from e
-    if not callable(obj):
-        raise RewardConfigError(f"reward 'geneval': {what} {path!r} is not callable")
-    return obj
-
-
-class SyntheticDetector:
-    """Ground-truth detections from each sample's metadata (`metadata[i][key]`, default "detections"): a list of
-    Detection or dicts {"class", "box": [x0, y0, x1, y1] in pixels, "score"=1.0, "color"?, "mask"?}. For tests and
-    bundled worlds that know what they drew. A sample without the key raises (an empty list means nothing)."""
-
-    def __init__(self, key: str = "detections"):
-        self.key = key
-
-    def __call__(self, images, class_names, metadata=None) -> list[list[Detection]]:
-        if metadata is None:
-            raise ValueError("the synthetic GenEval detector reads metadata[i]['detections'] but got no metadata")
-        out = []
-        for i, m in enumerate(metadata):
-            if self.key not in m:
-                raise ValueError(f"synthetic GenEval detector: metadata[{i}] has no {self.key!r} list (prompt "
-                                 f"{m.get('prompt', '?')!r}); give an empty list for an image with no objects")
-            out.append([as_detection(d) for d in m[self.key]])
-        return out
-
-
-# Detection builders of torchvision that take (weights, weights_backbone, num_classes) and return boxes/labels/scores.
-TORCHVISION_ARCHS = ("fasterrcnn_resnet50_fpn", "fasterrcnn_resnet50_fpn_v2", "fasterrcnn_mobilenet_v3_large_fpn",
-                     "fasterrcnn_mobilenet_v3_large_320_fpn", "maskrcnn_resnet50_fpn", "maskrcnn_resnet50_fpn_v2",
-                     "retinanet_resnet50_fpn", "retinanet_resnet50_fpn_v2", "fcos_resnet50_fpn", "ssd300_vgg16",
-                     "ssdlite320_mobilenet_v3_large")
-
-
-class TorchvisionDetector:
-    """A torchvision detection model (`arch`, one of TORCHVISION_ARCHS) with weights from a LOCAL file (a state
-    dict saved with torch.save or safetensors; never downloaded), e.g. torchvision's
-    `maskrcnn_resnet50_fpn_v2_coco-73cbd019.pth`. Labels are COCO's 91 torchvision categories (or `categories`,
-    a list with "__background__" first), renamed to GenEval's names by `class_map` (default COCO_TO_GENEVAL).
-    `options` go to the builder (e.g. min_size, max_size, box_score_thresh, box_detections_per_img). Mask models
-    give masks (probability > 0.5, torchvision's convention) for the colour classifier."""
-
-    def __init__(self, weights, arch: str = "maskrcnn_resnet50_fpn_v2", device="cpu", options: dict | None = None,
-                 categories: Sequence[str] | None = None, class_map: dict | None = None):
-        tv = optional_import("torchvision", "vision", "geneval")
-        det = importlib.import_module("torchvision.models.detection")
-        if arch not in TORCHVISION_ARCHS or not hasattr(det, arch):
-            raise RewardConfigError(f"reward 'geneval': detector_arch must be one of {TORCHVISION_ARCHS}, got {arch!r}")
-        path = weights  # read first: a bad file fails before the model is built
-        sd = load_state_dict_file(weights, "torchvision detector weights", "detector_weights", "geneval")
-        if categories is None:
-            categories = det.FasterRCNN_ResNet50_FPN_Weights.COCO_V1.meta["categories"]  # no download: metadata
-        self.categories = list(categories)
-        self.class_map = dict(COCO_TO_GENEVAL if class_map is None else class_map)
-        model = getattr(det, arch)(weights=None, weights_backbone=None, num_classes=len(self.categories),
-                                   **(options or {}))
-        result = model.load_state_dict(sd, strict=False)
-        if result.missing_keys or result.unexpected_keys:
-            raise RewardConfigError(
-                f"reward 'geneval': {str(path)!r} does not fit torchvision's {arch} with {len(self.categories)} classes "
-                f"(missing {result.missing_keys[:4]}{'...' if len(result.missing_keys) > 4 else ''}, unexpected "
-                f"{result.unexpected_keys[:4]}{'...' if len(result.unexpected_keys) > 4 else ''}): set detector_arch "
-                "to the file's architecture")
-        self.model = model.eval().to(device)
-        self.device = torch.device(device)
-        self.path, self.arch, self.version = path, arch, f"torchvision-{tv.__version__}-{arch}"
-
-    @torch.no_grad()
-    def __call__(self, images: torch.Tensor, class_names: list[str]) -> list[list[Detection]]:
-        outs = self.model([im.to(self.device, torch.float32) for im in images])  # list of {boxes [N,4], labels, scores}
-        wanted = set(class_names)
-        result = []
-        for out in outs:
-            dets = []
-            masks = out.get("masks")  # [N, 1, H, W] probabilities (mask models only)
-            for k in range(len(out["scores"])):
-                name = self.categories[int(out["labels"][k])]
-                name = self.class_map.get(name, name)
-                if name not in wanted:
-                    continue
-                mask = None if masks is None else masks[k, 0] > 0.5
-                dets.append(Detection(name, float(out["scores"][k]), out["boxes"][k].tolist(), mask))
-            result.append(dets)
-        return result
-
-
-def _call_detector(detector, images, class_names, metadata):
-    """Call a detector, passing `metadata=` when its signature takes it (or **kwargs)."""
-    try:
-        target = detector.forward if isinstance(detector, torch.nn.Module) else detector  # Module.__call__ is (*a, **k)
-        params = inspect.signature(target).parameters
-        takes_meta = "metadata" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-    except (TypeError, ValueError):
-        takes_meta = False
-    return detector(images, class_names, metadata=metadata) if takes_meta else detector(images, class_names)
-
-
 # ---------------------------------------------------------------------------------------------------------- reward
 
 
@@ -623,62 +303,12 @@ class GenEvalReward(RewardModel):
         self.rules = GenEvalRules(threshold, counting_threshold, max_objects, max_overlap, position_threshold,
                                   clamp_partial)
         self.check_prompt = bool(check_prompt)
-        if detector == "synthetic":
-            self.detector, det_version = SyntheticDetector(), "synthetic"
-        elif detector == "torchvision":
-            self.detector = TorchvisionDetector(detector_weights, detector_arch, self.device, detector_options,
-                                                class_map=class_map)
-            self.weight_files.append(self.detector.path)
-            det_version = self.detector.version
-        elif callable(detector):
-            self.detector, det_version = detector, getattr(detector, "__name__", type(detector).__name__)
-        elif isinstance(detector, str):
-            self.detector, det_version = load_object(detector, "detector"), detector
-        else:
-            raise RewardConfigError(f"reward 'geneval': detector must be 'synthetic', 'torchvision', a "
-                                    f"'module:function' path or a callable, got {detector!r}")
-        if detector != "torchvision" and (detector_weights or detector_options or class_map):
-            raise RewardConfigError("reward 'geneval': detector_weights / detector_options / class_map apply to "
-                                    f"detector='torchvision' only (detector is {detector!r})")
-        if color_classifier == "pixel":
-            self.color_classifier, col_version = PixelColorClassifier(), "pixel"
-        elif color_classifier == "clip":
-            self.color_classifier = CLIPColorClassifier(clip_model, self.device)
-            self.weight_files.append(self.color_classifier.path)
-            col_version = "clip"
-        elif color_classifier in (None, "none"):
-            self.color_classifier, col_version = None, "none"
-        elif callable(color_classifier):
-            self.color_classifier = color_classifier
-            col_version = getattr(color_classifier, "__name__", type(color_classifier).__name__)
-        elif isinstance(color_classifier, str):
-            self.color_classifier, col_version = load_object(color_classifier, "color_classifier"), color_classifier
-        else:
-            raise RewardConfigError(f"reward 'geneval': color_classifier must be 'pixel', 'clip', 'none', a "
-                                    f"'module:function' path or a callable, got {color_classifier!r}")
-        if color_classifier != "clip" and clip_model:
-            raise RewardConfigError("reward 'geneval': clip_model applies to color_classifier='clip' only")
+        self.detector, det_version, det_weights = build_detector(detector, detector_weights, detector_arch,
+                                                                 detector_options, class_map, self.device)
+        self.color_classifier, col_version, col_weights = build_color_classifier(color_classifier, clip_model,
+                                                                                 self.device)
+        self.weight_files += [p for p in (det_weights, col_weights) if p is not None]
         self.version = f"1+{det_version}+{col_version}"
-
-    def _colors_of(self, image: torch.Tensor, asked: set[str]) -> ColorsOf:
-        """Colours of detections: their own `color` when set, else the classifier's on `image` [3, H, W]."""
-        def colors_of(dets: list[Detection], cls: str) -> list[str]:
-            need = [d for d in dets if d.color is None]
-            got: dict[int, str] = {}
-            if need:
-                if self.color_classifier is None:
-                    return _colors_from_detections(dets, cls)  # raises, naming the class
-                palette = getattr(self.color_classifier, "palette", None)
-                if palette is not None and not asked <= set(palette):
-                    raise ValueError(f"GenEval: colours {sorted(asked - set(palette))} are not among the colour "
-                                     f"classifier's {list(palette)}")
-                answers = list(self.color_classifier(image, need, cls))
-                if len(answers) != len(need):
-                    raise ValueError(f"GenEval colour classifier returned {len(answers)} colours for {len(need)} "
-                                     "detections")
-                got = {id(d): c for d, c in zip(need, answers)}
-            return [d.color if d.color is not None else got[id(d)] for d in dets]
-        return colors_of
 
     def score(self, images, prompts, metadata):
         B = images.shape[0]
@@ -690,7 +320,7 @@ class GenEvalReward(RewardModel):
                                  f"prompt is {p!r} (misaligned metadata?); set check_prompt=false if intended")
             records.append(rec)
         class_names = sorted({req["class"] for r in records for req in r.get("include", []) + r.get("exclude", [])})
-        detections = _call_detector(self.detector, images, class_names, metadata)
+        detections = call_detector(self.detector, images, class_names, metadata)
         if not isinstance(detections, (list, tuple)) or len(detections) != B:
             n = len(detections) if isinstance(detections, (list, tuple)) else type(detections).__name__
             raise ValueError(f"GenEval detector returned {n} detection lists for {B} images")
@@ -701,7 +331,7 @@ class GenEvalReward(RewardModel):
             tag = rec.get("tag")
             objects = self.rules.select(detections[i], tag)
             asked = {req["color"] for req in rec.get("include", []) if "color" in req}
-            res = self.rules.evaluate(rec, objects, self._colors_of(images[i], asked))
+            res = self.rules.evaluate(rec, objects, detection_colors(self.color_classifier, images[i], asked))
             out["geneval"][i], out["strict"][i] = res.partial, float(res.strict)
             out["count"][i], out["color"][i], out["position"][i] = res.count, res.color, res.position
             out["objects"][i] = sum(len(v) for v in objects.values())
