@@ -22,7 +22,7 @@ import torch
 
 from difrl.rewards.base import RewardConfigError, local_dir
 from difrl.rewards.geneval_detect import Detection, box_slices, check_mask, load_pluggable
-from difrl.rewards.vision import feature_tensor
+from difrl.rewards.vision import feature_tensor, load_clip_model
 from difrl.utils.images import to_uint8
 
 # GenEval's colour list (djghosh13/geneval prompts/create_prompts.py, evaluation/evaluate_images.py).
@@ -128,10 +128,14 @@ class CLIPColorClassifier:
 
     def __init__(self, path, device="cpu"):
         import transformers  # a core dependency of difrl
+
         d = local_dir(path, "a CLIP model for colours", "clip_model", "geneval")
         try:  # the tokenizer and image-processor files sit next to the weights (save_pretrained of both)
-            self.model = transformers.CLIPModel.from_pretrained(str(d), local_files_only=True).eval().to(device)
+            model, _ = load_clip_model(d, "reward.options.geneval.clip_model", "reward 'geneval'")  # strict, eval
+            self.model = model.to(device)
             self.processor = transformers.CLIPProcessor.from_pretrained(str(d), local_files_only=True)
+        except RewardConfigError:
+            raise
         except (OSError, ValueError) as e:
             raise RewardConfigError(f"reward 'geneval': cannot load a CLIP model and processor from {str(d)!r} "
                                     f"(reward.options.geneval.clip_model): {e}") from e
