@@ -118,6 +118,22 @@ class DigitsFlowNet(nn.Module):
 BUNDLED_BASE = Path(__file__).resolve().parent.parent / "assets" / "digits_base.safetensors"
 
 
+def net_from_checkpoint(path: Path, what: str, config_cls, net_cls, meta_check=None) -> nn.Module:
+    """A bundled network from its safetensors: the config's integer fields from the file's metadata, then every
+    tensor loaded strictly (a missing or unexpected key names the file as not `what`). `meta_check(meta)` may
+    raise first (a checkpoint of another model)."""
+    from difrl.utils.io import load_safetensors_checked
+
+    tensors, meta = load_safetensors_checked(path, what=what)
+    if meta_check is not None:
+        meta_check(meta)
+    net = net_cls(config_cls(**{k: int(meta[k]) for k in asdict(config_cls()) if k in meta}))
+    missing, unexpected = net.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path} is not a {what}: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    return net
+
+
 class DigitsPolicy(HoldsNet):
     """FlowPolicy adapter for DigitsFlowNet."""
 
@@ -131,17 +147,8 @@ class DigitsPolicy(HoldsNet):
 
     @classmethod
     def from_checkpoint(cls, path: str | Path | None = None) -> "DigitsPolicy":
-        from difrl.utils.io import load_safetensors_checked
-
-        path = Path(path) if path else BUNDLED_BASE
-        tensors, meta = load_safetensors_checked(path, what="digits generator checkpoint")
-        fields = {k: int(meta[k]) for k in asdict(DigitsNetConfig()) if k in meta}
-        net = DigitsFlowNet(DigitsNetConfig(**fields))
-        missing, unexpected = net.load_state_dict(tensors, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"{path} is not a digits generator checkpoint: missing {missing[:4]}, "
-                             f"unexpected {unexpected[:4]}")
-        return cls(net)
+        return cls(net_from_checkpoint(Path(path) if path else BUNDLED_BASE, "digits generator checkpoint",
+                                       DigitsNetConfig, DigitsFlowNet))
 
     def encode(self, prompts: list[str]) -> Cond:
         labels = [parse_digit_prompt(p) for p in prompts]

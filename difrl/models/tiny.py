@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import string
 
-import torch
-
 TEXT_LEN = 16  # CLIP context of the tiny tokenizers / encoders (the real ones use 77)
 
 

@@ -17,14 +17,14 @@ tokens of classifier-free guidance (trained with prompt dropout).
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from difrl.models.base import Cond, HoldsNet
-from difrl.models.digits import DIGIT_WORDS, gated_mlp, sigma_embedding, zero_linear
+from difrl.models.digits import DIGIT_WORDS, gated_mlp, net_from_checkpoint, sigma_embedding, zero_linear
 
 DIRECTIONS = ("left", "right", "up", "down")
 # unit displacement per frame (dx, dy) in image coordinates (y grows downwards)
@@ -159,19 +159,15 @@ class MovingDigitsPolicy(HoldsNet):
 
     @classmethod
     def from_checkpoint(cls, path: str | Path | None = None) -> "MovingDigitsPolicy":
-        from difrl.utils.io import load_safetensors_checked
-
         path = Path(path) if path else BUNDLED_BASE
-        tensors, meta = load_safetensors_checked(path, what="moving-digits generator checkpoint")
-        if meta.get("model") != "moving_digits":
-            raise ValueError(f"{path} is not a moving-digits generator checkpoint (its metadata has no "
-                             "model=moving_digits; scripts/pretrain_moving_digits.py writes one)")
-        net = VideoFlowNet(VideoNetConfig(**{k: int(meta[k]) for k in asdict(VideoNetConfig()) if k in meta}))
-        missing, unexpected = net.load_state_dict(tensors, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"{path} is not a moving-digits generator checkpoint: missing {missing[:4]}, "
-                             f"unexpected {unexpected[:4]}")
-        return cls(net)
+
+        def meta_check(meta: dict) -> None:
+            if meta.get("model") != "moving_digits":
+                raise ValueError(f"{path} is not a moving-digits generator checkpoint (its metadata has no "
+                                 "model=moving_digits; scripts/pretrain_moving_digits.py writes one)")
+
+        return cls(net_from_checkpoint(path, "moving-digits generator checkpoint", VideoNetConfig, VideoFlowNet,
+                                       meta_check))
 
     def encode(self, prompts: list[str]) -> Cond:
         pairs = [parse_moving_prompt(p) for p in prompts]
