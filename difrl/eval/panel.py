@@ -7,10 +7,10 @@
 Held-out rewards are scored on the same fixed-seed evaluation samples as the training reward and are
 never trained on, so a training reward that climbs while they stay flat or fall is reward hacking
 (rewards-eval.md §3.2). The Fréchet distance uses a named extractor from local weights
-(difrl.eval.extractors, difrl.eval.reference): Inception (FID, TF1 resize), CLIP or DINOv2, against a reference image directory
-(resized to the samples' size, bicubic) or a saved FeatureStats `.npz`; the reference statistics
-are cached per (dataset, extractor, weights, resolution). Videos [N, F, 3, H, W] are scored per
-frame against the reference images (`fd` over all frames; the report says "per frame"), and with
+(difrl.eval.extractors, difrl.eval.reference): Inception (FID, TF1 resize), CLIP or DINOv2, against a
+reference image directory (resized to the samples' size, bicubic) or a saved FeatureStats `.npz`; the
+reference statistics are cached per (dataset, extractor, weights, resolution). Videos [N, F, 3, H, W] are
+scored per frame against the reference images (`fd` over all frames; the report says "per frame"), and with
 `eval.fid.reference_clips` (a directory of GIF / animated WebP clips) at the clip level: `fd_clip`
 on a clip feature made of the mean frame feature and the mean absolute change between consecutive
 frame features ([2 D], so clips of any length compare; a simple appearance + motion summary, not

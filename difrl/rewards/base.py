@@ -83,20 +83,21 @@ class RewardModel:
         return self.score(samples, prompts, metadata if metadata is not None else [{} for _ in prompts])
 
 
-def _where(option: str, reward: str) -> dict:
-    """The reward layer's naming for difrl.utils.local: the full option and who needs it."""
+def option_names(option: str, reward: str) -> dict:
+    """The reward layer's naming for the path and model helpers (difrl.utils.local, difrl.rewards.vision): the full
+    option `reward.options.<reward>.<option>`, who needs it and the error class, as keyword arguments."""
     return {"option": f"reward.options.{reward}.{option}", "who": f"reward {reward!r}", "error": RewardConfigError}
 
 
 def local_file(path, what: str, option: str, reward: str) -> Path:
     """A weights file that must exist locally; the error names the reward, reward.options.<reward>.<option> and the
     path (difrl.utils.local.local_file with RewardConfigError)."""
-    return _local.local_file(path, what, **_where(option, reward))
+    return _local.local_file(path, what, **option_names(option, reward))
 
 
 def local_dir(path, what: str, option: str, reward: str, needs: tuple[str, ...] = ("config.json",)) -> Path:
     """A `save_pretrained` directory that must exist locally and hold `needs`; the error names what is missing."""
-    return _local.local_dir(path, what, **_where(option, reward), needs=needs)
+    return _local.local_dir(path, what, **option_names(option, reward), needs=needs)
 
 
 def optional_import(module: str, extra: str, reward: str, hint: str = ""):

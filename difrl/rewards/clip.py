@@ -34,14 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from difrl.rewards import register_reward
-from difrl.rewards.base import RewardConfigError, RewardModel, load_state_dict_file, local_dir, local_file
+from difrl.rewards.base import (RewardConfigError, RewardModel, load_state_dict_file, local_dir, local_file,
+                                option_names)
 from difrl.rewards.vision import (TextEmbeddingCache, clip_config, clip_image_settings, feature_tensor,
                                   load_clip_model, preprocess_clip)
-
-
-def _option(reward: str, option: str) -> dict:
-    """The naming of the CLIP helpers in difrl.rewards.vision for one option of one reward."""
-    return {"option": f"reward.options.{reward}.{option}", "who": f"reward {reward!r}"}
 
 
 def _check_processor_dir(path, reward: str, option: str, text: bool, note: str = "") -> Path:
@@ -81,9 +77,9 @@ class _HFClipReward(RewardModel):
         popt = "processor_dir" if processor_dir not in (None, "") else "model_dir"
         pdir = _check_processor_dir(processor_dir if processor_dir not in (None, "") else mdir, self.name, popt,
                                     text=True, note=processor_note)  # before the (GBs) model loads
-        self.model, _ = load_clip_model(mdir, **_option(self.name, "model_dir"))
+        self.model, _ = load_clip_model(mdir, **option_names("model_dir", self.name))
         self.tokenizer = AutoTokenizer.from_pretrained(str(pdir), local_files_only=True)
-        self.image_settings = clip_image_settings(pdir, **_option(self.name, popt))
+        self.image_settings = clip_image_settings(pdir, **option_names(popt, self.name))
         # exp(logit_scale) in float32 before the cast (a bf16 logit_scale = ln 100 would give 98.86)
         self.logit_scale_exp = float(self.model.logit_scale.detach().float().exp())
         self.model.to(device=self.device, dtype=self.dtype)
@@ -238,16 +234,16 @@ class Aesthetic(RewardModel):
         popt = "processor_dir" if processor_dir not in (None, "") else "clip_dir"
         pdir = _check_processor_dir(processor_dir if processor_dir not in (None, "") else cdir, "aesthetic", popt,
                                     text=False)
-        cfg = clip_config(cdir, **_option("aesthetic", "clip_dir"))
+        cfg = clip_config(cdir, **option_names("clip_dir", "aesthetic"))
         dim = int(cfg.get("projection_dim", 512))  # CLIPConfig's default
         in_dim = self.mlp.layers[0].in_features
         if in_dim != dim:
             raise RewardConfigError(f"reward 'aesthetic': the MLP {str(mlp_file)!r} (reward.options.aesthetic.mlp_path) "
                                     f"takes {in_dim}-d embeddings but the CLIP in {str(cdir)!r} (clip_dir) makes "
                                     f"{dim}-d ones (the LAION MLP goes with CLIP ViT-L/14: 768-d)")
-        self.clip, _ = load_clip_model(cdir, **_option("aesthetic", "clip_dir"), vision_only=True)
+        self.clip, _ = load_clip_model(cdir, **option_names("clip_dir", "aesthetic"), vision_only=True)
         assert int(self.clip.config.projection_dim) == dim
-        self.image_settings = clip_image_settings(pdir, **_option("aesthetic", popt))
+        self.image_settings = clip_image_settings(pdir, **option_names(popt, "aesthetic"))
         self.clip.to(device=self.device, dtype=self.dtype)
         self.mlp.to(device=self.device)
         self.weight_files = list(dict.fromkeys([cdir, pdir, mlp_file]))  # hashed with difrl.utils.io.weights_sha256

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from difrl.rewards.base import RewardConfigError, local_dir
+from difrl.rewards.base import RewardConfigError, local_dir, option_names
 from difrl.rewards.geneval_detect import Detection, box_slices, check_mask, load_pluggable
 from difrl.rewards.vision import feature_tensor, load_clip_model
 from difrl.utils.images import to_uint8
@@ -131,7 +131,7 @@ class CLIPColorClassifier:
 
         d = local_dir(path, "a CLIP model for colours", "clip_model", "geneval")
         try:  # the tokenizer and image-processor files sit next to the weights (save_pretrained of both)
-            model, _ = load_clip_model(d, "reward.options.geneval.clip_model", "reward 'geneval'")  # strict, eval
+            model, _ = load_clip_model(d, **option_names("clip_model", "geneval"))  # strict, eval
             self.model = model.to(device)
             self.processor = transformers.CLIPProcessor.from_pretrained(str(d), local_files_only=True)
         except RewardConfigError:

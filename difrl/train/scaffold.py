@@ -93,9 +93,9 @@ def sharded_processes():
     process runs the whole iteration and only the model (parameters, gradients, optimizer state) is split. More
     than one process without FSDP would only repeat the same run, so it is refused (ConfigError)."""
     from difrl.config import ConfigError
-    from difrl.train.sharding import fsdp_settings
+    from difrl.train.sharding import fsdp_requested, fsdp_settings
 
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not fsdp_requested():
         return None, None
     from accelerate import Accelerator
 

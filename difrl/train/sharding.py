@@ -45,11 +45,16 @@ class FSDPSettings:
     block_classes: tuple[str, ...] | None = None  # the config's fsdp_transformer_layer_cls_to_wrap, if set
 
 
+def fsdp_requested() -> bool:
+    """Whether this launch asked for FSDP: `accelerate launch` with an FSDP config sets ACCELERATE_USE_FSDP."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
 def fsdp_settings(accelerator) -> FSDPSettings | None:
     """The FSDP settings of this launch (accelerate's FSDP plugin, read from the environment that
     `accelerate launch --config_file ...` sets), or None when the launch did not ask for FSDP. Raises
     ConfigError for FSDP version 1: difrl shards with FSDP2 only."""
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+    if not fsdp_requested():
         return None
     from accelerate.utils import FullyShardedDataParallelPlugin
 
