@@ -44,6 +44,7 @@ from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, clip_and_st
 from difrl.train.sharding import fsdp_settings, gathered, refuse_unsupported
 from difrl.train.state import EMA, trainable_params
 from difrl.tree_rollout import tree_rollout
+from difrl.utils.collectives import gather, reduce
 from difrl.utils.rng import mix_seed
 from difrl.worlds import build_world
 
@@ -119,7 +120,8 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
                     policy, rollout_copy, world.prompts, group_prompt, cfg.seed, it, cfg.solrl.candidates, G,
                     world.sigmas(cfg.solrl.preview_steps, cfg.sampler.shift),
                     lambda *a: candidate_reward(cfg, world, rewards, weights, run, it, accelerator.print, *a),
-                    cfg.solrl.select, cfg.sampler.guidance, cfg.solrl.batch, rank, world_size, accelerator.gather)
+                    cfg.solrl.select, cfg.sampler.guidance, cfg.solrl.batch, rank, world_size,
+                    lambda t: gather(accelerator, t))
                 seeds = init_seeds = pool.seeds[k]
                 stage["nfe_lowprec"] += pool.size * cfg.solrl.preview_steps * nfe
                 stage["seconds_candidates"] = time.perf_counter() - t_c
@@ -162,8 +164,9 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
         t_adv = time.perf_counter()
 
         # ==================================================================== advantage
-        all_scores = {name: accelerator.gather(v) for name, v in scores.items()}
-        all_groups, all_bad = accelerator.gather(group_ids), accelerator.gather(bad.long()).bool()
+        # every collective through difrl.utils.collectives: on the accelerator's device (NCCL), back on the host here
+        all_scores = {name: gather(accelerator, v) for name, v in scores.items()}
+        all_groups, all_bad = gather(accelerator, group_ids), gather(accelerator, bad.long()).bool()
         failed_frac = track_reward_failures(run.state, int(all_bad.sum()), len(all_bad), cfg.reward.max_failed_frac,
                                             f"iteration {it}", lambda: run.checkpoint(it), run_dir)
         adv, failed = valid_group_advantages(all_scores, weights, all_groups, all_bad, cfg.advantage, cfg.reward.aggregate)
@@ -243,7 +246,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
             "dropped_groups": int(all_groups[~keep_all].unique().numel()),
             "failed_reward_groups": int(bad_groups.numel()), "failed_reward_frac": failed_frac,
             "trained_samples": int(keep_all.sum()),
-            "nfe_train": int(accelerator.gather(torch.tensor([len(batch)])).sum()) * T_rec * cfg.train.inner_epochs * nfe,
+            "nfe_train": int(gather(accelerator, torch.tensor([len(batch)])).sum()) * T_rec * cfg.train.inner_epochs * nfe,
             "loss": upd.get("policy_loss", 0.0) + (cfg.nft.ref_beta if nft else cfg.train.kl_beta) * upd.get("kl", 0.0),
             **stage,
             **upd,
@@ -343,9 +346,7 @@ def candidate_reward(cfg: FlowConfig, world, rewards, weights, run: Run, it: int
 
 def tree_stats(tr, advantages: torch.Tensor, accelerator) -> dict:
     """Edges trained and sampled (all processes) and the mean |advantage| of the trained ones."""
-    adv_sum = torch.tensor([float(advantages.abs().sum()), float(len(advantages))], dtype=torch.float64)
-    if accelerator.num_processes > 1:
-        adv_sum = accelerator.reduce(adv_sum.to(accelerator.device), "sum").cpu()
+    adv_sum = reduce(accelerator, torch.tensor([float(advantages.abs().sum()), float(len(advantages))], dtype=torch.float64))
     return {"tree/edges_trained": int(adv_sum[1]), "tree/edges_sampled": len(tr.edges) * accelerator.num_processes,
             "tree/edge_adv_abs_mean": float(adv_sum[0] / max(float(adv_sum[1]), 1.0))}
 

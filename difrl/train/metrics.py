@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from difrl.utils.collectives import reduce
+
 
 class Metrics:
     """Means over one iteration's micro-steps (all processes together), plus per-step ratio mean/std
@@ -57,13 +59,22 @@ class Metrics:
         acc[2].index_add_(0, j, torch.ones_like(r) if w is None else w)
 
     def result(self, accelerator=None) -> dict:
+        """Means over the micro-steps (and processes). The sums and counts are packed where they live and read
+        to the host once (a read per metric would be a sync each on a GPU)."""
         names = sorted(self.sums)  # every process logs the same names
-        packed = torch.stack([torch.stack([self.sums[k].cpu() for k in names]) if names else torch.zeros(0, dtype=torch.float64),
-                              torch.tensor([float(self.counts[k]) for k in names], dtype=torch.float64)])
-        per_step = {k: v.cpu() for k, v in sorted(self.per_step.items())}
-        if accelerator is not None and accelerator.num_processes > 1:
-            packed = accelerator.reduce(packed.to(accelerator.device), "sum").cpu()
-            per_step = {k: accelerator.reduce(v.to(accelerator.device), "sum").cpu() for k, v in per_step.items()}
+        dev = next((v.device for v in (*self.sums.values(), *self.per_step.values())), torch.device("cpu"))
+        counts = torch.tensor([0.0 if torch.is_tensor(self.counts[k]) else float(self.counts[k]) for k in names],
+                              dtype=torch.float64).to(dev, non_blocking=True)
+        for i, k in enumerate(names):
+            if torch.is_tensor(self.counts[k]):  # a masked count still on the device: written there, no sync
+                counts[i] = self.counts[k]
+        sums = (torch.stack([self.sums[k].to(dev, non_blocking=True) for k in names]) if names
+                else torch.zeros(0, dtype=torch.float64, device=dev))
+        packed, per_step = torch.stack([sums, counts]), dict(sorted(self.per_step.items()))
+        if accelerator is not None:  # summed over processes (on the accelerator's device: NCCL takes no host tensor)
+            packed = reduce(accelerator, packed)
+            per_step = {k: reduce(accelerator, v) for k, v in per_step.items()}
+        packed, per_step = packed.cpu(), {k: v.cpu() for k, v in per_step.items()}
         out = {k: float(packed[0, i] / max(packed[1, i], 1.0)) for i, k in enumerate(names)}
         for name, acc in per_step.items():
             steps = {}

@@ -1,0 +1,35 @@
+"""Collectives over the processes of a run, with their tensors on the accelerator's device: the one way the trainers
+gather and reduce.
+
+    all_scores = gather(accelerator, scores)          # [B] on this process -> [N * B], back where `scores` was
+    totals = reduce(accelerator, sums, "sum")         # summed over processes, back where `sums` was
+    score = lambda t: gather(accelerator, t)          # what Sol-RL's candidate pool takes
+
+NCCL, the backend of every multi-GPU run, takes only tensors on the process's GPU ("Tensors must be CUDA and
+dense"), while gloo, the backend of the CPU tests, takes host tensors too: a reward's scores, group ids or a
+Python count wrapped in a tensor are on the host, so handing them to accelerate's gather as they are works in
+every CPU test and crashes the first iteration on GPUs. Here the tensor goes to `accelerator.device` for the
+collective and comes back to the device it came from (the caller's choice of where to compute next). On one
+process accelerate returns the input, so the copies cost two tiny transfers an iteration; they are kept there too,
+so that a test accelerator can check every collective's input on one process (tests/device_strict.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_device(accelerator, t: torch.Tensor) -> torch.Tensor:
+    """`t` on the accelerator's device (non-blocking from the host: the collective orders after the copy)."""
+    return t.to(accelerator.device, non_blocking=True)
+
+
+def gather(accelerator, t: torch.Tensor) -> torch.Tensor:
+    """Every process's `t`, concatenated along dim 0 in rank order (accelerate's gather), on `t`'s device.
+    Every process must call it, in the same order, with the same shape except dim 0 equal too."""
+    return accelerator.gather(to_device(accelerator, t)).to(t.device)
+
+
+def reduce(accelerator, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """`t` reduced over processes ("sum" or "mean", accelerate's reduce), on `t`'s device. Collective."""
+    return accelerator.reduce(to_device(accelerator, t), op).to(t.device)
