@@ -189,6 +189,18 @@ def emulated_device():
             threading.Thread.run = run
 
 
+def move_to_device(obj):
+    """`obj.to(DEVICE)` (a module or a diffusers pipeline) with the parameter objects kept: tied weights stay tied
+    (BERT's embeddings and decoder), as `.to("cuda")` keeps them. A plain `.to` would replace each parameter by a new
+    one per module, since a wrapper subclass cannot take the place of a plain tensor's data."""
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        return obj.to(DEVICE)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+
+
 @contextmanager
 def host_only():
     """Inside an emulated_device() block: plain PyTorch again (e.g. a loader that builds on the real meta device)."""

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from device_strict import DEVICE, HostTensorInCollective, OnDevice, StrictAccelerator, emulated_device, host_only
+from device_strict import (DEVICE, HostTensorInCollective, OnDevice, StrictAccelerator, emulated_device, host_only,
+                           move_to_device)
 
 pytest.importorskip("diffusers")
 
@@ -117,7 +118,7 @@ def train_flow(path: Path, out: Path, overrides: list[str], monkeypatch, on_devi
     def load_on_device(kind, model_path, **options):  # the whole pipeline where a GPU run puts it (policy_device)
         with host_only():  # loading builds on the real meta device first (low_cpu_mem_usage): host semantics
             policy = real_load(kind, model_path, **{**options, "device": None})
-        policy.pipe.to(DEVICE)
+        move_to_device(policy.pipe)
         return policy
 
     real_load = adapters.load_flow_policy
@@ -146,3 +147,51 @@ def test_flow_trainer_on_a_strict_device_equals_the_cpu_run(method, tiny_flux, t
     assert on_dev["eval_after"] == pytest.approx(on_cpu["eval_after"], rel=1e-4)
     assert (tmp_path / "device" / "lora" / "pytorch_lora_weights.safetensors").is_file()
 
+
+
+# ------------------------------------------------------------------------------------------ the masked trainer
+
+
+# the text world is the masked world that runs on a GPU (its LM goes to cuda when there is one); Sudoku and the
+# digit tokens keep their tiny policies on the CPU by design, as the digits flow world does
+MASKED = {
+    "text": (ROOT / "configs" / "text_arithmetic.yaml",
+             ["seed=3", "threads=1", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=8",
+              "train.inner_updates=2", "train.iterations=2", "eval.count=4", "eval.samples=2", "eval.pass_k=[1,2]",
+              "eval.every=0", "checkpoint_every=1"]),
+}
+
+
+def train_masked(config, overrides: list[str], out: Path, monkeypatch, on_device: bool) -> dict:
+    import difrl.train.masked as masked
+    from difrl.train.masked_config import load_masked_config
+
+    cfg = load_masked_config(config, overrides)
+    if not on_device:
+        return masked.train(cfg, out_dir=out)
+    real_build = masked.build_masked_world
+
+    def build_on_device(cfg):  # the world's policy where a GPU run puts it (the text world: cuda when available)
+        with host_only():
+            world = real_build(cfg)
+        for mod in world.policy.module.modules():  # transformers' hub-kernel switch checks the device's name, and
+            if getattr(mod, "_use_kernels", False):  # "meta" is not one it knows (a GPU's "cuda" is): off here
+                mod._use_kernels = False
+        move_to_device(world.policy.module)
+        return world
+
+    with monkeypatch.context() as m, emulated_device():
+        m.setattr(masked, "build_masked_world", build_on_device)
+        return masked.train(cfg, out_dir=out)
+
+
+@pytest.mark.parametrize("world", sorted(MASKED))
+def test_masked_trainer_on_a_strict_device_equals_the_cpu_run(world, tmp_path, monkeypatch):
+    config, overrides = MASKED[world]
+    on_dev = train_masked(config, overrides, tmp_path / "device", monkeypatch, on_device=True)
+    on_cpu = train_masked(config, overrides, tmp_path / "cpu", monkeypatch, on_device=False)
+    for dev_row, cpu_row in zip(rows(tmp_path / "device"), rows(tmp_path / "cpu"), strict=True):
+        assert dev_row.keys() == cpu_row.keys()
+        numbers = {k for k, v in cpu_row.items() if isinstance(v, float)}
+        assert {k: dev_row[k] for k in numbers} == pytest.approx({k: cpu_row[k] for k in numbers}, rel=1e-4, abs=1e-6)
+    assert on_dev["eval_after"] == pytest.approx(on_cpu["eval_after"], rel=1e-4)
