@@ -74,16 +74,25 @@ class Rollout:
     def select(self, index: torch.Tensor) -> "Rollout":
         """Rows `index` of every per-sample field; an ``extras`` tensor with one row per sample is indexed
         too (tree edges' ``logprob_scale``), any other extra is kept whole."""
-        idx = index.tolist()
+        # `index` goes to each device once (ids and seeds stay on the host; the trajectory lives on the policy's
+        # device, where indexing with a host index would copy it, a sync on a GPU, once per field)
+        host = index.cpu()
+        on: dict[torch.device, torch.Tensor] = {host.device: host, index.device: index}
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            if t.device not in on:
+                on[t.device] = index.to(t.device, non_blocking=True)
+            return t[on[t.device]]
+
         B = len(self)
-        extras = {k: v[index] if torch.is_tensor(v) and v.ndim >= 1 and v.shape[0] == B else v
+        extras = {k: pick(v) if torch.is_tensor(v) and v.ndim >= 1 and v.shape[0] == B else v
                   for k, v in self.extras.items()}
         return replace(
-            self, prompts=[self.prompts[i] for i in idx], prompt_ids=self.prompt_ids[index],
-            group_ids=self.group_ids[index], seeds=self.seeds[index], init_seeds=self.init_seeds[index],
-            cond=cond_select(self.cond, index), x_final=self.x_final[index], step=self.step[index],
-            x=self.x[index], x_next=self.x_next[index], sigma=self.sigma[index], sigma_next=self.sigma_next[index],
-            log_prob_old=self.log_prob_old[index], mean_old=self.mean_old[index], extras=extras,
+            self, prompts=[self.prompts[i] for i in host.tolist()], prompt_ids=pick(self.prompt_ids),
+            group_ids=pick(self.group_ids), seeds=pick(self.seeds), init_seeds=pick(self.init_seeds),
+            cond={k: pick(v) for k, v in self.cond.items()}, x_final=pick(self.x_final), step=pick(self.step),
+            x=pick(self.x), x_next=pick(self.x_next), sigma=pick(self.sigma), sigma_next=pick(self.sigma_next),
+            log_prob_old=pick(self.log_prob_old), mean_old=pick(self.mean_old), extras=extras,
         )
 
 

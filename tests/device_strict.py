@@ -39,7 +39,8 @@ MIXING_OK = {aten.copy_.default, aten._to_copy.default, aten.index.Tensor, aten.
              aten._index_put_impl_.default, aten.index_put.default, aten._copy_from.default,
              aten._copy_from_and_resize.default}
 # device -> host reads: one sync each on a GPU
-HOST_READS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default}
+HOST_READS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default, aten.equal.default,
+              aten.is_nonzero.default}
 
 
 class OnDevice(torch.Tensor):
@@ -122,8 +123,13 @@ class EmulatedDevice(TorchDispatchMode):
             if host:
                 raise RuntimeError(f"{func}: expected all tensors to be on the same device, but found at least two "
                                    f"devices, {DEVICE} and cpu (a host tensor of shape {tuple(host[0].shape)})")
-        if dev_in and func in HOST_READS:
-            self.host_reads += 1
+        if func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default) \
+                and not on_device(args[0]) and any(on_device(i) for i in args[1] if i is not None):
+            raise RuntimeError(f"{func}: indices should be either on cpu or on the same device as the indexed tensor "
+                               "(cpu)")  # CUDA: a host tensor cannot be indexed with device indices
+        if dev_in and (func in HOST_READS or (kwargs.get("device") is not None and not to_device)
+                       or (func is aten.copy_.default and not on_device(args[0]))):
+            self.host_reads += 1  # a value read on the host or a copy to it: a sync each on a GPU
         unwrap = lambda a: a.inner if on_device(a) else a  # noqa: E731
         inner_args, inner_kwargs = pytree.tree_map(unwrap, (args, kwargs))
         if _is_device_kw(inner_kwargs.get("device")):

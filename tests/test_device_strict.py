@@ -44,6 +44,8 @@ def test_the_emulated_device_keeps_values_and_refuses_what_cuda_refuses():
         assert isinstance(lin.weight.grad, OnDevice)
         assert torch.equal(lin.weight.grad.cpu(), 2 * ((x @ lin.weight.T + lin.bias).T @ x).cpu())
         assert x[torch.tensor([0, 2])].shape == (2, 4)  # host index tensors: allowed, as on CUDA
+        with pytest.raises(RuntimeError, match="indices should be"):
+            host[torch.tensor([0, 2]).to(DEVICE)]  # a host tensor indexed on the device: refused, as on CUDA
         assert torch.equal((x + torch.tensor(1.0)).cpu(), host + 1)  # a 0-dim host tensor: allowed
         with pytest.raises(RuntimeError, match="same device"):
             x + torch.ones(3, 4)
@@ -64,6 +66,47 @@ def test_a_host_tensor_in_a_collective_fails_and_the_helper_moves_it():
         on_dev = reduce(acc, torch.ones(2).to(DEVICE))
         assert isinstance(on_dev, OnDevice)
     assert acc.calls == {"gather": 1, "reduce": 1}
+
+
+# ------------------------------------------------------------------------------------------ host reads (GPU syncs)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_row", "nvfp4"])
+def test_a_rollout_copy_sync_reads_the_host_a_fixed_number_of_times(fmt):
+    # the sync and its verification compare every layer: one host read each was over 1,000 syncs per sync on FLUX
+    from difrl.quant import RolloutCopy
+
+    def net(layers: int) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(layers)], torch.nn.LayerNorm(64))
+
+    reads = {}
+    for layers in (2, 8):
+        with emulated_device() as mode:
+            m = move_to_device(net(layers))
+            copy = RolloutCopy(m, fmt)
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.add_(0.5)
+            before = mode.host_reads
+            copy.sync(m)
+            reads[layers] = mode.host_reads - before
+    assert reads[2] == reads[8] <= 3, reads
+
+
+def test_metrics_result_reads_the_host_once_per_table():
+    from difrl.train.metrics import Metrics
+
+    acc = StrictAccelerator()
+    with emulated_device() as mode:
+        m = Metrics(3)
+        for name in ("policy_loss", "kl", "clip_high", "clip_low", "approx_kl"):
+            m.add(name, torch.rand(4, 3).to(DEVICE), (torch.rand(4, 3) > 0.3).to(DEVICE))
+        m.add_ratio(torch.rand(4, 3).to(DEVICE), torch.randint(0, 3, (4, 3)).to(DEVICE), torch.ones(4, 3, dtype=torch.bool).to(DEVICE))
+        before = mode.host_reads
+        out = m.result(acc)
+        assert mode.host_reads - before <= 2 and set(out) >= {"policy_loss", "kl", "ratio_per_step"}
+    assert acc.calls == {"reduce": 2}
 
 
 # ------------------------------------------------------------------------------------------ the flow trainer

@@ -453,7 +453,7 @@ def test_no_op_sync_raises(monkeypatch):
     _, net = _lora_digits()
     rc = RolloutCopy(net, "nvfp4", **QUANT_PRESETS["digits"])
     # the bug: the copy's layers silently keep their old weights
-    monkeypatch.setattr(QuantLinear, "set_weight", lambda self, w, b=None: False)
+    monkeypatch.setattr(QuantLinear, "update_weight", lambda self, w, b=None: torch.zeros((), dtype=torch.bool))
     _step(net, names=("fc1", "fc2", "ada"))  # the update touches only quantized layers
     with pytest.raises(WeightSyncError, match="policy's weights changed but no weight of the nvfp4 rollout copy did"):
         rc.sync(net)
@@ -806,7 +806,7 @@ def test_sync_after_an_optimizer_step_requantizes_every_torch_fp8_layer(fmt, mon
     with torch.no_grad():
         assert F.relative_error(policy.velocity(x, s, cond), v_q) < 0.1
     # a sync that skips one torch layer is caught by the verification, naming the layer
-    monkeypatch.setattr(layers["blocks.1.fc2"], "set_weight", lambda w, b=None: False)
+    monkeypatch.setattr(layers["blocks.1.fc2"], "update_weight", lambda w, b=None: torch.zeros((), dtype=torch.bool))
     optimizer_step()
     with pytest.raises(WeightSyncError, match="layer 'blocks.1.fc2' of the .* copy does not hold the policy's current"):
         rc.sync(net)

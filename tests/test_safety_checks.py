@@ -114,13 +114,13 @@ def _update(net, scale=0.05):
 def test_sync_that_skips_one_layer_is_caught(fmt, monkeypatch):
     net = _lora_digits()
     rc = RolloutCopy(net, fmt, **QUANT_PRESETS["digits"])
-    real = QuantLinear.set_weight
+    real = QuantLinear.update_weight
     stale = rc.module.blocks[1].fc2
 
     def skip_one(self, w, b=None):  # the bug: one layer silently keeps its old weights
-        return False if self is stale else real(self, w, b)
+        return torch.zeros((), dtype=torch.bool) if self is stale else real(self, w, b)
 
-    monkeypatch.setattr(QuantLinear, "set_weight", skip_one)
+    monkeypatch.setattr(QuantLinear, "update_weight", skip_one)
     _update(net)
     with pytest.raises(WeightSyncError, match=r"layer 'blocks.1.fc2' of the .* copy does not hold the policy's current"):
         rc.sync(net)  # other layers changed, so the "nothing changed" check alone would pass

@@ -188,8 +188,8 @@ def test_rollout_copy_is_synced_after_every_update(tmp_path, monkeypatch):
 
 def test_a_sync_that_changes_nothing_stops_the_run(tmp_path, monkeypatch):
     # the silent no-sync bug: the copy keeps its old weights after the policy was updated
-    real = QuantLinear.set_weight
-    monkeypatch.setattr(QuantLinear, "set_weight", lambda self, w, b=None: real(self, w, b) if not self._keys else False)
+    real, unchanged = QuantLinear.update_weight, torch.zeros((), dtype=torch.bool)
+    monkeypatch.setattr(QuantLinear, "update_weight", lambda self, w, b=None: real(self, w, b) if not self._keys else unchanged)
     with pytest.raises(WeightSyncError, match="no weight of the nvfp4 rollout copy did"):
         train(load_flow_config(None, [*TINY, "rollout.precision=nvfp4", "train.lora.targets=[fc1,fc2,ada]",
                                      "train.iterations=3", "train.lr=1e-2"]), out_dir=tmp_path)

@@ -29,8 +29,11 @@ def ratio_norm_log_ratio(log_prob: torch.Tensor, log_prob_old: torch.Tensor, mea
     """log_prob, log_prob_old, std: [B, T]; mean, mean_old: [B, T, *latent] -> normalised log-ratio [B, T].
     `reduce` must match the log-prob's reduction ("mean": per-element, difrl's default)."""
     B, T = log_prob.shape
-    if (std <= 0).any():
-        raise ValueError("RatioNorm needs a stochastic transition (std > 0) at every trained step")
+    if std.device.type == "cpu":
+        if (std <= 0).any():
+            raise ValueError("RatioNorm needs a stochastic transition (std > 0) at every trained step")
+    else:  # on a GPU a host read per micro-step would be a sync: the same check, raised by the device
+        torch._assert_async((std > 0).all(), "RatioNorm needs a stochastic transition (std > 0) at every trained step")
     sq = reduce_elements((mean - mean_old).reshape(B * T, *mean.shape[2:]) ** 2, reduce).view(B, T)
     b = sq / (2.0 * std**2)
     return std * (log_prob - log_prob_old + b)

@@ -93,6 +93,12 @@ def te_support(fmt: str, device: torch.device | str | None = None) -> tuple[bool
     return bool(ok), (f"Transformer Engine on sm_{cap[0]}{cap[1]}" if ok else f"TE says: {reason or 'unsupported'} (sm_{cap[0]}{cap[1]})")
 
 
+def differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """not torch.equal(a, b) for tensors of one shape, as a 0-dim bool tensor (no host read; NaN differs from NaN,
+    as in torch.equal)."""
+    return (a != b).any()
+
+
 class TELinear(nn.Module):
     """te.Linear (bf16 parameters) run under te.autocast with the format's recipe; input cast to bf16 and the
     output back to the caller's dtype."""
@@ -107,13 +113,18 @@ class TELinear(nn.Module):
                                params_dtype=torch.bfloat16, device=linear.weight.device)
         self.set_weight(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
 
-    @torch.no_grad()
     def set_weight(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+        """Copy in a new weight [out, in] (and bias); True if it changed."""
+        return bool(self.update_weight(weight, bias))
+
+    @torch.no_grad()
+    def update_weight(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """set_weight without the host read: whether anything changed as a 0-dim bool tensor on the weight's device."""
         new = weight.to(self.inner.weight.dtype)
-        changed = not torch.equal(self.inner.weight, new)
+        changed = differs(self.inner.weight, new)
         self.inner.weight.copy_(new)
         if bias is not None:
-            changed |= not torch.equal(self.inner.bias, bias.to(self.inner.bias.dtype))
+            changed = changed | differs(self.inner.bias, bias.to(self.inner.bias.dtype))
             self.inner.bias.copy_(bias)
         return changed
 
@@ -147,11 +158,18 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
         self.set_weight(linear.weight.detach())
 
-    @torch.no_grad()
     def set_weight(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
         """Re-quantize from a high-precision weight [out, in]; True if the stored codes (or the bias) changed."""
+        return bool(self.update_weight(weight, bias))
+
+    @torch.no_grad()
+    def update_weight(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """set_weight without the host read (on a GPU one per layer and sync: over 1,000 for FLUX): whether the codes
+        or the bias changed, as a 0-dim bool tensor on the weight's device."""
         q = F.quantize(weight, self.fmt, "weight")
-        changed = not self._keys or any(not torch.equal(getattr(self, "w_" + k), v) for k, v in q.data.items())
+        changed = torch.ones((), dtype=torch.bool, device=weight.device)  # the first quantization
+        if self._keys:
+            changed = torch.stack([differs(getattr(self, "w_" + k), v) for k, v in q.data.items()]).any()
         for k, v in q.data.items():
             if k in self._keys:
                 getattr(self, "w_" + k).copy_(v)
@@ -159,7 +177,7 @@ class QuantLinear(nn.Module):
                 self.register_buffer("w_" + k, v)
         self._keys = list(q.data)
         if bias is not None:
-            changed |= not torch.equal(self.bias, bias.to(self.bias.dtype))
+            changed = changed | differs(self.bias, bias.to(self.bias.dtype))
             self.bias.copy_(bias)
         return changed
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from difrl.quant import formats as F
-from difrl.quant.linear import QuantLinear, QuantReport, quantize_module, quantized_layers
+from difrl.quant.linear import QuantLinear, QuantReport, differs, quantize_module, quantized_layers
 from difrl.utils.modules import use_module
 
 
@@ -83,18 +83,21 @@ class RolloutCopy:
     def sync(self, source: nn.Module, check: bool = True) -> dict:
         """Copy `source`'s current (merged) weights in and re-quantize. With `check`, a sync after the policy
         changed that leaves every rollout weight as it was raises WeightSyncError."""
+        # every comparison stays a device tensor until one read at the end (a read each would be a GPU sync each)
         sd = merged_state_dict(source)
         fp = _fingerprint(sd)
-        source_changed = self._source_fp is None or not torch.equal(fp, self._source_fp)
+        dev = fp.device
+        source_changed = (torch.ones((), dtype=torch.bool, device=dev) if self._source_fp is None
+                          else differs(fp, self._source_fp.to(dev)))
         layers = quantized_layers(self.module)
-        changed_layers, missing = 0, []
+        layer_flags, missing = [], []
         for name, layer in layers.items():
             w, b = sd.get(f"{name}.weight"), sd.get(f"{name}.bias")
             if w is None:
                 missing.append(f"{name}.weight")
                 continue
-            changed_layers += bool(layer.set_weight(w, b))
-        changed_other = 0
+            layer_flags.append(layer.update_weight(w, b).to(dev))
+        other_flags = []
         own = self.module.state_dict(keep_vars=True)  # parameters and persistent buffers (not e.g. rotary caches)
         for key, t in own.items():
             if t is None:
@@ -106,12 +109,14 @@ class RolloutCopy:
             if src is None:
                 missing.append(key)
                 continue
-            if not torch.equal(t, src.to(t.dtype)):
-                changed_other += 1
-                t.copy_(src)
+            other_flags.append(differs(t, src.to(t.dtype)).to(dev))
+            t.copy_(src)  # an equal tensor copied again is still equal: no host read needed to skip it
         if missing:
             raise WeightSyncError(f"rollout copy sync: the policy has no tensor for {missing[:5]}"
                                   f"{' ...' if len(missing) > 5 else ''} (the copy and the policy disagree on names)")
+        count = lambda flags: torch.stack(flags).sum() if flags else torch.zeros((), dtype=torch.long, device=dev)  # noqa: E731
+        changed_layers, changed_other, source_changed = (
+            int(v) for v in torch.stack([count(layer_flags), count(other_flags), source_changed.long()]).tolist())
         if check and source_changed and changed_layers + changed_other == 0:
             raise WeightSyncError(
                 f"rollout copy sync after update {self.syncs + 1}: the policy's weights changed but no weight of the "
@@ -132,6 +137,7 @@ class RolloutCopy:
         afresh with the whole weight's per-tensor scale (difrl.quant.formats.qdq_weight_rows). A layer that a
         sync skipped, or filled from another tensor, raises WeightSyncError naming it."""
         layers = quantized_layers(self.module) if layers is None else layers
+        checks: list[tuple[torch.Tensor, object]] = []  # (mismatch as a device bool, the error message's maker)
         for name, layer in layers.items():
             w, b = sd[f"{name}.weight"], sd.get(f"{name}.bias")
             N = w.shape[0]
@@ -145,20 +151,26 @@ class RolloutCopy:
             else:  # TELinear: te.Linear holds the bf16 weight; TE quantizes it in its GEMM
                 have, want = layer.inner.weight[start:stop].float(), w[start:stop].to(layer.inner.weight.dtype).float()
                 bias = layer.inner.bias
-            if not torch.equal(have, want):
-                raise WeightSyncError(
-                    f"rollout copy sync {self.syncs}: layer {name!r} of the {self.fmt} copy does not hold the policy's "
-                    f"current weight quantized to {self.fmt} (rows {start}:{stop}, max |difference| "
-                    f"{float((have - want).abs().max()):.3g}): the sync skipped it or filled it from another tensor")
-            if b is not None and not torch.equal(bias, b.to(bias.dtype)):
-                raise WeightSyncError(f"rollout copy sync {self.syncs}: the bias of layer {name!r} differs from the policy's")
+            checks.append((differs(have, want), lambda name=name, have=have, want=want, start=start, stop=stop: (
+                f"rollout copy sync {self.syncs}: layer {name!r} of the {self.fmt} copy does not hold the policy's "
+                f"current weight quantized to {self.fmt} (rows {start}:{stop}, max |difference| "
+                f"{float((have - want).abs().max()):.3g}): the sync skipped it or filled it from another tensor")))
+            if b is not None:
+                checks.append((differs(bias, b.to(bias.dtype)), lambda name=name: (
+                    f"rollout copy sync {self.syncs}: the bias of layer {name!r} differs from the policy's")))
         for key, t in self.module.state_dict().items():
             mod_name = key.rpartition(".")[0]
             if mod_name in layers or any(mod_name.startswith(n + ".") for n in layers):
                 continue
-            if not torch.equal(t, sd[key].to(t.dtype)):
-                raise WeightSyncError(f"rollout copy sync {self.syncs}: {key!r} of the copy differs from the policy's "
-                                      "(kept in high precision, so it must be equal)")
+            checks.append((differs(t, sd[key].to(t.dtype)), lambda key=key: (
+                f"rollout copy sync {self.syncs}: {key!r} of the copy differs from the policy's (kept in high "
+                "precision, so it must be equal)")))
+        if not checks:
+            return
+        dev = checks[0][0].device
+        failed = torch.stack([flag.to(dev) for flag, _ in checks]).tolist()  # one host read for the whole copy
+        if any(failed):
+            raise WeightSyncError(checks[failed.index(True)][1]())
 
     @contextmanager
     def active(self, policy):

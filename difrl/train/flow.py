@@ -209,8 +209,9 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
         for epoch in range(cfg.train.inner_epochs):
             perm = torch.randperm(n_rec, generator=torch.Generator().manual_seed(mix_seed(cfg.seed, it, 4, epoch)))
             for mb in range(micro_per_epoch):
-                idx = perm[mb * mbs:(mb + 1) * mbs]
+                idx = perm[mb * mbs:(mb + 1) * mbs]  # on the host (the batch's ids and prompts are there)
                 sub = batch.select(idx)
+                idx = idx.to(device, non_blocking=True)  # once, for the per-record tensors on the policy's device
                 first_of_update = (mb // ga) * mbs * ga
                 denom = (min(n_rec, first_of_update + mbs * ga) - first_of_update) * T_rec  # the update's transitions,
                 sync = (mb + 1) % ga == 0 or mb == micro_per_epoch - 1                 # so 1x8 accumulation == 8x1
