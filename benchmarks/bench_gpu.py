@@ -1,8 +1,9 @@
 """difrl's trainer on a GPU at real model size: rollouts against plain diffusers, flat vs tree vs Sol-RL iterations.
 
-    python benchmarks/bench_gpu.py                         # one CUDA GPU, ~8 min: writes its block in BENCHMARKS.md
+    python benchmarks/bench_gpu.py                         # one CUDA GPU, <= 8 min: writes its block in BENCHMARKS.md
     python benchmarks/bench_gpu.py --quick --json /tmp/g.json   # tiny dimensions on the CPU in about a minute
-    python benchmarks/bench_gpu.py --prompts 4 --stage-timeout 120   # more leaves per iteration, longer stages
+    python benchmarks/bench_gpu.py --prompts 4 --stage-timeout 120 --time-limit 1200   # more leaves, longer stages
+    bash benchmarks/gpu_check.sh bench_gpu                 # the prepared GPU check: the same under its `timeout`
 
 The model is an SD3.5-Medium-shaped 2.0B-parameter `SD3Transformer2DModel` (24 joint blocks, 24 heads x 64) with
 random weights, built with plain diffusers constructors next to tiny CLIP / T5 text encoders and a tiny 4-level VAE
@@ -11,8 +12,12 @@ scratch directory that the trainer loads like any local pipeline (specs/gpu-regi
 GPU machine needs torch and difrl's pure-Python dependencies only. `--quick` builds the same pipeline with tiny
 dimensions on the CPU (64x64 images, 2 blocks) so the test suite runs the whole script.
 
-What one run measures, each stage under its own time limit (a stage past it is recorded as timed out and the run
-goes on; the JSON rows are rewritten after every stage, so a killed run keeps what it measured):
+Every stage runs under its own time budget (BUDGET_S), and the run under a time limit (--time-limit, default
+TIME_LIMIT_S = gpu_check.sh's `timeout`): the start prints the budgets' sum against the limit. A stage that raises
+(out of memory, a compile or config error, its budget running out, whatever wrapper the timeout surfaced in) becomes
+a FAILED row with the error, memory is freed, and the run goes on with the next stage; no stage starts past the
+limit. The JSON rows and, for a full run, the BENCHMARKS.md block are rewritten after every stage, so a run killed
+from outside keeps what it measured. What one run measures:
 1. rollout vs pipe: `pipe(prompts, output_type="latent")` against difrl's `rollout()` on the same pipeline, batch
    16 x 16 steps (mean of 3 after a warm-up): as the trainer calls it (flow_sde, every trained transition stored),
    and ODE; plus 16 bare transformer forwards. Ratios to pipe().
@@ -32,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import gc
 import json
 import signal
 import statistics
@@ -40,11 +46,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+STARTED = time.monotonic()  # the time limit counts from here: torch's and diffusers' imports are start-up
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import cell, publish, standard_args, write_json  # noqa: E402
+from common import cell, publish, standard_args  # noqa: E402
 
 BEGIN, END = "<!-- bench_gpu:begin -->", "<!-- bench_gpu:end -->"
 PROMPTS = ["a photo of a cat", "a red dog", "a bright sky", "a dark forest", "a green tree", "a blue car",
@@ -100,30 +108,157 @@ def build_pipeline(size: str, device: str, dtype: torch.dtype):
     return pipe
 
 
-# ---------------------------------------------------------------------------------- measuring
+# ---------------------------------------------------------------------------------- the time budget
+
+# gpu_check.sh runs this script under `timeout TIME_LIMIT_S` and passes the same number as --time-limit (a test checks
+# that the two agree and that the budget below fits under it).
+TIME_LIMIT_S = 540
+END_RESERVE_S = 15  # kept back from the limit for the last block write and removing the scratch pipeline
+MIN_STAGE_S = 5  # a stage with less time than this left before the limit is not started
+ALARM_REPEAT_S = 5  # a stage that caught its StageTimeout and ran on gets another one this often
+# Seconds: the start-up allowance (imports, building and saving the pipeline) and each stage's limit. The full run's
+# are estimated from specs/gpu-regime.md's H200 figures for this shape (2 prompts x 16 leaves: flat GRPO ~12 s per
+# iteration, a tree ~5 s, Sol-RL's fp8 candidates plus their compile, inductor's regional compile of one block forward
+# + backward) with two iterations, loading and saving each.
+BUDGET_S = {
+    "full": {"start-up": 45, "rollout vs pipe": 45, "flat GRPO": 55, "BranchGRPO": 35,
+             "BranchGRPO + width/depth pruning": 35, "BranchGRPO-Mix": 35, "Sol-RL (fp8_row candidates)": 90,
+             "flat GRPO + gradient checkpointing": 50, "flat GRPO + compile": 90},
+    "quick": {"start-up": 60, "rollout vs pipe": 60, "flat GRPO": 60, "BranchGRPO": 60,
+              "BranchGRPO + width/depth pruning": 60, "BranchGRPO-Mix": 60, "Sol-RL (fp8_row candidates)": 60,
+              "flat GRPO + gradient checkpointing": 60},
+}
+ROLLOUT_STAGE = "rollout vs pipe"
+PIPE = "pipe(output_type='latent')"
+
+
+def stage_budgets(size: str, stages: list[str], every: float | None = None) -> dict[str, float]:
+    """Start-up allowance and each of `stages`' limit in seconds (`every`: the same limit for every stage)."""
+    table = BUDGET_S[size]
+    return {"start-up": table["start-up"], **{s: every if every else table[s] for s in stages}}
+
+
+def budget_line(budgets: dict[str, float], limit: float) -> str:
+    """The plan printed before the run starts: the sum of the budgets against the time limit."""
+    stages = [v for k, v in budgets.items() if k != "start-up"]
+    total = sum(budgets.values())
+    head = (f"time budget: start-up {budgets['start-up']:g} s + {len(stages)} stages "
+            f"({' + '.join(f'{v:g}' for v in stages)} = {sum(stages):g} s) = {total:g} s")
+    if total <= limit - END_RESERVE_S:
+        return (f"{head}, within the {limit:g} s time limit ({limit - total:g} s to spare, {END_RESERVE_S} s of it "
+                "for the end)")
+    return (f"{head}: OVER the {limit:g} s time limit less {END_RESERVE_S} s for the end; the last stages get only "
+            f"the time left, and none starts with less than {MIN_STAGE_S} s")
+
+
+# ---------------------------------------------------------------------------------- running a stage
 
 class StageTimeout(Exception):
-    pass
+    """A stage's own time budget ran out (raised by time_limit's alarm)."""
 
 
 @contextlib.contextmanager
-def time_limit(seconds: float | None):
-    """Raise StageTimeout in this (main) thread after `seconds` (between Python operations)."""
+def time_limit(seconds: float | None, alarm: dict | None = None):
+    """Raise StageTimeout in this (main) thread after `seconds` (between Python operations), and again every
+    ALARM_REPEAT_S if the block catches it and goes on; `alarm["fired"]` says whether it went off, whatever the
+    exception it became on the way out (a wrapper may drop it from the chain)."""
+    alarm = {} if alarm is None else alarm
+    alarm["fired"] = False
     if not seconds or not hasattr(signal, "SIGALRM"):
-        yield
+        yield alarm
         return
 
     def stop(signum, frame):
-        raise StageTimeout(f"stage ran past {seconds:g} s")
+        alarm["fired"] = True
+        raise StageTimeout(f"the stage budget of {seconds:g} s ran out")
 
     old = signal.signal(signal.SIGALRM, stop)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, seconds, ALARM_REPEAT_S)
     try:
-        yield
+        yield alarm
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        while True:  # disarmed before the old handler is back, even if the alarm goes off right here (`fired` says so)
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                break
+            except StageTimeout:
+                pass
         signal.signal(signal.SIGALRM, old)
 
+
+def timeout_in_chain(exc: BaseException) -> StageTimeout | None:
+    """The StageTimeout that `exc` is or wraps: its __cause__ / __context__ chain walked (torch.compile raises
+    BackendCompilerFailed `from None`, which keeps the timeout as __context__), or None."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, StageTimeout):
+            return e
+        todo += [e.__cause__, e.__context__]
+    return None
+
+
+def one_line(text: str, limit: int = 240) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def failure_row(stage: str, method: str, exc: BaseException, budget: float | None, fired: bool = False) -> dict:
+    """The FAILED row of a stage that raised `exc`: its type and a one-line message; a timeout (the stage's own
+    alarm, found in the exception chain or known to have fired) says it was the stage budget, and as what it
+    surfaced (BackendCompilerFailed inside torch.compile, RewardError inside a reward call, ...)."""
+    kind = type(exc).__name__
+    row = {"stage": stage, "method": method, "status": "FAILED", "error_type": kind, "timed_out": False}
+    if timeout_in_chain(exc) is not None or fired:
+        row["timed_out"] = True
+        how = "" if isinstance(exc, StageTimeout) else f", surfaced as {kind}"
+        row["error"] = f"timed out: the stage budget of {budget:g} s ran out (StageTimeout{how})"
+    else:
+        row["error"] = one_line(f"{kind}: {exc}")
+    return row
+
+
+def free_memory(device: str) -> None:
+    """Between stages: what a stage (or its exception's frames) held goes, and the CUDA cache with it."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def run_stage(rows: list[dict], stage: str, method: str, fn, budget: float, deadline: float, device: str,
+              force: str | None = None) -> None:
+    """`fn(rows)` (it appends its rows) under min(budget, time left before `deadline`): any exception becomes a
+    FAILED row and the run goes on; memory is freed after. `force` ("error" or "timeout", from --fail-stage) makes
+    the stage fail on purpose: an error at its start, or a budget so short that the alarm fires inside its work."""
+    left = deadline - time.monotonic()
+    if left < MIN_STAGE_S:
+        rows.append({"stage": stage, "method": method, "status": "SKIPPED",
+                     "error": f"not started: {max(left, 0):.0f} s left before the time limit"})
+        print(f"{method}: {rows[-1]['error']}", flush=True)
+        return
+    limit = 0.05 if force == "timeout" else min(budget, left)
+    reset_peak(device)
+    t, alarm, n = time.perf_counter(), {}, len(rows)
+    try:
+        with time_limit(limit, alarm):
+            if force == "error":
+                raise RuntimeError(f"forced failure of {method!r} (--fail-stage)")
+            fn(rows)
+        if alarm["fired"]:  # something inside caught the StageTimeout and the stage ran on: not within its budget
+            del rows[n:]
+            raise StageTimeout(f"the stage budget of {limit:g} s ran out")
+    except Exception as e:  # OOM, compile, config, timeout in any wrapper: this stage's row, then the next stage
+        rows.append(failure_row(stage, method, e, limit, alarm.get("fired", False)))
+        rows[-1]["peak_gib"] = peak_gib(device)
+    rows[-1]["seconds_stage"] = time.perf_counter() - t
+    free_memory(device)
+    print(f"{method}: {rows[-1]}", flush=True)
+
+
+# ---------------------------------------------------------------------------------- measuring
 
 def timed(fn, device: str, repeats: int) -> float:
     """Mean seconds of `repeats` calls after one warm-up call (difrl.quant.timing.time_ms: CUDA events on a GPU)."""
@@ -144,9 +279,10 @@ def peak_gib(device: str) -> float | None:
 
 # ---------------------------------------------------------------------------------- stage 1: rollout vs pipe()
 
-def rollout_vs_pipe(path: Path, size: str, device: str, dtype: str) -> tuple[list[dict], float]:
-    """pipe() vs difrl's rollout on one loaded pipeline; also returns the FLOPs of one transition's forward +
-    backward through the LoRA-wrapped transformer (for the update's TFLOP/s)."""
+def rollout_vs_pipe(path: Path, size: str, device: str, dtype: str, out: list[dict]) -> float:
+    """pipe() vs difrl's rollout on one loaded pipeline, a row appended to `out` per timing as it is measured (a
+    stage cut short keeps them); returns the FLOPs of one transition's forward + backward through the LoRA-wrapped
+    transformer (for the update's TFLOP/s)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from difrl.models.adapters import load_flow_policy
@@ -186,12 +322,10 @@ def rollout_vs_pipe(path: Path, size: str, device: str, dtype: str) -> tuple[lis
             for _ in range(N):
                 policy._forward(x, sigma, cond, 1.0)
 
-    t_pipe = timed(run_pipe, device, r["repeats"])
-    rows = [{"stage": "rollout_vs_pipe", "method": "pipe(output_type='latent')", "seconds": t_pipe}]
-    for name, fn in ((f"rollout() flow_sde, {N - 1} transitions stored (the trainer's)", run_rollout("flow_sde")),
+    for name, fn in ((PIPE, run_pipe),
+                     (f"rollout() flow_sde, {N - 1} transitions stored (the trainer's)", run_rollout("flow_sde")),
                      ("rollout() ode", run_rollout("ode")), (f"{N} bare transformer forwards", bare_forwards)):
-        t = timed(fn, device, r["repeats"])
-        rows.append({"stage": "rollout_vs_pipe", "method": name, "seconds": t})
+        out.append({"stage": "rollout_vs_pipe", "method": name, "seconds": timed(fn, device, r["repeats"])})
 
     # FLOPs of one trained transition (LoRA as the trainer wraps it): forward + backward of a batch of 2, halved
     net, _ = wrap_policy(policy, LoraConfig(rank=r["rank"], alpha=2 * r["rank"]), 0, need_reference=False)
@@ -199,10 +333,7 @@ def rollout_vs_pipe(path: Path, size: str, device: str, dtype: str) -> tuple[lis
     xb, sb, cb = x[:2], sigma[:2], {k: v[:2] for k, v in cond.items()}
     with FlopCounterMode(display=False) as counter:
         policy.velocity(xb, sb, cb).float().square().mean().backward()
-    flops = counter.get_total_flops() / 2
-    del policy, pipe, net
-    reset_peak(device)
-    return rows, flops
+    return counter.get_total_flops() / 2
 
 
 # ---------------------------------------------------------------------------------- stage 2: the trainer
@@ -239,11 +370,14 @@ def trainer_config(path: Path, size: str, dtype: str, prompts: int, extra: list[
         "eval.every=0", "eval.per_digit=1", "eval.num_steps=2", "checkpoint_every=0", *extra])
 
 
-def trainer_row(name: str, run_dir: Path, device: str, flops_per_transition: float, guidance_nfe: int) -> dict:
+def trainer_row(name: str, run_dir: Path, device: str, flops_per_transition: float | None, guidance_nfe: int) -> dict:
+    """The trainer's second iteration from its metrics.jsonl; no TFLOP/s where the FLOPs were not counted (the
+    rollout stage failed)."""
     rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = rows[-1]  # the second iteration: compiled, allocator warm
     transitions = last["nfe_train"] / guidance_nfe  # recomputed (trained) transitions this iteration
-    update_tflops = flops_per_transition * transitions / last["seconds_update"] / 1e12
+    update_tflops = (None if flops_per_transition is None
+                     else flops_per_transition * transitions / last["seconds_update"] / 1e12)
     row = {"stage": "trainer", "method": name, "seconds_iter": last["seconds"], "seconds_rollout": last["seconds_rollout"],
            "seconds_update": last["seconds_update"], "seconds_first_iter": rows[0]["seconds"],
            "nfe_rollout": last.get("nfe_full", 0) + last.get("nfe_lowprec", 0), "nfe_lowprec": last.get("nfe_lowprec", 0),
@@ -259,12 +393,21 @@ def trainer_row(name: str, run_dir: Path, device: str, flops_per_transition: flo
 
 # ---------------------------------------------------------------------------------- the run
 
+TITLE = "GPU: rollouts and trainer iterations at 2B scale (bench_gpu)"
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     standard_args(ap, "tiny dimensions on the CPU in about a minute")
     ap.add_argument("--prompts", type=int, default=None, help="prompts per iteration (default 2; --quick 1)")
-    ap.add_argument("--stage-timeout", type=float, default=90.0, help="seconds each stage may take (default 90)")
+    ap.add_argument("--stage-timeout", type=float, default=None,
+                    help="seconds every stage may take (default: each stage's own budget, BUDGET_S)")
+    ap.add_argument("--time-limit", type=float, default=TIME_LIMIT_S,
+                    help=f"seconds the whole run may take, start-up included (default {TIME_LIMIT_S}, gpu_check.sh's "
+                         "timeout): no stage runs past it")
     ap.add_argument("--methods", default=None, help="comma-separated subset of the trainer methods")
+    # testing: make a stage fail on purpose, NAME or NAME:timeout (its budget cut so the alarm fires in its work)
+    ap.add_argument("--fail-stage", action="append", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     size = "quick" if args.quick else "full"
     cuda = torch.cuda.is_available() and not args.quick
@@ -272,91 +415,147 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ap.error("the full run needs a CUDA GPU (the CPU runs --quick)")
     device, dtype = ("cuda:0", "bf16") if cuda else ("cpu", "fp32")
     prompts = args.prompts or (2 if not args.quick else 1)
+    chosen = methods(size)
+    if args.methods:
+        chosen = {k: v for k, v in chosen.items() if k in args.methods.split(",")}
+    stages = [ROLLOUT_STAGE, *chosen]
+    force = {name: kind or "error" for name, _, kind in (f.partition(":") for f in args.fail_stage)}
+    if set(force) - set(stages) or set(force.values()) - {"error", "timeout"}:
+        ap.error(f"--fail-stage {args.fail_stage}: NAME or NAME:timeout, NAME one of {stages}")
+    budgets = stage_budgets(size, stages, args.stage_timeout)
+    print(budget_line(budgets, args.time_limit), flush=True)
+    deadline = STARTED + args.time_limit - END_RESERVE_S
+
     from difrl.train.flow import train
 
-    rows: list[dict] = []
     meta = {"stage": "meta", "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
             "diffusers": __import__("diffusers").__version__, "date": _dt.date.today().isoformat(), "size": size,
-            "prompts": prompts, "leaves": RUN[size]["leaves"], "steps": RUN[size]["steps"], "dtype": dtype}
-    rows.append(meta)
+            "prompts": prompts, "leaves": RUN[size]["leaves"], "steps": RUN[size]["steps"], "dtype": dtype,
+            "time_limit_s": args.time_limit, "budget_s": budgets, "stages": stages, "finished": [],
+            "flops_per_transition": None}
+    rows: list[dict] = [meta]
+
+    def save(final: bool = False) -> None:  # after every stage: a run cut off from outside keeps what it measured
+        add_ratios(rows)
+        publish(args, BEGIN, END, TITLE, "bench_gpu.py", argv, report(rows), rows, echo=final)
+
     with tempfile.TemporaryDirectory(prefix="bench_gpu_") as tmp:
-        tmp = Path(tmp)
-        t0 = time.perf_counter()
-        pipe = build_pipeline(size, device, torch.bfloat16 if dtype == "bf16" else torch.float32)
-        meta["transformer_params"] = sum(p.numel() for p in pipe.transformer.parameters())
-        pipe.save_pretrained(tmp / "pipe")
-        del pipe
-        reset_peak(device)
-        meta["seconds_build"] = time.perf_counter() - t0
-        print(f"built and saved the pipeline ({meta['transformer_params'] / 1e9:.2f}B transformer) in "
-              f"{meta['seconds_build']:.1f} s", flush=True)
-        flops = None
+        path = Path(tmp) / "pipe"
         try:
-            with time_limit(args.stage_timeout):
-                stage, flops = rollout_vs_pipe(tmp / "pipe", size, device, dtype)
-            rows += stage
-        except StageTimeout as e:
-            rows.append({"stage": "rollout_vs_pipe", "method": "timed out", "error": str(e)})
-        meta["flops_per_transition"] = flops
-        write_json(args.json, rows)
-        chosen = methods(size)
-        if args.methods:
-            chosen = {k: v for k, v in chosen.items() if k in args.methods.split(",")}
-        for name, extra in chosen.items():
-            reset_peak(device)
-            run_dir = tmp / f"run{len(rows)}"
-            t = time.perf_counter()
-            try:
-                with time_limit(args.stage_timeout):
-                    train(trainer_config(tmp / "pipe", size, dtype, prompts, extra), out_dir=run_dir)
-                rows.append(trainer_row(name, run_dir, device, flops or 0.0, 1))
-            except StageTimeout as e:
-                rows.append({"stage": "trainer", "method": name, "error": str(e)})
-            rows[-1]["seconds_stage"] = time.perf_counter() - t
-            print(f"{name}: {rows[-1]}", flush=True)
-            write_json(args.json, rows)
-    add_ratios(rows)
-    lines = report(rows)
-    publish(args, BEGIN, END, "GPU: rollouts and trainer iterations at 2B scale (bench_gpu)", "bench_gpu.py", argv,
-            lines, rows)
+            pipe = build_pipeline(size, device, torch.bfloat16 if dtype == "bf16" else torch.float32)
+            meta["transformer_params"] = sum(p.numel() for p in pipe.transformer.parameters())
+            pipe.save_pretrained(path)
+            del pipe
+        except Exception as e:  # nothing can run without the pipeline: say why, in the JSON too
+            meta.update(failure_row("meta", "build", e, None), stage="meta")
+            print(f"building the pipeline failed: {meta['error']}", flush=True)
+            save(final=True)
+            return rows
+        free_memory(device)
+        meta["seconds_startup"] = time.monotonic() - STARTED
+        print(f"built and saved the pipeline ({meta['transformer_params'] / 1e9:.2f}B transformer); start-up took "
+              f"{meta['seconds_startup']:.1f} s of its {budgets['start-up']:g} s allowance", flush=True)
+
+        def measure_rollouts(out: list[dict]) -> None:
+            meta["flops_per_transition"] = rollout_vs_pipe(path, size, device, dtype, out)
+
+        def trainer_stage(name: str, extra: list[str]):
+            def go(out: list[dict]) -> None:
+                run_dir = Path(tmp) / f"run{stages.index(name)}"
+                train(trainer_config(path, size, dtype, prompts, extra), out_dir=run_dir)
+                out.append(trainer_row(name, run_dir, device, meta["flops_per_transition"], 1))
+            return go
+
+        work = {ROLLOUT_STAGE: ("rollout_vs_pipe", measure_rollouts),
+                **{name: ("trainer", trainer_stage(name, extra)) for name, extra in chosen.items()}}
+        for name, (stage, fn) in work.items():
+            run_stage(rows, stage, name, fn, budgets[name], deadline, device, force.get(name))
+            meta["finished"].append(name)
+            save()
+    save(final=True)
     return rows
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
     """Each rollout row's seconds over pipe()'s (`x_pipe`) and each trainer row's seconds per iteration over flat
-    GRPO's (`x_flat`), in place: the baselines are measured in the same run."""
-    pipe = next((r for r in rows if r.get("stage") == "rollout_vs_pipe" and "seconds" in r), None)
+    GRPO's (`x_flat`), in place: the baselines are measured in the same run. Where a baseline is missing (failed, cut
+    off, not chosen) no row gets that ratio, and the meta row's `no_ratio` says why."""
+    pipe = next((r for r in rows if r.get("method") == PIPE and "seconds" in r), None)
     flat = next((r for r in rows if r.get("method") == "flat GRPO" and "seconds_iter" in r), None)
-    for r in rows:
-        if pipe and r.get("stage") == "rollout_vs_pipe" and "seconds" in r:
-            r["x_pipe"] = r["seconds"] / pipe["seconds"]
-        if flat and r.get("stage") == "trainer" and "seconds_iter" in r:
-            r["x_flat"] = r["seconds_iter"] / flat["seconds_iter"]
+    missing = {}
+    for key, base, stage, value, name in (("x_pipe", pipe, "rollout_vs_pipe", "seconds", PIPE),
+                                          ("x_flat", flat, "trainer", "seconds_iter", "flat GRPO")):
+        measured = [r for r in rows if r.get("stage") == stage and value in r]
+        for r in measured:
+            r.pop(key, None)
+            if base:
+                r[key] = r[value] / base[value]
+        if measured and not base:
+            failed = next((r for r in rows if r.get("method") == name and "error" in r), None)
+            missing[key] = (f"No {key} ratios: the {name} baseline " +
+                            (f"{failed['status']} ({failed['error']})" if failed else "was not measured in this run"))
+    meta = next((r for r in rows if r.get("stage") == "meta"), None)
+    if meta is not None:
+        meta["no_ratio"] = missing
     return rows
 
 
+def _failed(r: dict) -> str:
+    return f"{r.get('status', 'FAILED')}: {r['error']}".replace("|", "/")
+
+
 def report(rows: list[dict]) -> list[str]:
-    """The block's lines: every number and sentence computed from `rows`."""
+    """The block's lines: every number and sentence computed from `rows` (a failed stage shows its error and no
+    claim; a stage not reached when the block was written is named)."""
     meta = rows[0]
+    params = meta.get("transformer_params")
+    size = f"of {params / 1e6:,.1f}M parameters " if params else ""
     lines = [f"Device {meta['device']}, torch {meta['torch']}, diffusers {meta['diffusers']}, {meta['date']}; "
-             f"SD3.5-Medium-shaped transformer of {meta['transformer_params'] / 1e6:,.1f}M parameters (random weights), "
-             f"{meta['dtype']}, {meta['steps']} steps, {meta['prompts']} prompt(s) x {meta['leaves']} leaves per iteration.",
-             "", "| rollout | seconds | x pipe() |", "|---|---:|---:|"]
-    lines += [f"| {r['method']} | {cell(r.get('seconds'), '.3f')} | {cell(r.get('x_pipe'))} |"
-              for r in rows if r.get("stage") == "rollout_vs_pipe"]
+             f"SD3.5-Medium-shaped transformer {size}(random weights), "
+             f"{meta['dtype']}, {meta['steps']} steps, {meta['prompts']} prompt(s) x {meta['leaves']} leaves per iteration."]
+    if "error" in meta:
+        return lines + ["", f"Building the pipeline {_failed(meta)}; no stage ran."]
+    lines += ["", "| rollout | seconds | x pipe() |", "|---|---:|---:|"]
+    for r in rows:
+        if r.get("stage") == "rollout_vs_pipe":
+            lines.append(f"| {r['method']} | {_failed(r)} | |" if "error" in r else
+                         f"| {r['method']} | {cell(r.get('seconds'), '.3f')} | {cell(r.get('x_pipe'))} |")
     lines += ["", "| method | s / iter | x flat | rollout s | update s | rollout NFE | trained transitions | "
                   "update TFLOP/s | peak GiB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r.get("stage") != "trainer":
             continue
         if "error" in r:
-            lines.append(f"| {r['method']} | {r['error']} | | | | | | | |")
+            lines.append(f"| {r['method']} | {_failed(r)} | | | | | | | {cell(r.get('peak_gib'), '.1f')} |")
             continue
-        lines.append(f"| {r['method']} | {r['seconds_iter']:.2f} | {cell(r.get('x_flat'))} | {r['seconds_rollout']:.2f} | "
-                     f"{r['seconds_update']:.2f} | {r['nfe_rollout']} | {r['transitions_trained']:.0f} | "
-                     f"{cell(r['update_tflops'], '.3g')} | {cell(r['peak_gib'], '.1f')} |")
-    lines += ["", *readings(rows)]
+        lines.append(f"| {r['method']} | {cell(r.get('seconds_iter'))} | {cell(r.get('x_flat'))} | "
+                     f"{cell(r.get('seconds_rollout'))} | {cell(r.get('seconds_update'))} | "
+                     f"{cell(r.get('nfe_rollout'), '.0f')} | {cell(r.get('transitions_trained'), '.0f')} | "
+                     f"{cell(r.get('update_tflops'), '.3g')} | "
+                     f"{cell(r.get('peak_gib'), '.1f')} |")
+    lines += ["", *budget_sentences(rows), *readings(rows)]
     return lines
+
+
+def budget_sentences(rows: list[dict]) -> list[str]:
+    """What the time budget was and what came of it: stages failed, cut off or not reached, ratios left out."""
+    meta = rows[0]
+    out = []
+    budgets = meta.get("budget_s")
+    if budgets:
+        out.append(f"- Time budget {sum(budgets.values()):g} s (start-up {budgets['start-up']:g} s + "
+                   f"{len(budgets) - 1} stages) under a {meta['time_limit_s']:g} s limit"
+                   + (f"; start-up took {meta['seconds_startup']:.0f} s." if "seconds_startup" in meta else "."))
+    failed = [r for r in rows if r.get("stage") != "meta" and "error" in r]
+    if failed:
+        out.append(f"- {len(failed)} stage(s) did not finish (their errors are in the tables; nothing below is "
+                   f"claimed from them): {', '.join(r['method'] for r in failed)}.")
+    not_reached = [s for s in meta.get("stages", []) if s not in meta.get("finished", [])]
+    if not_reached:
+        out.append(f"- Not reached when this block was written (the run was still going or was cut off): "
+                   f"{', '.join(not_reached)}.")
+    out += [f"- {note}." for note in meta.get("no_ratio", {}).values()]
+    return out
 
 
 def _target(value: float, target: float) -> str:
@@ -367,7 +566,7 @@ def readings(rows: list[dict]) -> list[str]:
     """Sentences computed from the rows: each compares what the issues' targets compare (issues 29, 30)."""
     out = []
     meta = rows[0]
-    by = {r["method"]: r for r in rows if "method" in r}
+    by = {r["method"]: r for r in rows if "method" in r and "error" not in r}  # a failed stage claims nothing
     train = next((r for m, r in by.items() if m.startswith("rollout() flow_sde")), None)
     if train and "x_pipe" in train:
         out.append(f"- difrl's rollout as the trainer calls it took {train['x_pipe']:.3f}x pipe() on the same pipeline "

@@ -40,7 +40,10 @@ def command_line(script: str, argv: list[str] | None) -> str:
 
 
 def write_block(path: Path, begin: str, end: str, body: list[str]) -> None:
-    """Put `body` between the `begin`/`end` markers of `path` (replacing an earlier block, or appending)."""
+    """Put `body` between the `begin`/`end` markers of `path` (replacing an earlier block, or appending); atomic, so
+    a benchmark killed while it writes leaves the file whole."""
+    from difrl.utils.io import atomic_write_text
+
     block = "\n".join([begin, *body, end])
     text = path.read_text() if path.exists() else "# Benchmarks\n\nEvery table says the command that produced it.\n\n"
     if begin in text and end in text:
@@ -48,7 +51,7 @@ def write_block(path: Path, begin: str, end: str, body: list[str]) -> None:
         text = head + block + rest.split(end, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
+    atomic_write_text(path, text)
 
 
 class _Quick(argparse.Action):
@@ -68,11 +71,12 @@ def standard_args(ap, quick_help: str) -> None:
 
 
 def publish(args, begin: str, end: str, title: str, script: str, argv: list[str] | None, lines: list[str],
-            rows: list[dict]) -> None:
-    """Print the block (title, command / date / machine, `lines`), write the rows to --json, and put the
-    block between `begin`/`end` in BENCHMARKS.md unless --no-write."""
+            rows: list[dict], echo: bool = True) -> None:
+    """Print the block (title, command / date / machine, `lines`; unless `echo` is False), write the rows to --json,
+    and put the block between `begin`/`end` in BENCHMARKS.md unless --no-write."""
     body = [f"## {title}", "", *stamp(command_line(script, argv)), "", *lines]
-    print("\n".join(body))
+    if echo:
+        print("\n".join(body))
     write_json(args.json, rows)
     if not args.no_write:
         write_block(Path(__file__).resolve().parent.parent / "BENCHMARKS.md", begin, end, body)
@@ -84,9 +88,11 @@ def cell(v, spec: str = ".2f", scale: float = 1.0, suffix: str = "") -> str:
 
 
 def write_json(path: Path | None, rows: list[dict]) -> None:
+    """The rows as JSON at `path` (atomic: a benchmark killed while it writes leaves the previous file whole)."""
+    from difrl.utils.io import atomic_write_text
+
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(rows, indent=1))
+        atomic_write_text(path, json.dumps(rows, indent=1))
 
 
 def same_config(cfg, run_dir: Path) -> bool:

@@ -345,6 +345,15 @@ def test_bench_gpu_ratios_are_to_the_baselines_of_the_same_run():
                              {"stage": "trainer", "method": "Sol-RL (fp8_row candidates)", "error": "stage ran past 90 s"}])
     assert [r.get("x_pipe") for r in rows[1:3]] == [1.0, 1.25]
     assert [r.get("x_flat") for r in rows[3:]] == [1.0, 0.25, None]
+    assert rows[0]["no_ratio"] == {}
+    # no baseline, no ratio, and the meta row says why (computed again after every stage: no stale ratio stays)
+    rows = bench.add_ratios([rows[0], rows[2], {"stage": "trainer", "method": "flat GRPO", "status": "FAILED",
+                                                "error": "OutOfMemoryError: CUDA out of memory"}, rows[4]])
+    assert "x_pipe" not in rows[1] and "x_flat" not in rows[3]
+    assert rows[0]["no_ratio"] == {"x_pipe": "No x_pipe ratios: the pipe(output_type='latent') baseline was not "
+                                             "measured in this run",
+                                   "x_flat": "No x_flat ratios: the flat GRPO baseline FAILED (OutOfMemoryError: "
+                                             "CUDA out of memory)"}
 
 
 def test_bench_gpu_readings_are_computed_from_the_rows():
@@ -365,6 +374,163 @@ def test_bench_gpu_readings_are_computed_from_the_rows():
     assert "fp8_row candidate stage cost 0.60x a bf16 rollout per forward (target <= 0.75: met)" in text
     assert "gradient checkpointing: 1.30x the" in text and "peak memory 12.5 vs 20.0 GiB" in text
     assert "pruning" not in text  # no row, no sentence
+    # a failed flat GRPO claims nothing and is no baseline; a stage not reached yet is named in the block
+    rows[2] = {"stage": "trainer", "method": "flat GRPO", "status": "FAILED", "error": "a | b"}
+    assert "x flat GRPO's" not in "\n".join(bench.readings(rows))
+    rows[0].update(device="cpu", torch="2", diffusers="0", date="d", steps=16, prompts=2, leaves=16,
+                   stages=["flat GRPO", "BranchGRPO", "BranchGRPO-Mix"], finished=["flat GRPO"])
+    block = "\n".join(bench.report(rows))
+    assert "| flat GRPO | FAILED: a / b |" in block and "1 stage(s) did not finish" in block
+    assert ("Not reached when this block was written (the run was still going or was cut off): BranchGRPO, "
+            "BranchGRPO-Mix.") in block
+
+
+@pytest.mark.slow  # the GPU benchmark at tiny dimensions on the CPU with two stages made to fail: under a minute
+def test_bench_gpu_quick_goes_on_after_a_failing_stage(tmp_path, monkeypatch):
+    """A forced error in the second stage (flat GRPO, the x_flat baseline) and a forced timeout in a later one (its
+    alarm firing inside the trainer): every stage still has its row, and the JSON was rewritten after each stage."""
+    bench = _load("bench_gpu")
+    md, out = (ROOT / "BENCHMARKS.md").read_text(), tmp_path / "gpu.json"
+    written = []
+    publish = bench.publish
+
+    def spy(args, *a, **k):  # the JSON as it stood after each write
+        publish(args, *a, **k)
+        written.append(json.loads(out.read_text()))
+
+    monkeypatch.setattr(bench, "publish", spy)
+    rows = bench.main(["--quick", "--fail-stage", "flat GRPO", "--fail-stage", "BranchGRPO-Mix:timeout",
+                       "--json", str(out)])
+    assert json.loads(out.read_text()) == rows and (ROOT / "BENCHMARKS.md").read_text() == md  # --quick: the JSON only
+    meta, stages = rows[0], rows[0]["stages"]
+    assert stages[1] == "flat GRPO" and meta["finished"] == stages
+    assert [w[0]["finished"] for w in written] == [stages[:i] for i in range(1, len(stages) + 1)] + [stages]
+    pipe = [r for r in rows if r["stage"] == "rollout_vs_pipe"]
+    assert len(pipe) == 4 and pipe[0]["x_pipe"] == 1.0 and all("x_pipe" in r and "error" not in r for r in pipe)
+    t = {r["method"]: r for r in rows if r["stage"] == "trainer"}
+    assert list(t) == stages[1:]  # one row per trainer stage, in order, the failed ones included
+    flat, mix = t.pop("flat GRPO"), t.pop("BranchGRPO-Mix")
+    assert flat["status"] == "FAILED" and flat["error_type"] == "RuntimeError" and not flat["timed_out"]
+    assert flat["error"] == "RuntimeError: forced failure of 'flat GRPO' (--fail-stage)"
+    assert mix["status"] == "FAILED" and mix["timed_out"] and "seconds_iter" not in mix
+    assert mix["error"].startswith("timed out: the stage budget of 0.05 s ran out (StageTimeout")
+    assert all("error" not in r and r["seconds_iter"] > 0 and "x_flat" not in r for r in t.values()), t
+    assert list(meta["no_ratio"]) == ["x_flat"]
+    assert "flat GRPO baseline FAILED (RuntimeError" in meta["no_ratio"]["x_flat"]
+    block = "\n".join(bench.report(rows))
+    assert "| flat GRPO | FAILED: RuntimeError: forced failure of 'flat GRPO' (--fail-stage) |" in block
+    assert "2 stage(s) did not finish" in block and "No x_flat ratios: the flat GRPO baseline FAILED" in block
+    assert "x flat GRPO's seconds" not in block and "Not reached" not in block  # no claim without its baseline
+
+
+def test_bench_gpu_recognises_its_timeout_through_wrappers(tmp_path):
+    """The stage's StageTimeout is found through the exception chain (torch.compile's BackendCompilerFailed raised
+    `from None` keeps it as __context__); difrl's reward stage drops it from the chain, so there the alarm's own flag
+    says it fired. Anything else keeps its type and one line of its message."""
+    import torch
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from difrl.rewards import RewardError, score_all
+    from difrl.train.reward_stage import score_rewards
+
+    bench = _load("bench_gpu")
+
+    def raised(fn):
+        try:
+            fn()
+        except Exception as e:
+            return e
+
+    def in_compile():
+        try:
+            raise bench.StageTimeout("the stage budget of 90 s ran out")
+        except bench.StageTimeout as e:  # as torch/_dynamo/output_graph.py wraps a backend's exception
+            raise BackendCompilerFailed(lambda gm, inputs: gm, e, None) from None
+
+    def twice_wrapped():
+        try:
+            in_compile()
+        except BackendCompilerFailed as e:
+            raise RuntimeError("compiling the block failed") from e
+
+    for exc in (raised(in_compile), raised(twice_wrapped)):
+        assert bench.timeout_in_chain(exc) is not None
+        row = bench.failure_row("trainer", "flat GRPO + compile", exc, 90)
+        assert row == {"stage": "trainer", "method": "flat GRPO + compile", "status": "FAILED", "timed_out": True,
+                       "error_type": type(exc).__name__, "error": "timed out: the stage budget of 90 s ran out "
+                                                                  f"(StageTimeout, surfaced as {type(exc).__name__})"}
+
+    def slow(images, prompts, metadata):
+        raise bench.StageTimeout("the stage budget of 55 s ran out")
+
+    exc = raised(lambda: score_rewards(lambda: score_all({"slow": slow}, torch.zeros(2, 3, 4, 4), ["a", "b"], [{}, {}],
+                                                         torch.arange(2), torch.arange(2)),
+                                       2, "stop", lambda: None, "iteration 1", tmp_path))
+    assert isinstance(exc, RewardError) and "raised StageTimeout" in str(exc) and bench.timeout_in_chain(exc) is None
+    assert not bench.failure_row("trainer", "flat GRPO", exc, 55)["timed_out"]
+    assert bench.failure_row("trainer", "flat GRPO", exc, 55, fired=True)["error"] == (
+        "timed out: the stage budget of 55 s ran out (StageTimeout, surfaced as RewardError)")
+
+    oom = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\n  GPU 0 has 1.5 GiB free. "
+                                      + "x" * 300)
+    row = bench.failure_row("trainer", "flat GRPO", oom, 55)
+    assert not row["timed_out"] and row["error_type"] == "OutOfMemoryError" and len(row["error"]) == 240
+    assert row["error"].startswith("OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has 1.5")
+
+
+def test_bench_gpu_run_stage_records_failures_and_goes_on():
+    """run_stage on given stage functions: an error, a timeout the stage swallowed (its rows are dropped: not measured
+    within the budget), a stage with no time left before the limit; the alarm handler is put back each time."""
+    import signal
+    import time
+
+    bench = _load("bench_gpu")
+    before, rows, far = signal.getsignal(signal.SIGALRM), [], time.monotonic() + 100
+
+    def config_error(out):
+        raise ValueError("config key 'train.micro_batch': must be positive")
+
+    def swallows(out):
+        try:
+            time.sleep(2)
+        except bench.StageTimeout:
+            pass
+        out.append({"stage": "trainer", "method": "swallows", "seconds_iter": 2.0})
+
+    def fine(out):
+        out.append({"stage": "trainer", "method": "fine", "seconds_iter": 1.0})
+
+    bench.run_stage(rows, "trainer", "config", config_error, 30, far, "cpu")
+    bench.run_stage(rows, "trainer", "swallows", swallows, 0.1, far, "cpu")
+    bench.run_stage(rows, "trainer", "fine", fine, 30, far, "cpu")
+    bench.run_stage(rows, "trainer", "late", fine, 30, time.monotonic() + 1, "cpu")
+    assert [(r["method"], r.get("status"), r.get("timed_out")) for r in rows] == [
+        ("config", "FAILED", False), ("swallows", "FAILED", True), ("fine", None, None), ("late", "SKIPPED", None)]
+    assert rows[0]["error"] == "ValueError: config key 'train.micro_batch': must be positive"
+    assert rows[1]["error"] == "timed out: the stage budget of 0.1 s ran out (StageTimeout)"
+    assert rows[3]["error"].startswith("not started: ") and rows[3]["error"].endswith("s left before the time limit")
+    assert signal.getsignal(signal.SIGALRM) == before and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_bench_gpu_budget_fits_gpu_checks_time_limit():
+    """gpu_check.sh runs bench_gpu.py under `timeout $LIMIT` and passes the same LIMIT; every stage has a budget and
+    start-up + stages fit under it with the end's reserve; the device machine's command limit is 600 s."""
+    import re
+
+    bench = _load("bench_gpu")
+    script = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
+    limit = int(re.search(r"^LIMIT=(\d+)$", script, re.M).group(1))
+    assert limit == bench.TIME_LIMIT_S and limit + 30 <= 600
+    assert 'timeout "$LIMIT" python3' in script and 'extra=(--time-limit "$LIMIT")' in script
+    for size in ("full", "quick"):
+        stages = [bench.ROLLOUT_STAGE, *bench.methods(size)]
+        assert list(bench.BUDGET_S[size]) == ["start-up", *stages]
+        assert sum(bench.stage_budgets(size, stages).values()) <= limit - bench.END_RESERVE_S
+    full = bench.stage_budgets("full", [bench.ROLLOUT_STAGE, *bench.methods("full")])
+    assert bench.budget_line(full, limit) == ("time budget: start-up 45 s + 8 stages (45 + 55 + 35 + 35 + 35 + 90 + 50 + "
+                                              "90 = 435 s) = 480 s, within the 540 s time limit (60 s to spare, 15 s "
+                                              "of it for the end)")
+    assert "OVER the 540 s" in bench.budget_line(bench.stage_budgets("full", list(full)[1:], every=120), limit)
 
 
 # ---- smoke tests of the --quick runs: the rows' values, not only that they ran ---------------------------------
