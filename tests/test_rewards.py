@@ -142,6 +142,8 @@ def test_a_failing_reward_names_itself_and_the_samples_and_never_scores(kind, re
         score_all(rewards, images, ["a"] * 4, [{}] * 4, seeds, ids)
     msg, e = str(err.value), err.value
     assert name in msg and "prompt ids [" in msg and "seeds [" in msg
+    # the reward's own exception is the RewardError's cause (its traceback; a NaN has no exception)
+    assert (e.__cause__ is not None) == (kind in ("raise", "short"))
     expected_bad = {"raise": [1, 1, 1, 1], "short": [1, 1, 1, 1], "nan": [0, 1, 0, 0], "inf": [0, 0, 1, 0]}[kind]
     assert e.bad.long().tolist() == expected_bad
     if kind in ("nan", "inf"):

@@ -363,11 +363,12 @@ def check_scores(results: dict, prompt_ids: torch.Tensor, seeds: torch.Tensor) -
     B = len(prompt_ids)
     out: dict[str, torch.Tensor] = {}
     bad = torch.zeros(B, dtype=torch.bool)
-    problems, contract = [], False
+    problems, contract, first_error = [], False, None
     for name, res in results.items():
         key = reward_key(name)
         if isinstance(res, _Failed):
             e = res.error
+            first_error = first_error or e
             contract |= isinstance(e, (RewardContractError, RewardTimeoutError))  # both stop under every on_error
             problems.append(f"reward {name!r} raised {type(e).__name__}: {e} on {_where(prompt_ids, seeds, res.bad)}")
             bad |= res.bad
@@ -384,7 +385,8 @@ def check_scores(results: dict, prompt_ids: torch.Tensor, seeds: torch.Tensor) -
     if problems:
         for k in out:  # a failed sample has no score under any reward
             out[k] = torch.where(bad, float("nan"), out[k])
-        raise RewardError("; ".join(problems), bad, out, contract)
+        # the first reward's own exception stays in the chain (its traceback; a timeout recognisable through it)
+        raise RewardError("; ".join(problems), bad, out, contract) from first_error
     return out
 
 
