@@ -195,9 +195,12 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _on_cuda(x):
             warn_emulation_on_gpu(self.fmt)
-        y = F.qdq(x, self.fmt, "activation") @ self.weight_hat().T
-        if self.bias is not None:
-            y = y + self.bias.float()
+        # exact whatever surrounds it: an autocast (mixed-precision full fine-tuning, difrl.train.precision, or
+        # accelerate's) would round the dequantized weight to bf16 inside the matmul
+        with torch.autocast(x.device.type, enabled=False):
+            y = F.qdq(x, self.fmt, "activation") @ self.weight_hat().T
+            if self.bias is not None:
+                y = y + self.bias.float()
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
