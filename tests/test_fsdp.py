@@ -13,7 +13,8 @@ a. FLUX (tiny pipeline) full fine-tuning with the KL to a (sharded) frozen refer
    transformer/ loads with plain diffusers and holds the EMA weights. Killed by SIGKILL (launcher and both
    processes) after its second checkpoint and resumed: equal to the uninterrupted sharded run.
 b. FLUX LoRA: the same equality; lora/ loads into a plain FluxPipeline with load_lora_weights.
-c. bf16 mixed precision from the launch: ratio 1 on the first micro-step, fp32 masters in the checkpoint.
+c. bf16 mixed precision from the launch, and model.dtype=bf16 full fine-tuning (upcast before sharding): ratio 1 on
+   the first micro-step, fp32 masters (and EMA, AdamW state) in the checkpoint; the latter's transformer/ in bf16.
 d. The masked trainer (hf_masked: the bundled BertForMaskedLM, tied embeddings) full fine-tuning with KL; under
    FSDP every process runs the whole batch (only the model is split), so it keeps the accumulation.
 e. Fast: gathering, plain copies and checkpoint restore of sharded tensors (a one-process group in the test
@@ -220,6 +221,26 @@ def test_fsdp_bf16_mixed_precision_from_the_accelerate_config(tiny_flux, tmp_pat
     base = load_safetensors_checked(tiny_flux / "transformer" / "diffusion_pytorch_model.safetensors", "base")[0]
     assert all(v.dtype == torch.float32 for v in trained.values())
     assert max(float((trained[f"trainable/{k}"] - v).abs().max()) for k, v in base.items()) > 1e-3
+
+
+@pytest.mark.slow  # one launch of the tiny FLUX pipeline
+def test_fsdp_bf16_model_full_finetune_keeps_fp32_masters(tiny_flux, tmp_path):
+    # model.dtype=bf16 with full fine-tuning (difrl/train/precision.py): the transformer is upcast to fp32 before it is
+    # sharded and FSDP2 gathers it in bf16 (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)) with no
+    # --mixed_precision flag: ratio 1 on the first micro-step, every checkpointed tensor fp32, transformer/ in bf16
+    script = [str(ROOT / "scripts" / "train_flux.py")]
+    out = run(2, script, flux_args(tiny_flux, "model.dtype=bf16", "train.lora.enabled=false", "train.iterations=2",
+                                   "train.grad_accum=2", "train.ema_decay=0.9"), tmp_path / "bf16")
+    assert "mixed precision bf16" in out
+    assert [r["first_step_max_abs_log_ratio"] for r in rows(tmp_path / "bf16")] == [0.0, 0.0]
+    trained = checkpoint_tensors(tmp_path / "bf16", 2)
+    assert {v.dtype for v in trained.values()} == {torch.float32} and any(k.startswith("ema/") for k in trained)
+    base = load_safetensors_checked(tiny_flux / "transformer" / "diffusion_pytorch_model.safetensors", "base")[0]
+    assert max(float((trained[f"trainable/{k}"] - v).abs().max()) for k, v in base.items()) > 1e-3
+    written = load_safetensors_checked(tmp_path / "bf16" / "transformer" / "diffusion_pytorch_model.safetensors", "t")[0]
+    assert written.keys() == base.keys()
+    for k, v in written.items():  # the EMA weights, gathered and written in the dtype the model was loaded in
+        assert v.dtype == torch.bfloat16 and torch.equal(v, trained[f"ema/{k}"].bfloat16()), k
 
 
 @pytest.mark.slow  # two launches of the masked trainer

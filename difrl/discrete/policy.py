@@ -28,7 +28,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from difrl.models.base import Cond, HoldsNet
+from difrl.models.base import Cond, HoldsNet, autocast_to
 
 NEG = -1e9  # "minus infinity" for logits (finite: no NaN in entropies or under temperature)
 
@@ -194,6 +194,9 @@ class HFMaskedLM:
         self.mask_id = int(mask_id)
         self.vocab_size = int(vocab_size)
         self.tokenizer = tokenizer
+        # the half dtype the forward autocasts to when the trained parameters are fp32 master weights
+        # (difrl.train.precision: full fine-tuning of a model loaded in bf16); None: the parameters' own dtype
+        self.autocast_dtype: torch.dtype | None = None
         self.lora_target_modules = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                                            if isinstance(m, nn.Linear) and "embed" not in n and "head" not in n
                                            and "decoder" not in n.rsplit(".", 1)[-1]})
@@ -265,7 +268,8 @@ class HFMaskedLM:
     def logits(self, tokens: torch.Tensor, cond: Cond | None = None) -> torch.Tensor:
         _check_tokens(tokens, self.vocab_size)
         att = (cond or {}).get("attention_mask")
-        out = self.model(input_ids=tokens.to(self.device), attention_mask=None if att is None else att.to(self.device))
+        with autocast_to(self.autocast_dtype, self.device):
+            out = self.model(input_ids=tokens.to(self.device), attention_mask=None if att is None else att.to(self.device))
         logits = out.logits.float()
         if logits.shape[:2] != tokens.shape or logits.shape[-1] != self.vocab_size:
             raise ValueError(f"the model returned logits {tuple(logits.shape)} for tokens {tuple(tokens.shape)}; "

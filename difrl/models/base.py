@@ -11,6 +11,7 @@ lives behind this protocol; samplers, the rollout engine and the trainer only se
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -68,6 +69,15 @@ def policy_device(policy) -> torch.device:
         return torch.device(dev)
     param = next(iter(policy.module.parameters()), None) if hasattr(policy, "module") else None
     return param.device if param is not None else torch.device("cpu")
+
+
+def autocast_to(dtype: torch.dtype | None, device) -> AbstractContextManager:
+    """The context an adapter runs its network's forward in: torch.autocast to `dtype` on `device`'s type when the
+    trained network holds fp32 master weights and computes in `dtype` (an adapter's ``autocast_dtype``, set by
+    difrl.train.precision), else nothing, so a network used as loaded (LoRA, fp32, inference) computes as before."""
+    if dtype is None:
+        return nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)
 
 
 def cond_select(cond: Cond, index: torch.Tensor | slice) -> Cond:

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from difrl.models.base import DEFAULT_QUANT_PRESET, Cond
+from difrl.models.base import DEFAULT_QUANT_PRESET, Cond, autocast_to
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -133,6 +133,9 @@ class DiffusersFlowPolicy:
     quant_preset: dict = DEFAULT_QUANT_PRESET  # quantize_module's skip / min_dim for a low-precision rollout copy
     block_classes: tuple[str, ...] = ()  # class names of the transformer's repeated blocks
     model_options: tuple[str, ...] = ()  # further config fields (cfg.model.<name>) that from_pretrained takes
+    # the half dtype the transformer's forward autocasts to when its trained parameters are fp32 master weights
+    # (difrl.train.precision: full fine-tuning of a bf16 model); None: it computes in its parameters' own dtype
+    autocast_dtype: torch.dtype | None = None
 
     def __init__(self, pipe, *, height: int, width: int, negative_prompt: str = "", max_sequence_length: int = 512,
                  cache_prompts: bool = False):
@@ -152,8 +155,10 @@ class DiffusersFlowPolicy:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The transformer's dtype: its inputs are cast to it, its outputs back to fp32."""
-        return self.pipe.transformer.dtype
+        """The dtype the transformer computes in: its inputs are cast to it, its outputs back to fp32. Its parameters'
+        dtype as loaded (model.dtype), also once full fine-tuning has made them fp32 master weights (then the forward
+        autocasts to this dtype: `autocast_dtype`), so the inputs, and FLUX's timestep rounding, stay as loaded."""
+        return self.autocast_dtype or self.pipe.transformer.dtype
 
     @property
     def device(self) -> torch.device:
@@ -247,9 +252,13 @@ class DiffusersFlowPolicy:
         scale = self._cfg_scale(guidance)
         if scale is not None:
             both = {k: torch.cat([u, cond[k]]) for k, u in self.negative_cond(x.shape[0]).items()}
-            v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), both, guidance).float().chunk(2)
+            with autocast_to(self.autocast_dtype, dev):
+                out = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), both, guidance)
+            v_u, v_c = out.float().chunk(2)
             return (v_u + scale * (v_c - v_u)).to(home)
-        return self._forward(x, sigma, cond, guidance).float().to(home)
+        with autocast_to(self.autocast_dtype, dev):
+            out = self._forward(x, sigma, cond, guidance)
+        return out.float().to(home)
 
     def _cfg_scale(self, guidance: float) -> float | None:
         """The CFG scale for this `guidance`, or None for one conditional forward (the pipelines'

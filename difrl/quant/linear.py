@@ -21,6 +21,7 @@ attention, norms, embeddings, convolutions stay in the model's precision, as in 
 from __future__ import annotations
 
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -213,9 +214,14 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _on_cuda(x):
             warn_emulation_on_gpu(self.fmt)
-        y = F.qdq(x, self.fmt, "activation") @ self.weight_hat().T
-        if self.bias is not None:
-            y = y + self.bias.float()
+        # exact whatever surrounds it: an autocast (mixed-precision full fine-tuning, difrl.train.precision, or
+        # accelerate's) would round the dequantized weight to bf16 inside the matmul (a device without autocast,
+        # e.g. `meta`, has none to turn off)
+        device = x.device.type
+        with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else nullcontext():
+            y = F.qdq(x, self.fmt, "activation") @ self.weight_hat().T
+            if self.bias is not None:
+                y = y + self.bias.float()
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:

@@ -38,6 +38,7 @@ from difrl.train.objectives import grpo_micro_loss, nft_micro_loss, nft_sigmas, 
 from difrl.train.reward_stage import (across_processes, build_rewards, reward_stats, score_rewards,
                                      track_reward_failures, valid_group_advantages)
 from difrl.train.metrics import Metrics, pooled_std
+from difrl.train.precision import MasterWeights, refuse_fp16, upcast_masters
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, clip_and_step, cores_available,  # noqa: F401
                                   fmt_eval, make_optimizer, progress, record_eval, reference_policy,
                                   save_policy, shard_policy, wrap_policy)
@@ -54,6 +55,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
     from tqdm.auto import tqdm
 
     # ======================================================================== setup
+    refuse_fp16(cfg.model.dtype)  # before a large model loads: fp16 training is refused (difrl/train/precision.py)
     world = build_world(cfg.model.kind, cfg.model.path, cfg)
     # a world that runs on the CPU (the digits MLP: kernel launches would dominate on a GPU) asks for it;
     # without cpu=True accelerate ignores torchrun's WORLD_SIZE on a machine with no GPU
@@ -69,7 +71,11 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
     sigmas = world.sigmas(cfg.sampler.num_steps, cfg.sampler.shift)  # difrl's schedule, or a pipeline's own
     net, reference = wrap_policy(policy, cfg.train.lora, cfg.seed,
                                  need_reference=cfg.train.kl_beta > 0 or (nft and cfg.nft.ref_beta > 0))
-    fsdp = fsdp_settings(accelerator)  # FSDP2 (accelerate launch --config_file configs/accelerate/fsdp.yaml) or None
+    # full fine-tuning of a bf16 model: fp32 master weights (so fp32 gradients, AdamW state, EMA / NFT / copy-source
+    # shadows and checkpoints), bf16 compute under autocast; LoRA and fp32 models are left as they are
+    masters = upcast_masters(policy, net)
+    # FSDP2 (accelerate launch --config_file configs/accelerate/fsdp.yaml) or None; gathers in the compute dtype
+    fsdp = masters.fsdp(fsdp_settings(accelerator))
     refuse_unsupported(cfg, fsdp)
     net, reference = shard_policy(policy, net, reference, fsdp, accelerator.device)
     params = trainable_params(net)
@@ -81,7 +87,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
     ema = EMA(trainable_params(unwrapped), cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
     # DiffusionNFT's old policy (the sampler and v_old): an EMA of the trained weights with its own schedule
     old = EMA(trainable_params(unwrapped), 0.0) if nft else None
-    rollout_copy, copy_source = build_rollout_copy(cfg, policy, unwrapped, accelerator.print)
+    rollout_copy, copy_source = build_rollout_copy(cfg, policy, unwrapped, masters, accelerator.print)
     extras = {k: v for k, v in (("old", old), ("rollout_source", copy_source)) if v is not None}
     reference_ctx = lambda: reference_policy(policy, unwrapped, reference)  # noqa: E731
     train_sigmas = nft_sigmas(cfg, sigmas) if nft else None  # DiffusionNFT's trained sigmas [T]
@@ -288,7 +294,8 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
     if (change := change_over_noise(summary["eval_before"], eval_after)) is not None:  # diffusers worlds
         summary["reward_change"] = change
     # EMA weights if on; under FSDP every process gathers the full weights (sharding.gathered), the main one saves
-    with ema.swapped() if ema is not None else nullcontext(), gathered(unwrapped):
+    # written in the dtypes the model was loaded in (model.dtype): transformer/ is a diffusers checkpoint like the base
+    with ema.swapped() if ema is not None else nullcontext(), gathered(unwrapped), masters.as_loaded(unwrapped):
         if accelerator.is_main_process:
             if world.save_lora is None:  # digits: a plain merged checkpoint usable as model.path
                 save_policy(policy, unwrapped, cfg.train.lora.enabled, run_dir / "policy.safetensors")
@@ -305,15 +312,20 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
 # ---------------------------------------------------------------------------------- pieces of the loop
 
 
-def build_rollout_copy(cfg: FlowConfig, policy, unwrapped, say) -> tuple[RolloutCopy | None, EMA | None]:
+def build_rollout_copy(cfg: FlowConfig, policy, unwrapped, masters: MasterWeights,
+                       say) -> tuple[RolloutCopy | None, EMA | None]:
     """The rollout copy (LoRA merged, linear layers in rollout.precision, re-synced before rollouts) or None, and
-    for a stale copy (sync_every > 1) the weights it was last synced from (checkpointed, so resume is exact)."""
+    for a stale copy (sync_every > 1) the weights it was last synced from (checkpointed, so resume is exact). The
+    copy holds its high-precision tensors in the dtypes the model was loaded in (`masters.as_loaded`), its source
+    the fp32 master weights."""
     if cfg.rollout.precision == "fp32" and cfg.rollout.sync_every == 1:
         return None, None
     preset = policy.quant_preset
-    copy = RolloutCopy(unwrapped, cfg.rollout.precision, preset["skip"] if cfg.rollout.quant_skip is None else cfg.rollout.quant_skip,
-                       preset["min_dim"] if cfg.rollout.quant_min_dim is None else cfg.rollout.quant_min_dim,
-                       cfg.rollout.quant_backend)
+    with masters.as_loaded(unwrapped):
+        copy = RolloutCopy(unwrapped, cfg.rollout.precision,
+                           preset["skip"] if cfg.rollout.quant_skip is None else cfg.rollout.quant_skip,
+                           preset["min_dim"] if cfg.rollout.quant_min_dim is None else cfg.rollout.quant_min_dim,
+                           cfg.rollout.quant_backend)
     say(f"difrl: rollout copy ({'stage-1 candidates' if cfg.rollout.kind == 'solrl' else 'rollouts'}, synced every "
         f"{cfg.rollout.sync_every} iteration(s)): " + copy.report.summary())
     return copy, EMA(trainable_params(unwrapped), 0.0) if cfg.rollout.sync_every > 1 else None

@@ -49,6 +49,7 @@ from difrl.train.masked_config import MaskedConfig
 from difrl.train.reward_stage import (build_rewards, finite_mean_std, reward_stats, score_rewards,
                                      track_reward_failures, valid_group_advantages)
 from difrl.train.metrics import Metrics
+from difrl.train.precision import refuse_fp16, upcast_masters
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, check_ratio, clip_and_step,  # noqa: F401
                                   cores_available, fmt_eval, make_optimizer, progress, record_eval, reference_policy,
                                   save_policy, shard_policy, sharded_processes, wrap_policy)
@@ -62,6 +63,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
     from tqdm.auto import tqdm
 
     # ======================================================================== setup
+    refuse_fp16(cfg.model.dtype)  # fp16 training is refused (difrl/train/precision.py)
     # one process, or under FSDP every process runs the whole iteration on the sharded model (sharded_processes)
     accelerator, fsdp = sharded_processes()
     main = accelerator is None or accelerator.is_main_process
@@ -94,7 +96,9 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
     corrector = CORRECTORS[ext.correct.method]
 
     net, reference = wrap_policy(policy, cfg.train.lora, cfg.seed, need_reference=cfg.train.kl_beta > 0)
-    net, reference = shard_policy(policy, net, reference, fsdp, None if accelerator is None else accelerator.device)
+    masters = upcast_masters(policy, net)  # a bf16 model fully fine-tuned: fp32 master weights, bf16 compute
+    net, reference = shard_policy(policy, net, reference, masters.fsdp(fsdp),
+                                  None if accelerator is None else accelerator.device)
     policy.module = net
     params = trainable_params(net)
     optimizer = make_optimizer(params, cfg.train)
@@ -254,7 +258,8 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
     save_samples(world, policy, run_dir / "samples" / f"iter-{done:04d}.png", main)
     summary = {"eval_before": run.state["eval_before"], "eval_after": eval_after, "iterations": done,
                "stopped_early": None, "run_dir": str(run_dir), "headline": list(world.headline)}
-    with gathered(net):  # under FSDP every process gathers the full weights, the main one saves them
+    # under FSDP every process gathers the full weights, the main one saves them, in the dtypes they were loaded in
+    with gathered(net), masters.as_loaded(net):
         if main:
             save_policy(policy, net, cfg.train.lora.enabled, run_dir / "policy.safetensors")
             if cfg.train.lora.enabled:  # also the adapter alone in peft's own format: PeftModel.from_pretrained(base, run_dir/"lora")
