@@ -29,8 +29,9 @@ the module in place of the shards; only a backward reshards) and its next forwar
 in-place write into the shards outside the optimizer step is therefore followed by `reshard(net)`, which frees them
 so that the next forward gathers the shards: EMA.swap (the EMA evaluation, DiffusionNFT's old policy, also between
 the no-grad and the trained forward of one NFT micro-step) and restore_checkpoint; `gathered` and the checkpoint's
-snapshot reshard first so that they read the shards, not a gathered copy (bf16 under mixed precision). A new
-writer must do the same. Tested on 2 CPU processes (tests/test_fsdp.py): a forward after an EMA swap and after a
+snapshot reshard first so that they read the shards, not a gathered copy (bf16 under mixed precision); the LoRA
+reference switch reshards around peft's requires_grad toggles (scaffold.adapter_disabled), which would otherwise
+land on the gathered copies and leave the shards frozen. A new writer must do the same. Tested on 2 CPU processes (tests/test_fsdp.py): a forward after an EMA swap and after a
 checkpoint restore computes what one plain process computes with those weights, and a short digits run with
 DiffusionNFT, EMA and an evaluation every iteration equals the reshard_after_forward=true run (without the reshards
 it does not, from the first iteration).
