@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -327,3 +328,27 @@ def test_quant_preset_skips_name_modules_of_the_transformer(kind, policies):
     assert set(preset) == {"skip", "min_dim"} and preset["skip"]
     names = [n for n, _ in policies(kind).module.named_modules()]
     assert [s for s in preset["skip"] if not any(s in n for n in names)] == []
+
+
+def test_wan_rollout_copy_with_no_layer_skipped(policies, tiny_dirs):
+    # rollout.quant_skip=[] quantizes Wan's time embedder too (quant_min_dim=0: at this size every layer is small);
+    # diffusers' WanTimeTextImageEmbedding reads its dtype as next(time_embedder.parameters()).dtype, which a
+    # quantized layer's bias provides (a frozen parameter, as in nn.Linear); before, StopIteration
+    from difrl.train.config import load_flow_config
+    from difrl.train.flow import build_rollout_copy
+
+    policy = policies("wan")
+    cfg = load_flow_config(Path(__file__).resolve().parent.parent / "configs" / "wan_tiny.yaml", [f"model.path={tiny_dirs('wan')}", "rollout.precision=fp8_row",
+                                                      "rollout.quant_skip=[]", "rollout.quant_min_dim=0"])
+    copy, _ = build_rollout_copy(cfg, policy, policy.module, lambda msg: None)
+    quantized = set(copy.report.quantized)
+    assert {"condition_embedder.time_embedder.linear_1", "condition_embedder.time_embedder.linear_2"} <= quantized
+    assert not [r for r in copy.report.rows if r[2] == "skipped"]
+    x = torch.randn(2, *policy.latent_shape, generator=torch.Generator().manual_seed(0))
+    sigma, cond = torch.tensor([0.7, 0.3]), policy.encode(PROMPTS)
+    with torch.no_grad():
+        v = policy.velocity(x, sigma, cond, 1.0)
+        with copy.active(policy):
+            v_q = policy.velocity(x, sigma, cond, 1.0)
+    err = float((v_q - v).norm() / v.norm())
+    assert 0 < err < 0.1, err  # quantized (not the policy itself), and close to it (0.033 when written)

@@ -19,7 +19,14 @@ d. The masked trainer (hf_masked: the bundled BertForMaskedLM, tied embeddings) 
    FSDP every process runs the whole batch (only the model is split), so it keeps the accumulation.
 e. Fast: gathering, plain copies and checkpoint restore of sharded tensors (a one-process group in the test
    process); the settings accelerate's config gives, and what is refused with a reason (the rollout copy,
-   Sol-RL / trees, FSDP version 1); block classes with a tied weight stay in the root unit.
+   Sol-RL / trees, FSDP version 1, CPU offload on a process group without a CPU backend); block classes with a
+   tied weight stay in the root unit.
+f. fsdp_reshard_after_forward: false and fsdp_offload_params: true. Fast (one torchrun job of 2 processes): a
+   forward after an EMA swap, a swap back and a checkpoint restore, each following a forward that left the units
+   gathered, computes what one plain process computes with the weights written. Slow: digits with DiffusionNFT,
+   EMA and an evaluation every iteration (weights swapped between forwards all along) equals the default run with
+   either setting. On CPU processes offload moves nothing (mesh and shards are both on the CPU): NCCL and GPUs
+   never ran (difrl/train/sharding.py says what that leaves untested).
 """
 
 from __future__ import annotations
@@ -46,6 +53,13 @@ ACCELERATE = Path(sys.executable).with_name("accelerate")
 FLUX = ["threads=1", "rollout.prompts_per_iter=2", "rollout.group_size=4", "sampler.num_steps=3", "eval.num_steps=3",
         "eval.per_digit=1", "train.iterations=3", "train.micro_batch=4", "train.lr=1.0", "train.adam_eps=1.0",
         "train.weight_decay=0", "checkpoint_every=1"]
+# digits (a CPU world; its AdaLNBlocks are the units) with DiffusionNFT, EMA and an evaluation every iteration: each
+# swaps weights into the shards between forwards (NFT's old policy also inside every micro-step); 4 samples x 2
+# trained sigmas per process, 2 updates per iteration
+DIGITS_NFT = ["seed=3", "threads=1", "rollout.kind=flat", "rollout.precision=fp32", "sampler.num_steps=4",
+              "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=4", "train.grad_accum=1",
+              "train.iterations=2", "train.lr=1.0", "train.adam_eps=1.0", "train.weight_decay=0", "train.ema_decay=0.5",
+              "nft.ref_beta=0.1", "eval.every=1", "eval.per_digit=2", "eval.num_steps=3", "checkpoint_every=1"]
 MASKED = ["threads=1", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=4",
           "train.inner_updates=2", "train.iterations=3", "train.lr=1.0", "train.adam_eps=1.0", "train.kl_beta=0.1",
           "eval.count=4", "eval.samples=2", "eval.pass_k=[1]", "checkpoint_every=1"]
@@ -57,11 +71,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def command(nproc: int, target: list[str], args: list[str], out: Path) -> list[str]:
-    """`python TARGET ARGS --out OUT` for one plain process, else accelerate launch with the FSDP config."""
+def command(nproc: int, target: list[str], args: list[str], out: Path, launch: tuple[str, ...] = ()) -> list[str]:
+    """`python TARGET ARGS --out OUT` for one plain process, else accelerate launch with the FSDP config (and the
+    launcher's options `launch`, e.g. --mixed_precision bf16)."""
     if nproc == 1:
         return [sys.executable, *target, *args, "--out", str(out)]
-    return [str(ACCELERATE), "launch", "--config_file", str(FSDP_YAML), "--num_processes", str(nproc),
+    return [str(ACCELERATE), "launch", "--config_file", str(FSDP_YAML), "--num_processes", str(nproc), *launch,
             "--main_process_port", str(free_port()), *target, *args, "--out", str(out)]
 
 
@@ -70,8 +85,9 @@ def env() -> dict:
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
-def run(nproc: int, target: list[str], args: list[str], out: Path) -> str:
-    proc = subprocess.run(command(nproc, target, args, out), env=env(), capture_output=True, text=True, timeout=900)
+def run(nproc: int, target: list[str], args: list[str], out: Path, launch: tuple[str, ...] = ()) -> str:
+    proc = subprocess.run(command(nproc, target, args, out, launch), env=env(), capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout + proc.stderr
 
@@ -102,10 +118,11 @@ def rows(run_dir: Path) -> list[dict]:
 
 
 def checkpoint_tensors(run_dir: Path, iteration: int) -> dict[str, torch.Tensor]:
-    """Trainable weights, EMA (if any) and Adam's moments of one checkpoint, by a flat name."""
+    """Trainable weights, EMA and DiffusionNFT's old policy (if any) and Adam's moments of one checkpoint, by a flat
+    name."""
     path = run_dir / "checkpoints" / f"iter-{iteration:06d}"
     out = {}
-    for name in ("trainable", "ema"):
+    for name in ("trainable", "ema", "old"):
         if (path / f"{name}.safetensors").exists():
             out |= {f"{name}/{k}": v for k, v in load_safetensors_checked(path / f"{name}.safetensors", name)[0].items()}
     opt = torch.load(path / "optimizer.pt", weights_only=True)
@@ -209,13 +226,9 @@ def test_fsdp_bf16_mixed_precision_from_the_accelerate_config(tiny_flux, tmp_pat
     # bf16 in the rollout and in training alike (the first micro-step's ratio is exactly 1), the optimizer keeps
     # fp32 master weights (the checkpoint is fp32) and the weights move
     script = [str(ROOT / "scripts" / "train_flux.py")]
-    cmd = command(2, script, flux_args(tiny_flux, "train.lora.enabled=false", "train.iterations=2",
-                                       "train.grad_accum=2"), tmp_path / "bf16")
-    cmd.insert(cmd.index("--num_processes"), "--mixed_precision")
-    cmd.insert(cmd.index("--num_processes"), "bf16")
-    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "mixed precision bf16" in proc.stdout + proc.stderr
+    out = run(2, script, flux_args(tiny_flux, "train.lora.enabled=false", "train.iterations=2", "train.grad_accum=2"),
+              tmp_path / "bf16", launch=("--mixed_precision", "bf16"))
+    assert "mixed precision bf16" in out
     assert [r["first_step_max_abs_log_ratio"] for r in rows(tmp_path / "bf16")] == [0.0, 0.0]
     trained = checkpoint_tensors(tmp_path / "bf16", 2)
     base = load_safetensors_checked(tiny_flux / "transformer" / "diffusion_pytorch_model.safetensors", "base")[0]
@@ -267,7 +280,46 @@ def test_fsdp_masked_lm_equals_one_process(tmp_path):
             torch.testing.assert_close(v, trained[f"trainable/{k}"], rtol=0, atol=0, msg=k)
 
 
+@pytest.mark.slow  # three launches of the digits world, about 1 min on 2 cores
+def test_fsdp_reshard_after_forward_off_and_cpu_offload_equal_the_default_run(tmp_path):
+    # without sharding.reshard after each swap, reshard_after_forward=false differs from the first iteration on (NFT's
+    # trained forward ran on the old policy's weights left gathered by its no-grad forward)
+    target = ["-m", "difrl", "train", str(ROOT / "configs" / "digits_solrl.yaml")]
+    default, kept, offload = tmp_path / "default", tmp_path / "kept_gathered", tmp_path / "offload"
+    run(2, target, DIGITS_NFT, default)
+    out = run(2, target, DIGITS_NFT, kept, launch=("--fsdp_reshard_after_forward", "false"))
+    assert "mixed precision no, kept gathered after forward;" in out
+    out = run(2, target, DIGITS_NFT, offload, launch=("--fsdp_offload_params", "true"))
+    assert "mixed precision no, offloaded to the CPU;" in out
+    assert any(k.startswith("old/") for k in checkpoint_tensors(default, 2))  # NFT's old policy is compared too
+    for other in (kept, offload):
+        assert_same_runs(default, other, iteration=2)
+
+
 # ---------------------------------------------------------------------------------- fast checks
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class Net(torch.nn.Module):
+    """Two Blocks (FSDP units) and an output layer (the root unit)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
 
 
 def test_settings_come_from_the_accelerate_config(monkeypatch):
@@ -283,8 +335,10 @@ def test_settings_come_from_the_accelerate_config(monkeypatch):
     monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", "false")
     monkeypatch.setenv("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP")
     monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "BlockA,BlockB")
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
     s = fsdp_settings(SimpleNamespace(mixed_precision="bf16"))
-    assert (s.reshard_after_forward, s.mixed_precision, s.block_classes) == (False, "bf16", ("BlockA", "BlockB"))
+    assert (s.reshard_after_forward, s.offload_params, s.mixed_precision, s.block_classes) == (
+        False, True, "bf16", ("BlockA", "BlockB"))
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(ConfigError, match="FSDP2"):
         fsdp_settings(SimpleNamespace(mixed_precision="no"))
@@ -357,29 +411,9 @@ def test_gather_copy_and_restore_in_one_process(tmp_path):
     # restores into a freshly sharded network (weights, EMA, AdamW moments) and the next update matches.
     import torch.distributed as dist
     from peft import LoraConfig, get_peft_model
-    from torch import nn
 
     from difrl.train.sharding import FSDPSettings, gathered, is_sharded, plain_copy, shard
     from difrl.train.state import EMA, load_latest_checkpoint, restore_checkpoint, save_checkpoint, trainable_params
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
-
-        def forward(self, x):
-            return x + self.fc2(torch.relu(self.fc1(x)))
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList([Block(), Block()])
-            self.out = nn.Linear(8, 3)
-
-        def forward(self, x):
-            for b in self.blocks:
-                x = b(x)
-            return self.out(x)
 
     def build():
         torch.manual_seed(0)
@@ -419,3 +453,148 @@ def test_gather_copy_and_restore_in_one_process(tmp_path):
             torch.testing.assert_close(ema.shadow[k].full_tensor(), fema.shadow[k].full_tensor(), msg=k)
     finally:
         dist.destroy_process_group()
+
+
+def test_cpu_offload_needs_a_process_group_with_a_cpu_backend(monkeypatch):
+    # offloaded shards and gradients are CPU tensors that gradient clipping and full_tensor send through the process
+    # group: on a GPU mesh the group needs a CPU backend next to NCCL, which refuses CPU tensors. A cuda:gloo group
+    # is in the same position on this CPU machine (its only backend is for CUDA tensors): refused with the reason.
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    from difrl.config import ConfigError
+    from difrl.train.sharding import FSDPSettings, offload_policy, process_group_kwargs
+
+    off = FSDPSettings(offload_params=True)
+    assert type(offload_policy(FSDPSettings(), "cuda", None)) is OffloadPolicy  # no offload: the group is not consulted
+    for backend, ok in (("cuda:gloo", False), ("cpu:gloo,cuda:gloo", True)):
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            if ok:
+                assert offload_policy(off, "cuda", dist.group.WORLD).pin_memory  # pinned for asynchronous copies
+            else:
+                with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
+                    dist.all_reduce(torch.ones(1))  # what NCCL answers for a CPU tensor
+                with pytest.raises(ConfigError, match=r"fsdp_offload_params.*\(cuda:gloo\) have none for CPU"):
+                    offload_policy(off, "cuda", dist.group.WORLD)
+            policy = offload_policy(off, "cpu", dist.group.WORLD)  # CPU processes: no device, nothing to pin
+            assert isinstance(policy, CPUOffloadPolicy) and not policy.pin_memory
+        finally:
+            dist.destroy_process_group()
+    # the Accelerator is asked for both backends when an FSDP launch on GPUs offloads, and only then
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    assert [h.backend for h in process_group_kwargs(cpu=False)] == ["cuda:nccl,cpu:gloo"]
+    assert process_group_kwargs(cpu=True) == []
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "false")
+    assert process_group_kwargs(cpu=False) == []
+
+
+SWAP_DRIVER = """import sys
+sys.path.insert(0, {tests!r})
+from test_fsdp import swap_and_restore_worker
+swap_and_restore_worker(sys.argv[1])
+"""
+
+
+def swap_and_restore_worker(out: str) -> None:
+    """One process of the torchrun job of test_a_forward_after_a_swap_or_a_restore_uses_the_written_weights: Net
+    sharded with reshard_after_forward=False (without, then with CPU offload), one AdamW update, then forwards after
+    an EMA swap, a swap back and a checkpoint restore, each right after a forward that left the units gathered. Writes
+    the outputs and the full weights they should have used (OUT/rank{r}-offload{0|1}.safetensors)."""
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+
+    from difrl.train.scaffold import adapter_disabled
+    from difrl.train.sharding import FSDPSettings, full_tensor, is_sharded, reshard, shard
+    from difrl.train.state import EMA, load_latest_checkpoint, restore_checkpoint, snapshot, trainable_params, write_checkpoint
+    from difrl.utils.io import save_safetensors
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, out = dist.get_rank(), Path(out)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    for offload in (0, 1):
+        torch.manual_seed(0)
+        net = shard(Net(), ["Block"], FSDPSettings(reshard_after_forward=False, offload_params=bool(offload)))
+        params = trainable_params(net)
+        opt = torch.optim.AdamW(params.values(), lr=0.1)
+        ema = EMA(params, 0.5, net)
+
+        def update():
+            net(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ema.update()
+
+        update()  # the live weights move away from the EMA's
+        saved = {}
+        with torch.no_grad():
+            saved["live_y"] = net(x)
+            # what sharding.reshard is for: the forward left its gathered weights registered in place of the shards
+            assert not any(is_sharded(p) for p in net.parameters())
+            with ema.swapped():
+                saved["ema_y"] = net(x)
+            saved["back_y"] = net(x)
+        saved |= {f"live/{k}": full_tensor(p) for k, p in params.items()}
+        saved |= {f"ema/{k}": full_tensor(v) for k, v in ema.shadow.items()}
+        run_dir = out / f"run-offload{offload}"
+        snap = snapshot(net, opt, ema)  # every process (collective); rank 0 writes
+        if rank == 0:
+            write_checkpoint(run_dir, 1, snap, {})
+        dist.barrier()
+        saved |= {f"checkpoint/{k}": v for k, v in snap.trainable.items()}
+        update()
+        with torch.no_grad():
+            net(x)  # gathered: the weights of the second update
+        restore_checkpoint(load_latest_checkpoint(run_dir), net, opt, ema)
+        with torch.no_grad():
+            saved["restored_y"] = net(x)
+        reshard(net)
+        assert all(is_sharded(p) for p in net.parameters())
+        save_safetensors({k: v.detach().contiguous() for k, v in saved.items()}, out / f"rank{rank}-offload{offload}.safetensors")
+    # the reference policy under LoRA (peft switches the adapter's requires_grad off and on around a forward that
+    # leaves the units gathered) leaves the shards trainable
+    torch.manual_seed(0)
+    lora = get_peft_model(Net(), LoraConfig(r=2, target_modules=["fc1", "fc2"]))
+    lora = shard(lora, ["Block"], FSDPSettings(reshard_after_forward=False))
+    names = set(trainable_params(lora))
+    with torch.no_grad(), adapter_disabled(lora):
+        lora(x)
+    reshard(lora)
+    assert names and set(trainable_params(lora)) == names, sorted(trainable_params(lora))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_forward_after_a_swap_or_a_restore_uses_the_written_weights(tmp_path):
+    # fsdp_reshard_after_forward: false on 2 processes: each forward computes what one plain process computes with
+    # the weights last written (live, EMA, live again, restored), also with CPU offload; the checkpoint written
+    # while the units were gathered holds the trained weights; LoRA's reference switch leaves the shards trainable
+    driver = tmp_path / "driver.py"
+    driver.write_text(SWAP_DRIVER.format(tests=str(ROOT / "tests")))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(driver),
+           str(tmp_path)]
+    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    plain = Net()
+    for rank in (0, 1):
+        for offload in (0, 1):
+            got = load_safetensors_checked(tmp_path / f"rank{rank}-offload{offload}.safetensors", "outputs")[0]
+
+            def weights(prefix):
+                return {k[len(prefix):]: v for k, v in got.items() if k.startswith(prefix)}
+
+            assert weights("live/").keys() == weights("ema/").keys() == weights("checkpoint/").keys() == plain.state_dict().keys()
+            for k, v in weights("checkpoint/").items():
+                torch.testing.assert_close(v, got[f"live/{k}"], rtol=0, atol=0, msg=k)
+            plain.load_state_dict(weights("live/"))
+            with torch.no_grad():
+                live_y = plain(x)
+            plain.load_state_dict(weights("ema/"))
+            with torch.no_grad():
+                ema_y = plain(x)
+            assert float((live_y - ema_y).abs().max()) > 1e-3  # the swap changes what the network computes
+            for name, want in (("live_y", live_y), ("ema_y", ema_y), ("back_y", live_y), ("restored_y", live_y)):
+                torch.testing.assert_close(got[name], want, msg=f"rank {rank}, offload {offload}: {name}")

@@ -685,6 +685,25 @@ def test_torch_fp8_backend_equals_the_emulation_within_the_fp32_accumulation_bou
         L.TorchFP8Linear(lin, "nvfp4")
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_row"])
+def test_torch_fp8_takes_a_transposed_activation(fmt, monkeypatch):
+    # a transposed view (strides (1, M)) keeps its layout through reshape and the quantization; cuBLASLt's FP8 GEMM
+    # refuses a first operand that is not row-major (torch._scaled_mm on CPU accepts it, so the spy checks the rule)
+    seen = []
+    scaled_mm = torch._scaled_mm
+
+    def row_major_only(a, *args, **kw):
+        seen.append(a.is_contiguous())
+        return scaled_mm(a, *args, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", row_major_only)
+    fast = L.TorchFP8Linear(nn.Linear(64, 48), fmt, compile=False)
+    x_t = _rows_apart(64, 37).t()  # [37, 64], column-major
+    assert x_t.stride() == (1, 37)
+    torch.testing.assert_close(fast(x_t), fast(x_t.contiguous()), rtol=0, atol=0)
+    assert seen == [True, True]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_row"])
 def test_torch_fp8_compiled_path_equals_eager(fmt):

@@ -149,14 +149,18 @@ class QuantLinear(nn.Module):
     """A linear layer whose weight is stored quantized (buffers hold exactly the packed format: NVFP4 takes
     4.5 bits per weight) and whose input is fake-quantized on every call:
         y = qdq(x, fmt, activation) @ dequantize(W_q).T + b      (fp32 accumulate, output in x's dtype)
-    The bias stays in high precision (TE keeps it in the parameter dtype)."""
+    The bias stays in high precision (TE keeps it in the parameter dtype), a frozen parameter as in nn.Linear and
+    te.Linear: diffusers reads some submodules' dtype as next(module.parameters()).dtype (Wan's time embedder,
+    WanTimeTextImageEmbedding.forward), which would raise StopIteration on a module whose only linears are
+    quantized and hold nothing but buffers. A quantized layer without a bias still has no parameter."""
 
     def __init__(self, linear: nn.Linear, fmt: str):
         super().__init__()
         F._check_format(fmt)
         self.fmt, self.in_features, self.out_features = fmt, linear.in_features, linear.out_features
         self._keys: list[str] = []
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.register_parameter("bias", None if linear.bias is None
+                                else nn.Parameter(linear.bias.detach().clone(), requires_grad=False))
         self.set_weight(linear.weight.detach())
 
     def set_weight(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:

@@ -67,7 +67,9 @@ def fp8_linear(x: torch.Tensor, w_data: torch.Tensor, w_scale_inv: torch.Tensor,
     else:
         x_q, x_scale_inv = F._fp8_tensor(x, torch.float8_e4m3fn)  # [M, K], [] fp32
         w_scale = w_scale_inv.reshape(())
-    return torch._scaled_mm(x_q, w_data.t(), scale_a=x_scale_inv, scale_b=w_scale,
+    # cuBLASLt's FP8 GEMM takes the first operand row-major only; x_q has x's strides (a transposed view stays
+    # column-major through the elementwise quantization), so it is made contiguous: free when it already is
+    return torch._scaled_mm(x_q.contiguous(), w_data.t(), scale_a=x_scale_inv, scale_b=w_scale,
                             bias=None if bias is None else bias.to(torch.bfloat16), out_dtype=torch.bfloat16,
                             use_fast_accum=fast_accum)
 

@@ -42,7 +42,7 @@ from difrl.train.precision import MasterWeights, refuse_fp16, upcast_masters
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, clip_and_step, cores_available,  # noqa: F401
                                   fmt_eval, make_optimizer, progress, record_eval, reference_policy,
                                   save_policy, shard_policy, wrap_policy)
-from difrl.train.sharding import fsdp_settings, gathered, refuse_unsupported
+from difrl.train.sharding import fsdp_settings, gathered, process_group_kwargs, refuse_unsupported
 from difrl.train.state import EMA, trainable_params
 from difrl.tree_rollout import tree_rollout
 from difrl.utils.collectives import gather, reduce
@@ -59,7 +59,8 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
     world = build_world(cfg.model.kind, cfg.model.path, cfg)
     # a world that runs on the CPU (the digits MLP: kernel launches would dominate on a GPU) asks for it;
     # without cpu=True accelerate ignores torchrun's WORLD_SIZE on a machine with no GPU
-    accelerator = Accelerator(cpu=world.device == "cpu" or not torch.cuda.is_available())
+    cpu = world.device == "cpu" or not torch.cuda.is_available()
+    accelerator = Accelerator(cpu=cpu, kwargs_handlers=process_group_kwargs(cpu))  # FSDP offload: a CPU backend too
     world_size, rank = accelerator.num_processes, accelerator.process_index
     torch.set_num_threads(cfg.threads or max(1, cores_available() // world_size))
     run_dir = Path(cfg.resume or out_dir or cfg.out or "runs/flow")
@@ -84,9 +85,9 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
         net, optimizer = accelerator.prepare(net, optimizer)
     policy.module = net
     unwrapped = accelerator.unwrap_model(net)
-    ema = EMA(trainable_params(unwrapped), cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
+    ema = EMA(trainable_params(unwrapped), cfg.train.ema_decay, unwrapped) if cfg.train.ema_decay > 0 else None
     # DiffusionNFT's old policy (the sampler and v_old): an EMA of the trained weights with its own schedule
-    old = EMA(trainable_params(unwrapped), 0.0) if nft else None
+    old = EMA(trainable_params(unwrapped), 0.0, unwrapped) if nft else None
     rollout_copy, copy_source = build_rollout_copy(cfg, policy, unwrapped, masters, accelerator.print)
     extras = {k: v for k, v in (("old", old), ("rollout_source", copy_source)) if v is not None}
     reference_ctx = lambda: reference_policy(policy, unwrapped, reference)  # noqa: E731
@@ -328,7 +329,7 @@ def build_rollout_copy(cfg: FlowConfig, policy, unwrapped, masters: MasterWeight
                            cfg.rollout.quant_backend)
     say(f"difrl: rollout copy ({'stage-1 candidates' if cfg.rollout.kind == 'solrl' else 'rollouts'}, synced every "
         f"{cfg.rollout.sync_every} iteration(s)): " + copy.report.summary())
-    return copy, EMA(trainable_params(unwrapped), 0.0) if cfg.rollout.sync_every > 1 else None
+    return copy, EMA(trainable_params(unwrapped), 0.0, unwrapped) if cfg.rollout.sync_every > 1 else None
 
 
 def sync_rollout_copy(copy: RolloutCopy | None, source: EMA | None, unwrapped, it: int, start: int, every: int) -> None:

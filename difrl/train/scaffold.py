@@ -19,13 +19,14 @@ import dataclasses
 import json
 import math
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from difrl.config import save_config
 from difrl.utils.modules import use_module
-from difrl.train.sharding import is_sharded, plain_copy, shard
+from difrl.train.sharding import is_sharded, plain_copy, reshard, shard
 from difrl.train.state import load_latest_checkpoint, restore_checkpoint, snapshot, write_checkpoint
 from difrl.utils.io import atomic_write_json, json_safe, save_safetensors
 from difrl.utils.rng import mix_seed
@@ -81,7 +82,9 @@ def shard_policy(policy, net, reference, settings, device=None):
         local = sum(p.to_local().numel() for p in net.parameters() if is_sharded(p))
         total = sum(p.numel() for p in net.parameters())
         print(f"difrl: FSDP2 over {torch.distributed.get_world_size()} processes: {len(units) + 1} units ({len(units)} blocks of "
-              f"{', '.join(names)} + the root), mixed precision {settings.mixed_precision}; "
+              f"{', '.join(names)} + the root), mixed precision {settings.mixed_precision}"
+              f"{'' if settings.reshard_after_forward else ', kept gathered after forward'}"
+              f"{', offloaded to the CPU' if settings.offload_params else ''}; "
               f"this process holds {local:,} of the network's {total:,} parameters"
               f"{' (the frozen reference sharded the same way)' if reference is not None else ''}")
     return net, reference
@@ -93,13 +96,14 @@ def sharded_processes():
     process runs the whole iteration and only the model (parameters, gradients, optimizer state) is split. More
     than one process without FSDP would only repeat the same run, so it is refused (ConfigError)."""
     from difrl.config import ConfigError
-    from difrl.train.sharding import fsdp_requested, fsdp_settings
+    from difrl.train.sharding import fsdp_requested, fsdp_settings, process_group_kwargs
 
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not fsdp_requested():
         return None, None
     from accelerate import Accelerator
 
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    cpu = not torch.cuda.is_available()
+    accelerator = Accelerator(cpu=cpu, kwargs_handlers=process_group_kwargs(cpu))  # FSDP offload: a CPU backend too
     fsdp = fsdp_settings(accelerator)
     if fsdp is None:
         raise ConfigError(f"{accelerator.num_processes} processes without FSDP: the masked trainer does not split its "
@@ -116,8 +120,22 @@ def make_optimizer(params: dict, train) -> torch.optim.Optimizer:
 def reference_policy(policy, net, reference):
     """Context: `policy` computes the reference policy (the base): LoRA disabled, or the frozen copy swapped in."""
     if reference is None:
-        return net.disable_adapter()
+        return adapter_disabled(net)
     return use_module(policy, reference)
+
+
+@contextmanager
+def adapter_disabled(net):
+    """peft's disable_adapter() with the network resharded on entry and before leaving: peft switches the LoRA
+    weights' requires_grad off and on again on the parameters registered at that moment, which under FSDP with
+    reshard_after_forward=False are a unit's gathered copies after a forward. The shards would stay frozen, and
+    trainable_params (checkpoints, restore) would find no LoRA weight."""
+    reshard(net)
+    with net.disable_adapter():
+        try:
+            yield
+        finally:
+            reshard(net)
 
 
 def clip_and_step(optimizer, params: dict, max_grad_norm: float | None, clip_grad_norm_=None) -> torch.Tensor | None:

@@ -23,6 +23,32 @@ A sharded parameter is a DTensor holding this process's rows (dim 0, torch.chunk
 and the final weights are gathered to full tensors, so a checkpoint written by N sharded processes is
 the same file a single process writes (a run resumes from it on the same number of processes: tested;
 another number reads the same files, untested).
+
+fsdp_reshard_after_forward: false. FSDP2 then keeps a unit's gathered parameters after a forward (registered on
+the module in place of the shards; only a backward reshards) and its next forward uses them as they are. Every
+in-place write into the shards outside the optimizer step is therefore followed by `reshard(net)`, which frees them
+so that the next forward gathers the shards: EMA.swap (the EMA evaluation, DiffusionNFT's old policy, also between
+the no-grad and the trained forward of one NFT micro-step) and restore_checkpoint; `gathered` and the checkpoint's
+snapshot reshard first so that they read the shards, not a gathered copy (bf16 under mixed precision); the LoRA
+reference switch reshards around peft's requires_grad toggles (scaffold.adapter_disabled), which would otherwise
+land on the gathered copies and leave the shards frozen. A new writer must do the same. Tested on 2 CPU processes (tests/test_fsdp.py): a forward after an EMA swap and after a
+checkpoint restore computes what one plain process computes with those weights, and a short digits run with
+DiffusionNFT, EMA and an evaluation every iteration equals the reshard_after_forward=true run (without the reshards
+it does not, from the first iteration).
+
+fsdp_offload_params: true (CPUOffloadPolicy). The shards, their gradients and the optimizer step live on the CPU.
+FSDP itself copies them to the device for its all-gather and reduce-scatter, but gradient clipping (the norm of
+sharded gradients is reduced over processes) and full_tensor / gathered (an all-gather) send the CPU tensors through
+the process group, and NCCL refuses CPU tensors. So the Accelerator starts the group as cuda:nccl,cpu:gloo
+(process_group_kwargs; accelerate 1.16 does so on its own for an FSDP offload launch), a one-dimensional mesh
+over all processes uses that default group, and offload_policy refuses (ConfigError) a group without a CPU
+backend. `like` keeps a restored shard, EMA or optimizer moment on the device of the parameter's shard (CPU), not
+on the mesh's. Tested on 2 CPU processes only: the digits run above with offload equals the run without; the
+EMA-swap / restore check with offload; the refusal, with a cuda:gloo group (no CPU backend: it refuses CPU tensors
+with the error NCCL gives). Not tested: anything on a GPU. NCCL never ran, nor the dual-backend group, nor FSDP
+moving offloaded shards between host and device, nor `like` with a CPU shard on a CUDA mesh (on CPU processes the
+mesh and the shards are both on the CPU, so offload moves nothing there). Host memory is pinned only on an
+accelerator: pinning needs a GPU driver.
 """
 
 from __future__ import annotations
@@ -50,6 +76,50 @@ def fsdp_requested() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
+def offload_requested() -> bool:
+    """Whether the launch asks for fsdp_offload_params (`accelerate launch` sets FSDP_OFFLOAD_PARAMS from the config)."""
+    return os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"
+
+
+def process_group_kwargs(cpu: bool) -> list:
+    """The Accelerator's kwargs_handlers: under FSDP with offload_params on GPUs, a process group with a gloo backend
+    for CPU tensors next to NCCL (offload_policy says why). accelerate 1.16 does the same on its own when its backend
+    is nccl and FSDP_OFFLOAD_PARAMS is set; asking for it keeps difrl independent of that, and offload_policy checks
+    the group that was actually started."""
+    if cpu or not (fsdp_requested() and offload_requested()):
+        return []
+    from accelerate.utils import InitProcessGroupKwargs
+
+    return [InitProcessGroupKwargs(backend="cuda:nccl,cpu:gloo")]
+
+
+def offload_policy(settings: FSDPSettings, device_type: str, group):
+    """FSDP2's offload policy for `settings` on a mesh of `device_type` whose process group is `group`.
+
+    fsdp_offload_params keeps each process's shards, their gradients and the optimizer step on the CPU
+    (CPUOffloadPolicy; FSDP copies a unit's shards to the device for its all-gather and the reduced gradients back).
+    Two things then touch CPU tensors through `group`: gradient clipping (torch's clip_grad_norm_ on the sharded
+    gradients yields a norm that is a partial sum over processes: it is all-reduced) and full_tensor / gathered (an
+    all-gather of the shards). NCCL refuses CPU tensors, so on an accelerator the group must have a CPU backend too
+    (cuda:nccl,cpu:gloo, see process_group_kwargs); else this raises ConfigError before any work. Pinned host memory
+    only where there is a device to copy to: pinning needs a GPU driver, so CPU processes would fail."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if not settings.offload_params:
+        return OffloadPolicy()
+    if device_type != "cpu":
+        backends = torch.distributed.get_backend_config(group)  # e.g. "cuda:nccl" or "cuda:nccl,cpu:gloo"
+        if "cpu" not in [b.split(":")[0] for b in backends.split(",")]:
+            from difrl.config import ConfigError
+
+            raise ConfigError(f"fsdp_offload_params: true keeps the shards and their gradients on the CPU, and gradient "
+                              "clipping and the gathered checkpoints reduce / gather them through the process group, "
+                              f"whose backends ({backends}) have none for CPU tensors. Start the group with a CPU "
+                              "backend as well (backend cuda:nccl,cpu:gloo: what accelerate launch with "
+                              "fsdp_offload_params: true does), or set fsdp_offload_params: false", "fsdp_offload_params")
+    return CPUOffloadPolicy(pin_memory=device_type != "cpu")
+
+
 def fsdp_settings(accelerator) -> FSDPSettings | None:
     """The FSDP settings of this launch (accelerate's FSDP plugin, read from the environment that
     `accelerate launch --config_file ...` sets), or None when the launch did not ask for FSDP. Raises
@@ -71,7 +141,7 @@ def fsdp_settings(accelerator) -> FSDPSettings | None:
     if mixed not in ("no", *MIXED):
         raise ConfigError(f"mixed_precision {mixed!r} is not supported under FSDP (use no, bf16 or fp16)", "mixed_precision")
     return FSDPSettings(reshard_after_forward=bool(plugin.reshard_after_forward),
-                        offload_params=bool(os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"),
+                        offload_params=offload_requested(),
                         mixed_precision=mixed, block_classes=tuple(names) if names else None)
 
 
@@ -120,7 +190,7 @@ def shard(module: nn.Module, block_classes, settings: FSDPSettings, device: torc
     for its forward / backward), then the root (the rest: embeddings, norms, output). In place; returns module.
     Raises ValueError when no block class is found (a config or adapter naming the wrong classes)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     classes = settings.block_classes or tuple(block_classes)
     blocks = block_modules(module, classes)
@@ -133,13 +203,27 @@ def shard(module: nn.Module, block_classes, settings: FSDPSettings, device: torc
     dtype = MIXED.get(settings.mixed_precision)
     kw = {"mesh": mesh, "reshard_after_forward": settings.reshard_after_forward,
           "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None),
-          "offload_policy": CPUOffloadPolicy() if settings.offload_params else OffloadPolicy()}
+          "offload_policy": offload_policy(settings, mesh.device_type, mesh.get_group())}
     for block in blocks:
         fully_shard(block, **kw)
     # the root too is resharded after each forward (not fully_shard's default for a root): every forward then
     # gathers the current shards, also after they were written in place (EMA swap, checkpoint restore)
     fully_shard(module, **kw)
     return module
+
+
+def reshard(module: nn.Module) -> None:
+    """Free the gathered parameters of every FSDP unit in `module`, so that its next forward all-gathers the shards.
+    Call after writing sharded parameters in place (an EMA swap, a checkpoint restore) and before reading them
+    as the module's parameters: with reshard_after_forward=False FSDP2 keeps a unit's gathered parameters after a
+    forward (registered on the module in place of the shards) and its next forward uses them without looking at the
+    shards. No communication (every process may call it alone); nothing happens to a unit already resharded or a
+    module that is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def is_sharded(t) -> bool:
@@ -157,12 +241,18 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def like(ref: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """`full` (the same on every process, e.g. read from a checkpoint) laid out like `ref`: this process's shard
-    when `ref` is sharded (no communication), else `full` itself."""
+    when `ref` is sharded (no communication), on the device of ref's shard, else `full` itself."""
     if not is_sharded(ref):
         return full
     from torch.distributed.tensor import distribute_tensor
 
-    return distribute_tensor(full.to(ref.device, ref.dtype), ref.device_mesh, ref.placements, src_data_rank=None)
+    # distribute_tensor puts the shard on the mesh's device; an offloaded parameter's shard (fsdp_offload_params) is
+    # on the CPU, and its EMA and optimizer state must be where it is: the shard is copied into a DTensor like `ref`
+    with torch.no_grad():
+        out = torch.empty_like(ref, requires_grad=False)
+        out.to_local().copy_(distribute_tensor(full.to(ref.dtype), ref.device_mesh, ref.placements,
+                                               src_data_rank=None).to_local())
+    return out
 
 
 @contextmanager
@@ -170,6 +260,7 @@ def gathered(module: nn.Module):
     """Inside the block `module`'s sharded parameters are replaced by their full values (fp32 masters, gathered on
     every process), so saving it (save_pretrained, save_lora, a merged checkpoint) works as unsharded; the shards
     are put back after. Tied parameters stay tied. No forward may run inside."""
+    reshard(module)  # the shards registered, not what a forward left gathered (reshard_after_forward=False)
     swapped, full_of = [], {}
     for mod in module.modules():
         for name, p in list(mod._parameters.items()):

@@ -31,17 +31,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from difrl.train.sharding import like
+from difrl.train.sharding import like, reshard
 from difrl.utils.io import (atomic_write_json, atomic_write_text, load_safetensors_checked, load_torch_state,
                             save_safetensors, save_torch_state, sha256_file)
 
 
 class EMA:
-    """Exponential moving average of named tensors, decay warmed up as min(decay, (1 + n) / (10 + n))."""
+    """Exponential moving average of named tensors, decay warmed up as min(decay, (1 + n) / (10 + n)). `module`: the
+    network holding `params`; under FSDP give it, so that a swap reshards it (sharding.reshard)."""
 
-    def __init__(self, params: dict[str, nn.Parameter], decay: float):
+    def __init__(self, params: dict[str, nn.Parameter], decay: float, module: nn.Module | None = None):
         self.decay = decay
         self.params = params
+        self.module = module
         self.shadow = {k: p.detach().clone() for k, p in params.items()}
         self.num_updates = 0
 
@@ -60,6 +62,8 @@ class EMA:
             tmp = p.detach().clone()
             p.copy_(self.shadow[k])
             self.shadow[k].copy_(tmp)
+        if self.module is not None:  # the next forward must gather the swapped shards (reshard_after_forward=False)
+            reshard(self.module)
 
     @contextmanager
     def swapped(self):
@@ -157,6 +161,8 @@ def snapshot(module: nn.Module, optimizer, ema: EMA | None, extras: dict[str, EM
 
     def full(tensors: dict) -> dict:
         return {k: full_tensor(v) for k, v in tensors.items()}
+
+    reshard(module)  # its parameters are the shards again, not what a forward left gathered
 
     opt = optimizer.state_dict()
     opt = {**opt, "state": {i: {k: full_tensor(v) if torch.is_tensor(v) else v for k, v in st.items()}
@@ -300,6 +306,7 @@ def _optimizer_state_like(optimizer, saved: dict) -> dict:
 
 def restore_checkpoint(ckpt: Checkpoint, module: nn.Module, optimizer, ema: EMA | None,
                        extras: dict[str, EMA] | None = None) -> None:
+    reshard(module)  # under FSDP: its parameters are the shards (written below, gathered by the next forward)
     params = trainable_params(module)
     if set(params) != set(ckpt.trainable):
         extra, missing = sorted(set(ckpt.trainable) - set(params)), sorted(set(params) - set(ckpt.trainable))
