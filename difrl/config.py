@@ -325,6 +325,12 @@ def _read_yaml(path: str | os.PathLike) -> dict:
             data = yaml.safe_load(fh)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {os.fspath(path)}") from None
+    except IsADirectoryError:
+        run = os.path.isfile(os.path.join(path, "config.yaml"))
+        raise ConfigError(f"{os.fspath(path)} is a directory, not a YAML config" + (
+            f"; it is a run directory: continue that run with resume={os.fspath(path)} (difrl train "
+            f"resume={os.fspath(path)}), or use its trained policy with difrl eval / difrl sample {os.fspath(path)}"
+            if run else "")) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
