@@ -199,7 +199,7 @@ def test_nan_reward_stops_with_prompt_and_seed(tmp_path, nan_reward):
     with pytest.raises(RewardError) as err:
         run(tmp_path / "r", f"reward.weights={{{nan_reward}: 1.0}}")
     msg = str(err.value)
-    assert "iteration 0" in msg and "test_nan_for_seed" in msg and "nan" in msg
+    assert "iteration 1" in msg and "test_nan_for_seed" in msg and "nan" in msg
     assert "prompt ids [" in msg and "seeds [" in msg and "resume=" in msg
     # nothing is lost: a checkpoint was written before stopping
     assert (tmp_path / "r" / "checkpoints" / "iter-000000").is_dir()
