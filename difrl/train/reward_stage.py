@@ -83,6 +83,8 @@ def check_rewards_fit(rewards: dict, samples, prompts: list[str], metadata: list
             raise RewardConfigError(f"reward {name!r} cannot score this world's samples ({what}): {type(e).__name__}: "
                                     f"{e}. Choose a reward for these samples (difrl rewards lists each one's input)"
                                     f"{own}") from e
+        except Exception:  # noqa: BLE001: not a misfit (e.g. OSError): the first iteration's scoring reports it
+            pass
 
 
 def score_rewards(score, num_samples: int, on_error: str, stop, where: str, run_dir: Path,
