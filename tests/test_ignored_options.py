@@ -30,7 +30,7 @@ def test_grpo_keys_under_nft_are_errors(override):
     key = override.split("=")[0]
     with pytest.raises(ConfigError, match=rf"'{key}' \(command line\).*would be ignored.*objective=nft.*nft.ref_beta"):
         load_flow_config(None, ["train.objective=nft", override])
-    load_flow_config(None, [override])  # under GRPO the key is read
+    load_flow_config(None, [override, "train.kl_beta=0.1"])  # under GRPO the key is read (kl_form: with a KL term)
     # at its default the key changes nothing: accepted (a saved config.yaml lists every key)
     load_flow_config(None, ["train.objective=nft", "train.kl_beta=0", "train.clip_low=1e-4", "train.kl_form=flow_grpo"])
 
