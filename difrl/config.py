@@ -95,11 +95,10 @@ class _Ctx:
     def src(self, key: str) -> str:
         """CLI for a key (or a parent) set on the command line; the label for one in the file (or any key when
         the file's keys are not known); "default value" for a key neither sets."""
-        in_file = self.file_keys is None
+        in_file = self.file_keys is None or re.sub(r"(\[\d+\])+$", "", key) in self.file_keys  # a list item: its list
         while key:
             if key in self.cli_keys:
                 return CLI
-            in_file = in_file or key in self.file_keys
             shorter = re.sub(r"(\[\d+\]|\.?[^.\[]*)$", "", key, count=1)
             key = "" if shorter == key else shorter
         return self.label if in_file else "default value"
