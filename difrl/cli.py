@@ -1,15 +1,18 @@
 """The ``difrl`` command.
 
-    difrl train configs/digits.yaml [key=value ...] [--out DIR]   # resume: add resume=DIR
+    difrl train configs/digits.yaml [key=value ...] [--out DIR] [--overwrite]
+    difrl train resume=DIR [train.iterations=N ...]               # continue a run with its config.yaml
     difrl eval configs/digits.yaml [key=value ...]                # the config's model
     difrl eval runs/digits                                         # a finished run's policy (appended to eval.json)
     difrl eval configs/text_arithmetic.yaml --checkpoint runs/text_arithmetic/policy.safetensors
     difrl config [configs/digits.yaml] [key=value ...]            # every key (or the resolved config)
     difrl sample configs/digits.yaml --search dts-star --budget 160 [--prompt "a handwritten 3"] [--grid g.png]
 
-Config errors (unknown key, wrong type, out of range) and bad input (a missing checkpoint, a
-failing reward, a reward server that is down at start-up) end the command with one clear line and
-exit status 2. Known third-party start-up noise is left out (difrl.utils.quiet).
+Config errors (unknown key, wrong type, out of range, a resume that changes the run's settings, a run
+directory that already holds a run) and bad input (a missing checkpoint, a failing reward, a reward server
+that is down at start-up) end the command with one clear line and exit status 2. Ctrl-C or SIGTERM during
+training saves a checkpoint and ends with one line naming the resume command, exit status 130 / 143
+(difrl.train.interrupt). Known third-party start-up noise is left out (difrl.utils.quiet).
 """
 
 from __future__ import annotations
@@ -52,14 +55,25 @@ def _run_dir_config(path: str | None) -> tuple[Path | None, str | None]:
 
 
 def cmd_train(args) -> int:
+    from difrl.train.interrupt import Interrupted, stop_on_signals
     from difrl.train.recipes import train_function
+    from difrl.train.rundir import load_resume_config
 
     path, overrides = _split(args.rest)
-    if path is None:
-        raise SystemExit("difrl train: give a config file, e.g. difrl train configs/digits.yaml")
-    cfg = _load(path, overrides)
-    summary = train_function(cfg)(cfg, out_dir=args.out)
-    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun / accelerate launch, one process reports
+    main_process = int(os.environ.get("RANK", "0")) == 0  # under torchrun / accelerate launch, one process reports
+    resume = any(o.partition("=")[0].strip() == "resume" for o in overrides)
+    if path is None and not resume:
+        raise SystemExit("difrl train: give a config file, e.g. difrl train configs/digits.yaml (or resume=RUN_DIR)")
+    with stop_on_signals():  # SIGINT / SIGTERM: a checkpoint, one line, exit 130 / 143 (difrl.train.interrupt)
+        # resume=: the run's own config.yaml; a change of anything but the safe keys is refused (difrl.train.rundir)
+        cfg = load_resume_config(path, overrides, args.out) if resume else _load(path, overrides)
+        try:
+            summary = train_function(cfg)(cfg, out_dir=args.out, overwrite=args.overwrite)
+        except Interrupted as e:
+            if main_process:
+                print(f"difrl: {e}", file=sys.stderr)
+            return e.code
+    if not main_process:
         return 0
     before, after = summary["eval_before"], summary["eval_after"]
     run = Path(summary["run_dir"])
@@ -358,8 +372,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="difrl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("train", help="train a policy with GRPO")
-    p.add_argument("--out", help="run directory (default: the config's `out`, else runs/flow)")
-    p.add_argument("rest", nargs="*", help="CONFIG [key=value ...]")
+    p.add_argument("--out", help="run directory (default: the config's `out`, else runs/flow); with resume=, the "
+                                 "same directory or nothing")
+    p.add_argument("--overwrite", action="store_true", help="train into a run directory that holds a run: its files "
+                                                             "are removed first (without it such a directory is refused)")
+    p.add_argument("rest", nargs="*", help="CONFIG [key=value ...], or resume=RUN_DIR [key=value ...] (the run's "
+                                           "config.yaml)")
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("eval", help="evaluate a config's model or a run's trained policy")
     p.add_argument("--grid", help="also write a PNG grid of the samples here")
