@@ -54,21 +54,49 @@ def _run_dir_config(path: str | None) -> tuple[Path | None, str | None]:
     return None, path
 
 
+def _given(overrides: list[str], key: str) -> str | None:
+    """The value of the last `key=value` override, or None."""
+    values = [o.partition("=")[2].strip() for o in overrides if o.partition("=")[0].strip() == key]
+    return values[-1] if values else None
+
+
+def load_resume_config(path: str | None, overrides: list[str]):
+    """`difrl train resume=R [CONFIG] [key=value ...]`: the run's own R/config.yaml with the overrides (CONFIG, if
+    given, in its place, checked against R/config.yaml key by key like the overrides), refused as
+    difrl.train.rundir.check_resume says, naming who says each refused value: the command line or CONFIG."""
+    from difrl.config import CLI
+    from difrl.train.rundir import check_resume
+
+    run = Path(_given(overrides, "resume"))
+    if not (run / "config.yaml").is_file():
+        raise FileNotFoundError(f"resume={run}: {run} holds no run to continue (no config.yaml, no checkpoint)")
+    cfg = _load(path or str(run / "config.yaml"), overrides)
+    keys = [o.partition("=")[0].strip() for o in overrides]
+
+    def said(key: str) -> str:
+        from_cli = path is None or any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in keys)
+        return f"{'the ' + CLI if from_cli else path} says"
+
+    check_resume(cfg, run, said)
+    return cfg
+
+
 def cmd_train(args) -> int:
     from difrl.train.interrupt import Interrupted, stop_on_signals
     from difrl.train.recipes import train_function
-    from difrl.train.rundir import load_resume_config
 
     path, overrides = _split(args.rest)
     main_process = int(os.environ.get("RANK", "0")) == 0  # under torchrun / accelerate launch, one process reports
-    resume = any(o.partition("=")[0].strip() == "resume" for o in overrides)
+    resume = _given(overrides, "resume")
     if path is None and not resume:
         raise SystemExit("difrl train: give a config file, e.g. difrl train configs/digits.yaml (or resume=RUN_DIR)")
     with stop_on_signals():  # SIGINT / SIGTERM: a checkpoint, one line, exit 130 / 143 (difrl.train.interrupt)
-        # resume=: the run's own config.yaml; a change of anything but the safe keys is refused (difrl.train.rundir)
-        cfg = load_resume_config(path, overrides, args.out) if resume else _load(path, overrides)
+        # resume=: the run's own config.yaml; a change of anything but the safe keys is refused (difrl.train.rundir),
+        # and the run directory is the resumed one: --out or out= naming another is refused there too
+        cfg = load_resume_config(path, overrides) if resume else _load(path, overrides)
+        out = args.out or (_given(overrides, "out") if resume else None)
         try:
-            summary = train_function(cfg)(cfg, out_dir=args.out, overwrite=args.overwrite)
+            summary = train_function(cfg)(cfg, out_dir=out, overwrite=args.overwrite)
         except Interrupted as e:
             if main_process:
                 print(f"difrl: {e}", file=sys.stderr)

@@ -1,8 +1,10 @@
 """A run directory is the run: which directory a command trains in, and what a resume may change.
 
     run_dir = claim_run_dir(cfg, out_dir, overwrite, "runs/flow")   # a recipe's first line: refuse before loading
-    cfg = load_resume_config(path, overrides, out)                 # `difrl train resume=R [CONFIG] [key=value ...]`
-    changes = check_resume(cfg, run_dir)                           # [(key, old, new)]; refuses algorithm changes
+    changes = check_resume(cfg, run_dir, said)                     # [(key, old, new)]; refuses algorithm changes
+
+(`difrl train resume=R [CONFIG] [key=value ...]` loads R/config.yaml and names who says each refused value:
+difrl.cli.load_resume_config.) `said(key)` names who says a new value in the message (default "this config").
 
 **A directory that holds a run** (config.yaml, metrics.jsonl, summary.json or checkpoints/) is refused unless
 the command continues it (``resume=DIR``) or replaces it (``--overwrite``: Run.open removes the earlier run's
@@ -61,7 +63,7 @@ def holds_run(run_dir: Path) -> list[str]:
     return [name for name in RUN_MARKERS if (Path(run_dir) / name).exists()]
 
 
-def _same_dir(a, b) -> bool:
+def same_dir(a, b) -> bool:
     return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
@@ -74,10 +76,10 @@ def claim_run_dir(cfg, out_dir, overwrite: bool, default: str) -> Path:
         if overwrite:
             raise RunDirError(f"resume={run} continues the run in {run} and --overwrite would start it again: give "
                               "one of them")
-        if out_dir is not None and not _same_dir(out_dir, run):
-            raise RunDirError(f"resume={run} continues the run in {run}, but --out {out_dir} names another "
-                              f"directory: drop --out (a resumed run stays in its directory), or start a new run "
-                              f"in {out_dir} without resume=")
+        if out_dir is not None and not same_dir(out_dir, run):
+            raise RunDirError(f"resume={run} continues the run in {run}, but --out (or out=) {out_dir} names another "
+                              f"directory: drop it (a resumed run stays in its directory), or start a new run in "
+                              f"{out_dir} without resume=")
         if not (run / "config.yaml").is_file():
             raise FileNotFoundError(f"resume={run}: {run} holds no run to continue (no config.yaml, no checkpoint)")
         check_resume(cfg, run)
@@ -120,18 +122,26 @@ def _leaves(cfg, prefix: str = ""):
             yield key, config_to_dict(value)
 
 
-def saved_config(run_dir: Path):
-    """The typed config in run_dir/config.yaml (FlowConfig or MaskedConfig by its model.kind), or None."""
-    from difrl.train.recipes import load_train_config
+def saved_config(run_dir: Path, cls: type):
+    """The typed config in run_dir/config.yaml read as `cls` (the resuming config's class), or None if absent."""
+    from difrl.config import load_config
 
     path = Path(run_dir) / "config.yaml"
-    return load_train_config(path) if path.is_file() else None
+    return load_config(cls, path) if path.is_file() else None
+
+
+def saved_trainer(run_dir: Path) -> tuple[str, str]:
+    """(model.kind, trainer) of the run in run_dir/config.yaml, read before it is typed (another trainer's config
+    would not load as this one's)."""
+    from difrl.worlds import MASKED_KINDS
+
+    raw = yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}
+    kind = str((raw.get("model") or {}).get("kind", "digits"))
+    return kind, "masked" if kind in MASKED_KINDS else "flow"
 
 
 def resume_changes(cfg, saved) -> list[tuple[str, object, object]]:
     """(key, value in the saved config, value in `cfg`) for every setting that differs, bookkeeping aside."""
-    if type(saved) is not type(cfg):  # another trainer: the first difference is the one that matters
-        return [("model.kind", saved.model.kind, cfg.model.kind)]
     old = dict(_leaves(saved))
     return [(k, old[k], v) for k, v in _leaves(cfg) if k not in BOOKKEEPING and old[k] != v]
 
@@ -146,46 +156,21 @@ def check_resume(cfg, run_dir: Path, said=None) -> list[tuple[str, object, objec
     """`cfg` against run_dir/config.yaml: the changed settings [(key, old, new)], or a ConfigError naming every
     change outside RESUME_SAFE (on one line) unless cfg.resume_override; another trainer is refused either way.
     `said(key)`: who says the new value, for the message ("the command line", a config file)."""
-    saved = saved_config(run_dir)
-    if saved is None:
+    where = Path(run_dir) / "config.yaml"
+    if not where.is_file():
         return []
-    changes = resume_changes(cfg, saved)
+    said = said or (lambda key: "this config says")
+    kind, trainer = saved_trainer(run_dir)
+    if trainer != cfg.trainer:
+        raise ConfigError(f"resume={run_dir}: model.kind={kind} in {where}, {said('model.kind')} {cfg.model.kind}. A "
+                          f"run cannot change trainer ({trainer} -> {cfg.trainer}): start a new run with --out",
+                          "model.kind")
+    changes = resume_changes(cfg, saved_config(run_dir, type(cfg)))
     refused = [c for c in changes if c[0] not in RESUME_SAFE]
-    trainer = type(saved) is not type(cfg)
-    if refused and (trainer or not cfg.resume_override):
-        said = said or (lambda key: "this config says")
-        where = Path(run_dir) / "config.yaml"
+    if refused and not cfg.resume_override:
         listed = "; ".join(f"{k}={show(old)} in {where}, {said(k)} {show(new)}" for k, old, new in refused)
-        way = ("A run cannot change trainer: start a new run with --out" if trainer else
-               f"A resumed run keeps its own settings: leave these out (`difrl train resume={run_dir}` needs no "
-               f"config file), start a new run with --out, or pass resume_override=true to change them (recorded "
-               f"in the history of {where}); a resume may change {', '.join(RESUME_SAFE)}")
-        raise ConfigError(f"resume={run_dir}: {listed}. {way}", refused[0][0])
+        raise ConfigError(f"resume={run_dir}: {listed}. A resumed run keeps its own settings: leave these out "
+                          f"(`difrl train resume={run_dir}` needs no config file), start a new run with --out, or pass "
+                          f"resume_override=true to change them (recorded in the history of {where}); a resume may "
+                          f"change {', '.join(RESUME_SAFE)}", refused[0][0])
     return changes
-
-
-def load_resume_config(path: str | None, overrides: list[str], out: str | None):
-    """`difrl train resume=R [CONFIG] [key=value ...] [--out R]`: the run's own R/config.yaml with the overrides
-    (CONFIG, if given, instead, but checked against R/config.yaml key by key like the overrides), refused as
-    check_resume says, naming who says each refused value: the command line or CONFIG."""
-    from difrl.config import CLI
-    from difrl.train.recipes import load_train_config
-
-    keys = [o.partition("=")[0].strip() for o in overrides]
-    run = Path([o.partition("=")[2].strip() for o, k in zip(overrides, keys) if k == "resume"][-1])
-    if not (run / "config.yaml").is_file():
-        raise FileNotFoundError(f"resume={run}: {run} holds no run to continue (no config.yaml, no checkpoint)")
-    outs = [o.partition("=")[2].strip() for o, k in zip(overrides, keys) if k == "out"]
-    for given, flag in ((out, "--out"), (outs[-1] if outs else None, "out=")):
-        if given and not _same_dir(given, run):
-            raise RunDirError(f"resume={run} continues the run in {run}, but {flag}{' ' if flag == '--out' else ''}"
-                              f"{given} names another directory: drop it (a resumed run stays in its directory), or "
-                              f"start a new run in {given} without resume=")
-    cfg = load_train_config(path or run / "config.yaml", overrides)
-
-    def said(key: str) -> str:
-        from_cli = any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in keys)
-        return f"{'the ' + CLI if from_cli or path is None else path} says"
-
-    check_resume(cfg, run, said)
-    return cfg

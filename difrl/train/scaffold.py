@@ -30,7 +30,7 @@ import torch
 
 from difrl.config import save_config
 from difrl.train import interrupt
-from difrl.train.rundir import check_resume, claim_run_dir, clear_run, saved_config, show  # noqa: F401  (claim_run_dir re-exported)
+from difrl.train.rundir import check_resume, claim_run_dir, clear_run, saved_config, show  # noqa: F401  (re-exported)
 from difrl.utils.collectives import gather
 from difrl.utils.modules import use_module
 from difrl.train.sharding import is_sharded, plain_copy, reshard, shard
@@ -315,7 +315,7 @@ def run_config(cfg, run_dir: Path, start: int):
     own keys (resume, resume_override, resume_unverified), and on resume with the earlier history plus this
     resume's changes against the run's config.yaml, each {iteration, key, old, new} (printed too)."""
     history = list(cfg.history)
-    saved = saved_config(run_dir) if cfg.resume else None
+    saved = saved_config(run_dir, type(cfg)) if cfg.resume else None
     if saved is not None:
         changes = check_resume(cfg, run_dir)
         history = list(saved.history) + [{"iteration": start, "key": k, "old": old, "new": new}
