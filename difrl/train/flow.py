@@ -291,7 +291,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
     bar.close()
 
     # ======================================================================== finish
-    run.end_loop(done, checkpoint=not stopped)  # the final checkpoint; after a signal: a checkpoint, Interrupted
+    run.end_loop(done, stopped_early=bool(stopped))  # the final checkpoint; after a signal: a checkpoint, Interrupted
     eval_after = evaluate(world, policy, ema, cfg, run, "after", done)
     accelerator.print("eval after:  " + fmt_eval(eval_after, world.headline))
     summary = {"eval_before": run.state["eval_before"], "eval_after": eval_after, "iterations": done,

@@ -235,6 +235,7 @@ class Run:
             state.update({k: ckpt.state[k] for k in state if k in ckpt.state})
             say(f"difrl: resumed from {ckpt.path} after iteration {start}")
         run = cls(run_dir, net, optimizer, ema, extras or {}, accelerator, state, start, cfg.train.iterations)
+        run.barrier()  # every process has checked the directory (claim_run_dir) before the main one writes in it
         if run.is_main:
             if overwrite and not cfg.resume:
                 removed, kept = clear_run(run_dir)
@@ -275,15 +276,18 @@ class Run:
         self.signal = self.signal or signum
         return bool(self.signal)
 
-    def end_loop(self, done: int, checkpoint: bool = True) -> None:
+    def end_loop(self, done: int, stopped_early: bool = False) -> None:
         """After the loop, `done` iterations completed: a signal (polled once more) checkpoints them and raises
-        interrupt.Interrupted; otherwise the final checkpoint (unless `checkpoint` is False: an early stop wrote
-        it already). From here a signal exits at once (the final evaluation and weights are redone by resume)."""
-        if self.interrupted():
+        interrupt.Interrupted; otherwise the final checkpoint (an early stop, `stopped_early`, wrote it already
+        and finishes the run whatever came). From here a signal exits at once (resume redoes what is left: the
+        final evaluation, weights, report)."""
+        if not stopped_early and self.interrupted():
             self.checkpoint(done)
             interrupt.finishing(self.dir, done)
+            for t in self.trackers:  # flushed: TensorBoard's events of the iterations done
+                t.finish()
             raise interrupt.Interrupted(self.signal, done, self.total, self.dir)
-        if checkpoint:
+        if not stopped_early:
             self.checkpoint(done)
         interrupt.finishing(self.dir, done)
 
