@@ -87,9 +87,14 @@ def test_masked_resume_refuses_an_algorithm_change(tmp_path, capsys):
     assert f"sampler.temperature=1.0 in {d / 'config.yaml'}, the command line says 0.5" in capsys.readouterr().err
     assert main(["train", str(ROOT / "configs" / "digits.yaml"), f"resume={d}"]) == 2  # another trainer
     assert "A run cannot change trainer" in capsys.readouterr().err
-    assert main(["train", f"resume={d}", "train.iterations=2", "eval.every=1"]) == 0
+    assert main(["train", f"resume={d}", "train.iterations=3", "eval.every=1"]) == 0
     assert [h["key"] for h in saved(d)["history"]] == ["train.iterations", "eval.every"]
-    assert saved(d)["sampler"]["temperature"] == 1.0 and len(metrics(d)) == 2
+    assert saved(d)["sampler"]["temperature"] == 1.0 and len(metrics(d)) == 3
+    # eval.every is safe: evaluations after the resume leave the training rows as a run without them has them
+    full = tmp_path / "full"
+    train_masked(load_masked_config(None, [*MASKED, "train.iterations=3"]), out_dir=full)
+    trained = [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in metrics(d)]
+    assert trained == metrics(full) and "eval/solve_rate" in metrics(d)[1]
 
 
 def test_a_directory_that_holds_a_run_needs_resume_or_overwrite(tmp_path, capsys):

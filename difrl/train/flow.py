@@ -1,12 +1,13 @@
 """The flow-matching GRPO recipe: one loop for every flow policy (digits, FLUX, SD3, Wan).
 
-    difrl train configs/digits.yaml [key=value ...] [--out DIR]
+    difrl train configs/digits.yaml [key=value ...] [--out DIR]     # resume: difrl train resume=DIR
     accelerate launch --multi_gpu --num_processes 2 -m difrl train configs/digits.yaml
     torchrun --nproc_per_node 2 -m difrl train configs/digits.yaml
 
 Reads top to bottom: setup -> (rollout -> reward -> advantage -> K policy updates -> EMA ->
 log -> checkpoint) per iteration. Everything random is derived from (seed, iteration, index),
-so a resumed run continues exactly as if it had never stopped. The methods are calls into their
+so a resumed run continues exactly as if it had never stopped (Ctrl-C / SIGTERM stop it at an iteration
+boundary with a checkpoint: difrl/train/interrupt.py). The methods are calls into their
 modules: Sol-RL's candidate pool (difrl.solrl), BranchGRPO's tree rollout and trained edges
 (difrl.tree_rollout, difrl.algos.tree), the GRPO and DiffusionNFT losses and the proximal
 recompute of copy rollouts (difrl.train.objectives); run directory, resume, LoRA and reference,

@@ -1,6 +1,6 @@
 """The GRPO recipe for masked (discrete) diffusion policies: MaskGRPO, d1 / diffu-GRPO, UniGRPO, coupled-GRPO.
 
-    difrl train configs/sudoku.yaml [key=value ...] [--out DIR]      # resume: add resume=DIR
+    difrl train configs/sudoku.yaml [key=value ...] [--out DIR]      # resume: difrl train resume=DIR
     difrl train configs/digit_tokens.yaml
     difrl train configs/sudoku.yaml external.source=solver          # ERILS: a solver's rollouts in every group
     accelerate launch --config_file configs/accelerate/fsdp.yaml -m difrl train configs/text_arithmetic.yaml  # sharded

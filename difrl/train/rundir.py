@@ -3,8 +3,8 @@
     run_dir = claim_run_dir(cfg, out_dir, overwrite, "runs/flow")   # a recipe's first line: refuse before loading
     changes = check_resume(cfg, run_dir, said)                     # [(key, old, new)]; refuses algorithm changes
 
-(`difrl train resume=R [CONFIG] [key=value ...]` loads R/config.yaml and names who says each refused value:
-difrl.cli.load_resume_config.) `said(key)` names who says a new value in the message (default "this config").
+`said(key)` names who says a new value in a refusal ("the command line says", "configs/x.yaml says"; default
+"this config says"): `difrl train resume=R [CONFIG] [key=value ...]` passes it (difrl.cli.load_resume_config).
 
 **A directory that holds a run** (config.yaml, metrics.jsonl, summary.json or checkpoints/) is refused unless
 the command continues it (``resume=DIR``) or replaces it (``--overwrite``: Run.open removes the earlier run's
@@ -26,8 +26,9 @@ Why each RESUME_SAFE key leaves the algorithm alone:
   no iteration depends on the total (there is no schedule over the run's length), so iteration k is the same
   whatever total is set: a longer run continues the same run (tests: 3 + resume + 3 == 6).
 - ``checkpoint_every``: when checkpoints are written; resuming from any of them is exact.
-- ``eval.every``: when the held-out evaluation runs. It samples the current weights with its own fixed seeds
-  and draws nothing from the training streams. The other ``eval.*`` keys stay refused: they change what is
+- ``eval.every``: when the held-out evaluation runs. It samples the current weights with its own fixed seeds,
+  and training draws its random numbers from generators seeded by (seed, iteration), which an evaluation does
+  not advance (tests/test_run_dir.py: a masked run's training rows with and without evaluations). The other ``eval.*`` keys stay refused: they change what is
   measured, so the "before" and "after" of summary.json would stop being comparable. With ``stop.fd_rise``
   set, early stopping reads these evaluations, so eval.every changes *when* such a run may stop.
 - ``threads``: torch's CPU threads, i.e. speed (another count may round float sums differently, as another
