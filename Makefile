@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/difrl train configs/digits.yaml
+	HF_HUB_OFFLINE=1 $(BIN)/difrl train configs/digits.yaml --overwrite
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q

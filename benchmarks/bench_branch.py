@@ -106,7 +106,7 @@ def run(name: str, overrides: list[str], run_dir: Path, reuse: bool) -> tuple[li
     if reuse and same_config(cfg, run_dir):
         print(f"{name}: reusing {run_dir}", flush=True)
     else:
-        train(cfg, out_dir=run_dir)
+        train(cfg, out_dir=run_dir, overwrite=True)
     return rows_of(run_dir)
 
 

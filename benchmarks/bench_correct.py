@@ -56,7 +56,7 @@ def run_one(name: str, overrides: list[str] | None, mismatch: list[str], convent
     run_dir = out / name.split(" (")[0].replace(" ", "_") / f"seed{seed}"
     cfg = load_flow_config(ROOT / "configs" / "digits.yaml", [*extra, f"seed={seed}", f"train.iterations={iterations}",
                                                              f"eval.every={every}", "stop.fd_rise=null"])
-    summary = train(cfg, out_dir=run_dir)
+    summary = train(cfg, out_dir=run_dir, overwrite=True)
     rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
     mean = lambda key: statistics.mean(r[key] for r in rows) if key in rows[0] else None
     ev = summary["eval_after"]

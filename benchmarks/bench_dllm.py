@@ -54,7 +54,7 @@ def run_one(overrides: list[str], run_dir: Path, reuse: bool) -> Path:
     if reuse and same_config(cfg, run_dir):
         print(f"reuse {run_dir}")
         return run_dir
-    train(cfg, out_dir=run_dir)
+    train(cfg, out_dir=run_dir, overwrite=True)
     return run_dir
 
 

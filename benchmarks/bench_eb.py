@@ -68,7 +68,7 @@ def train_model(out: Path, seed: int, iterations: int | None, reuse: bool, confi
         summary = json.loads((out / "summary.json").read_text())
         print(f"bench_eb: reusing the trained policy in {out}", flush=True)
     else:
-        summary = train(cfg, out_dir=out)
+        summary = train(cfg, out_dir=out, overwrite=True)
     torch.set_num_threads(1)  # the trainer sets its own
     logged = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
     return out / "policy.safetensors", {"iterations": cfg.train.iterations, "seed": seed, "reused": reused,

@@ -72,7 +72,7 @@ def run_one(world: str, overrides: list[str], run_dir: Path, reuse: bool, only_f
     if only_finished:
         print(f"skip {run_dir}: no finished run of this config")
         return None
-    train(cfg, out_dir=run_dir)
+    train(cfg, out_dir=run_dir, overwrite=True)
     return run_dir
 
 

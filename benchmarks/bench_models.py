@@ -50,8 +50,8 @@ def train_run(kind: str, pipe: Path, out: Path, seed: int, nproc: int, overrides
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", *script,
                "train.grad_accum=2"]
-    proc = subprocess.run([sys.executable, "-c", _WRAP, *cmd, "--out", str(out)], env=_env(), capture_output=True,
-                          text=True, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-c", _WRAP, *cmd, "--out", str(out), "--overwrite"], env=_env(),
+                          capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"{kind} seed {seed} on {nproc} process(es) failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     peak_kib = int(next(ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("PEAK_RSS_KIB")))

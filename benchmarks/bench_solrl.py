@@ -141,7 +141,7 @@ def learning_rows(seeds: list[int], grpo_iters: int, nft_iters: int, every: int,
             if reuse and same_config(cfg, run_dir):
                 print(f"learning {name}: reusing {run_dir}", flush=True)
             else:
-                train(cfg, out_dir=run_dir)
+                train(cfg, out_dir=run_dir, overwrite=True)
             runs.setdefault(name, []).append({"seed": seed, **curve(run_dir), "wall_s": time.perf_counter() - t0})
             c = runs[name][-1]["curve"][-1]
             print(f"learning {name:13s} seed {seed}: accuracy {c['accuracy']:.3f}, FD {c['fd']:.1f}, "

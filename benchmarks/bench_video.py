@@ -59,7 +59,7 @@ def one_run(name: str, seed: int, iterations: int, every: int, out: Path, extra:
     cfg = load_flow_config(CONFIG, [*METHODS[name], f"seed={seed}", f"train.iterations={iterations}",
                                     f"eval.every={every}", "threads=1", *extra])
     d = out / name.replace(" ", "_") / f"seed{seed}"
-    summary = train(cfg, out_dir=d)
+    summary = train(cfg, out_dir=d, overwrite=True)
     rows = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines() if ln.strip()]
     return rows, summary
 

@@ -285,7 +285,7 @@ def kill_campaign(work: Path, ref_print: dict, counts: dict, n: int, seed: int) 
         first = spawn(["train", str(DIGITS), *RUN, "--out", str(d)], work, kill=point)
         killed = first["rc"] == -signal.SIGKILL
         has_ckpt = any((d / "checkpoints").glob("iter-*")) if (d / "checkpoints").exists() else False
-        resume_args = [f"resume={d}"] if has_ckpt else ["--out", str(d)]
+        resume_args = [f"resume={d}"] if has_ckpt else ["--out", str(d), "--overwrite"]  # died before a checkpoint
         second = spawn(["train", str(DIGITS), *RUN, *resume_args], work)
         same, diff, note = False, [], ""
         if second["rc"] == 0:

@@ -1,6 +1,7 @@
 """The ``difrl`` command.
 
-    difrl train configs/digits.yaml [key=value ...] [--out DIR]   # resume: add resume=DIR
+    difrl train configs/digits.yaml [key=value ...] [--out DIR] [--overwrite]
+    difrl train resume=DIR [train.iterations=N ...]               # continue a run with its config.yaml
     difrl eval configs/digits.yaml [key=value ...]                # the config's model
     difrl eval runs/digits                                         # a finished run's policy (appended to eval.json)
     difrl eval configs/text_arithmetic.yaml --checkpoint runs/text_arithmetic/policy.safetensors
@@ -9,9 +10,11 @@
     difrl sample runs/digits --grid g.png                          # a finished run's policy (any world)
     difrl sample configs/flux_tiny.yaml --checkpoint runs/flux_tiny/lora   # a LoRA on the config's pipeline
 
-Config errors (unknown key, wrong type, out of range) and bad input (a missing checkpoint, a
-failing reward, a reward server that is down at start-up) end the command with one clear line and
-exit status 2. Known third-party start-up noise is left out (difrl.utils.quiet).
+Config errors (unknown key, wrong type, out of range, a resume that changes the run's settings, a run
+directory that already holds a run) and bad input (a missing checkpoint, a failing reward, a reward server
+that is down at start-up) end the command with one clear line and exit status 2. Ctrl-C or SIGTERM during
+training saves a checkpoint and ends with one line naming the resume command, exit status 130 / 143
+(difrl.train.interrupt). Known third-party start-up noise is left out (difrl.utils.quiet).
 """
 
 from __future__ import annotations
@@ -53,15 +56,54 @@ def _run_dir_config(path: str | None) -> tuple[Path | None, str | None]:
     return None, path
 
 
+def _given(overrides: list[str], key: str) -> str | None:
+    """The value of the last `key=value` override, or None."""
+    values = [o.partition("=")[2].strip() for o in overrides if o.partition("=")[0].strip() == key]
+    return values[-1] if values else None
+
+
+def load_resume_config(path: str | None, overrides: list[str]):
+    """`difrl train resume=R [CONFIG] [key=value ...]`: the run's own R/config.yaml with the overrides (CONFIG, if
+    given, in its place, checked against R/config.yaml key by key like the overrides), refused as
+    difrl.train.rundir.check_resume says, naming who says each refused value: the command line or CONFIG."""
+    from difrl.config import CLI
+    from difrl.train.rundir import check_resume
+
+    run = Path(_given(overrides, "resume"))
+    if not (run / "config.yaml").is_file():
+        raise FileNotFoundError(f"resume={run}: {run} holds no run to continue (no config.yaml, no checkpoint)")
+    cfg = _load(path or str(run / "config.yaml"), overrides)
+    keys = [o.partition("=")[0].strip() for o in overrides]
+
+    def said(key: str) -> str:
+        from_cli = path is None or any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in keys)
+        return f"{'the ' + CLI if from_cli else path} says"
+
+    check_resume(cfg, run, said)
+    return cfg
+
+
 def cmd_train(args) -> int:
+    from difrl.train.interrupt import Interrupted, stop_on_signals
     from difrl.train.recipes import train_function
 
     path, overrides = _split(args.rest)
-    if path is None:
-        raise SystemExit("difrl train: give a config file, e.g. difrl train configs/digits.yaml")
-    cfg = _load(path, overrides)
-    summary = train_function(cfg)(cfg, out_dir=args.out)
-    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun / accelerate launch, one process reports
+    main_process = int(os.environ.get("RANK", "0")) == 0  # under torchrun / accelerate launch, one process reports
+    resume = _given(overrides, "resume")
+    if path is None and not resume:
+        raise SystemExit("difrl train: give a config file, e.g. difrl train configs/digits.yaml (or resume=RUN_DIR)")
+    with stop_on_signals():  # SIGINT / SIGTERM: a checkpoint, one line, exit 130 / 143 (difrl.train.interrupt)
+        # resume=: the run's own config.yaml; a change of anything but the safe keys is refused (difrl.train.rundir),
+        # and the run directory is the resumed one: --out or out= naming another is refused there too
+        cfg = load_resume_config(path, overrides) if resume else _load(path, overrides)
+        out = args.out or (_given(overrides, "out") if resume else None)
+        try:
+            summary = train_function(cfg)(cfg, out_dir=out, overwrite=args.overwrite)
+        except Interrupted as e:
+            if main_process:
+                print(f"difrl: {e}", file=sys.stderr)
+            return e.code
+    if not main_process:
         return 0
     before, after = summary["eval_before"], summary["eval_after"]
     run = Path(summary["run_dir"])
@@ -461,8 +503,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="difrl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("train", help="train a policy with GRPO")
-    p.add_argument("--out", help="run directory (default: the config's `out`, else runs/flow)")
-    p.add_argument("rest", nargs="*", help="CONFIG [key=value ...]")
+    p.add_argument("--out", help="run directory (default: the config's `out`, else runs/flow); with resume=, the "
+                                 "same directory or nothing")
+    p.add_argument("--overwrite", action="store_true", help="train into a run directory that holds a run: its files "
+                                                             "are removed first (without it such a directory is refused)")
+    p.add_argument("rest", nargs="*", help="CONFIG [key=value ...], or resume=RUN_DIR [key=value ...] (the run's "
+                                           "config.yaml)")
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("eval", help="evaluate a config's model or a run's trained policy")
     p.add_argument("--grid", help="also write a PNG grid of the samples here")

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
         run_dir = args.out / ("plain" if overrides else "default")
         cfg = load_flow_config(ROOT / "configs" / "digits.yaml",
                                [*overrides, f"train.iterations={args.iterations}", "stop.fd_rise=null", "eval.every=25"])
-        train(cfg, out_dir=run_dir)
+        train(cfg, out_dir=run_dir, overwrite=True)
         results[name] = eval_rows(run_dir)
 
     iters = [i for i in sorted(next(iter(results.values()))) if i % args.every == 0 or i == args.iterations]

@@ -256,9 +256,9 @@ def test_accumulation_1x8_equals_8x1(tmp_path):
     # one optimizer update per iteration over the same 8 rollouts: its gradient (norm before clipping) and
     # loss must not depend on how the update is cut into micro-batches
     common = ("rollout.prompts_per_iter=2", "rollout.group_size=4", "train.inner_updates=1", "train.kl_beta=0.05")
-    for est in (("estimator.kind=maskgrpo",), ("estimator.kind=coupled",), ("external.source=solver",)):
-        a = metrics(run(tmp_path / "a", *common, *est, "train.micro_batch=8", "train.grad_accum=1")[1])[0]
-        b = metrics(run(tmp_path / "b", *common, *est, "train.micro_batch=1", "train.grad_accum=8")[1])[0]
+    for i, est in enumerate((("estimator.kind=maskgrpo",), ("estimator.kind=coupled",), ("external.source=solver",))):
+        a = metrics(run(tmp_path / f"a{i}", *common, *est, "train.micro_batch=8", "train.grad_accum=1")[1])[0]
+        b = metrics(run(tmp_path / f"b{i}", *common, *est, "train.micro_batch=1", "train.grad_accum=8")[1])[0]
         assert a["grad_norm"] > 0
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], est
         assert abs(a["policy_loss"] - b["policy_loss"]) < 1e-6 and abs(a["kl"] - b["kl"]) < 1e-7

@@ -3,9 +3,9 @@
     cfg = load_flow_config("configs/digits.yaml", ["sampler.kind=cps"])  # a flow config, whatever it says
     cfg = load_train_config("configs/sudoku.yaml")    # FlowConfig or MaskedConfig by model.kind: difrl.train.recipes
 
-One base (``TrainerConfig``) holds what every trainer has, defined once: the run keys (seed,
-threads, out, resume, resume_unverified, checkpoint_every) and the sections ``reward``, ``advantage``, ``train``
-(common keys; ``FlowTrainConfig`` / ``MaskedTrainConfig`` add their own), ``eval`` and ``model``
+One base (``TrainerConfig``) holds what every trainer has, defined once: the run keys (seed, threads, out,
+resume, resume_override, resume_unverified, checkpoint_every, log_with, history) and the sections ``reward``,
+``advantage``, ``train`` (common keys; ``FlowTrainConfig`` / ``MaskedTrainConfig`` add their own), ``eval`` and ``model``
 (``kind``, ``path``). A trainer's config sets its own defaults through the section's default
 instance (``MaskedConfig.train`` starts from lr 1e-4, clip 0.2, LoRA off). The trainer is chosen
 from the typed ``model.kind`` (``difrl.train.recipes.load_train_config``): the flow kinds come from the world table
@@ -137,13 +137,18 @@ class TrainerConfig:
     seed: int = cfg_field(0)
     threads: int | None = cfg_field(None, ge=1, help="torch threads; None = the cores this process may use")
     out: str | None = cfg_field(None, help="run directory (also --out)")
-    resume: str | None = cfg_field(None, help="a run directory to continue")
+    resume: str | None = cfg_field(None, help="a run directory to continue with its own config.yaml (difrl.train.rundir: "
+                                              "the keys that may change on resume)")
+    resume_override: bool = cfg_field(False, help="resume: accept changed settings that change the algorithm (each "
+                                                  "recorded in config.yaml's history)")
     resume_unverified: bool = cfg_field(False, help="resume: also load a checkpoint that has no manifest.json (its "
                                                     "bytes unverified); otherwise such a checkpoint counts as damaged "
                                                     "and the newest intact one is used")
     checkpoint_every: int = cfg_field(0, ge=0, help="iterations between checkpoints (0 = only at the end)")
     log_with: list[str] = cfg_field(default_factory=list, help="trackers beside metrics.jsonl (accelerate's): "
                                                                "tensorboard (RUN_DIR/tensorboard), wandb (if installed)")
+    history: list[dict] = cfg_field(default_factory=list, help="written by the trainer: the settings each resume "
+                                                             "changed, [{iteration, key, old, new}]")
     model: ModelConfig = field(default_factory=ModelConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
@@ -151,6 +156,8 @@ class TrainerConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self) -> None:
+        if self.resume_override and not self.resume:
+            raise config_error("resume_override", "goes with resume=RUN_DIR (it accepts a resumed run's changed settings)")
         bad = [t for t in self.log_with if t not in TRACKERS]
         if bad:
             raise config_error("log_with", f"{bad}: not a tracker difrl starts; use {list(TRACKERS)}")

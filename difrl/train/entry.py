@@ -1,11 +1,12 @@
 """The body of the entry scripts (scripts/train_flux.py, train_sd3.py, train_wan.py): `difrl train` for one model kind.
 
-    python scripts/train_flux.py configs/flux_tiny.yaml [key=value ...] [--out DIR]
+    python scripts/train_flux.py configs/flux_tiny.yaml [key=value ...] [--out DIR] [--overwrite]
     accelerate launch --num_processes 8 scripts/train_flux.py configs/flux_flow_grpo.yaml model.path=/models/FLUX.1-dev
 
 Loads the typed config (dotted overrides), checks that it is for this script's model kind, runs
 difrl.train.flow.train (the one trainer), and prints the evaluation before and after on the main
-process. Config and input errors end with one line naming the problem and exit status 2.
+process. Config and input errors end with one line naming the problem and exit status 2; SIGINT / SIGTERM
+with a checkpoint and one line naming the resume command, exit status 130 / 143 (difrl.train.interrupt).
 """
 
 from __future__ import annotations
@@ -29,8 +30,12 @@ def main(kind: str, argv: list[str] | None = None, description: str | None = Non
     ap.add_argument("config", help="a YAML config (configs/*.yaml)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.path=/models/x train.lr=1e-5")
     ap.add_argument("--out", help="run directory (default: the config's `out`)")
+    ap.add_argument("--overwrite", action="store_true", help="train into a directory that holds a run (its files "
+                                                             "are removed first)")
     args = ap.parse_args(argv)
     name = Path(sys.argv[0]).name
+    from difrl.train.interrupt import Interrupted, stop_on_signals
+
     try:
         from difrl.train.flow import train
 
@@ -42,10 +47,15 @@ def main(kind: str, argv: list[str] | None = None, description: str | None = Non
             other = f"scripts/{script.name} {args.config} or " if script.is_file() else ""
             raise ValueError(f"{args.config} is a model.kind={cfg.model.kind} config; this script trains {kind} "
                              f"(use {other}difrl train {args.config})")
-        summary = train(cfg, out_dir=args.out)
+        with stop_on_signals():  # SIGINT / SIGTERM: a checkpoint, one line, exit 130 / 143
+            summary = train(cfg, out_dir=args.out, overwrite=args.overwrite)
     except (ConfigError, RewardError, FileNotFoundError, ValueError) as e:
         print(f"{name}: error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{name}: {e}", file=sys.stderr)
+        return e.code
     if int(os.environ.get("RANK", "0")) == 0:
         before, after = summary["eval_before"], summary["eval_after"]
         change = summary.get("reward_change")

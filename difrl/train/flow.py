@@ -1,12 +1,13 @@
 """The flow-matching GRPO recipe: one loop for every flow policy (digits, FLUX, SD3, Wan).
 
-    difrl train configs/digits.yaml [key=value ...] [--out DIR]
+    difrl train configs/digits.yaml [key=value ...] [--out DIR]     # resume: difrl train resume=DIR
     accelerate launch --multi_gpu --num_processes 2 -m difrl train configs/digits.yaml
     torchrun --nproc_per_node 2 -m difrl train configs/digits.yaml
 
 Reads top to bottom: setup -> (rollout -> reward -> advantage -> K policy updates -> EMA ->
 log -> checkpoint) per iteration. Everything random is derived from (seed, iteration, index),
-so a resumed run continues exactly as if it had never stopped. The methods are calls into their
+so a resumed run continues exactly as if it had never stopped (Ctrl-C / SIGTERM stop it at an iteration
+boundary with a checkpoint: difrl/train/interrupt.py). The methods are calls into their
 modules: Sol-RL's candidate pool (difrl.solrl), BranchGRPO's tree rollout and trained edges
 (difrl.tree_rollout, difrl.algos.tree), the GRPO and DiffusionNFT losses and the proximal
 recompute of copy rollouts (difrl.train.objectives); run directory, resume, LoRA and reference,
@@ -39,8 +40,8 @@ from difrl.train.reward_stage import (across_processes, build_rewards, probe_bat
                                      track_reward_failures, valid_group_advantages)
 from difrl.train.metrics import Metrics, pooled_std
 from difrl.train.precision import MasterWeights, refuse_fp16, upcast_masters
-from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, clip_and_step, cores_available,  # noqa: F401
-                                  fmt_eval, make_optimizer, progress, record_eval, reference_policy,
+from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, claim_run_dir, clip_and_step,  # noqa: F401
+                                  cores_available, fmt_eval, make_optimizer, progress, record_eval, reference_policy,
                                   save_policy, shard_policy, wrap_policy)
 from difrl.train.sharding import fsdp_settings, gathered, process_group_kwargs, refuse_unsupported
 from difrl.train.state import EMA, trainable_params
@@ -50,12 +51,14 @@ from difrl.utils.rng import mix_seed
 from difrl.worlds import build_world
 
 
-def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
+def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = False) -> dict:
     from accelerate import Accelerator
     from tqdm.auto import tqdm
 
     # ======================================================================== setup
     refuse_fp16(cfg.model.dtype)  # before a large model loads: fp16 training is refused (difrl/train/precision.py)
+    # resume=: the run's config.yaml allows the changes; else the directory holds no run, or overwrite (rundir.py)
+    run_dir = claim_run_dir(cfg, out_dir, overwrite, "runs/flow")
     world = build_world(cfg.model.kind, cfg.model.path, cfg)
     # a world that runs on the CPU (the digits MLP: kernel launches would dominate on a GPU) asks for it;
     # without cpu=True accelerate ignores torchrun's WORLD_SIZE on a machine with no GPU
@@ -63,7 +66,6 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
     accelerator = Accelerator(cpu=cpu, kwargs_handlers=process_group_kwargs(cpu))  # FSDP offload: a CPU backend too
     world_size, rank = accelerator.num_processes, accelerator.process_index
     torch.set_num_threads(cfg.threads or max(1, cores_available() // world_size))
-    run_dir = Path(cfg.resume or out_dir or cfg.out or "runs/flow")
     tree_mode, solrl, nft = cfg.rollout.kind == "tree", cfg.rollout.kind == "solrl", cfg.train.objective == "nft"
     n_total, per_proc, T, schedule, micro = plan(cfg, world, world_size, run_dir, accelerator.print)
 
@@ -93,14 +95,15 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
     reference_ctx = lambda: reference_policy(policy, unwrapped, reference)  # noqa: E731
     train_sigmas = nft_sigmas(cfg, sigmas) if nft else None  # DiffusionNFT's trained sigmas [T]
 
-    run = Run.open(cfg, run_dir, unwrapped, optimizer, ema, extras, accelerator, state={"best_fd": None, "bad_evals": 0})
+    run = Run.open(cfg, run_dir, unwrapped, optimizer, ema, extras, accelerator, state={"best_fd": None, "bad_evals": 0},
+                   overwrite=overwrite)
     if run.state["eval_before"] is None:
         run.state["eval_before"] = run.state["last_eval"] = evaluate(world, policy, ema, cfg, run, "before", 0)
         accelerator.print("eval before: " + fmt_eval(run.state["eval_before"], world.headline))
 
     bar = tqdm(range(run.start, cfg.train.iterations), initial=run.start, total=cfg.train.iterations, desc="train",
                disable=not accelerator.is_main_process, dynamic_ncols=True)
-    stopped, it = None, run.start - 1
+    stopped, done = None, run.start  # iterations completed
     for it in bar:
         t_iter = time.perf_counter()
         # ==================================================================== rollout
@@ -168,6 +171,8 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
         scores, bad = score_rewards(lambda: scoring.result(prompt_ids, seeds), len(prompts), cfg.reward.on_error,
                                     lambda: run.checkpoint(it), f"iteration {it + 1}", run_dir, accelerator.print,
                                     across_processes(accelerator))  # a failure on any process stops every one
+        if run.interrupted():  # SIGINT / SIGTERM on any process: this iteration is abandoned before its update
+            break
         t_adv = time.perf_counter()
 
         # ==================================================================== advantage
@@ -273,20 +278,21 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
             stopped = should_stop(cfg, ev, run.state)
         row["seconds"] = time.perf_counter() - t_iter
         run.log(row)
+        done = it + 1
         progress(bar, row["reward_mean"], run.state["last_eval"], world.headline)
 
         # ==================================================================== checkpoint
-        if stopped or (cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0):
-            run.checkpoint(it + 1)
+        if stopped or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+            run.checkpoint(done)
         if stopped:
-            accelerator.print(f"difrl: stopping after iteration {it + 1}: {stopped}")
+            accelerator.print(f"difrl: stopping after iteration {done}: {stopped}")
+            break
+        if run.interrupted():  # a signal during the update: stop after this iteration
             break
     bar.close()
 
     # ======================================================================== finish
-    done = it + 1 if cfg.train.iterations > run.start else run.start
-    if not stopped:
-        run.checkpoint(done)
+    run.end_loop(done, stopped_early=bool(stopped))  # the final checkpoint; after a signal: a checkpoint, Interrupted
     eval_after = evaluate(world, policy, ema, cfg, run, "after", done)
     accelerator.print("eval after:  " + fmt_eval(eval_after, world.headline))
     summary = {"eval_before": run.state["eval_before"], "eval_after": eval_after, "iterations": done,

@@ -1,6 +1,6 @@
 """The GRPO recipe for masked (discrete) diffusion policies: MaskGRPO, d1 / diffu-GRPO, UniGRPO, coupled-GRPO.
 
-    difrl train configs/sudoku.yaml [key=value ...] [--out DIR]      # resume: add resume=DIR
+    difrl train configs/sudoku.yaml [key=value ...] [--out DIR]      # resume: difrl train resume=DIR
     difrl train configs/digit_tokens.yaml
     difrl train configs/sudoku.yaml external.source=solver          # ERILS: a solver's rollouts in every group
     accelerate launch --config_file configs/accelerate/fsdp.yaml -m difrl train configs/text_arithmetic.yaml  # sharded
@@ -50,26 +50,27 @@ from difrl.train.reward_stage import (build_rewards, finite_mean_std, probe_batc
                                      track_reward_failures, valid_group_advantages)
 from difrl.train.metrics import Metrics
 from difrl.train.precision import refuse_fp16, upcast_masters
-from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, check_ratio, clip_and_step,  # noqa: F401
-                                  cores_available, fmt_eval, make_optimizer, progress, record_eval, reference_policy,
-                                  save_policy, shard_policy, sharded_processes, wrap_policy)
+from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, check_ratio, claim_run_dir,  # noqa: F401
+                                  clip_and_step, cores_available, fmt_eval, make_optimizer, progress, record_eval,
+                                  reference_policy, save_policy, shard_policy, sharded_processes, wrap_policy)
 from difrl.train.sharding import gathered
 from difrl.train.state import trainable_params
 from difrl.utils.rng import mix_seed
 from difrl.worlds import build_masked_world
 
 
-def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
+def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool = False) -> dict:
     from tqdm.auto import tqdm
 
     # ======================================================================== setup
     refuse_fp16(cfg.model.dtype)  # fp16 training is refused (difrl/train/precision.py)
+    # resume=: the run's config.yaml allows the changes; else the directory holds no run, or overwrite (rundir.py)
+    run_dir = claim_run_dir(cfg, out_dir, overwrite, f"runs/{cfg.model.kind}")
     # one process, or under FSDP every process runs the whole iteration on the sharded model (sharded_processes)
     accelerator, fsdp = sharded_processes()
     main = accelerator is None or accelerator.is_main_process
     say = print if main else (lambda *a, **k: None)
     torch.set_num_threads(cfg.threads or cores_available())
-    run_dir = Path(cfg.resume or out_dir or cfg.out or f"runs/{cfg.model.kind}")
     P, G, mu = cfg.rollout.prompts_per_iter, cfg.rollout.group_size, cfg.train.inner_updates
     N, mbs, ga = P * G, cfg.train.micro_batch, cfg.train.grad_accum
     updates_per_inner = N // (mbs * ga)
@@ -102,7 +103,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
     policy.module = net
     params = trainable_params(net)
     optimizer = make_optimizer(params, cfg.train)
-    run = Run.open(cfg, run_dir, net, optimizer, accelerator=accelerator)
+    run = Run.open(cfg, run_dir, net, optimizer, accelerator=accelerator, overwrite=overwrite)
     if run.state["eval_before"] is None:
         run.state["eval_before"] = run.state["last_eval"] = world.evaluate(policy)
         if main:
@@ -112,7 +113,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
 
     bar = tqdm(range(run.start, cfg.train.iterations), initial=run.start, total=cfg.train.iterations, desc="train",
                dynamic_ncols=True, disable=not main)
-    it = run.start - 1
+    done = run.start  # iterations completed
     for it in bar:
         t_iter = time.perf_counter()
         # ==================================================================== rollout
@@ -157,6 +158,8 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
         scores, bad = score_rewards(lambda: score_all(rewards, world.decode(tokens), batch.texts, batch.metadata, seeds,
                                                       prompt_ids), N, cfg.reward.on_error, lambda: run.checkpoint(it),
                                     f"iteration {it + 1}", run_dir)
+        if run.interrupted():  # SIGINT / SIGTERM: this iteration is abandoned before its update
+            break
         t_adv = time.perf_counter()
 
         # ==================================================================== advantage
@@ -241,16 +244,18 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
             row["seconds_eval"] = time.perf_counter() - t_eval
         row["seconds"] = time.perf_counter() - t_iter
         run.log(row)
+        done = it + 1
         progress(bar, row["reward_mean"], run.state["last_eval"], world.headline)
 
         # ==================================================================== checkpoint
-        if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0:
-            run.checkpoint(it + 1)
+        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
+            run.checkpoint(done)
+        if run.interrupted():  # a signal during the update: stop after this iteration
+            break
     bar.close()
 
     # ======================================================================== finish
-    done = it + 1 if cfg.train.iterations > run.start else run.start
-    run.checkpoint(done)
+    run.end_loop(done)  # the final checkpoint; after a signal: a checkpoint, then Interrupted
     eval_after = world.evaluate(policy)
     if main:
         record_eval(run_dir, "after", done, eval_after)

@@ -3,13 +3,17 @@
     net, reference = wrap_policy(policy, cfg.train.lora, cfg.seed, need_reference=cfg.train.kl_beta > 0)
     net, reference = shard_policy(policy, net, reference, fsdp_settings(accelerator))  # FSDP2, or as they were
     optimizer = make_optimizer(trainable_params(net), cfg.train)
+    run_dir = claim_run_dir(cfg, out_dir, overwrite, "runs/flow")         # first: refused before anything loads
     run = Run.open(cfg, run_dir, net, optimizer, ema, extras, accelerator)   # resume, config.yaml, metrics cut back
     with reference_policy(policy, net, reference): ...                     # the KL's reference (LoRA off / frozen copy)
-    run.log(row); run.checkpoint(iteration); run.finish(summary, headline)   # summary.json, curve, report.html
+    run.log(row); run.checkpoint(iteration)
+    if run.interrupted(): break                                            # SIGINT / SIGTERM (difrl.train.interrupt)
+    run.end_loop(done); run.finish(summary, headline)                      # final checkpoint; summary.json, report.html
 
 A recipe (the loop) calls these in its banner sections; none of them knows which method runs. The
 reward stage (build, score, failures, advantages over valid groups) is difrl/train/reward_stage.py, the update's
-metrics (difrl.train.metrics.Metrics) difrl/train/metrics.py.
+metrics (difrl.train.metrics.Metrics) difrl/train/metrics.py, which directory a run may use and what a resume may
+change difrl/train/rundir.py, stopping on a signal difrl/train/interrupt.py.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from pathlib import Path
 import torch
 
 from difrl.config import save_config
+from difrl.train import interrupt
+from difrl.train.rundir import check_resume, claim_run_dir, clear_run, saved_config, show  # noqa: F401  (re-exported)
+from difrl.utils.collectives import gather
 from difrl.utils.modules import use_module
 from difrl.train.sharding import is_sharded, plain_copy, reshard, shard
 from difrl.train.state import load_latest_checkpoint, restore_checkpoint, snapshot, write_checkpoint
@@ -199,39 +206,50 @@ class Run:
     """A run directory: config.yaml, metrics.jsonl (one JSON row per iteration), checkpoints/, summary.json,
     reward_curve.png. Only the main process writes; every process takes part in a checkpoint's barrier."""
 
-    def __init__(self, run_dir: Path, net, optimizer, ema, extras: dict, accelerator, state: dict, start: int):
+    def __init__(self, run_dir: Path, net, optimizer, ema, extras: dict, accelerator, state: dict, start: int,
+                 total: int = 0):
         self.dir, self.net, self.optimizer, self.ema, self.extras = run_dir, net, optimizer, ema, extras
-        self.accelerator, self.state, self.start = accelerator, state, start
+        self.accelerator, self.state, self.start, self.total = accelerator, state, start, total
         self.is_main = accelerator is None or accelerator.is_main_process
         self.sharded = any(is_sharded(p) for p in net.parameters())  # FSDP: checkpoints are gathered collectively
         self.trackers: list = []
+        self.signal = 0  # the signal every process agreed to stop on (interrupted), 0 = none
 
     @classmethod
     def open(cls, cfg, run_dir: Path, net, optimizer, ema=None, extras: dict | None = None, accelerator=None,
-             state: dict | None = None) -> "Run":
+             state: dict | None = None, overwrite: bool = False) -> "Run":
         """Resume (cfg.resume: weights, optimizer, EMA, extras, RNG, counters and `state`'s keys from the latest
-        checkpoint), write config.yaml, cut metrics.jsonl back to the checkpoint's iteration."""
+        checkpoint), or with `overwrite` remove an earlier run's files; write config.yaml (the resume's changed
+        settings appended to its history, difrl.train.rundir), cut metrics.jsonl back to the checkpoint's
+        iteration. `run_dir` is claim_run_dir's (which refused what is not allowed before anything loaded)."""
         state = {"eval_before": None, "last_eval": None, "reward_failed": 0, "reward_scored": 0, **(state or {})}
         start, say = 0, print if accelerator is None else accelerator.print
         ckpt = (load_latest_checkpoint(run_dir, say, allow_unverified=cfg.resume_unverified) if cfg.resume
                 else None)  # newest intact (manifest-checked)
         if cfg.resume and ckpt is None:
-            raise FileNotFoundError(f"resume={cfg.resume}: no checkpoint found in {run_dir / 'checkpoints'}")
+            raise FileNotFoundError(f"resume={cfg.resume}: no checkpoint found in {run_dir / 'checkpoints'} (the run "
+                                    "stopped before its first one); start it again with --overwrite")
         if ckpt is not None:
             restore_checkpoint(ckpt, net, optimizer, ema, extras or None)
             start = ckpt.iteration
             state.update({k: ckpt.state[k] for k in state if k in ckpt.state})
             say(f"difrl: resumed from {ckpt.path} after iteration {start}")
-        run = cls(run_dir, net, optimizer, ema, extras or {}, accelerator, state, start)
+        run = cls(run_dir, net, optimizer, ema, extras or {}, accelerator, state, start, cfg.train.iterations)
+        run.barrier()  # every process has checked the directory (claim_run_dir) before the main one writes in it
         if run.is_main:
+            if overwrite and not cfg.resume:
+                removed, kept = clear_run(run_dir)
+                if removed:
+                    say(f"difrl: --overwrite: removed the earlier run's {', '.join(removed)} from {run_dir}"
+                        + (f" (kept, not difrl's: {', '.join(kept)})" if kept else ""))
             run_dir.mkdir(parents=True, exist_ok=True)
-            # the run directory actually used (--out or resume=), so config.yaml reruns into this directory
-            save_config(dataclasses.replace(cfg, out=str(run_dir)), run_dir / "config.yaml")
+            save_config(run_config(cfg, run_dir, start), run_dir / "config.yaml")
             run.trackers = start_trackers(cfg, run_dir)
             truncate_metrics(run_dir / "metrics.jsonl", start)
             truncate_evals(run_dir / "eval.json", start)
             (run_dir / "metrics.jsonl").touch()
         run.barrier()
+        interrupt.training(run_dir)
         return run
 
     def barrier(self) -> None:
@@ -246,6 +264,32 @@ class Run:
             if self.is_main:
                 write_checkpoint(self.dir, iteration, snap, self.state)
         self.barrier()
+
+    def interrupted(self) -> bool:
+        """Stop now? True once SIGINT / SIGTERM reached this process (difrl.train.interrupt) or, under several
+        processes, any of them: every process calls this at the same points of its loop and the decision is one
+        gather, so all stop at the same iteration boundary (one stopping alone would leave the others waiting in
+        the checkpoint's barrier). The agreed signal is kept in self.signal."""
+        signum = interrupt.requested()
+        if self.accelerator is not None and self.accelerator.num_processes > 1:
+            signum = int(gather(self.accelerator, torch.tensor([signum])).max())
+        self.signal = self.signal or signum
+        return bool(self.signal)
+
+    def end_loop(self, done: int, stopped_early: bool = False) -> None:
+        """After the loop, `done` iterations completed: a signal (polled once more) checkpoints them and raises
+        interrupt.Interrupted; otherwise the final checkpoint (an early stop, `stopped_early`, wrote it already
+        and finishes the run whatever came). From here a signal exits at once (resume redoes what is left: the
+        final evaluation, weights, report)."""
+        if not stopped_early and self.interrupted():
+            self.checkpoint(done)
+            interrupt.finishing(self.dir, done)
+            for t in self.trackers:  # flushed: TensorBoard's events of the iterations done
+                t.finish()
+            raise interrupt.Interrupted(self.signal, done, self.total, self.dir)
+        if not stopped_early:
+            self.checkpoint(done)
+        interrupt.finishing(self.dir, done)
 
     def log(self, row: dict) -> None:
         if self.is_main:
@@ -268,6 +312,23 @@ class Run:
                 write_report(self.dir)
             except OSError as e:  # a report must never cost a finished run
                 print(f"difrl: report.html not written: {e}")
+
+
+def run_config(cfg, run_dir: Path, start: int):
+    """The config.yaml of a run: `cfg` in the directory actually used (so it reruns there), without the command's
+    own keys (resume, resume_override, resume_unverified), and on resume with the earlier history plus this
+    resume's changes against the run's config.yaml, each {iteration, key, old, new} (printed too)."""
+    history = list(cfg.history)
+    saved = saved_config(run_dir, type(cfg)) if cfg.resume else None
+    if saved is not None:
+        changes = check_resume(cfg, run_dir)
+        history = list(saved.history) + [{"iteration": start, "key": k, "old": old, "new": new}
+                                         for k, old, new in changes]
+        if changes:
+            listed = ", ".join(f"{k} {show(o)} -> {show(n)}" for k, o, n in changes)
+            print(f"difrl: resume={run_dir} changes {listed} (recorded in the history of {run_dir / 'config.yaml'})")
+    return dataclasses.replace(cfg, out=str(run_dir), resume=None, resume_override=False, resume_unverified=False,
+                               history=history)
 
 
 def run_files(run_dir: Path) -> str:

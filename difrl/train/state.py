@@ -315,7 +315,12 @@ def restore_checkpoint(ckpt: Checkpoint, module: nn.Module, optimizer, ema: EMA 
     with torch.no_grad():  # under FSDP each process keeps its own shard of the full tensors (sharding.like)
         for k, p in params.items():
             p.copy_(like(p, ckpt.trainable[k]))
+    # the optimizer's moments and step counts from the checkpoint, its hyperparameters (lr, betas, eps, weight
+    # decay) the config's: equal in a plain resume, and a resume_override=true of train.lr must take effect
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     optimizer.load_state_dict(_optimizer_state_like(optimizer, ckpt.optimizer))
+    for group, h in zip(optimizer.param_groups, hyper):
+        group.update(h)
     if ema is not None:
         if ckpt.ema is None:
             raise ValueError(f"checkpoint {ckpt.path} has no EMA weights but train.ema_decay > 0")
