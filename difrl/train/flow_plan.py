@@ -153,8 +153,8 @@ def _updates_problem(cfg: FlowConfig, T: int, tree_mode: bool, n_records: int, w
         options.append(auto)
     return (f"train.micro_batch x train.grad_accum = {mb} x {ga} = {mb * ga} transitions per update make {got} "
             f"optimizer update(s) per pass over each process's {X} {'edges' if tree_mode else 'transitions'}, but "
-            f"train.updates_per_epoch={want}: for {want} use " + ", or ".join(options + [f"train.updates_per_epoch={got} "
-                                                                                   "(or null) for these"]))
+            f"train.updates_per_epoch={want}: use " + ", or ".join(options + [f"train.updates_per_epoch={got} (or null) to "
+                                                                       "take these"]))
 
 
 def thread_note(threads_set: bool) -> str:
