@@ -627,6 +627,28 @@ def test_bench_solrl_quick_rows(tmp_path):
     assert learn["plain GRPO"]["nfe_full_to_target_ratio"] == 1.0  # the baseline reaches itself at its own budget
 
 
+@pytest.mark.slow  # NVFP4 rank agreement on 2 prompts, then DiffusionNFT and naive NVFP4 for 1 iteration each
+def test_bench_solrl_quick_rows_of_the_diffusionnft_methods(tmp_path):
+    # the methods that train configs/digits.yaml with DiffusionNFT's 6 sigmas: with its micro-batch counted in
+    # transitions (144 = 16 samples x 9 steps) they stopped with a traceback (issue 39); micro_batch=auto fits them
+    out = tmp_path / "runs"
+    rows = _quick("bench_solrl", ["--no-write", "--formats", "nvfp4", "--prompts", "2", "--pool", "4",
+                                  "--nft-iterations", "1", "--every", "1", "--methods", "DiffusionNFT", "naive NVFP4",
+                                  "--out", str(out)], tmp_path)
+    learn = {r["method"]: r for r in rows if r["section"] == "learning"}
+    assert set(learn) == {"DiffusionNFT", "naive NVFP4"}
+    for name, r in learn.items():  # the row's numbers are the run's own files
+        run = out / name.replace(" ", "_") / "seed0"
+        summary = json.loads((run / "summary.json").read_text())
+        metrics = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+        assert r["iterations"] == 1 and r["accuracy_mean"] == summary["eval_after"]["accuracy"]
+        assert r["nfe_full"] == sum(m["nfe_full"] for m in metrics) and r["nfe_lowprec"] == sum(m["nfe_lowprec"] for m in metrics)
+        assert metrics[0]["trained_samples"] == 160 and metrics[0]["nft_loss_pos"] is not None
+    assert learn["DiffusionNFT"]["nfe_lowprec"] == 0 < learn["DiffusionNFT"]["nfe_full"]
+    assert learn["naive NVFP4"]["nfe_full"] == 0 < learn["naive NVFP4"]["nfe_lowprec"]  # trained on the copy's samples
+    assert learn["DiffusionNFT"]["target_accuracy"] is None  # no plain GRPO run: no target
+
+
 @pytest.mark.slow  # 2 methods x 3 digits iterations under an NVFP4 rollout mismatch (~1 min)
 def test_bench_correct_quick_rows(tmp_path):
     out = tmp_path / "runs"
