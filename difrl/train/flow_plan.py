@@ -18,8 +18,8 @@ what the config says; on P processes S is 1/P of the samples, the micro-batch sh
 covers all of them (no grad_accum to halve). Memory per forward/backward is what moves: the banner prints the
 chosen size. An explicit micro_batch fixes the work per backward instead (on GPUs, memory); the updates then
 follow from it, a value that does not divide is refused with the nearest ones that do (micro_batch and
-grad_accum), and a config that also names updates_per_epoch must agree with it (configs/flux_*.yaml are sized for
-a number of GPUs: on fewer, the error gives the grad_accum that keeps their updates per rollout).
+grad_accum), and a config that also names updates_per_epoch must agree with it (the FLUX / SD3 / Wan configs are
+sized for a number of GPUs: on another, the error gives the grad_accum that keeps their updates per rollout).
 """
 
 from __future__ import annotations
