@@ -6,6 +6,8 @@
     difrl eval configs/text_arithmetic.yaml --checkpoint runs/text_arithmetic/policy.safetensors
     difrl config [configs/digits.yaml] [key=value ...]            # every key (or the resolved config)
     difrl sample configs/digits.yaml --search dts-star --budget 160 [--prompt "a handwritten 3"] [--grid g.png]
+    difrl sample runs/digits --grid g.png                          # a finished run's policy (any world)
+    difrl sample configs/flux_tiny.yaml --checkpoint runs/flux_tiny/lora   # a LoRA on the config's pipeline
 
 Config errors (unknown key, wrong type, out of range) and bad input (a missing checkpoint, a
 failing reward, a reward server that is down at start-up) end the command with one clear line and
@@ -109,19 +111,14 @@ def cmd_eval(args) -> int:
         cfg = _load(path, overrides)
         args.pass_k = args.samples = args.temperature = args.problems = None
     if args.prompts:
-        if cfg.trainer == "masked" or cfg.model.kind == "digits":
+        if cfg.trainer == "masked" or not _diffusers(cfg.model.kind):
             raise ValueError("--prompts is for diffusers models (the bundled worlds have their own evaluation sets)")
         cfg.model.eval_prompt_file = args.prompts
     torch.set_num_threads(cfg.threads or cores_available())
     if cfg.trainer == "masked":  # Sudoku, digit tokens, text tasks: the masked world's eval
-        from difrl.worlds import build_masked_world
-
-        # the run's trained policy (a merged policy.safetensors, LoRA runs too), not the base it started from
-        weights = Path(args.checkpoint) if args.checkpoint else (run / "policy.safetensors" if run else None)
-        if weights is not None and not weights.exists():
-            raise FileNotFoundError(f"{weights}: no trained policy there (a masked run writes RUN_DIR/policy.safetensors)")
-        world = build_masked_world(cfg)
-        policy = world.policy if weights is None else world.load_policy(str(weights))
+        world, policy, weights = _masked_policy(cfg, run, args.checkpoint)
+        if args.grid and world.save_samples is None:  # refused before the evaluation runs
+            raise ValueError(f"--grid: the {cfg.model.kind} world's samples are not pictures (difrl sample prints them)")
         metrics = world.evaluate(policy)
         if args.pass_k:  # pass@k over --samples draws per problem with the training sampler (difrl.eval.passk)
             from difrl.eval.passk import masked_pass_at_k
@@ -142,21 +139,14 @@ def cmd_eval(args) -> int:
             raise ValueError("--samples, --temperature and --problems go with --pass-k")
         if cfg.model.kind == "hf_masked":
             metrics |= {"temperature": cfg.sampler.temperature, "seed": cfg.eval.seed}
+        if args.grid:
+            world.save_samples(policy, Path(args.grid))
+            metrics["grid"] = args.grid
         _write_eval(run, args.out, {**metrics, "policy": str(weights or cfg.model.path or "bundled base")})
         return 0
     if args.pass_k:
         raise ValueError("--pass-k is for masked worlds with a verifier (model.kind=sudoku or hf_masked)")
-    from difrl.worlds import build_world
-
-    digits = cfg.model.kind == "digits"
-    trained = _trained_weights(run, args.checkpoint, digits)
-    # digits: a merged policy.safetensors is the model; a diffusers model: a LoRA or a full fine-tune on its base
-    model_path = str(trained) if digits and trained else cfg.model.path
-    world = build_world(cfg.model.kind, model_path, cfg)
-    if trained is not None and not digits:
-        from difrl.models.lora_io import load_lora, load_transformer
-
-        (load_transformer if (trained / "config.json").is_file() else load_lora)(world.policy, trained)
+    world, trained = _flow_world(cfg, run, args.checkpoint)
     try:
         metrics, images = world.evaluate(world.policy, cfg.eval.per_digit, cfg.eval.num_steps, cfg.eval.seed,
                                          cfg.sampler.shift)
@@ -164,34 +154,78 @@ def cmd_eval(args) -> int:
         if not args.preset:
             raise
         raise ValueError(_preset_hint(args, str(e))) from e
-    if args.grid:
+    if args.grid:  # a video world writes a GIF beside the name
         world.save_grid(images, Path(args.grid))
-    metrics = {**metrics, "policy": str(trained or model_path or "bundled base"),
+        metrics["grid"] = str(Path(args.grid).with_suffix(".gif") if images.ndim == 5 else Path(args.grid))
+    diffusers = _diffusers(cfg.model.kind)
+    metrics = {**metrics, "policy": str(trained or cfg.model.path or "bundled base"),
                "eval_prompts": cfg.model.eval_prompt_file or cfg.model.eval_prompts,
-               "resolution": None if digits else [cfg.model.height, cfg.model.width]}
+               "resolution": [cfg.model.height, cfg.model.width] if diffusers else None}
     _write_eval(run, args.out, metrics)
     return 0
 
 
-def _trained_weights(run: Path | None, checkpoint: str | None, digits: bool) -> Path | None:
-    """What `difrl eval` loads on the base model: --checkpoint, else a run's trained weights (digits: its
-    policy.safetensors; a diffusers model: its lora/ or, after a full fine-tune, its transformer/)."""
+def _diffusers(kind: str) -> bool:
+    """A diffusers model kind (its trained weights are a run's lora/ or transformer/), not a bundled world (whose
+    trained policy is one policy.safetensors file)."""
+    from difrl.models.adapters import ADAPTERS
+
+    return kind in ADAPTERS
+
+
+def _trained_weights(run: Path | None, checkpoint: str | None, kind: str) -> Path | None:
+    """What `difrl eval` / `difrl sample` load: --checkpoint, else a run's trained weights, else None (the config's
+    model). A bundled world (digits, moving digits, the masked worlds, text dLLMs) is one policy.safetensors file
+    (a LoRA run's merged too); a diffusers model is a run's lora/ or, after a full fine-tune, its transformer/
+    (a file inside one stands for its directory). A --checkpoint that is a run directory means its weights."""
+    diffusers = _diffusers(kind)
+    names = ("lora", "transformer") if diffusers else ("policy.safetensors",)
+    what = ("a run's lora/ or, after a full fine-tune, its transformer/ directory" if diffusers
+            else "a run's policy.safetensors file")
     if checkpoint:
         p = Path(checkpoint)
-        if digits:
-            if not p.is_file():
-                raise FileNotFoundError(f"--checkpoint {p}: no such file (digits: a run's policy.safetensors)")
-        elif not p.is_dir():
-            raise FileNotFoundError(f"--checkpoint {p}: not a directory (a diffusers model: a run's lora/ or, after a "
-                                    "full fine-tune, its transformer/)")
+        if p.is_dir() and (p / "config.yaml").is_file():  # a run directory: its trained weights
+            return _trained_weights(p, None, kind)
+        if diffusers and p.is_file():  # e.g. lora/pytorch_lora_weights.safetensors: the directory is the checkpoint
+            p = p.parent
+        if not p.exists():
+            raise FileNotFoundError(f"--checkpoint {p}: no trained policy there (model.kind={kind} takes {what})")
+        if p.is_dir() != diffusers:
+            raise FileNotFoundError(f"--checkpoint {p}: not {'a directory' if diffusers else 'a file'}: model.kind="
+                                    f"{kind} takes {what}")
         return p
     if run is None:
         return None
-    found = [run / f for f in (("policy.safetensors",) if digits else ("lora", "transformer")) if (run / f).exists()]
+    found = [run / f for f in names if (run / f).exists()]
     if not found:
-        raise FileNotFoundError(f"{run} holds no trained weights ({'policy.safetensors' if digits else 'lora/ or transformer/'}): "
-                                "did the run finish?")
+        raise FileNotFoundError(f"{run} holds no trained weights ({' or '.join(n + '/' if diffusers else n for n in names)}"
+                                "): did the run finish? (an interrupted run continues with resume=RUN_DIR)")
     return found[0]
+
+
+def _flow_world(cfg, run: Path | None, checkpoint: str | None):
+    """(the flow world of `cfg` with the trained weights on its policy, the weights' path or None): a bundled world
+    loads its policy.safetensors as the model; a diffusers model loads its base (model.path), then the LoRA or the
+    full fine-tune's transformer on it."""
+    from difrl.worlds import build_world
+
+    trained = _trained_weights(run, checkpoint, cfg.model.kind)
+    diffusers = _diffusers(cfg.model.kind)
+    world = build_world(cfg.model.kind, cfg.model.path if diffusers or trained is None else str(trained), cfg)
+    if trained is not None and diffusers:
+        from difrl.models.lora_io import load_lora, load_transformer
+
+        (load_transformer if (trained / "config.json").is_file() else load_lora)(world.policy, trained)
+    return world, trained
+
+
+def _masked_policy(cfg, run: Path | None, checkpoint: str | None):
+    """(the masked world of `cfg`, its policy with the trained weights, their path or None)."""
+    from difrl.worlds import build_masked_world
+
+    weights = _trained_weights(run, checkpoint, cfg.model.kind)
+    world = build_masked_world(cfg)
+    return world, world.policy if weights is None else world.load_policy(str(weights)), weights
 
 
 def _preset_options(args) -> dict:
@@ -246,14 +280,13 @@ def _write_eval(run: Path | None, out: str | None, metrics: dict) -> None:
 
 
 def cmd_sample(args) -> int:
-    """Samples of the config's model per prompt: the base sampler (none), best-of-N, DTS or DTS* at an NFE budget."""
+    """Samples per prompt of a config's model or a run's trained policy: the base sampler (none), best-of-N, DTS or
+    DTS* at an NFE budget (flow worlds); the training sampler (masked worlds)."""
     import torch
 
     from difrl.rewards import build_reward, reward_key
     from difrl.search import SearchConfig, best_of_n, dts
-    from difrl.worlds import build_world
 
-    from difrl.train.config import load_flow_config
     from difrl.train.scaffold import cores_available
 
     for flag, value in (("--budget", args.budget), ("--samples", args.samples), ("--children", args.children),
@@ -263,9 +296,12 @@ def cmd_sample(args) -> int:
     if not args.lam > 0:
         raise ValueError(f"--lam must be positive (the inverse temperature of p(x) exp(lam r(x))), got {args.lam}")
     path, overrides = _split(args.rest)
-    cfg = load_flow_config(path, overrides)
+    run, path = _run_dir_config(path)
+    cfg = _load(path, overrides)
     torch.set_num_threads(cfg.threads or cores_available())
-    world = build_world(cfg.model.kind, cfg.model.path, cfg)
+    if cfg.trainer == "masked":
+        return _sample_masked(args, cfg, run)
+    world, trained = _flow_world(cfg, run, args.checkpoint)
     policy = world.policy
     name = args.reward or next(iter(cfg.reward.weights or {world.default_reward: 1.0}))
     reward = build_reward(name, **cfg.reward.options.get(name, {}))
@@ -293,22 +329,86 @@ def cmd_sample(args) -> int:
             bon = best_of_n(policy, prompt, score, sigmas, n, seed, scfg)
             x = bon["best"][None] if args.search == "best-of-n" else bon["samples"]
             res = {"nfe": bon["nfe"], "leaves": n, "best_reward": bon["best_reward"]}
-        imgs = policy.decode(x)
+        imgs = policy.decode(x).cpu()
         r = score(imgs, prompt)
         results.append({"prompt": prompt, "search": args.search, **res, "reward_mean": float(r.mean()),
                         "samples": len(imgs)})
         images.append(imgs)
+    out = {"reward": name, "policy": str(trained or cfg.model.path or "bundled base"), "results": results}
     if args.grid:
-        from PIL import Image
-
-        from difrl.worlds.digits import image_grid
-
-        Path(args.grid).parent.mkdir(parents=True, exist_ok=True)
-        rows = max(len(x) for x in images)
-        pad = [torch.cat([x, x.new_full((rows - len(x), *x.shape[1:]), 0.5)]) for x in images]
-        Image.fromarray(image_grid(torch.cat(pad), nrow=rows)).save(args.grid)
-    print(json.dumps({"reward": name, "results": results}, indent=2))
+        out["grid"] = str(_save_rows(images, Path(args.grid)))
+    print(json.dumps(out, indent=2))
     return 0
+
+
+def _sample_masked(args, cfg, run: Path | None) -> int:
+    """`difrl sample` of a masked world: --samples draws per prompt (--prompt, else four training prompts drawn with
+    --seed) with the training sampler, scored by the reward; Sudoku grids and text completions are printed, digit
+    images go to --grid."""
+    import torch
+
+    from difrl.discrete.samplers import SAMPLERS
+    from difrl.rewards import build_reward, reward_key, score_all
+    from difrl.utils.rng import mix_seed
+
+    kind = cfg.model.kind
+    if args.search != "none":
+        raise ValueError(f"--search {args.search} searches a flow model's denoising tree; model.kind={kind} is a masked "
+                         "world, sampled with its training sampler (--search none)")
+    world, policy, weights = _masked_policy(cfg, run, args.checkpoint)
+    if args.grid and world.save_samples is None:
+        raise ValueError(f"--grid: the {kind} world's samples are not pictures; they are printed as text")
+    if args.prompt and world.parse_prompts is None:
+        raise ValueError(f"--prompt: the {kind} world takes no prompt typed by hand (a text task's problem needs its "
+                         "answer to be scored); it samples its training problems")
+    name = args.reward or next(iter(cfg.reward.weights or {world.default_reward: 1.0}))
+    reward = build_reward(name, **cfg.reward.options.get(name, {}))
+    prompts = world.parse_prompts(args.prompt) if args.prompt else world.prompts(4, args.seed)
+    n, P = args.samples, len(prompts)
+    batch = prompts.repeat(n)  # sample k belongs to prompt k // n
+    seeds = torch.tensor([mix_seed(args.seed, i) for i in range(len(batch))], dtype=torch.int64)
+    ids = prompts.ids if prompts.ids is not None else torch.arange(P)
+    net = policy.module
+    was_training = net.training
+    net.eval()
+    try:
+        with torch.no_grad():
+            out = SAMPLERS[cfg.sampler.kind](policy, batch.tokens, batch.cond, seeds=seeds, **cfg.sampler.sampler_kwargs())
+    finally:
+        net.train(was_training)
+    samples = world.decode(out.tokens)
+    scores = score_all({name: reward}, samples, batch.texts, batch.metadata, seeds, ids.repeat_interleave(n))
+    r = scores[reward_key(name)].view(P, n)
+    nfe = out.nfe_per_sample.float().view(P, n)
+    shown = world.show(samples) if world.show is not None else samples if isinstance(samples, list) else None
+    results = [{"prompt": prompts.texts[i], "search": "none", "nfe": float(nfe[i].mean()), "reward_mean": float(r[i].mean()),
+                "samples": n, **({"texts": shown[i * n:(i + 1) * n]} if shown is not None else {})} for i in range(P)]
+    res = {"reward": name, "policy": str(weights or cfg.model.path or "bundled base"), "results": results}
+    if args.grid:
+        res["grid"] = str(_save_rows(list(samples.split(n)), Path(args.grid)))
+    print(json.dumps(res, indent=2))
+    return 0
+
+
+def _save_rows(rows: list, path: Path) -> Path:
+    """One row of samples per prompt (shorter rows padded grey): images [n, C, H, W] in [0, 1] as a PNG, videos
+    [n, F, C, H, W] as a looping GIF of frame grids beside the name (path.gif). Returns the path written."""
+    import torch
+    from PIL import Image
+
+    from difrl.worlds.digits import image_grid
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    width = max(len(x) for x in rows)
+    grid = torch.cat([torch.cat([x, x.new_full((width - len(x), *x.shape[1:]), 0.5)]) for x in rows]).float()
+    scale = max(1, 32 // grid.shape[-2])  # 8x8 digits at 4x, a tiny model's 32 px as they are
+    if grid.ndim == 4:
+        Image.fromarray(image_grid(grid, nrow=width, scale=scale)).save(path)
+        return path
+    path = path.with_suffix(".gif")
+    frames = [Image.fromarray(image_grid(grid[:, f], nrow=width, scale=scale)) for f in range(grid.shape[1])]
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=150, loop=0)
+    return path
 
 
 def cmd_config(args) -> int:
@@ -336,7 +436,10 @@ def cmd_rewards(args) -> int:
 def cmd_report(args) -> int:
     from difrl.report import write_report
 
-    print(f"report: {write_report(args.run_dir)}")
+    run = Path(args.run_dir)
+    if not run.is_dir() or not (run / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run} is not a difrl run directory (no config.yaml; difrl train writes one there)")
+    print(f"report: {write_report(run)}")
     return 0
 
 
@@ -383,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
                                                 "hf_masked: sets eval.count)")
     p.add_argument("rest", nargs="*", help="CONFIG|RUN_DIR [key=value ...]")
     p.set_defaults(fn=cmd_eval)
-    p = sub.add_parser("sample", help="sample a config's model per prompt: base, best-of-N, DTS or DTS* search")
+    p = sub.add_parser("sample", help="sample a config's model or a run's trained policy per prompt: base, best-of-N, "
+                                      "DTS or DTS* search")
     p.add_argument("--search", choices=("none", "best-of-n", "dts", "dts-star"), default="none")
     p.add_argument("--budget", type=int, default=160, help="model evaluations per prompt (best-of-n, dts, dts-star)")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt (none, dts)")
@@ -393,8 +497,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--children", type=int, default=2, help="DTS children per internal node")
     p.add_argument("--root-children", type=int, default=8, help="DTS initial noises")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--grid", help="write a PNG grid (one row per prompt) here")
-    p.add_argument("rest", nargs="*", help="CONFIG [key=value ...]")
+    p.add_argument("--grid", help="write a PNG grid (one row per prompt) here; videos: a GIF beside the name")
+    p.add_argument("--checkpoint", help="trained weights on the config's model, as for difrl eval: a policy.safetensors, "
+                                        "or a diffusers LoRA / full fine-tune transformer directory (default for a "
+                                        "RUN_DIR: its policy.safetensors, lora/ or transformer/)")
+    p.add_argument("rest", nargs="*", help="CONFIG|RUN_DIR [key=value ...]")
     p.set_defaults(fn=cmd_sample)
     p = sub.add_parser("config", help="list every config key, or print a resolved config")
     p.add_argument("--masked", action="store_true", help="the masked-diffusion trainer's keys (Sudoku, digit tokens); a "

@@ -89,16 +89,28 @@ def _plain(v: Any) -> Any:
 class _Ctx:
     """Knows where each value came from: the base label, or the command line."""
 
-    def __init__(self, label: str, cli_keys: set[str] = frozenset()):
-        self.label, self.cli_keys = label, cli_keys
+    def __init__(self, label: str, cli_keys: set[str] = frozenset(), file_keys: set[str] | None = None):
+        self.label, self.cli_keys, self.file_keys = label, cli_keys, file_keys
 
     def src(self, key: str) -> str:
+        """CLI for a key (or a parent) set on the command line; the label for one in the file (or any key when
+        the file's keys are not known); "default value" for a key neither sets."""
+        in_file = self.file_keys is None or re.sub(r"(\[\d+\])+$", "", key) in self.file_keys  # a list item: its list
         while key:
             if key in self.cli_keys:
                 return CLI
             shorter = re.sub(r"(\[\d+\]|\.?[^.\[]*)$", "", key, count=1)
             key = "" if shorter == key else shorter
-        return self.label
+        return self.label if in_file else "default value"
+
+
+def _dotted_keys(tree: Any, prefix: str = "") -> set[str]:
+    """Every dotted key of a nested mapping (a YAML file's), parents included."""
+    out: set[str] = set()
+    if isinstance(tree, Mapping):
+        for k, v in tree.items():
+            out |= {_join(prefix, k)} | _dotted_keys(v, _join(prefix, k))
+    return out
 
 
 def _join(prefix: str, name: Any) -> str:
@@ -325,6 +337,12 @@ def _read_yaml(path: str | os.PathLike) -> dict:
             data = yaml.safe_load(fh)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {os.fspath(path)}") from None
+    except IsADirectoryError:
+        run = os.path.isfile(os.path.join(path, "config.yaml"))
+        raise ConfigError(f"{os.fspath(path)} is a directory, not a YAML config" + (
+            f"; it is a run directory: continue that run with resume={os.fspath(path)} (difrl train "
+            f"resume={os.fspath(path)}), or use its trained policy with difrl eval / difrl sample {os.fspath(path)}"
+            if run else "")) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
@@ -350,9 +368,10 @@ def config_from_dict(cls: type, mapping: Mapping, source: str = "<dict>") -> Any
 def load_config(cls: type, path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> Any:
     """Defaults, then the YAML file at ``path`` (if any), then ``key=value`` overrides."""
     tree = _read_yaml(path) if path is not None else {}
+    file_keys = _dotted_keys(tree) if path is not None else None
     cli_keys: set[str] = set()
     _apply(tree, cls, overrides, cli_keys)
-    ctx = _Ctx(f"in {os.fspath(path)}" if path is not None else "no config file", cli_keys)
+    ctx = _Ctx(f"in {os.fspath(path)}" if path is not None else "no config file", cli_keys, file_keys)
     cfg = _build(cls, tree, "", ctx)
     _validate_tree(cfg, "", ctx)
     return cfg

@@ -246,3 +246,89 @@ def test_short_runs_print_no_third_party_warnings(tmp_path, world):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert _only_progress_bars(proc.stderr) == []
     assert (f"samples: {run / 'samples'}" in proc.stdout) == (world != "text_lora")
+
+
+# ----------------------------------------------------------------------------- issue 39 item 7: refused before any work
+def test_a_reward_that_does_not_fit_the_world_stops_before_the_before_evaluation(tmp_path, capsys):
+    """A Sudoku reward on digit images, an RGB reward on 1-channel digits, an image reward on Sudoku grids: one
+    line naming the reward and the samples, no drop_group hint (no on_error makes it fit), nothing written."""
+    for config, reward, said in ((DIGITS, "sudoku_cells", "images [2, 1, 8, 8]"), (DIGITS, "color", "images [2, 1, 8, 8]"),
+                                 (ROOT / "configs" / "sudoku.yaml", "digit_prob", "samples [2, 16]")):
+        out = tmp_path / reward
+        assert main(["train", str(config), f"reward.weights={{{reward}: 1.0}}", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"error: reward '{reward}' cannot score this world's samples ({said})" in err, err
+        assert "drop_group" not in err and "eval before" not in capsys.readouterr().out and not out.exists()
+
+
+def test_eval_of_a_checkpoint_of_another_masked_world_names_it(capsys):
+    other = ROOT / "difrl" / "assets" / "digit_tokens_base.safetensors"
+    assert main(["eval", str(ROOT / "configs" / "sudoku.yaml"), "--checkpoint", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a sudoku masked transformer checkpoint: it has num_labels 10, vocab_size 18" in err
+    assert "block_length" not in err
+
+
+def test_a_run_directory_where_a_config_belongs_points_to_resume(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text((DIGITS).read_text())
+    assert main(["train", str(run)]) == 2
+    assert f"{run} is a directory, not a YAML config; it is a run directory: continue that run with resume={run}" \
+        in capsys.readouterr().err
+    from difrl.train.entry import main as script_main  # scripts/train_flux.py's body
+
+    assert script_main("flux", [str(run)]) == 2
+    assert f"resume={run}" in capsys.readouterr().err
+
+
+def test_report_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "is not a difrl run directory (no config.yaml" in capsys.readouterr().err
+    assert not (tmp_path / "report.html").exists()
+
+
+def test_a_train_script_given_another_worlds_config_names_what_exists(capsys, monkeypatch):
+    from difrl.train.entry import main as script_main
+
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "scripts" / "train_flux.py")])
+    assert script_main("flux", [str(DIGITS)]) == 2
+    err = capsys.readouterr().err
+    assert "model.kind=digits config; this script trains flux (use difrl train" in err and "train_digits.py" not in err
+    assert script_main("flux", [str(ROOT / "configs" / "sd3_tiny.yaml")]) == 2
+    assert "use scripts/train_sd3.py" in capsys.readouterr().err
+
+
+def test_import_difrl_then_peft_prints_nothing():
+    """A library user's imports: torchao (which peft imports) registers Enums with torch's pytree, and torch logs a
+    deprecation notice about torchao's code; `import difrl` drops that one record and nothing else."""
+    code = ("import logging, difrl, peft; logging.getLogger('torch.utils._pytree').warning('a real warning')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=ENV)
+    lines = proc.stderr.strip().splitlines()  # torch's log format: "W1205 05:35:15.114000 1071 <string>:1] ..."
+    assert proc.returncode == 0 and len(lines) == 1 and lines[0].endswith("] a real warning"), proc.stderr
+
+
+def test_fsdp_view_outputs_checked_out_of_place_do_not_warn(tmp_path):
+    """torch warns when an FSDP2 unit returns a view (an in-place write to it would lose the gradient's all-gather);
+    the masked transformer's output is such a view, read out of place (mask_logit): no warning, and a module that
+    is not checked still warns."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from difrl.train.sharding import FSDPSettings, shard
+    from difrl.worlds.sudoku import load_base
+
+    policy = load_base()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("default")
+            policy.module = shard(policy.module, policy.block_classes, FSDPSettings())
+            policy.logits(torch.full((2, 16), 4)).sum().backward()
+            warnings.warn("FSDP2-wrapped module (FSDPOther) returned a view tensor. ...", UserWarning)
+    finally:
+        dist.destroy_process_group()
+    views = [str(w.message) for w in seen if "returned a view tensor" in str(w.message)]
+    assert views == ["FSDP2-wrapped module (FSDPOther) returned a view tensor. ..."]

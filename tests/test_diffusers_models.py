@@ -336,11 +336,12 @@ def test_wan_rollout_copy_with_no_layer_skipped(policies, tiny_dirs):
     # quantized layer's bias provides (a frozen parameter, as in nn.Linear); before, StopIteration
     from difrl.train.config import load_flow_config
     from difrl.train.flow import build_rollout_copy
+    from difrl.train.precision import MasterWeights
 
     policy = policies("wan")
     cfg = load_flow_config(Path(__file__).resolve().parent.parent / "configs" / "wan_tiny.yaml", [f"model.path={tiny_dirs('wan')}", "rollout.precision=fp8_row",
                                                       "rollout.quant_skip=[]", "rollout.quant_min_dim=0"])
-    copy, _ = build_rollout_copy(cfg, policy, policy.module, lambda msg: None)
+    copy, _ = build_rollout_copy(cfg, policy, policy.module, MasterWeights(), lambda msg: None)  # nothing upcast
     quantized = set(copy.report.quantized)
     assert {"condition_embedder.time_embedder.linear_1", "condition_embedder.time_embedder.linear_2"} <= quantized
     assert not [r for r in copy.report.rows if r[2] == "skipped"]

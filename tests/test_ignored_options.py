@@ -30,7 +30,7 @@ def test_grpo_keys_under_nft_are_errors(override):
     key = override.split("=")[0]
     with pytest.raises(ConfigError, match=rf"'{key}' \(command line\).*would be ignored.*objective=nft.*nft.ref_beta"):
         load_flow_config(None, ["train.objective=nft", override])
-    load_flow_config(None, [override])  # under GRPO the key is read
+    load_flow_config(None, [override, "train.kl_beta=0.1"])  # under GRPO the key is read (kl_form: with a KL term)
     # at its default the key changes nothing: accepted (a saved config.yaml lists every key)
     load_flow_config(None, ["train.objective=nft", "train.kl_beta=0", "train.clip_low=1e-4", "train.kl_form=flow_grpo"])
 
@@ -106,3 +106,40 @@ def test_a_stopping_iteration_is_not_counted_before_its_checkpoint():
     # the resumed run redoes iteration 1 with one failure: counted once
     assert track_reward_failures(state, 1, 8, 0.2, "iteration 1", lambda: None, Path("run")) == 2 / 16
     assert state == {"reward_failed": 2, "reward_scored": 16}
+
+
+@pytest.mark.parametrize("overrides, key, why", [
+    (["tree.rounds=3"], "tree.rounds", "rollout.kind=flat"),
+    (["rollout.kind=solrl", "rollout.group_size=4", "tree.factor=4"], "tree.factor", "rollout.kind=solrl"),
+    (["train.policy_loss=gspo", "train.clip_low=1e-3"], "train.clip_low", "train.policy_loss=gspo"),
+    (["train.policy_loss=vespo", "train.clip_high=1e-3"], "train.clip_high", "train.policy_loss=vespo"),
+    (["train.kl_form=exact"], "train.kl_form", "train.kl_beta=0"),
+    (["sampler.cps_log_prob=flow_grpo"], "sampler.cps_log_prob", "sampler.kind=flow_sde"),
+])
+def test_keys_this_configuration_ignores_are_errors(overrides, key, why):
+    with pytest.raises(ConfigError, match=rf"'{key}' \(command line\).*would be ignored: {why}"):
+        load_flow_config(None, overrides)
+
+
+def test_the_configurations_that_read_those_keys_take_them():
+    load_flow_config(None, [*TREE, "tree.noise_scale=2.0"])
+    load_flow_config(None, ["train.kl_beta=0.1", "train.kl_form=exact"])
+    load_flow_config(None, ["sampler.kind=cps", "sampler.cps_log_prob=flow_grpo"])
+    load_flow_config(None, ["train.policy_loss=gspo", "train.policy_loss_options={eps_low: 3e-4}"])
+
+
+@pytest.mark.parametrize("override, key, near", [("reward.weights={digit_prb: 1.0}", "reward.weights.digit_prb", "digit_prob"),
+                                                ("eval.rewards={hpsv: {}}", "eval.rewards.hpsv", "hpsv2")])
+def test_an_unknown_reward_is_a_located_error_with_a_near_miss(override, key, near):
+    with pytest.raises(ConfigError, match=rf"'{key}' \(command line\).*unknown reward.*did you mean '{near}'\?"):
+        load_flow_config(None, [override])
+    load_flow_config(None, ["reward.weights={my_mod:my_reward: 1.0}"])  # module:function: imported when built
+
+
+def test_an_error_names_where_its_key_came_from():
+    # external.source set on the command line with no external.path: the key set is named, not the YAML file
+    with pytest.raises(ConfigError, match=r"'external.source' \(command line\).*needs external.path"):
+        load_masked_config(ROOT / "configs" / "sudoku.yaml", ["external.source=checkpoint"])
+    # a key at its default is said to be one, not to come from the file that never mentions it
+    with pytest.raises(ConfigError, match=r"'steps.window_start' \(default value\)"):
+        load_flow_config(ROOT / "configs" / "digits.yaml", ["steps.mode=fixed_window", "steps.window_size=10"])

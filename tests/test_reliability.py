@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from difrl.config import ConfigError
-from difrl.rewards import REWARDS, Reward, RewardError, RewardTimeoutError, build_reward, register_reward
+from difrl.rewards import REWARDS, Reward, RewardConfigError, RewardError, RewardTimeoutError, build_reward, register_reward
 from difrl.train.config import load_flow_config
 from difrl.train.flow import train
 
@@ -107,7 +107,7 @@ def test_hanging_reward_stops_the_run_under_every_policy(tmp_path, release, on_e
     def factory():
         def fn(images, prompts, metadata):
             calls.append(1)
-            if len(calls) >= 2:  # iteration 1 hangs; iteration 0 trains
+            if len(calls) >= 3:  # the reward probe before the run and iteration 1 score; iteration 2 hangs
                 release.wait(120)
             return images.float().flatten(1).mean(1)
         return fn
@@ -119,10 +119,10 @@ def test_hanging_reward_stops_the_run_under_every_policy(tmp_path, release, on_e
     finally:
         REWARDS.pop("test_hangs_second_call")
     msg = str(err.value)
-    assert "iteration 1" in msg and "did not return within reward.timeout=1 s" in msg
+    assert "iteration 2" in msg and "did not return within reward.timeout=1 s" in msg
     assert "prompt ids [" in msg and "seeds [" in msg and "hangs (reward.timeout)" in msg
     rows = [json.loads(ln)["iteration"] for ln in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
-    assert rows == [1]  # iteration 0 logged; the hung one never scored
+    assert rows == [1]  # iteration 1 logged; the hung one never scored
     assert (tmp_path / "r" / "checkpoints" / "iter-000001").is_dir()  # saved before stopping
 
 
@@ -131,14 +131,14 @@ def test_reward_returning_no_scores_is_a_contract_violation(tmp_path):
     def factory():
         return lambda images, prompts, metadata: "not scores"
 
-    try:
-        with pytest.raises(RewardError, match=r"returned str under 'test_returns_text', not a \[B\] tensor.*breaks its "
-                                              r"contract") as err:
+    try:  # caught by the reward probe before any work, under every on_error, and no on_error is suggested
+        with pytest.raises(RewardConfigError, match=r"reward 'test_returns_text' cannot score this world's samples "
+                                                    r".*returned str under 'test_returns_text', not a \[B\] tensor") as err:
             train(load_flow_config(None, [*TINY, "reward.weights={test_returns_text: 1.0}",
                                           "reward.on_error=drop_group"]), out_dir=tmp_path / "r")
     finally:
         REWARDS.pop("test_returns_text")
-    assert err.value.contract
+    assert "on_error" not in str(err.value) and not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
 # ------------------------------------------------------------------------- two processes

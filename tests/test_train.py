@@ -187,7 +187,8 @@ def nan_reward():
     def factory(bad_index: int = 5):
         def fn(images, prompts, metadata):
             scores = digit_prob()(images, prompts, metadata)["digit_prob"].clone()
-            scores[bad_index] = float("nan")
+            if len(scores) > bad_index:  # the reward probe before the run scores 2 samples
+                scores[bad_index] = float("nan")
             return {"test_nan_for_seed": scores}
         return fn
 
@@ -199,7 +200,7 @@ def test_nan_reward_stops_with_prompt_and_seed(tmp_path, nan_reward):
     with pytest.raises(RewardError) as err:
         run(tmp_path / "r", f"reward.weights={{{nan_reward}: 1.0}}")
     msg = str(err.value)
-    assert "iteration 0" in msg and "test_nan_for_seed" in msg and "nan" in msg
+    assert "iteration 1" in msg and "test_nan_for_seed" in msg and "nan" in msg
     assert "prompt ids [" in msg and "seeds [" in msg and "resume=" in msg
     # nothing is lost: a checkpoint was written before stopping
     assert (tmp_path / "r" / "checkpoints" / "iter-000000").is_dir()

@@ -291,7 +291,7 @@ def test_masked_world_scores_through_the_registry_with_drop_group(tmp_path):
     # on_error=stop (the default): a checkpoint, then an error naming the reward, the failing samples and resume
     from difrl.rewards import RewardError
 
-    with pytest.raises(RewardError, match=r"iteration 0: non-finite reward.*cells_nan_for_puzzle_0.*resume="):
+    with pytest.raises(RewardError, match=r"iteration 1: non-finite reward.*cells_nan_for_puzzle_0.*resume="):
         run(tmp_path / "s", f"reward.weights={{'{name}': 1.0}}")
     assert (tmp_path / "s" / "checkpoints" / "iter-000000").is_dir()
 
@@ -320,7 +320,7 @@ def test_masked_reward_errors_name_prompt_ids_not_group_ids(tmp_path):
         run(tmp_path / "s", f"reward.weights={{'{name}': 1.0}}")
     _, grids = sudoku.sample_training_puzzles(2, (4, 10), seed=mix_seed(3, 0, 1))  # TINY: seed 3, 2 puzzles
     first = int((sudoku.solutions() == grids[0]).all(1).nonzero())
-    named = re.search(r"iteration 0: .*prompt ids \[([\d, ]*)\]", str(e.value))
+    named = re.search(r"iteration 1: .*prompt ids \[([\d, ]*)\]", str(e.value))
     assert named and [int(x) for x in named.group(1).split(",")] == [first], (first, str(e.value))
     assert first not in (0, 1)  # the group ids the message named before
 

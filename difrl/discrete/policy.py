@@ -164,14 +164,22 @@ class TinyMaskedPolicy(HoldsNet):
         return dict(net.state_dict()), meta
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, what: str = "masked transformer checkpoint") -> "TinyMaskedPolicy":
+    def from_checkpoint(cls, path: str | Path, what: str = "masked transformer checkpoint",
+                        expect: dict[str, int] | None = None) -> "TinyMaskedPolicy":
+        """The policy of a checkpoint; `expect` (config field -> value, e.g. a world's vocabulary and length) refuses
+        a checkpoint of another world by name, before any sampler meets the wrong shapes."""
         from difrl.utils.io import load_safetensors_checked
 
         tensors, meta = load_safetensors_checked(path, what=what)
         fields = {k: int(meta[k]) for k in asdict(MaskedNetConfig()) if k in meta}
         if "vocab_size" not in fields or "seq_len" not in fields:
             raise ValueError(f"{path} is not a {what}: its metadata has no vocab_size / seq_len")
-        net = MaskedTransformer(MaskedNetConfig(**fields))
+        config = MaskedNetConfig(**fields)
+        wrong = {k: v for k, v in (expect or {}).items() if getattr(config, k) != v}
+        if wrong:
+            raise ValueError(f"{path} is not a {what}: it has " + ", ".join(f"{k} {getattr(config, k)}" for k in wrong)
+                             + " (expected " + ", ".join(f"{k} {v}" for k, v in wrong.items()) + ")")
+        net = MaskedTransformer(config)
         missing, unexpected = net.load_state_dict(tensors, strict=False)
         if missing or unexpected:
             raise ValueError(f"{path} is not a {what}: missing {missing[:4]}, unexpected {unexpected[:4]}")

@@ -89,9 +89,22 @@ def find_reward_factory(name: str) -> Callable[..., RewardFn]:
     eps = _entry_point_rewards()
     if name in eps:
         return eps[name].load()
-    known = sorted(REWARDS) + sorted(eps)
-    raise ValueError(f"unknown reward {name!r}; known rewards: {', '.join(known)} "
-                     "(or give a 'module:function' path)")
+    raise ValueError(unknown_reward(name))
+
+
+def unknown_reward(name: str) -> str | None:
+    """Why `name` (``name@alias`` too) names no reward, with a "did you mean" for a near miss; None when it is a
+    built-in or an entry point, or a ``module:function`` path (imported only when the reward is built)."""
+    import difflib
+
+    name = name.partition("@")[0]
+    _load_builtins()
+    known = sorted(REWARDS) + sorted(n for n in _entry_point_rewards() if n not in REWARDS)
+    if ":" in name or name in known:
+        return None
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return (f"unknown reward {name!r}; " + (f"did you mean {close[0]!r}? " if close else "")
+            + f"known rewards: {', '.join(known)} (or give a 'module:function' path)")
 
 
 def describe_rewards() -> str:

@@ -19,7 +19,7 @@ methods' sections (``solrl``, ``tree``, ``nft``) in difrl/train/method_config.py
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar, Literal
 
 from difrl.config import cfg_field, config_error, load_config
@@ -64,6 +64,11 @@ class RewardConfig:
     def validate(self) -> None:
         if self.weights is not None and not self.weights:
             raise config_error("weights", "at least one reward is needed (or null for the world's own reward)")
+        from difrl.rewards import unknown_reward
+
+        for name in self.weights or ():
+            if (problem := unknown_reward(name)) is not None:  # before any model loads or run directory is made
+                raise config_error(f"weights.{name}", problem)
 
 
 @dataclass
@@ -161,6 +166,14 @@ def set_keys(section, names) -> list[str]:
     loads)."""
     default = type(section)()
     return [n for n in names if getattr(section, n) != getattr(default, n)]
+
+
+def refuse_ignored(section, prefix: str, names, why: str) -> None:
+    """A located ConfigError for the first of `names` set in `section` (set_keys: differs from its default) that this
+    configuration would silently ignore; `why` says why."""
+    for key in set_keys(section, names):
+        raise config_error(f"{prefix}.{key}", f"= {getattr(section, key)!r} would be ignored: {why}; remove the key "
+                                              f"or set it to its default {getattr(type(section)(), key)!r}")
 
 
 # ---------------------------------------------------------------------------------- the flow trainer
@@ -356,11 +369,21 @@ class FlowConfig(TrainerConfig):
         if self.train.objective == "nft" and (self.train.ratio_norm or self.train.step_weight != "none"):
             raise config_error("train.objective", "GRPO-Guard options (train.ratio_norm, train.step_weight) act on "
                                                   "log-prob ratios; DiffusionNFT has none")
-        for key in set_keys(t, ("kl_beta", "clip_low", "clip_high", "kl_form")) if t.objective == "nft" else ():
-            raise config_error(f"train.{key}", f"= {getattr(t, key)!r} would be ignored: train.objective=nft has no "
-                                               "log-prob ratio to clip and no per-step Gaussian KL (DiffusionNFT's "
-                                               "pull to the reference is nft.ref_beta); remove the key or set it to "
-                                               f"its default {getattr(type(t)(), key)!r}")
+        if t.objective == "nft":
+            refuse_ignored(t, "train", ("kl_beta", "clip_low", "clip_high", "kl_form"), "train.objective=nft has no "
+                           "log-prob ratio to clip and no per-step Gaussian KL (DiffusionNFT's pull to the reference is "
+                           "nft.ref_beta)")
+        elif fn is not None:
+            refuse_ignored(t, "train", ("clip_low", "clip_high"), f"train.policy_loss={t.policy_loss} clips (or "
+                           "weighs) by its own train.policy_loss_options; train.clip_low/high are PPO-clip's ranges")
+        elif t.kl_beta == 0:
+            refuse_ignored(t, "train", ("kl_form",), "train.kl_beta=0 adds no KL term")
+        if self.sampler.kind != "cps":
+            refuse_ignored(self.sampler, "sampler", ("cps_log_prob",), f"sampler.kind={self.sampler.kind}: only the "
+                           "cps kernel has that log-prob choice")
+        if r.kind != "tree":
+            refuse_ignored(self.tree, "tree", [f.name for f in fields(self.tree)], f"rollout.kind={r.kind}: the tree "
+                           "section configures BranchGRPO's tree rollouts (rollout.kind=tree)")
         if r.kind == "tree" and r.chunks != 1:
             raise config_error("rollout.chunks", f"= {r.chunks} would be ignored: a tree rollout samples each "
                                                  "process's trees in one pass (chunks apply to flat and solrl "

@@ -32,13 +32,16 @@ def main(kind: str, argv: list[str] | None = None, description: str | None = Non
     args = ap.parse_args(argv)
     name = Path(sys.argv[0]).name
     try:
-        from difrl.train.config import load_flow_config
         from difrl.train.flow import train
 
-        cfg = load_flow_config(args.config, args.overrides)
+        from difrl.train.recipes import load_train_config
+
+        cfg = load_train_config(args.config, args.overrides)  # any world's config: a wrong one is named below
         if cfg.model.kind != kind:
+            script = Path(sys.argv[0]).with_name(f"train_{cfg.model.kind}.py")
+            other = f"scripts/{script.name} {args.config} or " if script.is_file() else ""
             raise ValueError(f"{args.config} is a model.kind={cfg.model.kind} config; this script trains {kind} "
-                             f"(use scripts/train_{cfg.model.kind}.py or `difrl train`)")
+                             f"(use {other}difrl train {args.config})")
         summary = train(cfg, out_dir=args.out)
     except (ConfigError, RewardError, FileNotFoundError, ValueError) as e:
         print(f"{name}: error: {e}", file=sys.stderr)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from difrl.config import cfg_field
+from difrl.config import cfg_field, config_error
 
 
 @dataclass
@@ -48,6 +48,13 @@ class FlowEvalConfig(EvalConfig):
                                               "on the evaluation samples as heldout/<name>, never trained on (the "
                                               "reward-hacking monitor, side by side with the training reward)")
     fid: FidConfig = field(default_factory=FidConfig)
+
+    def validate(self) -> None:
+        from difrl.rewards import unknown_reward
+
+        for name in self.rewards:
+            if (problem := unknown_reward(name)) is not None:
+                raise config_error(f"rewards.{name}", problem)
 
 
 @dataclass

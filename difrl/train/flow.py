@@ -35,7 +35,7 @@ from difrl.solrl import candidate_pool, rank_agreement
 from difrl.train.config import FlowConfig
 from difrl.train.flow_plan import plan, step_masks
 from difrl.train.objectives import grpo_micro_loss, nft_micro_loss, nft_sigmas, proximal_correction
-from difrl.train.reward_stage import (across_processes, build_rewards, reward_stats, score_rewards,
+from difrl.train.reward_stage import (across_processes, build_rewards, probe_batch, reward_stats, score_rewards,
                                      track_reward_failures, valid_group_advantages)
 from difrl.train.metrics import Metrics, pooled_std
 from difrl.train.precision import MasterWeights, refuse_fp16, upcast_masters
@@ -68,7 +68,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
     n_total, per_proc, T, schedule, micro = plan(cfg, world, world_size, run_dir, accelerator.print)
 
     policy = world.policy
-    rewards, weights = build_rewards(cfg.reward, world.default_reward)
+    rewards, weights = build_rewards(cfg.reward, world.default_reward, probe_batch(world))  # a misfit stops here
     sigmas = world.sigmas(cfg.sampler.num_steps, cfg.sampler.shift)  # difrl's schedule, or a pipeline's own
     net, reference = wrap_policy(policy, cfg.train.lora, cfg.seed,
                                  need_reference=cfg.train.kl_beta > 0 or (nft and cfg.nft.ref_beta > 0))
@@ -166,7 +166,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
 
         # ==================================================================== reward
         scores, bad = score_rewards(lambda: scoring.result(prompt_ids, seeds), len(prompts), cfg.reward.on_error,
-                                    lambda: run.checkpoint(it), f"iteration {it}", run_dir, accelerator.print,
+                                    lambda: run.checkpoint(it), f"iteration {it + 1}", run_dir, accelerator.print,
                                     across_processes(accelerator))  # a failure on any process stops every one
         t_adv = time.perf_counter()
 
@@ -175,7 +175,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None) -> dict:
         all_scores = {name: gather(accelerator, v) for name, v in scores.items()}
         all_groups, all_bad = gather(accelerator, group_ids), gather(accelerator, bad.long()).bool()
         failed_frac = track_reward_failures(run.state, int(all_bad.sum()), len(all_bad), cfg.reward.max_failed_frac,
-                                            f"iteration {it}", lambda: run.checkpoint(it), run_dir)
+                                            f"iteration {it + 1}", lambda: run.checkpoint(it), run_dir)
         adv, failed = valid_group_advantages(all_scores, weights, all_groups, all_bad, cfg.advantage, cfg.reward.aggregate)
         bad_groups = all_groups[failed].unique()
         keep_all = ~failed
@@ -352,7 +352,7 @@ def candidate_reward(cfg: FlowConfig, world, rewards, weights, run: Run, it: int
     reward.on_error=drop_group (stage 2 re-scores and drops what still fails)."""
     metadata = [world.metadata(int(p)) for p in prompt_ids]
     scores, bad = score_rewards(lambda: score_all(rewards, images, prompts, metadata, seeds, prompt_ids), len(prompts),
-                                cfg.reward.on_error, lambda: run.checkpoint(it), f"iteration {it}, Sol-RL candidates",
+                                cfg.reward.on_error, lambda: run.checkpoint(it), f"iteration {it + 1}, Sol-RL candidates",
                                 run.dir, say, across_processes(run.accelerator))
     total = sum(w * scores[n] for n, w in weights.items())
     return torch.where(bad, -float("inf"), total)

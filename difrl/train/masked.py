@@ -46,7 +46,7 @@ from difrl.discrete.losses import trace_logp
 from difrl.discrete.samplers import SAMPLERS, merge_rollouts
 from difrl.rewards import score_all
 from difrl.train.masked_config import MaskedConfig
-from difrl.train.reward_stage import (build_rewards, finite_mean_std, reward_stats, score_rewards,
+from difrl.train.reward_stage import (build_rewards, finite_mean_std, probe_batch, reward_stats, score_rewards,
                                      track_reward_failures, valid_group_advantages)
 from difrl.train.metrics import Metrics
 from difrl.train.precision import refuse_fp16, upcast_masters
@@ -83,7 +83,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
           f"rollouts/iteration ({P} prompts x {G}{f', {K} of each group from {ext.source}' if K else ''}), "
           f"{cfg.sampler.kind} sampler at T={cfg.sampler.temperature}; {mu} inner update(s) x {updates_per_inner} "
           f"optimizer step(s) of {mbs} x {ga}; run dir {run_dir}")
-    rewards, weights = build_rewards(cfg.reward, world.default_reward)
+    rewards, weights = build_rewards(cfg.reward, world.default_reward, probe_batch(world))  # a misfit stops here
 
     # external rollouts (ERILS): the world's solver or a frozen stronger checkpoint
     if ext.source == "solver":
@@ -156,13 +156,13 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None) -> dict:
         prompt_ids = batch.ids if batch.ids is not None else torch.full((N,), -1)
         scores, bad = score_rewards(lambda: score_all(rewards, world.decode(tokens), batch.texts, batch.metadata, seeds,
                                                       prompt_ids), N, cfg.reward.on_error, lambda: run.checkpoint(it),
-                                    f"iteration {it}", run_dir)
+                                    f"iteration {it + 1}", run_dir)
         t_adv = time.perf_counter()
 
         # ==================================================================== advantage
         baseline = ~is_ext if (K and ext.normalize == "source") else None
         failed_frac = track_reward_failures(run.state, int(bad.sum()), len(bad), cfg.reward.max_failed_frac,
-                                            f"iteration {it}", lambda: run.checkpoint(it), run_dir)
+                                            f"iteration {it + 1}", lambda: run.checkpoint(it), run_dir)
         adv, failed = valid_group_advantages(scores, weights, group_ids, bad, cfg.advantage, cfg.reward.aggregate, baseline)
         advantages, reward = adv.advantages, adv.reward
         bad_groups = group_ids[failed].unique()

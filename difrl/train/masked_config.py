@@ -107,7 +107,7 @@ class ExternalConfig:
 
     def validate(self) -> None:
         if self.source == "checkpoint" and not self.path:
-            raise config_error("path", "external.source=checkpoint needs external.path (a masked checkpoint)")
+            raise config_error("source", "= checkpoint needs external.path (a masked checkpoint)")
 
 
 @dataclass

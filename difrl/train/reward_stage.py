@@ -21,9 +21,10 @@ from difrl.algos import Advantages, group_advantages, group_normalize
 from difrl.rewards import RewardError, build_reward, reward_key
 
 
-def build_rewards(reward_cfg, default: str | None) -> tuple[dict, dict[str, float]]:
+def build_rewards(reward_cfg, default: str | None, probe: tuple | None = None) -> tuple[dict, dict[str, float]]:
     """(name -> reward fn, score key -> weight) from the config's reward section; weights=None means the world's
-    own reward `default`."""
+    own reward `default`. With `probe` (probe_batch(world)) each reward scores that tiny batch of the world's
+    samples once, so a reward that does not fit the world stops the run here, before any work."""
     weights = reward_cfg.weights
     if weights is None:
         if default is None:
@@ -41,7 +42,49 @@ def build_rewards(reward_cfg, default: str | None) -> tuple[dict, dict[str, floa
 
         raise ConfigError(f"config key 'reward.weights': two rewards file their scores under the same name ({keys}); "
                           "give one an alias, name@alias", "reward.weights")
+    if probe is not None:
+        check_rewards_fit(rewards, *probe, default)
     return rewards, dict(zip(keys, weights.values()))
+
+
+def probe_batch(world, n: int = 2) -> tuple:
+    """(samples, prompts, metadata): `n` samples of the world as its rewards receive them, made without sampling
+    (a flow world's decoded zero latents, a masked world's decoded start tokens) under its first prompts."""
+    if callable(world.prompts):  # a masked world: prompts(n, seed) -> MaskedPrompts
+        batch = world.prompts(n, 0)
+        return world.decode(batch.tokens), batch.texts, batch.metadata
+    from difrl.models.base import policy_device
+
+    policy, ids = world.policy, [i % len(world.prompts) for i in range(n)]
+    with torch.no_grad():
+        samples = policy.decode(torch.zeros(n, *policy.latent_shape, device=policy_device(policy)))
+    return samples, [world.prompts[i] for i in ids], [world.metadata(i) for i in ids]
+
+
+def check_rewards_fit(rewards: dict, samples, prompts: list[str], metadata: list[dict], default: str | None) -> None:
+    """Each reward scores the probe batch once; one that raises a shape or type error (another modality, the wrong
+    channels, a Sudoku reward on images, a broken contract) is a RewardConfigError naming it and the samples it got.
+    No reward.on_error policy makes such a reward fit, so the message suggests none. Other failures (a server that
+    is unreachable just now: OSError) are left to the scoring of the first iteration, which names its samples; a
+    probe that times out stops the run (the reward refuses further calls)."""
+    from difrl.rewards import RewardConfigError, RewardError, RewardTimeoutError
+
+    what = (f"{type(samples).__name__} of {len(samples)} texts" if not torch.is_tensor(samples)
+            else f"{'videos' if samples.ndim == 5 else 'images' if samples.ndim == 4 else 'samples'} "
+                 f"{list(samples.shape)}")
+    for name, fn in rewards.items():
+        try:
+            fn(samples, prompts, metadata)
+        except RewardTimeoutError as e:
+            raise RewardError(f"reward {name!r} on {len(prompts)} probe samples before the run: {e}",
+                              torch.ones(len(prompts), dtype=torch.bool), contract=True) from e
+        except (ValueError, TypeError, IndexError, KeyError, AttributeError, RuntimeError) as e:
+            own = f"; this world's own reward is {default!r}" if default else ""
+            raise RewardConfigError(f"reward {name!r} cannot score this world's samples ({what}): {type(e).__name__}: "
+                                    f"{e}. Choose a reward for these samples (difrl rewards lists each one's input)"
+                                    f"{own}") from e
+        except Exception:  # noqa: BLE001: not a misfit (e.g. OSError): the first iteration's scoring reports it
+            pass
 
 
 def score_rewards(score, num_samples: int, on_error: str, stop, where: str, run_dir: Path,

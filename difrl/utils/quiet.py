@@ -30,9 +30,11 @@ import logging
 import os
 import warnings
 
+from difrl import PYTREE_ENUM_NOTICE
+
 # logger name -> fragments of the messages dropped from it
 DROPPED = {
-    "torch.utils._pytree": ("is an Enum subclass and is now natively supported by torch.compile",),
+    "torch.utils._pytree": (PYTREE_ENUM_NOTICE,),  # dropped from `import difrl` on (difrl/__init__.py)
     "diffusers.quantizers.torchao.torchao_quantizer": ("Unable to import `torchao` Tensor objects",),
     "diffusers.loaders.lora_base": ("No LoRA keys associated to CLIPTextModel", "No LoRA keys associated to T5"),
     "transformers.tokenization_utils_base": ("Token indices sequence length is longer than the specified maximum",),

@@ -95,14 +95,8 @@ def load_base(path: str | Path | None = None):
     unreadable or not a digit-tokens model (10 labels, vocabulary 18, 64 positions) raises, naming it."""
     from difrl.discrete.policy import TinyMaskedPolicy
 
-    path = Path(path) if path else BUNDLED_BASE
-    policy = TinyMaskedPolicy.from_checkpoint(path, what=_WHAT)
-    cfg = policy.net.cfg
-    if (cfg.num_labels, cfg.vocab_size, cfg.mask_id, cfg.seq_len) != (NUM_LABELS, VOCAB, MASK_ID, SEQ_LEN):
-        raise ValueError(f"{path} is not a {_WHAT}: it has num_labels {cfg.num_labels}, vocab_size {cfg.vocab_size}, "
-                         f"mask_id {cfg.mask_id}, seq_len {cfg.seq_len} (expected {NUM_LABELS}, {VOCAB}, {MASK_ID}, "
-                         f"{SEQ_LEN})")
-    return policy
+    return TinyMaskedPolicy.from_checkpoint(Path(path) if path else BUNDLED_BASE, what=_WHAT, expect=dict(
+        num_labels=NUM_LABELS, vocab_size=VOCAB, mask_id=MASK_ID, seq_len=SEQ_LEN))
 
 
 @torch.no_grad()
@@ -178,8 +172,17 @@ def masked_world(cfg) -> MaskedWorld:
         _, images = evaluate_digit_tokens(policy, images_world, min(cfg.eval.per_digit, 10), seed=cfg.eval.seed)
         save_grid(images, path)
 
+    def parse_prompts(texts: list[str]) -> MaskedPrompts:
+        from difrl.models.digits import NULL_LABEL, parse_digit_prompt
+
+        labels = torch.tensor([parse_digit_prompt(t) for t in texts])
+        if bool((labels == NULL_LABEL).any()):
+            raise ValueError("the digit-tokens model has no unconditional prompt: write e.g. 'a handwritten 3'")
+        tokens, cond = start_tokens(labels)
+        return MaskedPrompts(tokens, cond, list(texts), [{"digit": d} for d in labels.tolist()], labels)
+
     return MaskedWorld("digit_tokens", load_base(cfg.model.path), prompts, tokens_to_images, "digit_prob",
-                       evaluate, ("accuracy", "fd"), load_base, save_samples)
+                       evaluate, ("accuracy", "fd"), load_base, save_samples, parse_prompts=parse_prompts)
 
 
 __all__ = ["BUNDLED_BASE", "DEFAULT_SAMPLER", "EVAL_PER_DIGIT", "EVAL_SEED", "LEVELS", "MASK_ID",

@@ -86,6 +86,10 @@ class MaskedWorld:
     save_samples: Callable[[object, Path], None] | None = None  # (policy, png path): a picture of the eval samples
     external: dict[str, Callable] = field(default_factory=dict)  # ERILS sources without a checkpoint: name -> sampler
     verifier: Verifier | None = None  # the default pass@k set and check (difrl eval --pass-k); None: none
+    parse_prompts: Callable[[list[str]], MaskedPrompts] | None = None  # prompt texts -> prompts (difrl sample --prompt);
+    # None: the world takes no prompt typed by hand
+    show: Callable[[object], list[str]] | None = None  # decoded samples -> one line of text each (difrl sample);
+    # None: samples that are text already (hf_masked) or pictures (save_samples)
 
 
 __all__ = ["MaskedPrompts", "MaskedWorld"]

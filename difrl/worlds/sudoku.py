@@ -109,6 +109,17 @@ def puzzle_text(puzzle: torch.Tensor) -> str:
     return "/".join("".join(cells[r * SIZE:(r + 1) * SIZE]) for r in range(SIZE))
 
 
+def parse_puzzle(text: str) -> torch.Tensor:
+    """A puzzle as ``puzzle_text`` writes it ("12.4/..3./4.../...1", "." or "0" = blank) -> [16] long, 0 = blank;
+    anything else raises, naming the text."""
+    rows = text.strip().split("/")
+    cells = "".join(rows)
+    if len(rows) != SIZE or any(len(r) != SIZE for r in rows) or any(c not in ".01234" for c in cells):
+        raise ValueError(f"not a 4x4 Sudoku puzzle: {text!r}; write its rows with '/' between them and '.' for a blank, "
+                         "e.g. '12.4/..3./4.../...1'")
+    return torch.tensor([0 if c == "." else int(c) for c in cells], dtype=torch.long)
+
+
 def decode(tokens: torch.Tensor) -> torch.Tensor:
     """Tokens [N, 16] -> digits [N, 16] (0 where still masked)."""
     return torch.where(tokens == MASK_ID, torch.zeros_like(tokens), tokens + 1)
@@ -151,7 +162,8 @@ def load_base(path: str | Path | None = None):
     """The bundled weak base (or a checkpoint at `path`) as a TinyMaskedPolicy."""
     from difrl.discrete.policy import TinyMaskedPolicy
 
-    return TinyMaskedPolicy.from_checkpoint(Path(path) if path else BUNDLED_BASE, what="sudoku masked transformer checkpoint")
+    return TinyMaskedPolicy.from_checkpoint(Path(path) if path else BUNDLED_BASE, what="sudoku masked transformer checkpoint",
+                                            expect=dict(num_labels=0, vocab_size=VOCAB, mask_id=MASK_ID, seq_len=CELLS))
 
 
 def evaluate_sudoku(policy, num_blanks: int | tuple[int, int] = EVAL_BLANKS, count: int = EVAL_PUZZLES,
@@ -221,7 +233,9 @@ def masked_world(cfg) -> MaskedWorld:
     verifier = Verifier(lambda: eval_prompts(cfg.eval.num_blanks, cfg.eval.count, cfg.eval.seed), solved_fn,
                         "solved (the completed 4x4 grid is valid)")
     return MaskedWorld("sudoku", load_base(cfg.model.path), prompts, decode, "sudoku_cells", evaluate,
-                       ("cell_accuracy", "solve_rate"), load_base, external={"solver": solver_sample}, verifier=verifier)
+                       ("cell_accuracy", "solve_rate"), load_base, external={"solver": solver_sample}, verifier=verifier,
+                       parse_prompts=lambda texts: _prompts(torch.stack([parse_puzzle(t) for t in texts])),
+                       show=lambda filled: [puzzle_text(g) for g in filled])
 
 
 # the config keys only this world reads (fields in difrl/train/masked_config.py); another masked world refuses them
@@ -230,5 +244,5 @@ OWN_KEYS = {"rollout": ("num_blanks",), "eval": ("num_blanks",)}
 
 __all__ = ["BUNDLED_BASE", "CELLS", "EVAL_BLANKS", "MASK_ID", "OWN_KEYS", "PEERS", "VOCAB", "cell_valid",
            "decode", "encode", "eval_prompts", "evaluate_sudoku", "load_base", "make_puzzles", "masked_world",
-           "puzzle_text", "sample_training_puzzles", "solution_split", "solutions", "solved", "solved_fn",
+           "parse_puzzle", "puzzle_text", "sample_training_puzzles", "solution_split", "solutions", "solved", "solved_fn",
            "solver_sample", "sudoku_reward", "test_puzzles"]
