@@ -41,6 +41,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHERS = ("difrl", "python", "python3", "accelerate", "torchrun", "make", "pytest")
 ENV_ASSIGN = re.compile(r"^[A-Z_][A-Z0-9_]*=\S*$")
+PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]{2,}$")  # RUN_DIR, CONFIG, PATH, DIR
 
 # ---------------------------------------------------------------------------------- what cannot run here, and why
 
@@ -113,6 +114,10 @@ SKIP = {
                             "`difrl report` itself is tests/test_report.py",
     "difrl sample --search dts|dts-star|best-of-n|none": "synopsis of the alternatives; run as `difrl sample "
                                                          "configs/digits.yaml --search dts-star ...`",
+    "difrl sample RUN_DIR": "synopsis; run as `difrl sample runs/moving_digits ...` and `difrl sample runs/sudoku ...`",
+    "difrl sample configs/flux_flow_grpo.yaml --checkpoint runs/flux/lora --prompt a red bicycle --grid red.png":
+        "a FLUX.1 model and a FLUX.1 run's LoRA; `difrl sample CONFIG --checkpoint` on tiny runs of every world is "
+        "tests/test_cli_run_dirs.py::test_sample_of_a_config_takes_a_checkpoint_and_prompts_each_world_reads",
     "difrl train / eval / config / rewards / reward-server ...": "docs/architecture.md's list of subcommands",
     "python scripts/pretrain_digits.py --out DIR": "placeholder DIR; the script is run by "
                                                    "tests/test_digits_world.py::test_pretrain_script_reproduces_bundled_assets",
@@ -387,8 +392,12 @@ def test_every_documented_command_is_run_or_skipped_with_a_reason():
     stale = sorted(set(SKIP) - set(commands))
     assert not stale, f"SKIP entries that no documented command matches any more (remove or update them): {stale}"
     for text, c in commands.items():
-        if text not in SKIP:
-            _program(c.parts[0])  # raises for a command form this test cannot run
+        if text in SKIP:
+            continue
+        for argv in c.parts:
+            _program(argv)  # raises for a command form this test cannot run
+            holes = [t for t in argv if PLACEHOLDER.match(t) or t == "..." or t.endswith("=...")]
+            assert not holes, f"{text!r} ({c.where}) has placeholders {holes}: a synopsis? add it to SKIP with the reason"
 
 
 def _plan(program: list[str], procs: int) -> str:
