@@ -398,7 +398,8 @@ def resume_after_damage(d: Path, ref: Path, ref_print: dict, newest: str) -> dic
 FAULTS = ("raise", "nan", "inf", "wrong_length", "wrong_key", "not_scores", "hang")
 FAULT_ARGS = ["seed=5", "threads=1", "sampler.num_steps=3", "rollout.prompts_per_iter=2", "rollout.group_size=4",
               "train.micro_batch=4", "train.grad_accum=2", "train.iterations=3", "eval.every=0", "eval.per_digit=2",
-              "eval.num_steps=2", "reward.timeout=3", "reward.weights={\"reliability:fault\": 1.0}"]
+              "eval.num_steps=2", "reward.timeout=3", "reward.weights={\"reliability:fault\": 1.0}",
+              "train.updates_per_epoch=null"]  # digits.yaml's 2 updates: 2 processes of 4 samples make 1
 
 
 def fault_campaign(work: Path, policies: tuple[str, ...], kinds: tuple[str, ...], two_process: tuple[str, ...]) -> list[dict]:

@@ -1,12 +1,14 @@
 """Train FLUX.1 (a local diffusers FluxPipeline directory) with difrl's flow trainer, the same one as `difrl train`.
 
-    accelerate launch --config_file configs/accelerate/ddp.yaml scripts/train_flux.py configs/flux_flow_grpo.yaml model.path=/models/FLUX.1-dev model.prompt_file=prompts.txt
-    accelerate launch --config_file configs/accelerate/fsdp.yaml scripts/train_flux.py configs/flux_dance_grpo.yaml model.path=...
-    python scripts/train_flux.py configs/flux_mix_grpo.yaml model.path=...          # one process
+    accelerate launch --config_file configs/accelerate/ddp.yaml scripts/train_flux.py configs/flux_flow_grpo.yaml model.path=/models/FLUX.1-dev model.prompt_file=prompts.txt train.grad_accum=24
+    accelerate launch --config_file configs/accelerate/fsdp.yaml scripts/train_flux.py configs/flux_dance_grpo.yaml model.path=... train.grad_accum=24
+    python scripts/train_flux.py configs/flux_mix_grpo.yaml model.path=... train.grad_accum=96          # one process
     python scripts/make_tiny_pipeline.py flux runs/tiny_flux && python scripts/train_flux.py configs/flux_tiny.yaml
     accelerate launch --multi_gpu --num_processes 2 scripts/train_flux.py configs/flux_tiny.yaml   # 2 CPU processes
 
-Everything else is the config: configs/flux_*.yaml carry the published defaults, each headed by its command.
+Everything else is the config: configs/flux_*.yaml carry the published defaults, each headed by its command. The
+GPU configs are sized for the number of GPUs in their header (8 here: ddp.yaml / fsdp.yaml's num_processes); on
+another, train.grad_accum keeps their train.updates_per_epoch, and the start-up error names the value that does.
 """
 
 from difrl.train.entry import main

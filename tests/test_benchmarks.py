@@ -603,6 +603,20 @@ def test_bench_rewards_quick_rows(tmp_path):
         assert r["ratio_min"] <= r["ratio_mean"] <= r["ratio_max"]
 
 
+def _solrl_learning_rows(rows: list[dict], out, iterations: int) -> dict[str, dict]:
+    """bench_solrl's learning rows by method, each checked against its run's own files (one seed)."""
+    learn = {r["method"]: r for r in rows if r["section"] == "learning"}
+    for name, r in learn.items():
+        run = out / name.replace(" ", "_") / "seed0"
+        summary = json.loads((run / "summary.json").read_text())
+        metrics = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+        assert r["iterations"] == iterations and r["seeds"] == [0] and r["accuracy_std"] == 0.0
+        assert r["accuracy_mean"] == summary["eval_after"]["accuracy"] and r["fd_mean"] == summary["eval_after"]["fd"]
+        assert r["nfe_full"] == sum(m["nfe_full"] for m in metrics)
+        assert r["nfe_lowprec"] == sum(m["nfe_lowprec"] for m in metrics)
+    return learn
+
+
 @pytest.mark.slow  # NVFP4 rank agreement on 2 prompts, then 2 methods x 2 iterations (~1 min)
 def test_bench_solrl_quick_rows(tmp_path):
     out = tmp_path / "runs"
@@ -614,19 +628,30 @@ def test_bench_solrl_quick_rows(tmp_path):
     for r in agree.values():
         assert r["prompts"] == 2 and r["seeds_per_prompt"] == 6 and -1 <= r["spearman_min"] <= r["spearman_median"] <= 1
         assert r["reward_mae"] > 0  # fewer steps or NVFP4 weights move the rewards
-    learn = {r["method"]: r for r in rows if r["section"] == "learning"}
+    learn = _solrl_learning_rows(rows, out, 2)
     assert set(learn) == {"plain GRPO", "Sol-RL"}
-    for name, r in learn.items():  # the row's numbers are the run's own files
-        run = out / name.replace(" ", "_") / "seed0"
-        summary = json.loads((run / "summary.json").read_text())
-        metrics = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
-        assert r["iterations"] == 2 and r["seeds"] == [0] and r["accuracy_std"] == 0.0
-        assert r["accuracy_mean"] == summary["eval_after"]["accuracy"] and r["fd_mean"] == summary["eval_after"]["fd"]
-        assert r["nfe_full"] == sum(m["nfe_full"] for m in metrics) > 0
-        assert r["nfe_lowprec"] == sum(m["nfe_lowprec"] for m in metrics)
+    assert all(r["nfe_full"] > 0 for r in learn.values())
     assert learn["plain GRPO"]["nfe_lowprec"] == 0 and learn["Sol-RL"]["nfe_lowprec"] > 0
     assert learn["plain GRPO"]["target_accuracy"] == learn["plain GRPO"]["accuracy_mean"]
     assert learn["plain GRPO"]["nfe_full_to_target_ratio"] == 1.0  # the baseline reaches itself at its own budget
+
+
+@pytest.mark.slow  # NVFP4 rank agreement on 2 prompts, then DiffusionNFT and naive NVFP4 for 1 iteration each
+def test_bench_solrl_quick_rows_of_the_diffusionnft_methods(tmp_path):
+    # the methods that train configs/digits.yaml with DiffusionNFT's 6 sigmas: with its micro-batch counted in
+    # transitions (144 = 16 samples x 9 steps) they stopped with a traceback (issue 39); micro_batch=auto fits them
+    out = tmp_path / "runs"
+    rows = _quick("bench_solrl", ["--no-write", "--formats", "nvfp4", "--prompts", "2", "--pool", "4",
+                                  "--nft-iterations", "1", "--every", "1", "--methods", "DiffusionNFT", "naive NVFP4",
+                                  "--out", str(out)], tmp_path)
+    learn = _solrl_learning_rows(rows, out, 1)
+    assert set(learn) == {"DiffusionNFT", "naive NVFP4"}
+    for name in learn:  # 160 samples trained in the 2 updates of configs/digits.yaml, NFT's loss logged
+        first = json.loads((out / name.replace(" ", "_") / "seed0" / "metrics.jsonl").read_text().splitlines()[0])
+        assert first["trained_samples"] == 160 and first["nft_loss_pos"] is not None
+    assert learn["DiffusionNFT"]["nfe_lowprec"] == 0 < learn["DiffusionNFT"]["nfe_full"]
+    assert learn["naive NVFP4"]["nfe_full"] == 0 < learn["naive NVFP4"]["nfe_lowprec"]  # trained on the copy's samples
+    assert learn["DiffusionNFT"]["target_accuracy"] is None  # no plain GRPO run: no target
 
 
 @pytest.mark.slow  # 2 methods x 3 digits iterations under an NVFP4 rollout mismatch (~1 min)

@@ -26,6 +26,7 @@ COMMON = [
     "seed=3", "threads=1", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4",
     "train.micro_batch=6", "train.iterations=2", "train.adam_eps=1.0", "train.lr=1.0", "train.weight_decay=0",
     "train.kl_beta=0.1", "eval.every=0", "eval.per_digit=3", "eval.num_steps=3",
+    "train.updates_per_epoch=null",  # digits.yaml's 2 updates per rollout: these runs make 1 of 8 samples
 ]
 
 

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = [
     "seed=3", "sampler.num_steps=3", "rollout.prompts_per_iter=2", "rollout.group_size=4",
     "train.micro_batch=4", "train.grad_accum=2", "train.iterations=2", "eval.every=0", "eval.per_digit=2",
-    "eval.num_steps=2",
+    "eval.num_steps=2", "train.updates_per_epoch=null",  # (configs/digits.yaml's 2 updates: 2 processes here make 1)
 ]
 
 

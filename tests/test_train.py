@@ -271,7 +271,8 @@ def test_startup_validation_messages(tmp_path):
         run(tmp_path / "r", "train.micro_batch=5", "train.grad_accum=1")
     # DiffusionNFT's loss takes every trained sigma of a sample together: a micro-batch of whole samples only
     with pytest.raises(ValueError, match=r"train.micro_batch=3 transitions is not a multiple of the 2 trained step\(s\) "
-                                         r"per sample, and DiffusionNFT's loss needs .*: use 2 or 4$"):
+                                         r"per sample, and DiffusionNFT's loss needs .*: use train.micro_batch=2 or 4 "
+                                         r"\(with train.grad_accum=1\), or train.micro_batch=auto \(8 sample"):
         run(tmp_path / "n", "train.objective=nft", "train.clip_low=1e-4", "train.clip_high=1e-4", "train.micro_batch=3",
             "train.grad_accum=1")  # (TINY's PPO clip range is refused under nft: reset to the default)
     from difrl.config import ConfigError

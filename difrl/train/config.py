@@ -20,7 +20,7 @@ methods' sections (``solrl``, ``tree``, ``nft``) in difrl/train/method_config.py
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from difrl.config import cfg_field, config_error, load_config
 from difrl.correct import METHODS, POLICY_LOSSES, option_problems
@@ -101,8 +101,8 @@ class TrainConfig:
     betas: tuple[float, float] = cfg_field((0.9, 0.999))
     adam_eps: float = cfg_field(1e-8, gt=0.0)
     max_grad_norm: float | None = cfg_field(1.0, gt=0.0)
-    micro_batch: int = cfg_field(16, ge=1, help="work per forward/backward: flow trainer: transitions (sample-steps; "
-                                                "the same for flat, tree and solrl rollouts), masked trainer: sequences")
+    micro_batch: int = cfg_field(16, ge=1, help="work per forward/backward: masked trainer: sequences (the flow "
+                                                "trainer's FlowTrainConfig counts transitions, or auto)")
     grad_accum: int = cfg_field(1, ge=1, help="micro-batches per optimizer update")
     clip_low: float = cfg_field(1e-4, ge=0.0, help="PPO clip below: rho >= 1 - clip_low")
     clip_high: float = cfg_field(1e-4, ge=0.0, help="PPO clip above: rho <= 1 + clip_high")
@@ -278,6 +278,13 @@ class RolloutConfig:
 
 @dataclass
 class FlowTrainConfig(TrainConfig):
+    micro_batch: int | Literal["auto"] = cfg_field(
+        16, ge=1, help="transitions (sample-steps) per forward/backward, the same unit for flat, tree and solrl "
+                       "rollouts; auto = whole samples, each process's samples cut into train.updates_per_epoch x "
+                       "train.grad_accum micro-batches whatever the trained steps and processes (trees: their edges)")
+    updates_per_epoch: int | None = cfg_field(None, ge=1, help="optimizer updates per pass over the rollout: what "
+                                                                "micro_batch=auto keeps (None = 1); with an explicit "
+                                                                "micro_batch a check that it gives this many")
     inner_epochs: int = cfg_field(1, ge=1, help="passes over each rollout")
     kl_form: str = cfg_field("flow_grpo", choices=("flow_grpo", "exact"))
     ratio_norm: bool = cfg_field(False, help="GRPO-Guard RatioNorm: per-sample, per-step re-centred ratio (clip ~2e-6)")

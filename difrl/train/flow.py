@@ -163,7 +163,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
             stage["seconds_regenerate" if solrl else "seconds_sampling"] = time.perf_counter() - t_r
         correction = None
         if on_copy and not nft:  # mu != pi_old: PPO's ratio against the recomputed proximal policy, IS weights
-            batch, correction = proximal_correction(policy, batch, cfg)
+            batch, correction = proximal_correction(policy, batch, cfg, micro.transitions)
             stage["nfe_full"] += len(batch) * world_size * T * nfe
         t_reward = time.perf_counter()
 

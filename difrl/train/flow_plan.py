@@ -3,12 +3,28 @@
     n_total, per_proc, T, schedule, micro = plan(cfg, world, world_size, run_dir, print)   # prints the banner
     sde_mask, train_mask, window_start = step_masks(cfg, iteration, num_samples)
 
-train.micro_batch counts transitions (sample-steps) whatever the rollout kind (micro_batching), so switching
-rollout.kind between flat, tree and solrl keeps the work per forward/backward.
+Three numbers cut a process's rollout into optimizer updates: train.micro_batch (the work per forward/backward,
+in transitions, i.e. sample-steps, whatever the rollout kind: switching rollout.kind between flat, tree and solrl
+keeps it), train.grad_accum (micro-batches per update) and train.updates_per_epoch (updates per pass over the
+rollout). For one process with S samples of T trained steps each
+
+    micro_batch x grad_accum x updates_per_epoch = S x T      (a tree: its edges instead of S x T)
+
+so two of them fix the third. ``train.micro_batch=auto`` (micro_batching) fixes the two that carry the learning
+meaning, updates_per_epoch (default 1: one on-policy update per rollout) and grad_accum, and derives the micro-batch
+in whole samples, S / (updates_per_epoch x grad_accum) samples of T steps. A window, DiffusionNFT's sigmas or a
+DanceGRPO subset changes T and the micro-batch follows, so the updates per rollout and the samples per update stay
+what the config says; on P processes S is 1/P of the samples, the micro-batch shrinks with it and an update still
+covers all of them (no grad_accum to halve). Memory per forward/backward is what moves: the banner prints the
+chosen size. An explicit micro_batch fixes the work per backward instead (on GPUs, memory); the updates then
+follow from it, a value that does not divide is refused with the nearest ones that do (micro_batch and
+grad_accum), and a config that also names updates_per_epoch must agree with it (the FLUX / SD3 / Wan configs are
+sized for a number of GPUs: on another, the error gives the grad_accum that keeps their updates per rollout).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import NamedTuple
 
@@ -22,28 +38,139 @@ from difrl.train.objectives import nft_sigmas
 
 class MicroBatching(NamedTuple):
     """How train.micro_batch (transitions per forward/backward, whatever the rollout kind) becomes records."""
+    transitions: int  # train.micro_batch resolved (auto: whole samples x T, or tree edges)
     records: int  # records per micro-batch
     split_samples: bool  # flat / Sol-RL samples split into records of one transition (micro_batch % T != 0)
+    updates: int  # optimizer updates per pass over the rollout (a tree's after pruning can be fewer)
     summary: str  # for the banner
 
 
-def micro_batching(cfg: FlowConfig, T: int, tree_mode: bool) -> MicroBatching:
+def micro_batching(cfg: FlowConfig, T: int, tree_mode: bool, n_records: int) -> MicroBatching:
     """One unit in every rollout mode: train.micro_batch counts transitions (sample-steps), so switching
     rollout.kind between flat, tree and solrl keeps the work per backward (specs/gpu-regime.md: with the unit
     "records" a tree's 1-step edges ran 3.3x slower than flat's whole samples). A tree's record is one edge; a
     flat sample holds its T trained transitions and is kept whole when micro_batch is a multiple of T, else
-    split into transitions (per-step losses only: a sequence-level loss needs every step of a sample together)."""
-    mb = cfg.train.micro_batch
+    split into transitions (per-step losses only: a sequence-level loss needs every step of a sample together).
+    `n_records`: this process's records per pass (samples; a tree's SDE edges before pruning). auto: the module
+    docstring."""
+    mb, ga, want = cfg.train.micro_batch, cfg.train.grad_accum, cfg.train.updates_per_epoch
+    if mb == "auto":
+        U = want or 1
+        if tree_mode:  # edges per micro-batch; a last, smaller update takes the remainder
+            per = -(-n_records // (U * ga))
+            return MicroBatching(per, per, False, -(-n_records // (per * ga)),
+                                 f"auto = {per} transitions (tree edges: {n_records} per process before pruning in "
+                                 f"{U} update(s) x {ga} micro-batch(es))")
+        if n_records % (U * ga):
+            raise ValueError(_auto_problem(n_records, U, ga, want))
+        s = n_records // (U * ga)
+        return MicroBatching(s * T, s, False, U, f"auto = {s} sample(s) x {T} steps = {s * T} transitions")
+    if not tree_mode and ((n_records * T) % (mb * ga) or (mb % T and not _splits(cfg))):
+        raise ValueError(_explicit_problem(cfg, T, n_records))
+    if want is not None and (problem := _updates_problem(cfg, T, tree_mode, n_records, want)):
+        raise ValueError(problem)
     if tree_mode:
-        return MicroBatching(mb, False, f"{mb} transitions (tree edges)")
+        return MicroBatching(mb, mb, False, -(-n_records // (mb * ga)), f"{mb} transitions (tree edges)")
+    updates = n_records * T // (mb * ga)
     if mb % T == 0:
-        return MicroBatching(mb // T, False, f"{mb} transitions ({mb // T} sample(s) x {T} steps)")
-    if cfg.train.objective == "grpo" and cfg.train.policy_loss == "ppo_clip":
-        return MicroBatching(mb, True, f"{mb} transitions (samples of {T} steps split into single-step records)")
-    what = "DiffusionNFT's loss" if cfg.train.objective == "nft" else f"train.policy_loss={cfg.train.policy_loss}"
-    lower, upper = max(T, mb // T * T), -(-mb // T) * T
-    raise ValueError(f"train.micro_batch={mb} transitions is not a multiple of the {T} trained step(s) per sample, and "
-                     f"{what} needs each sample's steps in one micro-batch: use {lower}" + (f" or {upper}" if upper != lower else ""))
+        return MicroBatching(mb, mb // T, False, updates, f"{mb} transitions ({mb // T} sample(s) x {T} steps)")
+    return MicroBatching(mb, mb, True, updates, f"{mb} transitions (samples of {T} steps split into single-step records)")
+
+
+def _splits(cfg: FlowConfig) -> bool:
+    """May a flat sample's T transitions go into different micro-batches? (PPO-clip's loss is per step.)"""
+    return cfg.train.objective == "grpo" and cfg.train.policy_loss == "ppo_clip"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0] if n > 0 else []
+
+
+def _nearest(valid, x: int) -> list[int]:
+    """The valid values next to x: the largest below and the smallest above (x itself if valid)."""
+    valid = list(valid)
+    below, above = [v for v in valid if v <= x], [v for v in valid if v >= x]
+    return sorted({*(below[-1:] if below else []), *(above[:1] if above else [])})
+
+
+def _either(key: str, values: list[int]) -> str:
+    return f"train.{key}=" + " or ".join(map(str, values))
+
+
+def _auto_choice(n_samples: int, T: int, U: int, ga: int) -> str:
+    """'train.micro_batch=auto (...)' when auto divides this rollout, else ''."""
+    if n_samples % (U * ga):
+        return ""
+    s = n_samples // (U * ga)
+    return f"train.micro_batch=auto ({s} sample(s) x {T} steps, {U} update(s) of {ga} micro-batch(es) per pass)"
+
+
+def _explicit_problem(cfg: FlowConfig, T: int, n_samples: int) -> str:
+    """An explicit micro_batch that does not cut this rollout: what is wrong, and the nearest values that work."""
+    mb, ga, want, X = cfg.train.micro_batch, cfg.train.grad_accum, cfg.train.updates_per_epoch, n_samples * T
+    whole = not _splits(cfg)
+    ok = lambda m, g: X % (m * g) == 0 and (m % T == 0 or not whole) and want in (None, X // (m * g))  # noqa: E731
+    mbs, gas = [m for m in _divisors(X) if ok(m, ga)], [g for g in _divisors(X) if ok(mb, g)]
+    options = [f"{_either('micro_batch', _nearest(mbs, mb))} (with train.grad_accum={ga})" if mbs else "",
+               f"{_either('grad_accum', _nearest(gas, ga))} (with train.micro_batch={mb})" if gas else "",
+               _auto_choice(n_samples, T, want or 1, ga)]
+    if mb % T and whole:
+        what = "DiffusionNFT's loss" if cfg.train.objective == "nft" else f"train.policy_loss={cfg.train.policy_loss}"
+        head = (f"train.micro_batch={mb} transitions is not a multiple of the {T} trained step(s) per sample, and "
+                f"{what} needs each sample's steps in one micro-batch")
+    else:
+        head = (f"each process has {n_samples} samples x {T} trained steps = {X} transitions per iteration, not a "
+                f"multiple of train.micro_batch x train.grad_accum = {mb} x {ga} = {mb * ga} (train.micro_batch "
+                f"counts transitions)")
+    return head + ": use " + ", or ".join(o for o in options if o)
+
+
+def _auto_problem(n_samples: int, U: int, ga: int, want: int | None) -> str:
+    ok_ga = [g for g in _divisors(n_samples // U) if n_samples % (U * g) == 0] if n_samples % U == 0 else []
+    ok_u = [u for u in _divisors(n_samples // ga) if n_samples % (u * ga) == 0] if n_samples % ga == 0 else []
+    options = ([f"{_either('grad_accum', _nearest(ok_ga, ga))}"] if ok_ga else []) + \
+              ([f"{_either('updates_per_epoch', _nearest(ok_u, U))}"] if ok_u else [])
+    updates = f"train.updates_per_epoch x train.grad_accum = {U} x {ga}" if want else f"train.grad_accum = {ga}"
+    return (f"train.micro_batch=auto takes whole samples, but each process's {n_samples} samples do not split into "
+            f"{updates} micro-batches: use " + (", or ".join(options) or "an explicit train.micro_batch"))
+
+
+def _updates_problem(cfg: FlowConfig, T: int, tree_mode: bool, n_records: int, want: int) -> str:
+    """An explicit micro_batch that gives another number of updates per pass than train.updates_per_epoch says."""
+    mb, ga = cfg.train.micro_batch, cfg.train.grad_accum
+    X = n_records * T  # transitions per pass (a tree: edges)
+    got = -(-X // (mb * ga)) if tree_mode else X // (mb * ga)  # (flat: divides, checked before)
+    if got == want:
+        return ""
+    options = []
+    if not tree_mode:
+        if X % (want * mb) == 0:
+            options.append(f"train.grad_accum={X // (want * mb)} (with train.micro_batch={mb})")
+        m = X // (want * ga)
+        if X % (want * ga) == 0 and (m % T == 0 or _splits(cfg)):
+            options.append(f"train.micro_batch={m} (with train.grad_accum={ga})")
+    if auto := ("train.micro_batch=auto" if tree_mode else _auto_choice(n_records, T, want, ga)):
+        options.append(auto)
+    return (f"train.micro_batch x train.grad_accum = {mb} x {ga} = {mb * ga} transitions per update make {got} "
+            f"optimizer update(s) per pass over each process's {X} {'edges' if tree_mode else 'transitions'}, but "
+            f"train.updates_per_epoch={want}: use " + ", or ".join(options + [f"train.updates_per_epoch={got} (or null) to "
+                                                                       "take these"]))
+
+
+def thread_note(threads_set: bool) -> str:
+    """A warning when torch was given several threads per process on cores that other processes already keep busy
+    (the 1-minute load average before this run starts is at least 1, and with this run's threads more than the
+    cores this process may use): every parallel torch op then waits for its slowest thread. Only a note: choosing
+    the thread count from the load would make a run's numbers depend on what else ran (float sums differ). README 'Threads' has the measurement."""
+    n = torch.get_num_threads()
+    try:
+        load, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return ""
+    if threads_set or n == 1 or load < 1 or load + n <= cores:
+        return ""
+    return (f"difrl: the load average is {load:.1f} on the {cores} core(s) this process may use: other processes are "
+            f"running, and {n} threads per process can be many times slower than threads=1 (README 'Threads')")
 
 
 def plan(cfg: FlowConfig, world, world_size: int, run_dir: Path, say) -> tuple[int, int, int, object, MicroBatching]:
@@ -51,7 +178,7 @@ def plan(cfg: FlowConfig, world, world_size: int, run_dir: Path, say) -> tuple[i
     Returns (samples per iteration, per process, trained steps per sample T (1 for trees: an edge per record),
     the tree's BranchSchedule or None, the micro-batching)."""
     n_total = cfg.rollout.prompts_per_iter * cfg.rollout.group_size
-    per_proc, per_update = n_total // world_size, cfg.train.micro_batch * cfg.train.grad_accum  # per_update: transitions
+    per_proc = n_total // world_size
     tree_mode = cfg.rollout.kind == "tree"
     if n_total % world_size:
         raise ValueError(f"{n_total} samples per iteration (rollout.prompts_per_iter x rollout.group_size) do not "
@@ -66,30 +193,27 @@ def plan(cfg: FlowConfig, world, world_size: int, run_dir: Path, say) -> tuple[i
     T = int(train_mask0.sum())  # trained transitions per sample (GRPO) ...
     if cfg.train.objective == "nft":  # ... or sigmas (NFT)
         T = len(nft_sigmas(cfg, world.sigmas(cfg.sampler.num_steps, cfg.sampler.shift)))
-    schedule, what = None, f"step(s) of {cfg.sampler.num_steps} per sample ({cfg.steps.mode}); "
+    schedule, what, n_records = None, f"step(s) of {cfg.sampler.num_steps} per sample ({cfg.steps.mode}); ", per_proc
     if cfg.train.objective == "nft":
         what = f"sigma(s) of {cfg.sampler.num_steps} per sample (DiffusionNFT); "
     if tree_mode:  # ... or one per tree edge (a record of its own)
         schedule, T = cfg.tree.schedule(cfg.sampler.num_steps), 1
         edges = num_trained_edges(schedule, cfg.sampler.num_steps, sde_mask0)
-        updates = cfg.train.inner_epochs * -(-edges * cfg.rollout.prompts_per_iter // world_size // per_update)
+        n_records = edges * cfg.rollout.prompts_per_iter // world_size
         what = (f"step per record, SDE steps {cfg.steps.mode} + splits; trees: splits at {list(schedule.split_steps)} "
                 f"x{schedule.factor}, {edges} SDE edges per tree before pruning (records of 1 step); ")
-    micro = micro_batching(cfg, T, tree_mode)
-    if not tree_mode:  # (tree edges: a last, smaller update takes the remainder)
-        if (per_proc * T) % per_update:
-            raise ValueError(f"each process has {per_proc} samples x {T} trained steps = {per_proc * T} transitions per "
-                             f"iteration, not a multiple of train.micro_batch x train.grad_accum = {cfg.train.micro_batch}"
-                             f" x {cfg.train.grad_accum} = {per_update} (train.micro_batch counts transitions)")
-        updates = cfg.train.inner_epochs * per_proc * T // per_update
+    micro = micro_batching(cfg, T, tree_mode, n_records)
+    updates = cfg.train.inner_epochs * micro.updates
     if cfg.rollout.kind == "solrl":
         what += (f"Sol-RL: {cfg.solrl.candidates} candidates per prompt in {cfg.solrl.preview_steps} steps, "
                  f"{cfg.solrl.select}; ")
     say(f"difrl: {world_size} process(es) x {torch.get_num_threads()} thread(s); {n_total} samples/iteration "
         f"({cfg.rollout.prompts_per_iter} groups of {cfg.rollout.group_size}), {per_proc} per process; {T} trained "
         f"{what}{updates} optimizer update(s) per rollout ({cfg.train.inner_epochs} epoch(s) x "
-        f"{updates // cfg.train.inner_epochs} of {cfg.train.grad_accum} accumulated micro-batch(es)); micro-batch: "
+        f"{micro.updates} of {cfg.train.grad_accum} accumulated micro-batch(es)); micro-batch: "
         f"{micro.summary} per forward/backward; run dir {run_dir}")
+    if note := thread_note(cfg.threads is not None):
+        say(note)
     return n_total, per_proc, T, schedule, micro
 
 

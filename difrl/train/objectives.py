@@ -2,7 +2,7 @@
 
     loss = grpo_micro_loss(policy, sub, adv, keep, correction, m, check, denom, cfg, reference_ctx)
     loss = nft_micro_loss(policy, sub, adv, keep, m, denom, cfg, nft_sigmas, old, reference_ctx)
-    batch, correction = proximal_correction(policy, batch, cfg)    # rollouts from a copy: pi_old and IS weights
+    batch, correction = proximal_correction(policy, batch, cfg, micro.transitions)  # copy rollouts: pi_old, IS weights
     err = policy_ratio_check(policy, sub, cfg)                       # copy rollouts: the on-policy check that can fail
 
 Each loss is summed over its micro-batch's elements and divided by a denominator fixed per optimizer
@@ -132,13 +132,17 @@ def nft_sigmas(cfg, sigmas: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def proximal_correction(policy, batch: Rollout, cfg):
+def proximal_correction(policy, batch: Rollout, cfg, micro_batch: int | None = None):
     """Rollouts that came from another policy mu (a quantized or stale copy): recompute the proximal policy's
     log-probs and means (PPO's ratio and the first-step check are against it) and weigh each transition by
-    pi_old / mu through difrl.correct. In micro-batches of about train.micro_batch transitions: a real model cannot
-    take all B*T transitions at once.
+    pi_old / mu through difrl.correct. In micro-batches of about `micro_batch` transitions (the trainer passes
+    train.micro_batch as difrl.train.flow_plan resolved it; None: an explicit train.micro_batch): a real model
+    cannot take all B*T transitions at once.
     Returns (batch with log_prob_old / mean_old replaced, the Correction)."""
-    per = max(1, cfg.train.micro_batch // max(1, batch.step.shape[1]))  # records of about micro_batch transitions
+    micro_batch = cfg.train.micro_batch if micro_batch is None else micro_batch
+    if not isinstance(micro_batch, int):
+        raise ValueError("proximal_correction needs train.micro_batch resolved (difrl.train.flow_plan.plan)")
+    per = max(1, micro_batch // max(1, batch.step.shape[1]))  # records of about micro_batch transitions
     parts = [transition_log_prob(policy, batch.select(torch.arange(lo, min(lo + per, len(batch)))), cfg)
              for lo in range(0, len(batch), per)]
     lp_prox, mean_prox = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
