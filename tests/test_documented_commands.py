@@ -119,6 +119,9 @@ SKIP = {
         "a FLUX.1 model and a FLUX.1 run's LoRA; `difrl sample CONFIG --checkpoint` on tiny runs of every world is "
         "tests/test_cli_run_dirs.py::test_sample_of_a_config_takes_a_checkpoint_and_prompts_each_world_reads",
     "difrl train / eval / config / rewards / reward-server ...": "docs/architecture.md's list of subcommands",
+    "difrl train resume=DIR": "synopsis (DIR); resuming a run with its own config.yaml is tests/test_run_dir.py and "
+                              "tests/test_interrupt.py",
+    "python -m difrl train": "the name of the process a signal is sent to in tests/test_interrupt.py, not a command",
     "python scripts/pretrain_digits.py --out DIR": "placeholder DIR; the script is run by "
                                                    "tests/test_digits_world.py::test_pretrain_script_reproduces_bundled_assets",
     # long runs whose reduced form is a test of its own
@@ -308,7 +311,9 @@ def _small(kind: str, program: list[str]) -> list[str]:
         return [s for s in small if not s.startswith(("train.", "eval.every"))]
     if any(a.startswith("resume=") for a in program):
         return ["train.iterations=2", *small[1:]]
-    return small
+    # the examples share default run directories (runs/flux_tiny, runs/digits): run one after another, the second
+    # is refused as it would be for a user (tests/test_run_dir.py); each is run here as a fresh run of its own
+    return [*small, "--overwrite"]
 
 
 @contextlib.contextmanager

@@ -194,11 +194,12 @@ def test_a_bug_in_one_process_reward_stage_reaches_the_others(tmp_path):
 
 @pytest.mark.slow  # two processes under torchrun, ~15 s
 def test_one_process_reward_failure_stops_both_processes(tmp_path):
-    # process 1's reward raises at iteration 1 while process 0's is fine: without the agreement after scoring,
+    # process 1's reward raises at iteration 2 while process 0's is fine: without the agreement after scoring,
     # process 0 would wait in the next collective (the reward gather) until gloo's 30-minute timeout
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)])}
-    options = json.dumps({"reliability:fault": {"kind": "raise", "rank": 1, "after": 1}})
+    # call 1 is the start-up probe of the reward (reward_stage.build_rewards), call 2 iteration 1: the fault fires in iteration 2
+    options = json.dumps({"reliability:fault": {"kind": "raise", "rank": 1, "after": 2}})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "difrl", "train",
            str(ROOT / "configs" / "digits.yaml"), *TINY, "threads=1", "train.iterations=3",
            'reward.weights={"reliability:fault": 1.0}', f"reward.options={options}", "--out", str(tmp_path / "r")]
@@ -206,7 +207,7 @@ def test_one_process_reward_failure_stops_both_processes(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     # both processes stop with the same message, naming the failing process, reward, prompt ids and seeds
-    errors = [ln for ln in out.splitlines() if "difrl train: error: iteration 1: process 1: reward 'reliability:fault' "
+    errors = [ln for ln in out.splitlines() if "difrl train: error: iteration 2: process 1: reward 'reliability:fault' "
                                                 "raised RuntimeError: injected fault" in ln]
     assert len(errors) == 2, out[-3000:]
     assert all("prompt ids [" in ln and "seeds [" in ln for ln in errors)
