@@ -19,7 +19,8 @@ from difrl.cli import main
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
 FLOW = ["threads=1", "train.iterations=1", "eval.per_digit=1", "rollout.prompts_per_iter=2", "rollout.group_size=4",
-        "train.grad_accum=1", "checkpoint_every=0"]
+        "train.grad_accum=1", "checkpoint_every=0",
+        "train.updates_per_epoch=null"]  # digits.yaml makes 2 updates per rollout; these 8 samples make 1
 MASKED = ["threads=1", "train.iterations=1", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=8",
           "train.inner_updates=1", "checkpoint_every=0"]
 DIFFUSERS = ["rollout.prompts_per_iter=2", "rollout.group_size=2", "sampler.num_steps=3", "eval.num_steps=3",
