@@ -304,8 +304,15 @@ def test_broken_rewards_stop_even_under_drop_group(tmp_path, registered):
     from difrl.train.config import load_flow_config
     from difrl.train.flow import train
 
-    cases = {"short": ("test_fail_short", [], "breaks its contract"),
-             "raise": ("test_fail_raise", [], "every sample's reward failed"),
+    from difrl.rewards.base import RewardConfigError
+
+    # a reward that always breaks its contract (wrong length) is caught by the start-up probe, before any work
+    registered("test_fail_short", failing("short"))
+    cfg = load_flow_config(None, [*TINY, "reward.weights={test_fail_short: 1.0}", "reward.on_error=drop_group"])
+    with pytest.raises(RewardConfigError, match="cannot score this world's samples.*returned 1 values"):
+        train(cfg, out_dir=tmp_path / "short")
+    assert not (tmp_path / "short" / "checkpoints").exists()
+    cases = {"raise": ("test_fail_raise", [], "every sample's reward failed"),
              "nan": ("test_fail_nan", ["reward.max_failed_frac=0.1"], r"1 of 8 samples \(12.5%\) failed so far")}
     for kind, (name, extra, message) in cases.items():
         registered(name, failing(kind))
