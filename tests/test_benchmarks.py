@@ -414,7 +414,7 @@ def test_bench_gpu_quick_goes_on_after_a_failing_stage(tmp_path, monkeypatch):
     assert flat["error"] == "RuntimeError: forced failure of 'flat GRPO' (--fail-stage)"
     assert mix["status"] == "FAILED" and mix["timed_out"] and "seconds_iter" not in mix
     assert mix["error"].startswith("timed out: the stage budget of 0.05 s ran out (StageTimeout")
-    assert all("error" not in r and r["seconds_iter"] > 0 and "x_flat" not in r for r in t.values()), t
+    assert all("error" not in r and "seconds_iter" in r and "x_flat" not in r for r in t.values()), t
     assert list(meta["no_ratio"]) == ["x_flat"]
     assert "flat GRPO baseline FAILED (RuntimeError" in meta["no_ratio"]["x_flat"]
     block = "\n".join(bench.report(rows))

@@ -52,8 +52,8 @@ from difrl.train.metrics import Metrics
 from difrl.train.precision import refuse_fp16, upcast_masters
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, check_ratio, claim_run_dir,  # noqa: F401
                                   clip_and_step, cores_available, fmt_eval, make_optimizer, progress, record_eval,
-                                  reference_policy, save_policy, shard_policy, sharded_processes, wrap_policy)
-from difrl.train.sharding import gathered
+                                  reference_policy, save_policy, shard_policy, wrap_policy)
+from difrl.train.sharding import gathered, sharded_processes
 from difrl.train.state import trainable_params
 from difrl.utils.rng import mix_seed
 from difrl.worlds import build_masked_world

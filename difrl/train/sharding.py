@@ -145,6 +145,27 @@ def fsdp_settings(accelerator) -> FSDPSettings | None:
                         mixed_precision=mixed, block_classes=tuple(names) if names else None)
 
 
+def sharded_processes():
+    """The processes of a trainer that is not data-parallel (the masked recipe): (None, None) for a plain
+    single process; (accelerator, FSDP settings) under `accelerate launch` with an FSDP config, where every
+    process runs the whole iteration and only the model (parameters, gradients, optimizer state) is split. More
+    than one process without FSDP would only repeat the same run, so it is refused (ConfigError)."""
+    from difrl.config import ConfigError
+
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not fsdp_requested():
+        return None, None
+    from accelerate import Accelerator
+
+    cpu = not torch.cuda.is_available()
+    accelerator = Accelerator(cpu=cpu, kwargs_handlers=process_group_kwargs(cpu))  # FSDP offload: a CPU backend too
+    fsdp = fsdp_settings(accelerator)
+    if fsdp is None:
+        raise ConfigError(f"{accelerator.num_processes} processes without FSDP: the masked trainer does not split its "
+                          "batch over processes, so they would only repeat one run. Run one process, or shard the "
+                          "model with accelerate launch --config_file configs/accelerate/fsdp.yaml", "launch")
+    return accelerator, fsdp
+
+
 def refuse_unsupported(cfg, settings: FSDPSettings | None) -> None:
     """Stop before training when the config asks for something not made to work under sharding (a wrong result
     or a hang is never an option). The rollout copy (rollout.precision != fp32 or rollout.sync_every > 1, and
