@@ -476,12 +476,9 @@ def cmd_rewards(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from difrl.report import write_report
+    from difrl.report import checked_run_dir, write_report
 
-    run = Path(args.run_dir)
-    if not run.is_dir() or not (run / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run} is not a difrl run directory (no config.yaml; difrl train writes one there)")
-    print(f"report: {write_report(run)}")
+    print(f"report: {write_report(checked_run_dir(args.run_dir))}")
     return 0
 
 

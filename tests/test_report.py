@@ -373,6 +373,12 @@ def test_report_file_and_command(digits_run, tmp_path):
     assert not [p for p in list(d.iterdir()) + list(tmp_path.iterdir()) if p.name.endswith(".tmp")]
     bad = subprocess.run([sys.executable, "-m", "difrl.report"], capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "usage: python -m difrl.report RUN_DIR" in bad.stdout
+    # a directory difrl train did not write gets the error and no page (main() is what `-m difrl.report` runs)
+    from difrl.report import main
+
+    assert main([str(tmp_path / "empty")]) == 2 and not (tmp_path / "empty").exists()
+    (tmp_path / "bare").mkdir()
+    assert main([str(tmp_path / "bare")]) == 2 and not (tmp_path / "bare" / "report.html").exists()
 
 
 # ------------------------------------------------------------------------- rendered by headless Chromium

@@ -52,10 +52,25 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     return out
 
 
+def checked_run_dir(path: str | Path) -> Path:
+    """`path` as a run directory, or FileNotFoundError naming what is missing: the entry points (`difrl report`,
+    `python -m difrl.report`) refuse a directory difrl train did not write (write_report itself renders whatever
+    is there, so an unfinished or bare directory still gets a page)."""
+    run = Path(path)
+    if not run.is_dir() or not (run / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run} is not a difrl run directory (no config.yaml; difrl train writes one there)")
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
         print("usage: python -m difrl.report RUN_DIR   (writes RUN_DIR/report.html)")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    print(f"report: {write_report(argv[0])}")
+    try:
+        run = checked_run_dir(argv[0])
+    except FileNotFoundError as e:
+        print(f"report: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {write_report(run)}")
     return 0
