@@ -52,8 +52,8 @@ from difrl.discrete.samplers import SAMPLERS, merge_rollouts
 from difrl.rewards import score_all
 from difrl.train.flow_plan import thread_note
 from difrl.train.masked_config import MaskedConfig
-from difrl.train.masked_plan import (busiest, external_correction, gather_rows, plan, process_max, processes,
-                                     rollout_forwards, update_tokens)
+from difrl.train.masked_plan import (busiest, external_correction, gather_rows, local_device, plan, process_max,
+                                     processes, rollout_forwards, update_tokens)
 from difrl.train.reward_stage import (across_processes, build_rewards, finite_mean_std, probe_batch, reward_stats,
                                      score_rewards, track_reward_failures, valid_group_advantages)
 from difrl.train.metrics import Metrics
@@ -75,6 +75,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
     refuse_fp16(cfg.model.dtype)  # fp16 training is refused (difrl/train/precision.py)
     # resume=: the run's config.yaml allows the changes; else the directory holds no run, or overwrite (rundir.py)
     run_dir = claim_run_dir(cfg, out_dir, overwrite, f"runs/{cfg.model.kind}")
+    local_device()  # several processes on GPUs: this process's GPU is "cuda" while the world loads
     world = build_masked_world(cfg)
     policy = world.policy
     # one process, DDP or FSDP2 (accelerate launch); the split of the samples and the updates (masked_plan.py)

@@ -35,6 +35,7 @@ forwards on every process.
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -51,6 +52,14 @@ class MaskedPlan(NamedTuple):
     rows: torch.Tensor  # [per_proc] long: this process's global sample indices
     micro: int  # sequences per forward/backward
     updates: int  # optimizer updates per inner update (pass over the rollout)
+
+
+def local_device() -> None:
+    """Under a launch of several processes on GPUs, make this process's GPU (LOCAL_RANK) the current CUDA device before
+    the world loads: a world that puts its model on "cuda" (the text world) then loads it there, not every process on
+    GPU 0. Nothing on CPU processes. (Not run on GPUs: no multi-GPU machine was available.)"""
+    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 
 
 def processes(policy):
