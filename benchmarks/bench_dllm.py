@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     its = 6 if args.quick else args.iterations
     every = 3 if args.quick else args.every
     small = ["eval.count=32", "eval.samples=4", "eval.pass_k=[1,4]", "rollout.prompts_per_iter=4",
-             "train.micro_batch=32"] if args.quick else []
+             "train.micro_batch=32", "train.updates_per_epoch=null"] if args.quick else []
     runs_dir = args.runs / ("quick" if args.quick else "full")
 
     runs = {m: [curve(run_one([f"seed={s}", f"train.iterations={its}", f"eval.every={every}", *ov, *small],

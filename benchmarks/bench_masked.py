@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit(f"bench_masked: unknown part(s) {unknown}; known: {', '.join([*WORLDS, 'erils'])}")
     seeds = args.seeds[:1] if args.quick else args.seeds
     quick = ["train.iterations=6", "eval.count=32", "eval.per_digit=5", "rollout.prompts_per_iter=4",
-             "train.micro_batch=32"] if args.quick else []
+             "train.micro_batch=32", "train.updates_per_epoch=null"] if args.quick else []
     runs_dir = args.runs / ("quick" if args.quick else "full")
 
     lines, rows = [], []

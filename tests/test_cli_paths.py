@@ -24,7 +24,7 @@ FLUX = ROOT / "configs" / "flux_tiny.yaml"
 DIGITS = ROOT / "configs" / "digits.yaml"
 # 16 rollouts per iteration, 2 iterations, a 16-problem eval with 2 samples each (seconds on one thread)
 TEXT_RUN = ["seed=3", "threads=1", "rollout.prompts_per_iter=4", "rollout.group_size=4", "train.micro_batch=16",
-            "train.inner_updates=2", "train.iterations=2", "eval.count=16", "eval.samples=2", "eval.pass_k=[1,2]",
+            "train.updates_per_epoch=null", "train.inner_updates=2", "train.iterations=2", "eval.count=16", "eval.samples=2", "eval.pass_k=[1,2]",
             "eval.every=0", "checkpoint_every=0"]
 TEXT_METRICS = ("pass@1", "pass@2", "greedy_accuracy", "format_rate", "nfe", "n", "problems")
 FLUX_RUN = ["train.iterations=1", "train.grad_accum=1", "rollout.group_size=2", "eval.per_digit=1"]

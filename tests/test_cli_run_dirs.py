@@ -22,7 +22,8 @@ FLOW = ["threads=1", "train.iterations=1", "eval.per_digit=1", "rollout.prompts_
         "train.grad_accum=1", "checkpoint_every=0",
         "train.updates_per_epoch=null"]  # digits.yaml makes 2 updates per rollout; these 8 samples make 1
 MASKED = ["threads=1", "train.iterations=1", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=8",
-          "train.inner_updates=1", "checkpoint_every=0"]
+          "train.inner_updates=1", "checkpoint_every=0",
+          "train.updates_per_epoch=null"]  # the masked configs make 2 updates per pass; these 8 samples make 1
 DIFFUSERS = ["rollout.prompts_per_iter=2", "rollout.group_size=2", "sampler.num_steps=3", "eval.num_steps=3",
              "eval.per_digit=1", "train.iterations=1", "train.micro_batch=4", "train.grad_accum=1"]
 # world -> (config, overrides, the weights the run writes, its headline eval key, what its samples are)

@@ -200,12 +200,14 @@ def test_flow_trainer_on_a_strict_device_equals_the_cpu_run(method, tiny_flux, t
 MASKED = {
     "text": (ROOT / "configs" / "text_arithmetic.yaml",
              ["seed=3", "threads=1", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=8",
-              "train.inner_updates=2", "train.iterations=2", "eval.count=4", "eval.samples=2", "eval.pass_k=[1,2]",
+              "train.updates_per_epoch=null", "train.inner_updates=2", "train.iterations=2", "eval.count=4", "eval.samples=2", "eval.pass_k=[1,2]",
               "eval.every=0", "checkpoint_every=1"]),
 }
 
 
 def train_masked(config, overrides: list[str], out: Path, monkeypatch, on_device: bool) -> dict:
+    import accelerate
+
     import difrl.train.masked as masked
     from difrl.train.masked_config import load_masked_config
 
@@ -223,9 +225,16 @@ def train_masked(config, overrides: list[str], out: Path, monkeypatch, on_device
         move_to_device(world.policy.module)
         return world
 
+    StrictAccelerator.instances.clear()
     with monkeypatch.context() as m, emulated_device():
+        m.setattr(accelerate, "Accelerator", StrictAccelerator)  # the data-parallel trainer's collectives checked
         m.setattr(masked, "build_masked_world", build_on_device)
-        return masked.train(cfg, out_dir=out)
+        summary = masked.train(cfg, out_dir=out)
+    (acc,) = StrictAccelerator.instances
+    # per iteration: the gathered scores, failure flags and rollout count, each update's token count, the first
+    # micro-step's ratio check and the metrics' reduce
+    assert acc.calls["gather"] >= 4 * cfg.train.iterations and acc.calls["reduce"] >= 2 * cfg.train.iterations, acc.calls
+    return summary
 
 
 @pytest.mark.parametrize("world", sorted(MASKED))

@@ -58,7 +58,7 @@ SKIP = {
     "configs/flux_flow_grpo.yaml model.path=/models/FLUX.1-dev train.lora.enabled=false train.grad_accum=24": GPU_MODEL,
     "accelerate launch --config_file configs/accelerate/fsdp.yaml -m difrl train configs/text_arithmetic.yaml "
     "model.path=...": "needs a local masked LM directory (model.path=...) and GPUs for FSDP; FSDP on 2 CPU processes "
-                      "is tests/test_fsdp.py",
+                      "is tests/test_masked_dp.py",
     "difrl train configs/text_arithmetic.yaml model.path=/models/LLaDA-8B-Instruct model.trust_remote_code=true "
     "model.gen_length=64 sampler.block_length=32 sampler.steps=32 train.lora.enabled=true "
     "model.gradient_checkpointing=true": "needs LLaDA-8B-Instruct on disk (8B parameters, remote code)",
@@ -415,8 +415,12 @@ def _plan(program: list[str], procs: int) -> str:
     config, overrides = _train_parts("difrl", ["train", *program[1:]] if program[0].endswith(".py") else program)
     overrides = [re.sub(r"=\.\.\.$", "=/placeholder", o) for o in overrides]  # model.path=... (a placeholder)
     cfg = load_train_config(ROOT / config, overrides)
-    if not isinstance(cfg, FlowConfig):
-        return "masked config loads"
+    if not isinstance(cfg, FlowConfig):  # the masked trainer's split (difrl/train/masked_plan.py)
+        from difrl.train.masked_plan import plan as masked_plan
+
+        split = masked_plan(cfg, procs, 0)
+        return (f"masked: {split.per_proc} samples per process, {split.updates} update(s) of {split.micro} x "
+                f"{cfg.train.grad_accum} per pass")
     lines = []
     plan(cfg, SimpleNamespace(sigmas=lambda n, shift: sigma_schedule(n, shift)), procs, Path("/tmp/plan"), lines.append)
     return lines[0]

@@ -15,8 +15,8 @@ a. FLUX (tiny pipeline) full fine-tuning with the KL to a (sharded) frozen refer
 b. FLUX LoRA: the same equality; lora/ loads into a plain FluxPipeline with load_lora_weights.
 c. bf16 mixed precision from the launch, and model.dtype=bf16 full fine-tuning (upcast before sharding): ratio 1 on
    the first micro-step, fp32 masters (and EMA, AdamW state) in the checkpoint; the latter's transformer/ in bf16.
-d. The masked trainer (hf_masked: the bundled BertForMaskedLM, tied embeddings) full fine-tuning with KL; under
-   FSDP every process runs the whole batch (only the model is split), so it keeps the accumulation.
+d. The masked trainer (Sudoku; hf_masked: the bundled BertForMaskedLM, tied embeddings) under FSDP and DDP, its
+   samples split over the processes: tests/test_masked_dp.py.
 e. Fast: gathering, plain copies and checkpoint restore of sharded tensors (a one-process group in the test
    process); the settings accelerate's config gives, and what is refused with a reason (the rollout copy,
    Sol-RL / trees, FSDP version 1, CPU offload on a process group without a CPU backend); block classes with a
@@ -60,9 +60,6 @@ DIGITS_NFT = ["seed=3", "threads=1", "rollout.kind=flat", "rollout.precision=fp3
               "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=4", "train.grad_accum=1",
               "train.iterations=2", "train.lr=1.0", "train.adam_eps=1.0", "train.weight_decay=0", "train.ema_decay=0.5",
               "nft.ref_beta=0.1", "eval.every=1", "eval.per_digit=2", "eval.num_steps=3", "checkpoint_every=1"]
-MASKED = ["threads=1", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=4",
-          "train.inner_updates=2", "train.iterations=3", "train.lr=1.0", "train.adam_eps=1.0", "train.kl_beta=0.1",
-          "eval.count=4", "eval.samples=2", "eval.pass_k=[1]", "checkpoint_every=1"]
 
 
 def free_port() -> int:
@@ -254,30 +251,6 @@ def test_fsdp_bf16_model_full_finetune_keeps_fp32_masters(tiny_flux, tmp_path):
     assert written.keys() == base.keys()
     for k, v in written.items():  # the EMA weights, gathered and written in the dtype the model was loaded in
         assert v.dtype == torch.bfloat16 and torch.equal(v, trained[f"ema/{k}"].bfloat16()), k
-
-
-@pytest.mark.slow  # two launches of the masked trainer
-def test_fsdp_masked_lm_equals_one_process(tmp_path):
-    pytest.importorskip("transformers")
-    target = ["-m", "difrl", "train", str(ROOT / "configs" / "text_arithmetic.yaml")]
-    one, two = tmp_path / "one", tmp_path / "two"
-    run(1, target, [*MASKED, "train.grad_accum=2"], one)
-    out = run(2, target, [*MASKED, "train.grad_accum=2"], two)  # every process runs the whole batch: same accumulation
-    assert "difrl: FSDP2 over 2 processes: 4 units (3 blocks of BertLayer + the root)" in out
-    assert_same_runs(one, two)
-    # policy.safetensors: the gathered weights, loadable into a plain transformers BertForMaskedLM
-    from transformers import BertForMaskedLM
-
-    from difrl.discrete.tiny_mlm import BUNDLED_DIR
-
-    weights = load_safetensors_checked(two / "policy.safetensors", "policy")[0]
-    model = BertForMaskedLM.from_pretrained(BUNDLED_DIR)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    assert not unexpected and all("decoder" in k for k in missing), (missing, unexpected)  # the tied output weight
-    trained = checkpoint_tensors(two, 3)
-    for k, v in model.state_dict().items():
-        if f"trainable/{k}" in trained:
-            torch.testing.assert_close(v, trained[f"trainable/{k}"], rtol=0, atol=0, msg=k)
 
 
 @pytest.mark.slow  # three launches of the digits world, about 1 min on 2 cores

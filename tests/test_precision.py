@@ -278,7 +278,7 @@ def test_masked_trainer_full_finetune_in_bf16(tmp_path):
 
     cfg = load_train_config(ROOT / "configs" / "text_arithmetic.yaml", [
         "threads=1", "model.dtype=bf16", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=4",
-        "train.grad_accum=2", "train.inner_updates=2", "train.iterations=1", "train.kl_beta=0.1", "eval.count=4",
+        "train.grad_accum=2", "train.updates_per_epoch=null", "train.inner_updates=2", "train.iterations=1", "train.kl_beta=0.1", "eval.count=4",
         "eval.samples=2", "eval.pass_k=[1]"])
     run = Path(train(cfg, tmp_path / "masked")["run_dir"])
     assert first_step_ratios(run) == [0.0]

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "text_arithmetic.yaml"
 # 16 rollouts per iteration (4 problems x 4), 2 inner updates of one optimizer step, an 8-problem eval
 TINY = ["seed=3", "threads=1", "rollout.prompts_per_iter=4", "rollout.group_size=4", "train.micro_batch=16",
-        "train.inner_updates=2", "train.iterations=1", "eval.count=8", "eval.samples=2", "eval.pass_k=[1,2]",
+        "train.updates_per_epoch=null", "train.inner_updates=2", "train.iterations=1", "eval.count=8", "eval.samples=2", "eval.pass_k=[1,2]",
         "eval.every=0", "checkpoint_every=0"]
 
 

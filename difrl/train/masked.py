@@ -3,7 +3,8 @@
     difrl train configs/sudoku.yaml [key=value ...] [--out DIR]      # resume: difrl train resume=DIR
     difrl train configs/digit_tokens.yaml
     difrl train configs/sudoku.yaml external.source=solver          # ERILS: a solver's rollouts in every group
-    accelerate launch --config_file configs/accelerate/fsdp.yaml -m difrl train configs/text_arithmetic.yaml  # sharded
+    accelerate launch --num_processes 2 -m difrl train configs/sudoku.yaml                  # data-parallel (DDP)
+    accelerate launch --config_file configs/accelerate/fsdp.yaml -m difrl train configs/text_arithmetic.yaml  # FSDP2
 
 Reads top to bottom: setup -> (rollout -> reward -> advantage -> mu inner updates -> log ->
 checkpoint) per iteration. Everything random is derived from (seed, iteration, index), so a
@@ -28,13 +29,17 @@ by pi_old(o_k | context) / mu_ext(o_k | context) through ``difrl.correct`` (TIS 
 context the one the external policy committed o_k in (``trace_logp``) and mu_ext the probability it
 recorded. The world (prompts, decode, eval) comes from ``difrl.worlds.masked``.
 
-Under FSDP (difrl.train.sharding) every process runs the whole iteration on the same samples and only the
-model (weights, gradients, optimizer state) is split: it fits a larger model, it is not faster.
+Several processes (DDP or FSDP2) split the samples as the flow trainer does (difrl/train/masked_plan.py): each
+rolls out, scores and trains on a contiguous slice of the iteration's global sample list (groups may span
+processes), rewards are gathered before the group advantages, and an optimizer update equals one process's
+update of the same samples. Rollouts, log-probs without gradient and evaluation run the plain network; only the
+trained forwards go through DDP's wrapper (its gradient all-reduce).
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -45,16 +50,20 @@ from difrl.discrete.estimators import remask, token_logp
 from difrl.discrete.losses import trace_logp
 from difrl.discrete.samplers import SAMPLERS, merge_rollouts
 from difrl.rewards import score_all
+from difrl.train.flow_plan import thread_note
 from difrl.train.masked_config import MaskedConfig
-from difrl.train.reward_stage import (build_rewards, finite_mean_std, probe_batch, reward_stats, score_rewards,
-                                     track_reward_failures, valid_group_advantages)
+from difrl.train.masked_plan import (busiest, external_correction, gather_rows, local_device, plan, process_max,
+                                     processes, rollout_forwards, update_tokens)
+from difrl.train.reward_stage import (across_processes, build_rewards, finite_mean_std, probe_batch, reward_stats,
+                                     score_rewards, track_reward_failures, valid_group_advantages)
 from difrl.train.metrics import Metrics
 from difrl.train.precision import refuse_fp16, upcast_masters
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, check_ratio, claim_run_dir,  # noqa: F401
                                   clip_and_step, cores_available, fmt_eval, make_optimizer, progress, record_eval,
                                   reference_policy, save_policy, shard_policy, wrap_policy)
-from difrl.train.sharding import gathered, sharded_processes
+from difrl.train.sharding import gathered
 from difrl.train.state import trainable_params
+from difrl.utils.modules import use_module
 from difrl.utils.rng import mix_seed
 from difrl.worlds import build_masked_world
 
@@ -66,24 +75,29 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
     refuse_fp16(cfg.model.dtype)  # fp16 training is refused (difrl/train/precision.py)
     # resume=: the run's config.yaml allows the changes; else the directory holds no run, or overwrite (rundir.py)
     run_dir = claim_run_dir(cfg, out_dir, overwrite, f"runs/{cfg.model.kind}")
-    # one process, or under FSDP every process runs the whole iteration on the sharded model (sharded_processes)
-    accelerator, fsdp = sharded_processes()
-    main = accelerator is None or accelerator.is_main_process
-    say = print if main else (lambda *a, **k: None)
-    torch.set_num_threads(cfg.threads or cores_available())
-    P, G, mu = cfg.rollout.prompts_per_iter, cfg.rollout.group_size, cfg.train.inner_updates
-    N, mbs, ga = P * G, cfg.train.micro_batch, cfg.train.grad_accum
-    updates_per_inner = N // (mbs * ga)
+    local_device()  # several processes on GPUs: this process's GPU is "cuda" while the world loads
     world = build_masked_world(cfg)
     policy = world.policy
+    # one process, DDP or FSDP2 (accelerate launch); the split of the samples and the updates (masked_plan.py)
+    accelerator, fsdp = processes(policy)
+    world_size, rank, main, say = (accelerator.num_processes, accelerator.process_index, accelerator.is_main_process,
+                                   accelerator.print)
+    torch.set_num_threads(cfg.threads or max(1, cores_available() // world_size))
+    split = plan(cfg, world_size, rank)  # a batch that does not split stops here (ConfigError)
+    P, G, mu, ga = cfg.rollout.prompts_per_iter, cfg.rollout.group_size, cfg.train.inner_updates, cfg.train.grad_accum
+    N, S, mbs, updates_per_inner = split.n_total, split.per_proc, split.micro, split.updates
     mask_id = policy.mask_id
     sampler = SAMPLERS[cfg.sampler.kind]
     ext = cfg.external
     K = ext.per_group if ext.source != "none" else 0
-    say(f"difrl: masked GRPO ({cfg.estimator.kind}) on {cfg.model.kind}; {torch.get_num_threads()} thread(s); {N} "
-          f"rollouts/iteration ({P} prompts x {G}{f', {K} of each group from {ext.source}' if K else ''}), "
-          f"{cfg.sampler.kind} sampler at T={cfg.sampler.temperature}; {mu} inner update(s) x {updates_per_inner} "
-          f"optimizer step(s) of {mbs} x {ga}; run dir {run_dir}")
+    say(f"difrl: masked GRPO ({cfg.estimator.kind}) on {cfg.model.kind}; {world_size} process(es) x "
+        f"{torch.get_num_threads()} thread(s); {N} rollouts/iteration ({P} prompts x {G}"
+        f"{f', {K} of each group from {ext.source}' if K else ''}), {S} per process, {cfg.sampler.kind} sampler at "
+        f"T={cfg.sampler.temperature}; {mu} inner update(s) x {updates_per_inner} optimizer step(s) of {mbs} "
+        f"sequence(s) x {ga} per process{' (micro_batch auto)' if cfg.train.micro_batch == 'auto' else ''}; "
+        f"run dir {run_dir}")
+    if note := thread_note(cfg.threads is not None):
+        say(note)
     rewards, weights = build_rewards(cfg.reward, world.default_reward, probe_batch(world))  # a misfit stops here
 
     # external rollouts (ERILS): the world's solver or a frozen stronger checkpoint
@@ -98,11 +112,14 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
 
     net, reference = wrap_policy(policy, cfg.train.lora, cfg.seed, need_reference=cfg.train.kl_beta > 0)
     masters = upcast_masters(policy, net)  # a bf16 model fully fine-tuned: fp32 master weights, bf16 compute
-    net, reference = shard_policy(policy, net, reference, masters.fsdp(fsdp),
-                                  None if accelerator is None else accelerator.device)
-    policy.module = net
+    fsdp = masters.fsdp(fsdp)
+    net, reference = shard_policy(policy, net, reference, fsdp, accelerator.device)
     params = trainable_params(net)
     optimizer = make_optimizer(params, cfg.train)
+    trained = net  # what the trained forwards run: DDP's wrapper (its gradient all-reduce), or the (sharded) network
+    if fsdp is None:
+        trained, optimizer = accelerator.prepare(net, optimizer)
+    policy.module = net  # rollouts, log-probs without gradient, evaluation: the plain network, no DDP collective
     run = Run.open(cfg, run_dir, net, optimizer, accelerator=accelerator, overwrite=overwrite)
     if run.state["eval_before"] is None:
         run.state["eval_before"] = run.state["last_eval"] = world.evaluate(policy)
@@ -117,20 +134,29 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
     for it in bar:
         t_iter = time.perf_counter()
         # ==================================================================== rollout
-        batch = world.prompts(P, mix_seed(cfg.seed, it, 1)).repeat(G)  # sample k belongs to group k // G
-        k = torch.arange(N)
-        group_ids = it * P + k // G
+        # the iteration's global sample list (sample k belongs to group k // G); this process's slice of it
+        k = split.rows
+        batch = world.prompts(P, mix_seed(cfg.seed, it, 1)).repeat(G).select(k)
+        all_k = torch.arange(N)
+        all_groups, all_ext = it * P + all_k // G, (all_k % G) >= G - K  # the last K of every group are external
+        group_ids, is_ext = all_groups[k], all_ext[k]
         seeds = torch.tensor([mix_seed(cfg.seed, it, 0, int(i)) for i in k], dtype=torch.int64)
-        is_ext = (k % G) >= G - K  # the last K of every group come from the external source
         on_rows, ext_rows = (~is_ext).nonzero().flatten(), is_ext.nonzero().flatten()
         net.eval()
-        on = batch.select(on_rows)
-        parts = [(on_rows, sampler(policy, on.tokens, on.cond, seeds=seeds[on_rows], **cfg.sampler.sampler_kwargs()))]
-        if K:
-            ex = batch.select(ext_rows)
-            parts.append((ext_rows, external_sample(ex.tokens, ex.cond, seeds=seeds[ext_rows])))
-        out = merge_rollouts(N, parts)
-        tokens, answer, prompt = out.tokens, out.gen_mask, batch.prompt
+        parts = []
+        with rollout_forwards(net, fsdp):  # FSDP: each process's own number of forwards (masked_plan.py)
+            if len(on_rows):
+                on = batch.select(on_rows)
+                parts.append((on_rows, sampler(policy, on.tokens, on.cond, seeds=seeds[on_rows],
+                                               **cfg.sampler.sampler_kwargs())))
+            if K and len(ext_rows):
+                ex = batch.select(ext_rows)
+                parts.append((ext_rows, external_sample(ex.tokens, ex.cond, seeds=seeds[ext_rows])))
+            out = merge_rollouts(S, parts)
+            tokens, answer, prompt = out.tokens, out.gen_mask, batch.prompt
+            # pi_old of the external tokens in the context each was committed in
+            lp_pi = (trace_logp(policy, tokens[ext_rows], answer[ext_rows], out.step[ext_rows], batch.select(ext_rows).cond)
+                     if K and len(ext_rows) else torch.zeros(0, tokens.shape[1]))
         # the inner updates' masks (a function of seeds and n) and, before any update, the old-policy and
         # reference log-probs under exactly those masks
         coupled_t = [cfg.estimator.t_low + (cfg.estimator.t_high - cfg.estimator.t_low)
@@ -138,93 +164,100 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
                      for n in range(1, mu + 1)]
         masks = [remask(cfg, tokens, answer, prompt, seeds, n, coupled_t[n - 1], mask_id) for n in range(1, mu + 1)]
         with torch.no_grad():
-            logp_old = torch.stack([token_logp(cfg, policy, tokens, rm, batch.cond) for rm in masks])  # [mu, N, L]
+            logp_old = torch.stack([token_logp(cfg, policy, tokens, rm, batch.cond) for rm in masks])  # [mu, S, L]
             logp_ref = None
             if cfg.train.kl_beta > 0:
                 with reference_policy(policy, net, reference):
                     logp_ref = torch.stack([token_logp(cfg, policy, tokens, rm, batch.cond) for rm in masks])
-        # importance weights of the external tokens: pi_old / mu_ext in the context each was committed in
+        # importance weights of the external tokens: pi_old / mu_ext, over every process's external rows
         is_weight, is_keep, correction = torch.ones(tokens.shape), torch.ones(tokens.shape, dtype=torch.bool), None
         if K:
-            ex_out = parts[1][1]
-            lp_pi = trace_logp(policy, tokens[ext_rows], answer[ext_rows], ex_out.step, batch.select(ext_rows).cond)
-            correction = corrector(lp_pi, ex_out.logp, answer[ext_rows], **ext.correct.options)
-            is_weight[ext_rows], is_keep[ext_rows] = correction.weights, correction.keep
+            is_weight, is_keep, correction = external_correction(accelerator, corrector, ext.correct.options, lp_pi,
+                                                                 out.logp[ext_rows], answer, is_ext, k)
         t_reward = time.perf_counter()
 
         # ==================================================================== reward
         # a failure names the prompts' own ids (the world's prompt table), not the iteration's group ids
-        prompt_ids = batch.ids if batch.ids is not None else torch.full((N,), -1)
+        prompt_ids = batch.ids if batch.ids is not None else torch.full((S,), -1)
         scores, bad = score_rewards(lambda: score_all(rewards, world.decode(tokens), batch.texts, batch.metadata, seeds,
-                                                      prompt_ids), N, cfg.reward.on_error, lambda: run.checkpoint(it),
-                                    f"iteration {it + 1}", run_dir)
-        if run.interrupted():  # SIGINT / SIGTERM: this iteration is abandoned before its update
+                                                      prompt_ids), S, cfg.reward.on_error, lambda: run.checkpoint(it),
+                                    f"iteration {it + 1}", run_dir, say, across_processes(accelerator))
+        if run.interrupted():  # SIGINT / SIGTERM on any process: this iteration is abandoned before its update
             break
         t_adv = time.perf_counter()
 
         # ==================================================================== advantage
-        baseline = ~is_ext if (K and ext.normalize == "source") else None
-        failed_frac = track_reward_failures(run.state, int(bad.sum()), len(bad), cfg.reward.max_failed_frac,
+        # over the whole iteration: every process's scores gathered (on the accelerator's device, collectives.py)
+        all_scores = {name: gather_rows(accelerator, v) for name, v in scores.items()}
+        all_bad = gather_rows(accelerator, bad.long()).bool()
+        baseline = ~all_ext if (K and ext.normalize == "source") else None
+        failed_frac = track_reward_failures(run.state, int(all_bad.sum()), N, cfg.reward.max_failed_frac,
                                             f"iteration {it + 1}", lambda: run.checkpoint(it), run_dir)
-        adv, failed = valid_group_advantages(scores, weights, group_ids, bad, cfg.advantage, cfg.reward.aggregate, baseline)
-        advantages, reward = adv.advantages, adv.reward
-        bad_groups = group_ids[failed].unique()
-        keep = ~failed
+        adv, failed = valid_group_advantages(all_scores, weights, all_groups, all_bad, cfg.advantage,
+                                             cfg.reward.aggregate, baseline)
+        bad_groups = all_groups[failed].unique()
+        keep_all = ~failed
         if cfg.advantage.drop_zero_spread:
-            keep &= ~adv.zero_spread
+            keep_all &= ~adv.zero_spread
+        advantages, keep = adv.advantages[k], keep_all[k]
 
         # ==================================================================== policy update
         net.train()
         m = Metrics()
         first = True
-        for n in range(1, mu + 1):
-            rm_all = masks[n - 1]
-            m.add("mask_frac", rm_all.masked.any(0).float(), answer.bool())
-            m.add("prompt_masked_frac", rm_all.masked.any(0).float(), prompt)
-            perm = torch.randperm(N, generator=torch.Generator().manual_seed(mix_seed(cfg.seed, it, 4, n)))
-            for u in range(updates_per_inner):
-                rows = perm[u * mbs * ga:(u + 1) * mbs * ga]
-                loss_tokens = rm_all.loss_mask[rows] & keep[rows, None] & is_keep[rows]
-                denom = max(int(loss_tokens.sum()), 1)  # fixed per optimizer update: 1 x 8 == 8 x 1
-                for a in range(ga):
-                    idx = rows[a * mbs:(a + 1) * mbs]
-                    sub = batch.select(idx)
-                    rm = remask(cfg, tokens[idx], answer[idx], prompt[idx], seeds[idx], n, coupled_t[n - 1], mask_id)
-                    lm = rm.loss_mask & keep[idx, None] & is_keep[idx]
-                    logp = token_logp(cfg, policy, tokens[idx], rm, sub.cond)
-                    if first and cfg.train.ratio_check:  # on-policy: same weights, same mask -> ratio 1
-                        m.add("first_step_max_abs_log_ratio",
-                              torch.tensor(check_ratio(logp[rm.loss_mask], logp_old[n - 1, idx][rm.loss_mask], cfg.train.ratio_tol)))
-                    first = False
-                    pg, pm = ppo_clip_loss(logp, logp_old[n - 1, idx], advantages[idx], cfg.train.clip_low,
-                                           cfg.train.clip_high)
-                    loss = (pg * is_weight[idx] * lm).sum() / denom
-                    if logp_ref is not None:
-                        kl = k3_kl(logp, logp_ref[n - 1, idx])
-                        loss = loss + cfg.train.kl_beta * (kl * lm).sum() / denom
-                        m.add("kl", kl, lm)
-                    loss.backward()
-                    m.add("policy_loss", pg, lm)
-                    for name in ("ratio", "approx_kl", "clip_high", "clip_low"):
-                        m.add(name, pm[name], lm)
-                norm = clip_and_step(optimizer, params, cfg.train.max_grad_norm)
-                if norm is not None:
-                    m.add("grad_norm", norm)
+        with use_module(policy, trained):  # the trained forwards through DDP's wrapper (no-op otherwise)
+            for n in range(1, mu + 1):
+                rm_all = masks[n - 1]
+                m.add("mask_frac", rm_all.masked.any(0).float(), answer.bool())
+                m.add("prompt_masked_frac", rm_all.masked.any(0).float(), prompt)
+                perm = torch.randperm(S, generator=torch.Generator().manual_seed(mix_seed(cfg.seed, it, 4, n)))
+                for u in range(updates_per_inner):
+                    rows = perm[u * mbs * ga:(u + 1) * mbs * ga]
+                    loss_tokens = rm_all.loss_mask[rows] & keep[rows, None] & is_keep[rows]
+                    # fixed per optimizer update, over every process's part of it: 1 x 8 == 8 x 1 == 2 processes x 4
+                    denom = update_tokens(accelerator, int(loss_tokens.sum()), world_size)
+                    for a in range(ga):
+                        idx = rows[a * mbs:(a + 1) * mbs]
+                        sub = batch.select(idx)
+                        rm = remask(cfg, tokens[idx], answer[idx], prompt[idx], seeds[idx], n, coupled_t[n - 1], mask_id)
+                        lm = rm.loss_mask & keep[idx, None] & is_keep[idx]
+                        with nullcontext() if a == ga - 1 else accelerator.no_sync(trained):
+                            logp = token_logp(cfg, policy, tokens[idx], rm, sub.cond)
+                            if first and cfg.train.ratio_check:  # on-policy: same weights, same mask -> ratio 1
+                                worst = process_max(accelerator, float((logp.detach() - logp_old[n - 1, idx])[rm.loss_mask]
+                                                                       .abs().max()))  # every process stops together
+                                m.add("first_step_max_abs_log_ratio",
+                                      torch.tensor(check_ratio(torch.tensor([worst]), torch.zeros(1), cfg.train.ratio_tol)))
+                            first = False
+                            pg, pm = ppo_clip_loss(logp, logp_old[n - 1, idx], advantages[idx], cfg.train.clip_low,
+                                                   cfg.train.clip_high)
+                            loss = (pg * is_weight[idx] * lm).sum() / denom
+                            if logp_ref is not None:
+                                kl = k3_kl(logp, logp_ref[n - 1, idx])
+                                loss = loss + cfg.train.kl_beta * (kl * lm).sum() / denom
+                                m.add("kl", kl, lm)
+                            accelerator.backward(loss)
+                        m.add("policy_loss", pg, lm)
+                        for name in ("ratio", "approx_kl", "clip_high", "clip_low"):
+                            m.add(name, pm[name], lm)
+                    norm = clip_and_step(optimizer, params, cfg.train.max_grad_norm)
+                    if norm is not None:
+                        m.add("grad_norm", norm)
         net.eval()
         t_log = time.perf_counter()
 
         # ==================================================================== log
-        upd = m.result()
-        on_mask = ~is_ext
+        upd = m.result(accelerator)  # means over every process's micro-steps
+        on_mask = ~all_ext
         row = {
             "iteration": it + 1,
-            **reward_stats(reward[on_mask], {k: v[on_mask] for k, v in scores.items()}, weights, group_ids[on_mask],
-                           cfg.advantage),
-            "adv_mean": float(advantages.mean()), "adv_abs_max": float(advantages.abs().max()),
-            "zero_spread_groups": int(group_ids[adv.zero_spread].unique().numel()),
+            **reward_stats(adv.reward[on_mask], {k: v[on_mask] for k, v in all_scores.items()}, weights,
+                           all_groups[on_mask], cfg.advantage),
+            "adv_mean": float(adv.advantages.mean()), "adv_abs_max": float(adv.advantages.abs().max()),
+            "zero_spread_groups": int(all_groups[adv.zero_spread].unique().numel()),
             "failed_reward_groups": int(bad_groups.numel()), "failed_reward_frac": failed_frac,
-            "trained_samples": int(keep.sum()),
-            "nfe_rollout": out.nfe,
+            "trained_samples": int(keep_all.sum()),
+            "nfe_rollout": busiest(accelerator, out.nfe),
             **upd,
             "ratio_mean": upd.get("ratio", 1.0),
             "lr": optimizer.param_groups[0]["lr"],
@@ -232,8 +265,8 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
         }
         row.pop("ratio", None)
         if K:  # on-policy reward above, the external source's here
-            row.update({"external/reward_mean": finite_mean_std(reward[is_ext])[0],
-                        "external/adv_mean": float(advantages[is_ext].mean()),
+            row.update({"external/reward_mean": finite_mean_std(adv.reward[all_ext])[0],
+                        "external/adv_mean": float(adv.advantages[all_ext].mean()),
                         **{f"external/{k}": float(v) for k, v in correction.diagnostics.items()}})
         if cfg.eval.every and (it + 1) % cfg.eval.every == 0 and it + 1 < cfg.train.iterations:
             t_eval = time.perf_counter()
@@ -271,6 +304,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
                 net.save_pretrained(str(run_dir / "lora"))
     run.finish(summary, world.headline)
     run.barrier()
+    accelerator.end_training()
     return summary
 
 

@@ -12,7 +12,7 @@ at t ~ U(t_low, t_high), weights 1/t and 1/(1 - t)). ``mu`` = train.inner_update
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from difrl.config import cfg_field, config_error, load_config
 from difrl.train.config import (AdvantageConfig, CorrectConfig, EvalConfig, LoraConfig, ModelConfig, TrainConfig,
@@ -113,6 +113,14 @@ class ExternalConfig:
 @dataclass
 class MaskedTrainConfig(TrainConfig):
     inner_updates: int = cfg_field(4, ge=1, help="mu: passes over each rollout, each with its own re-mask")
+    # the flow trainer's micro-batch keys (README "Micro-batches"), in sequences: micro_batch x grad_accum x
+    # updates_per_epoch = this process's samples per pass (difrl/train/masked_plan.py)
+    micro_batch: int | Literal["auto"] = cfg_field(
+        64, ge=1, help="sequences per forward/backward; auto = each process's samples cut into "
+                       "train.updates_per_epoch x train.grad_accum micro-batches, whatever the number of processes")
+    updates_per_epoch: int | None = cfg_field(None, ge=1, help="optimizer updates per pass (inner update) over the "
+                                                                "rollout: what micro_batch=auto keeps (None = 1); with "
+                                                                "an explicit micro_batch a check that it gives this many")
 
 
 @dataclass
@@ -147,12 +155,8 @@ class MaskedConfig(TrainerConfig):
 
     def validate(self) -> None:
         super().validate()
-        n = self.rollout.prompts_per_iter * self.rollout.group_size
-        per_update = self.train.micro_batch * self.train.grad_accum
-        if n % per_update:
-            raise config_error("train.micro_batch", f"{n} samples per iteration (rollout.prompts_per_iter x "
-                                                    f"rollout.group_size) are not a multiple of train.micro_batch x "
-                                                    f"train.grad_accum = {per_update}")
+        # how the samples split over processes and into updates is checked where the number of processes is known
+        # (difrl.train.masked_plan.plan, at start-up)
         ext = self.external
         if ext.source != "none" and ext.per_group >= self.rollout.group_size:
             raise config_error("external.per_group", f"{ext.per_group} external rollouts leave no on-policy rollout in a "

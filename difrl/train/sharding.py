@@ -19,6 +19,12 @@ gradient reduction). fsdp_auto_wrap_policy is not read: the units are always the
 policy would cut blocks apart). fsdp_activation_checkpointing is not read either: activation checkpointing
 is a model option (hf_masked: model.gradient_checkpointing; the flow adapters have none yet).
 
+Both trainers split their samples over the processes under FSDP as under DDP (difrl/train/flow.py,
+difrl/train/masked_plan.py): each process rolls out and trains on its share of the global batch, and FSDP2 only
+adds the sharding of the model. Every process must run the same sequence of sharded forwards (each all-gathers):
+the masked trainer's rollouts, whose forward count depends on the samples, run with the units gathered once
+(masked_plan.rollout_forwards).
+
 A sharded parameter is a DTensor holding this process's rows (dim 0, torch.chunk's split). Checkpoints
 and the final weights are gathered to full tensors, so a checkpoint written by N sharded processes is
 the same file a single process writes (a run resumes from it on the same number of processes: tested;
@@ -143,27 +149,6 @@ def fsdp_settings(accelerator) -> FSDPSettings | None:
     return FSDPSettings(reshard_after_forward=bool(plugin.reshard_after_forward),
                         offload_params=offload_requested(),
                         mixed_precision=mixed, block_classes=tuple(names) if names else None)
-
-
-def sharded_processes():
-    """The processes of a trainer that is not data-parallel (the masked recipe): (None, None) for a plain
-    single process; (accelerator, FSDP settings) under `accelerate launch` with an FSDP config, where every
-    process runs the whole iteration and only the model (parameters, gradients, optimizer state) is split. More
-    than one process without FSDP would only repeat the same run, so it is refused (ConfigError)."""
-    from difrl.config import ConfigError
-
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not fsdp_requested():
-        return None, None
-    from accelerate import Accelerator
-
-    cpu = not torch.cuda.is_available()
-    accelerator = Accelerator(cpu=cpu, kwargs_handlers=process_group_kwargs(cpu))  # FSDP offload: a CPU backend too
-    fsdp = fsdp_settings(accelerator)
-    if fsdp is None:
-        raise ConfigError(f"{accelerator.num_processes} processes without FSDP: the masked trainer does not split its "
-                          "batch over processes, so they would only repeat one run. Run one process, or shard the "
-                          "model with accelerate launch --config_file configs/accelerate/fsdp.yaml", "launch")
-    return accelerator, fsdp
 
 
 def refuse_unsupported(cfg, settings: FSDPSettings | None) -> None:
