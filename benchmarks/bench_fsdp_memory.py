@@ -111,24 +111,30 @@ def rollout_copy_bytes(sharded, plain, out: Path, rank: int, numel: int) -> None
         "peak_gathered": peak[0], "model_fp32": 4 * numel, "quantized": len(fsdp_copy.report.quantized)}))
 
 
-def copy_rows(found: list[dict]) -> tuple[list[dict], list[str]]:
-    """The rollout-copy rows (the largest process's) and their table lines."""
+def copy_rows(found: list[dict], state: dict[str, int]) -> tuple[list[dict], list[str]]:
+    """The rollout-copy rows (the largest process's) and their table lines; `state`: the training state per process
+    of the table above ({"ddp": bytes, "fsdp": bytes})."""
     worst = max(found, key=lambda r: r["fsdp_copy"])
     rows = [{"setting": "rollout copy fp8_row, DDP (a deep copy per process)", "processes": len(found),
-             "copy_bytes": worst["ddp_copy"], "peak_gathered_bytes": None, "model_fp32_bytes": worst["model_fp32"]},
+             "copy_bytes": worst["ddp_copy"], "peak_gathered_bytes": None, "model_fp32_bytes": worst["model_fp32"],
+             "with_state_bytes": worst["ddp_copy"] + state["ddp"]},
             {"setting": "rollout copy fp8_row, FSDP2 (a full copy per process, built one unit at a time)",
              "processes": len(found), "copy_bytes": worst["fsdp_copy"], "peak_gathered_bytes": worst["peak_gathered"],
-             "model_fp32_bytes": worst["model_fp32"]}]
+             "model_fp32_bytes": worst["model_fp32"], "with_state_bytes": worst["fsdp_copy"] + state["fsdp"]}]
     for r in rows:
         r["copy_vs_ddp"] = r["copy_bytes"] / worst["ddp_copy"]
+        r["with_state_vs_ddp"] = r["with_state_bytes"] / rows[0]["with_state_bytes"]
+    fsdp = rows[1]
     lines = ["", f"The fp8_row rollout copy ({worst['quantized']} linear layers quantized, FLUX's skip list kept in fp32) "
-             "per process (under FSDP2 equal, tensor for tensor, to the deep copy of the gathered weights); under FSDP2 it is built one gathered unit at a time: the "
-             "most fp32 bytes gathered at once is one unit, not the model.", "",
-             "| setting | copy per process | vs DDP's copy | most gathered at once (fp32) | whole model (fp32) |",
-             "|---|---:|---:|---:|---:|"]
+             f"per process: under FSDP2 {fsdp['copy_vs_ddp']:.3f} x DDP's copy (equal, tensor for tensor, to the deep "
+             "copy of the gathered weights), built one gathered unit at a time: the most fp32 bytes gathered at once "
+             f"were {fsdp['peak_gathered_bytes'] / fsdp['model_fp32_bytes']:.2f} x the whole model's. With the training "
+             f"state above, an FSDP2 process holds {fsdp['with_state_vs_ddp']:.3f} x a DDP process.", "",
+             "| setting | copy per process | vs DDP's copy | most gathered at once (fp32) | whole model (fp32) | "
+             "copy + training state | vs DDP |", "|---|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['setting']} | {mib(r['copy_bytes'])} | {r['copy_vs_ddp']:.3f} | "
               f"{'-' if r['peak_gathered_bytes'] is None else mib(r['peak_gathered_bytes'])} | "
-              f"{mib(r['model_fp32_bytes'])} |" for r in rows]
+              f"{mib(r['model_fp32_bytes'])} | {mib(r['with_state_bytes'])} | {r['with_state_vs_ddp']:.3f} |" for r in rows]
     return rows, lines
 
 
@@ -179,7 +185,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
              "|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['setting']} | {mib(r['params'])} | {mib(r['grads'])} | {mib(r['optimizer'])} | "
               f"{mib(r['total'])} | {r['vs_ddp']:.3f} |" for r in rows]
-    more, copy_lines = copy_rows(copies)
+    more, copy_lines = copy_rows(copies, {"ddp": rows[0]["total"], "fsdp": rows[1]["total"]})
     rows, lines = rows + more, lines + copy_lines
     publish(args, BEGIN, END, "FSDP2 vs DDP: per-process model memory (2 CPU processes)", "bench_fsdp_memory.py",
             argv, lines, rows)
