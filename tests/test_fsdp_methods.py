@@ -101,7 +101,7 @@ def trees(tiny_flux, tmp_path_factory):
 # ---------------------------------------------------------------------------------- end to end (2 processes)
 
 
-@pytest.mark.slow  # two launches of the tiny FLUX pipeline, about 40 s on 2 cores
+@pytest.mark.slow  # two launches of the tiny FLUX pipeline (1 and 2 processes), 2 min on 2 busy cores
 def test_flat_fp8_copy_with_correction_full_finetune_equals_one_process(flat_fp8, tiny_flux):
     one, two, out = flat_fp8
     assert "a full copy per process, built one FSDP unit at a time): fp8: 21 of 30 linear layers quantized" in out
@@ -117,7 +117,7 @@ def test_flat_fp8_copy_with_correction_full_finetune_equals_one_process(flat_fp8
     assert max(float((trained[f"trainable/{k}"] - v).abs().max()) for k, v in base.items()) > 1e-3
 
 
-@pytest.mark.slow  # two launches of the tiny FLUX pipeline, about 40 s on 2 cores
+@pytest.mark.slow  # two launches of the tiny FLUX pipeline (1 and 2 processes), 2 min on 2 busy cores
 def test_solrl_fp8_row_candidates_lora_equals_one_process(solrl):
     one, two, out = solrl
     assert "(stage-1 candidates, synced every 1 iteration(s); a full copy per process, built one FSDP unit" in out
@@ -130,7 +130,7 @@ def test_solrl_fp8_row_candidates_lora_equals_one_process(solrl):
     assert max(float(v.abs().max()) for k, v in trained.items() if "lora_B" in k) > 1e-3
 
 
-@pytest.mark.slow  # two launches of the tiny FLUX pipeline, about 40 s on 2 cores
+@pytest.mark.slow  # two launches of the tiny FLUX pipeline (1 and 2 processes), 2 min on 2 busy cores
 def test_branchgrpo_with_pruning_lora_equals_one_process(trees):
     from difrl.train.config import load_flow_config
     from difrl.train.flow_plan import forward_counts, step_masks
