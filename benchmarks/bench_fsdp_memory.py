@@ -12,6 +12,13 @@ gradients and AdamW's two moments (local shards under FSDP). Not counted: DDP's 
 gradient-sized buffer per process), FSDP's transient all-gathered block during its forward / backward,
 activations and libraries. A DDP process holds what a single process holds. Byte counts, no timings: the
 numbers do not depend on the machine's load.
+
+The rollout copy (`rollout_copy_bytes`, rows "rollout copy ..."): the same job then builds the fp8_row rollout copy
+(rollout.precision=fp8_row, FLUX's skip list, every other linear quantized) of the DDP model (a deep copy, as one
+process builds it) and of the FSDP2-sharded one (difrl/train/rollout_copy.py: a full copy per process, filled one
+gathered FSDP unit at a time), and counts per process the copy's bytes (its parameters and buffers: fp8 codes,
+scales, the layers kept in high precision) and, under FSDP, the most fp32 bytes gathered at once while it is built
+(the largest unit) against the whole fp32 model. The FSDP copy must equal the DDP copy tensor for tensor.
 """
 
 from __future__ import annotations
@@ -64,9 +71,71 @@ def worker(layers: int, dim: int, out: Path) -> None:
         optimizer.step()  # AdamW's moments exist after the first step; the gradients are still held
         counts = state_bytes(params, optimizer)
         (out / f"{mode}-rank{rank}.json").write_text(json.dumps({"mode": mode, "rank": rank, "numel": numel, **counts}))
+        if mode == "fsdp":
+            rollout_copy_bytes(model, ddp_model, out, rank, numel)
+        else:
+            ddp_model = model.module
         del model, net, params, optimizer
     dist.barrier()
     dist.destroy_process_group()
+
+
+def rollout_copy_bytes(sharded, plain, out: Path, rank: int, numel: int) -> None:
+    """This rank's bytes of the fp8_row rollout copy of `plain` (DDP's model: a deep copy) and of `sharded` (FSDP2:
+    built one gathered unit at a time), and the most fp32 bytes gathered at once for the latter, which must equal
+    the deep copy of the sharded model's gathered weights (written to OUT/copy-rank{r}.json)."""
+    import torch
+
+    from difrl.quant import QUANT_PRESETS, RolloutCopy
+    from difrl.quant.linear import storage_bytes
+    from difrl.train.rollout_copy import sharded_skeleton, sharded_weights
+    from difrl.train.sharding import gathered, plain_copy
+
+    skip = QUANT_PRESETS["flux"]["skip"]
+    ddp_copy = RolloutCopy(plain, "fp8_row", skip, 0, "emulate")
+    peak = [0]
+
+    def measured(source):  # sharded_weights, noting the largest part (one unit's fp32 tensors, gathered)
+        for part in sharded_weights()(source):
+            peak[0] = max(peak[0], sum(t.numel() * t.element_size() for t in part.values()))
+            yield part
+
+    fsdp_copy = RolloutCopy(sharded, "fp8_row", skip, 0, "emulate", weights=measured,
+                            skeleton=sharded_skeleton(sharded, {}))
+    with gathered(sharded):  # the reference: what one process would build from these weights
+        reference = RolloutCopy(plain_copy(sharded), "fp8_row", skip, 0, "emulate")
+    a, b = reference.module.state_dict(), fsdp_copy.module.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the FSDP copy differs from a deep copy"
+    (out / f"copy-rank{rank}.json").write_text(json.dumps({
+        "rank": rank, "ddp_copy": storage_bytes(ddp_copy.module), "fsdp_copy": storage_bytes(fsdp_copy.module),
+        "peak_gathered": peak[0], "model_fp32": 4 * numel, "quantized": len(fsdp_copy.report.quantized)}))
+
+
+def copy_rows(found: list[dict], state: dict[str, int]) -> tuple[list[dict], list[str]]:
+    """The rollout-copy rows (the largest process's) and their table lines; `state`: the training state per process
+    of the table above ({"ddp": bytes, "fsdp": bytes})."""
+    worst = max(found, key=lambda r: r["fsdp_copy"])
+    rows = [{"setting": "rollout copy fp8_row, DDP (a deep copy per process)", "processes": len(found),
+             "copy_bytes": worst["ddp_copy"], "peak_gathered_bytes": None, "model_fp32_bytes": worst["model_fp32"],
+             "with_state_bytes": worst["ddp_copy"] + state["ddp"]},
+            {"setting": "rollout copy fp8_row, FSDP2 (a full copy per process, built one unit at a time)",
+             "processes": len(found), "copy_bytes": worst["fsdp_copy"], "peak_gathered_bytes": worst["peak_gathered"],
+             "model_fp32_bytes": worst["model_fp32"], "with_state_bytes": worst["fsdp_copy"] + state["fsdp"]}]
+    for r in rows:
+        r["copy_vs_ddp"] = r["copy_bytes"] / worst["ddp_copy"]
+        r["with_state_vs_ddp"] = r["with_state_bytes"] / rows[0]["with_state_bytes"]
+    fsdp = rows[1]
+    lines = ["", f"The fp8_row rollout copy ({worst['quantized']} linear layers quantized, FLUX's skip list kept in fp32) "
+             f"per process: under FSDP2 {fsdp['copy_vs_ddp']:.3f} x DDP's copy (equal, tensor for tensor, to the deep "
+             "copy of the gathered weights), built one gathered unit at a time: the most fp32 bytes gathered at once "
+             f"were {fsdp['peak_gathered_bytes'] / fsdp['model_fp32_bytes']:.2f} x the whole model's. With the training "
+             f"state above, an FSDP2 process holds {fsdp['with_state_vs_ddp']:.3f} x a DDP process.", "",
+             "| setting | copy per process | vs DDP's copy | most gathered at once (fp32) | whole model (fp32) | "
+             "copy + training state | vs DDP |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['setting']} | {mib(r['copy_bytes'])} | {r['copy_vs_ddp']:.3f} | "
+              f"{'-' if r['peak_gathered_bytes'] is None else mib(r['peak_gathered_bytes'])} | "
+              f"{mib(r['model_fp32_bytes'])} | {mib(r['with_state_bytes'])} | {r['with_state_vs_ddp']:.3f} |" for r in rows]
+    return rows, lines
 
 
 def launch(layers: int, dim: int, out: Path) -> None:
@@ -97,7 +166,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     layers, dim = (1, 32) if args.quick else (args.layers, args.dim)
     with tempfile.TemporaryDirectory() as tmp:
         launch(layers, dim, Path(tmp))
-        found = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("*.json"))]
+        found = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("*.json")) if not p.name.startswith("copy-")]
+        copies = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("copy-rank*.json"))]
     rows = []
     for mode, label in (("ddp", "DDP, 2 processes (= 1 process)"), ("fsdp", "FSDP2, 2 processes")):
         mine = [r for r in found if r["mode"] == mode]
@@ -115,6 +185,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
              "|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['setting']} | {mib(r['params'])} | {mib(r['grads'])} | {mib(r['optimizer'])} | "
               f"{mib(r['total'])} | {r['vs_ddp']:.3f} |" for r in rows]
+    more, copy_lines = copy_rows(copies, {"ddp": rows[0]["total"], "fsdp": rows[1]["total"]})
+    rows, lines = rows + more, lines + copy_lines
     publish(args, BEGIN, END, "FSDP2 vs DDP: per-process model memory (2 CPU processes)", "bench_fsdp_memory.py",
             argv, lines, rows)
     return rows

@@ -18,9 +18,9 @@ c. bf16 mixed precision from the launch, and model.dtype=bf16 full fine-tuning (
 d. The masked trainer (Sudoku; hf_masked: the bundled BertForMaskedLM, tied embeddings) under FSDP and DDP, its
    samples split over the processes: tests/test_masked_dp.py.
 e. Fast: gathering, plain copies and checkpoint restore of sharded tensors (a one-process group in the test
-   process); the settings accelerate's config gives, and what is refused with a reason (the rollout copy,
-   Sol-RL / trees, FSDP version 1, CPU offload on a process group without a CPU backend); block classes with a
-   tied weight stay in the root unit.
+   process); the settings accelerate's config gives, and what is refused with a reason (FSDP version 1, CPU
+   offload on a process group without a CPU backend); block classes with a tied weight stay in the root unit.
+   (Trees, Sol-RL and the rollout copy under FSDP: tests/test_fsdp_methods.py.)
 f. fsdp_reshard_after_forward: false and fsdp_offload_params: true. Fast (one torchrun job of 2 processes): a
    forward after an EMA swap, a swap back and a checkpoint restore, each following a forward that left the units
    gathered, computes what one plain process computes with the weights written. Slow: digits with DiffusionNFT,
@@ -317,21 +317,6 @@ def test_settings_come_from_the_accelerate_config(monkeypatch):
         fsdp_settings(SimpleNamespace(mixed_precision="no"))
 
 
-def test_what_fsdp_refuses_says_why():
-    from difrl.config import ConfigError
-    from difrl.train.config import load_flow_config
-    from difrl.train.sharding import FSDPSettings, refuse_unsupported
-
-    digits = ROOT / "configs" / "digits.yaml"
-    refuse_unsupported(load_flow_config(digits, []), FSDPSettings())  # flat GRPO at fp32: fine
-    refuse_unsupported(load_flow_config(digits, ["rollout.precision=nvfp4"]), None)  # not sharded: fine
-    for overrides, words in ((["rollout.precision=nvfp4"], "rollout copy"), (["rollout.sync_every=2"], "rollout copy"),
-                             (["rollout.kind=solrl"], "not been tested under FSDP"),
-                             (["rollout.kind=tree", "tree.split_steps=[0,1]", "rollout.group_size=4"], "not been tested under FSDP")):
-        with pytest.raises(ConfigError, match=words):
-            refuse_unsupported(load_flow_config(digits, overrides), FSDPSettings())
-
-
 def test_block_classes_and_tied_weights():
     from torch import nn
 
@@ -369,12 +354,18 @@ def test_bench_fsdp_memory_halves_the_per_process_state(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_fsdp_memory", ROOT / "benchmarks" / "bench_fsdp_memory.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    ddp, fsdp = bench.main(["--quick", "--json", str(tmp_path / "rows.json")])
-    assert json.loads((tmp_path / "rows.json").read_text()) == [ddp, fsdp]
+    rows = bench.main(["--quick", "--json", str(tmp_path / "rows.json")])
+    assert json.loads((tmp_path / "rows.json").read_text()) == rows
+    ddp, fsdp = rows[:2]
     # DDP: AdamW holds two moments per weight and the gradient one copy; FSDP2 holds about half of each
     assert ddp["params"] == ddp["grads"] > 0 and ddp["optimizer"] == pytest.approx(2 * ddp["params"], rel=1e-2)  # + steps
     for k in ("params", "grads", "optimizer", "total"):
         assert 0.45 < fsdp[k] / ddp[k] < 0.55, k
+    # the rollout copy under FSDP2: a full copy per process as under DDP (the bench checks it equals the copy of the
+    # gathered weights), built one gathered unit at a time: never the whole fp32 model at once
+    ddp_copy, fsdp_copy = (r for r in rows if r["setting"].startswith("rollout copy"))
+    assert fsdp_copy["copy_bytes"] == ddp_copy["copy_bytes"] > 0
+    assert 0 < fsdp_copy["peak_gathered_bytes"] < fsdp_copy["model_fp32_bytes"]
 
 
 def test_gather_copy_and_restore_in_one_process(tmp_path):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Collection, Iterable
 
 import torch
 from torch import nn
@@ -356,14 +356,15 @@ def choose_backend(fmt: str, requested: str = "auto", linear: nn.Linear | None =
 
 
 def quantize_module(module: nn.Module, fmt: str, skip: Iterable[str] = (), min_dim: int = 0,
-                    backend: str = "auto") -> QuantReport:
+                    backend: str = "auto", only: Collection[str] | None = None) -> QuantReport:
     """Replace the nn.Linear layers of `module` in place (call it on a copy). A layer is skipped when its
-    qualified name contains any `skip` substring or max(in, out) <= min_dim."""
+    qualified name contains any `skip` substring or max(in, out) <= min_dim. `only`: the qualified names of the
+    layers to look at (a copy built one part at a time); None: all."""
     F._check_format(fmt)
     skip = tuple(skip)
     report = QuantReport(fmt)
     for name, child in list(module.named_modules()):
-        if not isinstance(child, nn.Linear):
+        if not isinstance(child, nn.Linear) or (only is not None and name not in only):
             continue
         shape = (child.out_features, child.in_features)
         hit = next((s for s in skip if s in name), None)

@@ -29,7 +29,6 @@ import torch
 from difrl.algos.tree import tree_train_edges
 from difrl.correct.core import Correction
 from difrl.eval.metrics import change_over_noise
-from difrl.quant import RolloutCopy
 from difrl.rewards import Scoring, score_all
 from difrl.rollout import cat_rollouts, chunk_slices, per_transition, rollout
 from difrl.solrl import candidate_pool, rank_agreement
@@ -39,11 +38,12 @@ from difrl.train.objectives import grpo_micro_loss, nft_micro_loss, nft_sigmas, 
 from difrl.train.reward_stage import (across_processes, build_rewards, probe_batch, reward_stats, score_rewards,
                                      track_reward_failures, valid_group_advantages)
 from difrl.train.metrics import Metrics, pooled_std
-from difrl.train.precision import MasterWeights, refuse_fp16, upcast_masters
+from difrl.train.precision import refuse_fp16, upcast_masters
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, claim_run_dir, clip_and_step,  # noqa: F401
                                   cores_available, fmt_eval, make_optimizer, progress, record_eval, reference_policy,
                                   save_policy, shard_policy, wrap_policy)
-from difrl.train.sharding import fsdp_settings, gathered, process_group_kwargs, refuse_unsupported
+from difrl.train.rollout_copy import RolloutCopy, build_rollout_copy, sync_rollout_copy  # noqa: F401
+from difrl.train.sharding import fsdp_settings, gathered, process_group_kwargs
 from difrl.train.state import EMA, trainable_params
 from difrl.tree_rollout import tree_rollout
 from difrl.utils.collectives import gather, reduce
@@ -79,7 +79,6 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
     masters = upcast_masters(policy, net)
     # FSDP2 (accelerate launch --config_file configs/accelerate/fsdp.yaml) or None; gathers in the compute dtype
     fsdp = masters.fsdp(fsdp_settings(accelerator))
-    refuse_unsupported(cfg, fsdp)
     net, reference = shard_policy(policy, net, reference, fsdp, accelerator.device)
     params = trainable_params(net)
     optimizer = make_optimizer(params, cfg.train)
@@ -90,7 +89,9 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
     ema = EMA(trainable_params(unwrapped), cfg.train.ema_decay, unwrapped) if cfg.train.ema_decay > 0 else None
     # DiffusionNFT's old policy (the sampler and v_old): an EMA of the trained weights with its own schedule
     old = EMA(trainable_params(unwrapped), 0.0, unwrapped) if nft else None
-    rollout_copy, copy_source = build_rollout_copy(cfg, policy, unwrapped, masters, accelerator.print)
+    # under FSDP a full low-precision copy per process, built one gathered block at a time (train/rollout_copy.py)
+    rollout_copy, copy_source = build_rollout_copy(cfg, policy, unwrapped, masters, accelerator.print,
+                                                   accelerator.device, sharded=fsdp is not None)
     extras = {k: v for k, v in (("old", old), ("rollout_source", copy_source)) if v is not None}
     reference_ctx = lambda: reference_policy(policy, unwrapped, reference)  # noqa: E731
     train_sigmas = nft_sigmas(cfg, sigmas) if nft else None  # DiffusionNFT's trained sigmas [T]
@@ -163,7 +164,8 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
             stage["seconds_regenerate" if solrl else "seconds_sampling"] = time.perf_counter() - t_r
         correction = None
         if on_copy and not nft:  # mu != pi_old: PPO's ratio against the recomputed proximal policy, IS weights
-            batch, correction = proximal_correction(policy, batch, cfg, micro.transitions)
+            batch, correction = proximal_correction(policy, batch, cfg, micro.transitions,  # over all processes
+                                                    lambda t: gather(accelerator, t), rank)
             stage["nfe_full"] += len(batch) * world_size * T * nfe
         t_reward = time.perf_counter()
 
@@ -317,39 +319,6 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
 
 
 # ---------------------------------------------------------------------------------- pieces of the loop
-
-
-def build_rollout_copy(cfg: FlowConfig, policy, unwrapped, masters: MasterWeights,
-                       say) -> tuple[RolloutCopy | None, EMA | None]:
-    """The rollout copy (LoRA merged, linear layers in rollout.precision, re-synced before rollouts) or None, and
-    for a stale copy (sync_every > 1) the weights it was last synced from (checkpointed, so resume is exact). The
-    copy holds its high-precision tensors in the dtypes the model was loaded in (`masters.as_loaded`), its source
-    the fp32 master weights."""
-    if cfg.rollout.precision == "fp32" and cfg.rollout.sync_every == 1:
-        return None, None
-    preset = policy.quant_preset
-    with masters.as_loaded(unwrapped):
-        copy = RolloutCopy(unwrapped, cfg.rollout.precision,
-                           preset["skip"] if cfg.rollout.quant_skip is None else cfg.rollout.quant_skip,
-                           preset["min_dim"] if cfg.rollout.quant_min_dim is None else cfg.rollout.quant_min_dim,
-                           cfg.rollout.quant_backend)
-    say(f"difrl: rollout copy ({'stage-1 candidates' if cfg.rollout.kind == 'solrl' else 'rollouts'}, synced every "
-        f"{cfg.rollout.sync_every} iteration(s)): " + copy.report.summary())
-    return copy, EMA(trainable_params(unwrapped), 0.0, unwrapped) if cfg.rollout.sync_every > 1 else None
-
-
-def sync_rollout_copy(copy: RolloutCopy | None, source: EMA | None, unwrapped, it: int, start: int, every: int) -> None:
-    """Refresh the copy every `every` iterations (after an update, a sync that changes nothing is a
-    WeightSyncError); a run resumed between two syncs of a stale copy reloads it from the saved source."""
-    if copy is None:
-        return
-    if it % every == 0:
-        if source is not None:
-            source.update(0.0)  # remember what the copy was synced from
-        copy.sync(unwrapped, check=it > start)
-    elif it == start:
-        with source.swapped():
-            copy.sync(unwrapped, check=False)
 
 
 def candidate_reward(cfg: FlowConfig, world, rewards, weights, run: Run, it: int, say, images, prompts, prompt_ids,

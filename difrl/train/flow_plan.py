@@ -2,6 +2,7 @@
 
     n_total, per_proc, T, schedule, micro = plan(cfg, world, world_size, run_dir, print)   # prints the banner
     sde_mask, train_mask, window_start = step_masks(cfg, iteration, num_samples)
+    forward_counts(cfg, world_size, schedule, sde_mask)    # per process: its policy forwards in an iteration
 
 Three numbers cut a process's rollout into optimizer updates: train.micro_batch (the work per forward/backward,
 in transitions, i.e. sample-steps, whatever the rollout kind: switching rollout.kind between flat, tree and solrl
@@ -20,6 +21,16 @@ chosen size. An explicit micro_batch fixes the work per backward instead (on GPU
 follow from it, a value that does not divide is refused with the nearest ones that do (micro_batch and
 grad_accum), and a config that also names updates_per_epoch must agree with it (the FLUX / SD3 / Wan configs are
 sized for a number of GPUs: on another, the error gives the grad_accum that keeps their updates per rollout).
+
+Every process runs the same number of policy forwards (DESIGN.md): under FSDP2 each forward all-gathers every
+block, and a process that runs one forward more than another waits for it forever (specs/scale.md §2 "Uneven
+forward counts"; under DDP the backward's all-reduce does the same). The split makes it so: every process gets
+the same number of samples (flat, Sol-RL's stage 2), of candidates (Sol-RL's stage 1) and of whole trees
+(BranchGRPO), and a tree's pruning (depth: by the edge's depth and the iteration; width: a number of tail edges
+fixed by the tree's shape and tree.width_ratio, whichever edges the advantages pick) keeps the same number of
+edges in every tree of an iteration. `forward_counts` counts each process's forwards from those sizes (rollout
+chunks, candidates and their batches, tree steps' live nodes, trained edges after pruning for every pruned-depth set
+the run reaches) and `plan` refuses a config whose counts differ (ConfigError) before anything runs.
 """
 
 from __future__ import annotations
@@ -30,7 +41,9 @@ from typing import NamedTuple
 
 import torch
 
-from difrl.branching import num_trained_edges
+from difrl.algos.tree import depth_prune, depth_pruning_set, width_prune
+from difrl.branching import build_tree, effective_sde_mask, num_trained_edges
+from difrl.config import ConfigError
 from difrl.samplers import step_masks as sampler_step_masks
 from difrl.train.config import FlowConfig
 from difrl.train.objectives import nft_sigmas
@@ -180,16 +193,8 @@ def plan(cfg: FlowConfig, world, world_size: int, run_dir: Path, say) -> tuple[i
     n_total = cfg.rollout.prompts_per_iter * cfg.rollout.group_size
     per_proc = n_total // world_size
     tree_mode = cfg.rollout.kind == "tree"
-    if n_total % world_size:
-        raise ValueError(f"{n_total} samples per iteration (rollout.prompts_per_iter x rollout.group_size) do not "
-                         f"split over {world_size} processes")
-    if tree_mode and cfg.rollout.prompts_per_iter % world_size:
-        raise ValueError(f"{cfg.rollout.prompts_per_iter} trees per iteration (rollout.prompts_per_iter) do not split "
-                         f"over {world_size} processes")
-    if cfg.rollout.kind == "solrl" and (cfg.rollout.prompts_per_iter * cfg.solrl.candidates) % world_size:
-        raise ValueError(f"{cfg.rollout.prompts_per_iter * cfg.solrl.candidates} Sol-RL candidates per iteration do not "
-                         f"split over {world_size} processes")
     sde_mask0, train_mask0, _ = step_masks(cfg, 0, 1)
+    refuse_uneven_forwards(cfg, world_size, cfg.tree.schedule(cfg.sampler.num_steps) if tree_mode else None, sde_mask0)
     T = int(train_mask0.sum())  # trained transitions per sample (GRPO) ...
     if cfg.train.objective == "nft":  # ... or sigmas (NFT)
         T = len(nft_sigmas(cfg, world.sigmas(cfg.sampler.num_steps, cfg.sampler.shift)))
@@ -215,6 +220,95 @@ def plan(cfg: FlowConfig, world, world_size: int, run_dir: Path, say) -> tuple[i
     if note := thread_note(cfg.threads is not None):
         say(note)
     return n_total, per_proc, T, schedule, micro
+
+
+def _split(n: int, world_size: int) -> list[int]:
+    """How n items would fall on the processes in contiguous slices (torch.tensor_split: the first take one more)."""
+    return [n // world_size + (r < n % world_size) for r in range(world_size)]
+
+
+def _tree_edges_kept(cfg: FlowConfig, schedule, sde_mask: torch.Tensor) -> list[int]:
+    """Trained edges of one tree after pruning, for every pruned-depth set the run reaches (one per iteration
+    while tree.depth_slide_every moves it). Width pruning keeps a number fixed by the tree's shape; the
+    advantages (here all 0) only choose which (difrl.algos.tree.width_prune)."""
+    tc, N = cfg.tree, cfg.sampler.num_steps
+    tree = build_tree(schedule, N, 1, sde_mask)
+    edges = effective_sde_mask(N, schedule, sde_mask)[tree.edge_step].nonzero().flatten()  # the rollout's SDE edges
+    out = []
+    stop = max(schedule.split_steps, default=0) if tc.depth_stop is None else tc.depth_stop
+    sets = {frozenset(depth_pruning_set(tc.depth_prune, it, tc.depth_slide_every, stop))
+            for it in range(cfg.train.iterations)} if tc.depth_prune else {frozenset()}
+    for depths in sorted(sets, key=sorted):
+        sel = depth_prune(tree, edges, set(depths)) if depths else torch.ones(len(edges), dtype=torch.bool)
+        if tc.width_prune != "none":
+            sel = width_prune(tree, edges, torch.zeros(len(edges)), tc.width_prune, tc.width_ratio, mask=sel)
+        out.append(int(sel.sum()))
+    return out
+
+
+def forward_counts(cfg: FlowConfig, world_size: int, schedule=None, sde_mask: torch.Tensor | None = None) -> list[dict]:
+    """Per process (if the iteration were cut into contiguous slices, as the trainer cuts it): the policy forwards
+    of one iteration's rollout stages and of one pass of training (per micro-batch one forward, times the
+    iteration's constant factors: steps of a record, KL's reference, inner epochs). `schedule`: the tree's
+    BranchSchedule (rollout.kind=tree), else None; `sde_mask` [num_steps] of iteration 0."""
+    r, N = cfg.rollout, cfg.sampler.num_steps
+    rb = cfg.sampler.rollout_batch
+    chunks = lambda n, b: -(-n // b) if b else int(n > 0)  # noqa: E731  forward batches over n rows
+    out = []
+    for rank in range(world_size):
+        counts = {}
+        if schedule is not None:
+            trees = _split(r.prompts_per_iter, world_size)[rank]
+            offsets = build_tree(schedule, N, 1, sde_mask).depth_offsets  # live nodes of one tree per step
+            counts["tree rollout"] = sum(chunks(trees * int(offsets[i + 1] - offsets[i]), rb) for i in range(N))
+            mb = cfg.train.micro_batch
+            if not isinstance(mb, int):  # auto: micro_batching's edges per micro-batch
+                U = (cfg.train.updates_per_epoch or 1) * cfg.train.grad_accum
+                mb = max(1, -(-trees * num_trained_edges(schedule, N, sde_mask) // U))
+            counts["trained-edge micro-batches"] = [chunks(trees * k, mb) for k in _tree_edges_kept(cfg, schedule, sde_mask)]
+        else:
+            samples = _split(r.prompts_per_iter * r.group_size, world_size)[rank]
+            counts["rollout"] = N * sum(chunks(len(range(*sl.indices(samples))), rb) for sl in _chunk_slices(samples, r.chunks))
+            counts["samples trained"] = samples
+        if r.kind == "solrl":
+            cand = _split(r.prompts_per_iter * cfg.solrl.candidates, world_size)[rank]
+            counts["Sol-RL candidates"] = cand  # their rewards are gathered: equal shapes too
+            counts["Sol-RL candidate forwards"] = cfg.solrl.preview_steps * chunks(cand, cfg.solrl.batch)
+        out.append(counts)
+    return out
+
+
+def _chunk_slices(n: int, chunks: int) -> list[slice]:
+    from difrl.rollout import chunk_slices
+
+    return chunk_slices(n, chunks) if n else []
+
+
+def refuse_uneven_forwards(cfg: FlowConfig, world_size: int, schedule, sde_mask: torch.Tensor) -> None:
+    """ConfigError, before anything runs, when the processes would run different numbers of policy forwards in an
+    iteration (module docstring): the counts per process and the keys to change."""
+    if world_size == 1:
+        return
+    counts = forward_counts(cfg, world_size, schedule, sde_mask)
+    uneven = [k for k in counts[0] if any(c[k] != counts[0][k] for c in counts)]
+    if not uneven:
+        return
+    r = cfg.rollout
+    what = {"tree rollout": f"{r.prompts_per_iter} trees (rollout.prompts_per_iter)",
+            "trained-edge micro-batches": f"{r.prompts_per_iter} trees (rollout.prompts_per_iter)",
+            "rollout": f"{r.prompts_per_iter * r.group_size} samples (rollout.prompts_per_iter x rollout.group_size)",
+            "samples trained": f"{r.prompts_per_iter * r.group_size} samples (rollout.prompts_per_iter x rollout.group_size)",
+            "Sol-RL candidates": f"{r.prompts_per_iter * cfg.solrl.candidates} Sol-RL candidates "
+                                 "(rollout.prompts_per_iter x solrl.candidates)"}
+    what["Sol-RL candidate forwards"] = what["Sol-RL candidates"]
+    what = what[uneven[0]]
+    per = "; ".join(f"process {i}: " + ", ".join(f"{k} {c[k]}" for k in uneven) for i, c in enumerate(counts))
+    key = "solrl.candidates" if uneven[0].startswith("Sol-RL") else "rollout.prompts_per_iter"
+    raise ConfigError(f"{what} per iteration do not split evenly over {world_size} processes, so they would run "
+                      f"different numbers of policy forwards ({per}). Every process must run the same forwards: under "
+                      "FSDP each forward all-gathers the sharded blocks and a process with one forward more waits for "
+                      "the others forever (under DDP the backward's all-reduce does). Use a multiple of "
+                      f"{world_size} for {what.split('(')[1].rstrip(')')}", key)
 
 
 def step_masks(cfg: FlowConfig, iteration: int, num_samples: int) -> tuple[torch.Tensor, torch.Tensor, int | None]:

@@ -21,6 +21,7 @@ from difrl.algos import gaussian_step_kl, ppo_clip_loss, ratio_norm_log_ratio, s
 from difrl.algos.nft import nft_loss, nft_noised, velocity_kl
 from difrl.correct import METHODS as CORRECTORS
 from difrl.correct import POLICY_LOSSES
+from difrl.correct.core import Correction
 from difrl.models.base import cond_repeat
 from difrl.rollout import Rollout, recompute, sample_noise
 from difrl.samplers.kernels import KERNELS
@@ -132,12 +133,15 @@ def nft_sigmas(cfg, sigmas: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def proximal_correction(policy, batch: Rollout, cfg, micro_batch: int | None = None):
+def proximal_correction(policy, batch: Rollout, cfg, micro_batch: int | None = None, gather=None, rank: int = 0):
     """Rollouts that came from another policy mu (a quantized or stale copy): recompute the proximal policy's
     log-probs and means (PPO's ratio and the first-step check are against it) and weigh each transition by
     pi_old / mu through difrl.correct. In micro-batches of about `micro_batch` transitions (the trainer passes
     train.micro_batch as difrl.train.flow_plan resolved it; None: an explicit train.micro_batch): a real model
-    cannot take all B*T transitions at once.
+    cannot take all B*T transitions at once. `gather` (t -> every process's t in rank order, the trainer's
+    difrl.utils.collectives.gather; every process has the same B) and `rank`: the corrector sees the log-probs of
+    every process, as one process with the same global batch does (batch-normalised TIS, AIS's ESS test and the
+    diagnostics are statistics of the whole batch), and this process keeps its own rows [rank * B, (rank + 1) * B).
     Returns (batch with log_prob_old / mean_old replaced, the Correction)."""
     micro_batch = cfg.train.micro_batch if micro_batch is None else micro_batch
     if not isinstance(micro_batch, int):
@@ -149,9 +153,13 @@ def proximal_correction(policy, batch: Rollout, cfg, micro_batch: int | None = N
     log_prob_rollout = batch.log_prob_old
     batch.log_prob_old, batch.mean_old = lp_prox, mean_prox.view_as(batch.mean_old)
     batch.extras["log_prob_rollout"] = log_prob_rollout  # [B, T] mu's log-probs (VESPO's pi_old / mu factor)
-    correction = CORRECTORS[cfg.correct.method](lp_prox, log_prob_rollout, None, **cfg.correct.options)
+    lp_all, lr_all = (lp_prox, log_prob_rollout) if gather is None else (gather(lp_prox), gather(log_prob_rollout))
+    correction = CORRECTORS[cfg.correct.method](lp_all, lr_all, None, **cfg.correct.options)  # [N * B, T]
+    if gather is not None:
+        own = slice(rank * len(batch), (rank + 1) * len(batch))
+        correction = Correction(correction.weights[own], correction.keep[own], correction.diagnostics)
     # the copy-vs-policy gap on the rollout's own transitions, |log mu - log pi_old|, as metrics of its own
-    gap = (lp_prox - log_prob_rollout).abs()
+    gap = (lp_all - lr_all).abs()
     correction.diagnostics["copy_policy_log_prob_gap"] = gap.mean()
     correction.diagnostics["copy_policy_log_prob_gap_max"] = gap.max()
     return batch, correction

@@ -30,6 +30,9 @@ and the final weights are gathered to full tensors, so a checkpoint written by N
 the same file a single process writes (a run resumes from it on the same number of processes: tested;
 another number reads the same files, untested).
 
+The rollout copy of a sharded policy (a full low-precision copy per process, built one gathered unit at a time) is
+difrl/train/rollout_copy.py; the equal forward counts that FSDP needs of trees and Sol-RL, difrl/train/flow_plan.py.
+
 fsdp_reshard_after_forward: false. FSDP2 then keeps a unit's gathered parameters after a forward (registered on
 the module in place of the shards; only a backward reshards) and its next forward uses them as they are. Every
 in-place write into the shards outside the optimizer step is therefore followed by `reshard(net)`, which frees them
@@ -151,25 +154,6 @@ def fsdp_settings(accelerator) -> FSDPSettings | None:
                         mixed_precision=mixed, block_classes=tuple(names) if names else None)
 
 
-def refuse_unsupported(cfg, settings: FSDPSettings | None) -> None:
-    """Stop before training when the config asks for something not made to work under sharding (a wrong result
-    or a hang is never an option). The rollout copy (rollout.precision != fp32 or rollout.sync_every > 1, and
-    so Sol-RL's low-precision candidates) is a whole second network per process built by copying the module;
-    under FSDP it would copy shards, so it is refused."""
-    if settings is None:
-        return
-    from difrl.config import ConfigError
-
-    rollout = getattr(cfg, "rollout", None)
-    if getattr(rollout, "precision", "fp32") != "fp32" or getattr(rollout, "sync_every", 1) != 1:
-        raise ConfigError("rollout.precision / rollout.sync_every: the rollout copy (a quantized or stale second "
-                          "network, also Sol-RL's low-precision candidates) is not supported under FSDP: it copies the "
-                          "module, which holds only this process's shards there. Use rollout.precision=fp32 and "
-                          "rollout.sync_every=1, or DDP (configs/accelerate/ddp.yaml)", "rollout.precision")
-    if getattr(rollout, "kind", "flat") in ("solrl", "tree"):
-        raise ConfigError(f"rollout.kind={rollout.kind} has not been tested under FSDP (a process doing a different "
-                          "number of forward passes than another would hang in the parameter all-gather); use "
-                          "rollout.kind=flat with FSDP, or DDP (configs/accelerate/ddp.yaml)", "rollout.kind")
 
 
 def block_modules(module: nn.Module, class_names) -> list[nn.Module]:

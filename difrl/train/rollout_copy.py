@@ -1,0 +1,155 @@
+"""The flow trainer's rollout copy (difrl.quant.RolloutCopy), also of a policy sharded by FSDP2.
+
+    copy, source = build_rollout_copy(cfg, policy, unwrapped, masters, print, device=accelerator.device,
+                                      sharded=fsdp is not None)
+    sync_rollout_copy(copy, source, unwrapped, it, run.start, cfg.rollout.sync_every)   # before each rollout
+
+The copy (rollout.precision other than fp32, or rollout.sync_every > 1; Sol-RL's stage-1 candidates) is a second,
+plain network: LoRA merged, linear layers quantized, refreshed from the trained weights before the rollouts and
+then verified against them (difrl/quant/sync.py).
+
+**Under FSDP2: a full low-precision copy on every process, built and synced one gathered unit at a time.** The
+trained network holds only this process's shards, so the copy cannot be a deep copy of it. Of the two designs
+(specs/scale.md §2; issue 40), a copy sharded like the policy and a whole copy per process, difrl keeps the whole
+copy per process:
+- its forwards need no collective: it is a plain module with no FSDP hooks, so a rollout on it may run any number
+  of forwards on any process (fix (c) of specs/scale.md §2 "Uneven forward counts"; what torchtitan RL, verl and
+  Sol-RL's DDP replicas do) and it is as fast as the DDP copy;
+- it is built exactly as one process builds it: every weight is quantized whole (`full_tensor` of each parameter
+  of one unit), so per-tensor scales (fp8's amax) need no extra all-reduce and the copy is bit-for-bit the
+  one-process copy (row-wise formats could quantize a shard alone; a per-tensor amax could not);
+- memory is bounded: `sharded_weights` gathers one FSDP unit (a transformer block, then the root's rest) in
+  fp32, yields its LoRA-merged tensors and frees them before the next; the copy is built from a meta-tensor
+  skeleton (`sharded_skeleton`) filled and quantized unit by unit. Never is the whole fp32 model gathered, nor
+  the whole model held in high precision: the peak is the copy so far + one unit gathered (fp32) + its
+  high-precision copy before quantization. The price is the copy's full size on every process (fp8: a byte per
+  quantized weight; benchmarks/bench_fsdp_memory.py measures it against DDP's copy).
+The sync after each update (the no-op check and `verify`) reads the same unit-wise parts. Every process gathers
+the same units in the same order (`full_tensor` is a collective) and computes the same checks from the same full
+tensors, so a failed check stops every process together. Collectives: FSDP's all-gather of the shards, which live
+on the mesh's device (the accelerator's; with fsdp_offload_params on the CPU, through the group's CPU backend);
+the gathered tensors are then moved to `device`, where the copy runs.
+Tested on 2 CPU processes (gloo, tests/test_fsdp_methods.py): equal to one process. Not run on GPUs / NCCL.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from difrl.quant import RolloutCopy
+from difrl.quant.sync import merged_state_dict
+from difrl.train.precision import MasterWeights
+from difrl.train.sharding import is_sharded, plain_copy, reshard
+from difrl.train.state import EMA, trainable_params
+
+
+def build_rollout_copy(cfg, policy, unwrapped, masters: MasterWeights, say, device=None,
+                       sharded: bool = False) -> tuple[RolloutCopy | None, EMA | None]:
+    """The rollout copy (LoRA merged, linear layers in rollout.precision, re-synced before rollouts) or None, and
+    for a stale copy (sync_every > 1) the weights it was last synced from (checkpointed, so resume is exact). The
+    copy holds its high-precision tensors in the dtypes the model was loaded in (`masters.as_loaded`), its source
+    the fp32 master weights. `sharded`: `unwrapped` is sharded by FSDP2 (module docstring); the copy goes to
+    `device`."""
+    if cfg.rollout.precision == "fp32" and cfg.rollout.sync_every == 1:
+        return None, None
+    preset = policy.quant_preset
+    quant = (cfg.rollout.precision, preset["skip"] if cfg.rollout.quant_skip is None else cfg.rollout.quant_skip,
+             preset["min_dim"] if cfg.rollout.quant_min_dim is None else cfg.rollout.quant_min_dim,
+             cfg.rollout.quant_backend)
+    if sharded:
+        copy = RolloutCopy(unwrapped, *quant, weights=sharded_weights(device), device=device,
+                           skeleton=sharded_skeleton(unwrapped, masters.loaded))
+    else:
+        with masters.as_loaded(unwrapped):
+            copy = RolloutCopy(unwrapped, *quant)
+    say(f"difrl: rollout copy ({'stage-1 candidates' if cfg.rollout.kind == 'solrl' else 'rollouts'}, synced every "
+        f"{cfg.rollout.sync_every} iteration(s){'; a full copy per process, built one FSDP unit at a time' if sharded else ''}): "
+        + copy.report.summary())
+    return copy, EMA(trainable_params(unwrapped), 0.0, unwrapped) if cfg.rollout.sync_every > 1 else None
+
+
+def sync_rollout_copy(copy: RolloutCopy | None, source: EMA | None, unwrapped, it: int, start: int, every: int) -> None:
+    """Refresh the copy every `every` iterations (after an update, a sync that changes nothing is a
+    WeightSyncError); a run resumed between two syncs of a stale copy reloads it from the saved source."""
+    if copy is None:
+        return
+    if it % every == 0:
+        if source is not None:
+            source.update(0.0)  # remember what the copy was synced from
+        copy.sync(unwrapped, check=it > start)
+    elif it == start:
+        with source.swapped():
+            copy.sync(unwrapped, check=False)
+
+
+def _plain(module: nn.Module) -> nn.Module:
+    return module.get_base_model() if hasattr(module, "get_base_model") else module
+
+
+def fsdp_units(net: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name in the plain model, module) of every FSDP unit of `net` below its root: the transformer blocks."""
+    from torch.distributed.fsdp import FSDPModule
+
+    base = _plain(net)
+    return [(n, m) for n, m in base.named_modules() if isinstance(m, FSDPModule) and m is not base and m is not net]
+
+
+@contextmanager
+def _full(modules, device):
+    """Inside the block the sharded parameters of `modules` (their own, not their children's) are replaced by their
+    full fp32 values on `device` (an all-gather each: every process, same order); the shards are put back after."""
+    swapped, full_of = [], {}
+    for mod in modules:
+        for name, p in list(mod._parameters.items()):
+            if p is not None and is_sharded(p):
+                if id(p) not in full_of:
+                    full = p.detach().full_tensor()
+                    full_of[id(p)] = nn.Parameter(full.to(device) if device is not None else full, requires_grad=False)
+                swapped.append((mod, name, p))
+                mod._parameters[name] = full_of[id(p)]
+    try:
+        yield
+    finally:
+        for mod, name, p in swapped:
+            mod._parameters[name] = p
+
+
+def sharded_weights(device=None):
+    """`weights` for RolloutCopy of an FSDP2-sharded network: its LoRA-merged state dict in parts, one FSDP unit
+    (a block, then the root's own tensors) gathered at a time and freed before the next (module docstring)."""
+    def parts(source: nn.Module):
+        reshard(source)  # the shards registered, not what a forward left gathered (reshard_after_forward=False)
+        units = fsdp_units(source)
+        for name, unit in units:
+            with _full(list(unit.modules()), device):
+                part = {f"{name}.{k}": v for k, v in merged_state_dict(unit).items()}
+            yield part
+        inside = {id(m) for _, unit in units for m in unit.modules()}
+        with _full([m for m in source.modules() if id(m) not in inside], device):
+            part = merged_state_dict(source, exclude=tuple(n for n, _ in units))
+        yield part
+    return parts
+
+
+def sharded_skeleton(net: nn.Module, loaded: dict[str, torch.dtype]) -> nn.Module:
+    """A plain copy of sharded `net` (FSDP's classes and hooks left out, sharding.plain_copy) whose parameters are
+    meta tensors of the full shapes, in the dtypes the copy keeps (`loaded`: MasterWeights.loaded, the dtype an
+    upcast parameter was loaded in; else the parameter's own). Nothing is gathered and nothing allocated."""
+    dtype_of = {id(p): loaded.get(n, p.dtype) for n, p in net.named_parameters()}
+    held, meta = [], {}
+    for mod in net.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and is_sharded(p):
+                if id(p) not in meta:  # tied parameters stay tied
+                    meta[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype_of.get(id(p), p.dtype), device="meta"),
+                                               requires_grad=False)
+                held.append((mod, name, p))
+                mod._parameters[name] = meta[id(p)]
+    try:
+        return plain_copy(net)
+    finally:
+        for mod, name, p in held:
+            mod._parameters[name] = p
