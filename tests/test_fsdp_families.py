@@ -1,6 +1,6 @@
 """SD3 and Wan 2.1 (tiny diffusers pipelines) under FSDP2 on 2 CPU processes (gloo) equal one unsharded process.
 
-    HF_HUB_OFFLINE=1 python -m pytest tests/test_fsdp_families.py -q           # marked slow: one launch, ~1-2 min
+    HF_HUB_OFFLINE=1 python -m pytest tests/test_fsdp_families.py -q           # the launch's tests are slow: one launch, ~2 min
 
 tests/test_fsdp.py does FLUX (and the masked LM); this file gives the other diffusers families the same proof, with
 as few launches as the check allows: ONE `accelerate launch --config_file configs/accelerate/fsdp.yaml
@@ -18,6 +18,10 @@ weights through the final exported files, transformer/diffusion_pytorch_model.sa
 lora/pytorch_lora_weights.safetensors (LoRA): they are gathered once at the end, the same files whatever format the
 training checkpoints take under FSDP. transformer/ loads with the diffusers class's from_pretrained, lora/ with the
 pipeline's load_lora_weights.
+
+The same launch runs SD3 full fine-tuning with model.dtype=bf16 (fp32 masters gathered in bf16): ratio 1 on the first
+micro-step, transformer/ in bf16. Fast, in this process: under FSDP's bf16 the timestep reaches SD3's and Wan's
+timestep embedding in fp32 (the adapters' fsdp_fp32_inputs; FSDP's input cast alone rounds it).
 """
 
 from __future__ import annotations
@@ -65,25 +69,34 @@ def args(kind: str, mode: str, path: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """{(kind, mode): (one-process run dir, two-process run dir)}, the pipelines' dirs and the launch's output."""
+def pipes(tmp_path_factory):
     from difrl.models.adapters import make_tiny_pipeline
+
+    root = tmp_path_factory.mktemp("tiny_pipelines")
+    return {kind: make_tiny_pipeline(kind, root / kind, seed=0) for kind in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def runs(pipes, tmp_path_factory):
+    """{(kind, mode): (one-process run dir, two-process run dir)} and the launch's output. The launch also runs SD3
+    full fine-tuning with model.dtype=bf16 (2 iterations, into out["sd3", "bf16"][1]; no one-process twin: bf16)."""
     from difrl.train.flow import train
     from difrl.train.recipes import load_train_config
 
     root = tmp_path_factory.mktemp("fsdp_families")
-    pipes = {kind: make_tiny_pipeline(kind, root / f"tiny_{kind}", seed=0) for kind in FAMILIES}
     cases = [(kind, mode) for kind in FAMILIES for mode in MODES]
-    out = {c: (root / f"{c[0]}-{c[1]}-one", root / f"{c[0]}-{c[1]}-two") for c in cases}
+    out = {c: (root / f"{c[0]}-{c[1]}-one", root / f"{c[0]}-{c[1]}-two") for c in [*cases, ("sd3", "bf16")]}
     driver = root / "driver.py"
     driver.write_text(DRIVER)
     plan = [(kind, [*args(kind, mode, pipes[kind]), "train.grad_accum=1", "--out", str(out[kind, mode][1])])
             for kind, mode in cases]
+    plan.append(("sd3", [*args("sd3", "full", pipes["sd3"]), "model.dtype=bf16", "train.iterations=2",
+                         "train.grad_accum=1", "--out", str(out["sd3", "bf16"][1])]))
     log = run(2, [str(driver)], [json.dumps(plan)], root / "unused")  # `run` appends --out: the driver ignores argv[2:]
     for kind, mode in cases:
-        train(load_train_config(args(kind, mode, pipes[kind])[0], [*args(kind, mode, pipes[kind])[1:],
-                                                                      "train.grad_accum=2"]), out[kind, mode][0])
-    return out, pipes, log
+        config, *overrides = args(kind, mode, pipes[kind])
+        train(load_train_config(config, [*overrides, "train.grad_accum=2"]), out[kind, mode][0])
+    return out, log
 
 
 def weights(run_dir: Path, mode: str) -> dict[str, torch.Tensor]:
@@ -93,8 +106,8 @@ def weights(run_dir: Path, mode: str) -> dict[str, torch.Tensor]:
 @pytest.mark.slow  # shares the module's runs: one 2-process launch (4 trainings) and 4 one-process trainings, ~1-2 min
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("kind", list(FAMILIES))
-def test_fsdp_equals_one_process(runs, kind, mode):
-    out, pipes, log = runs
+def test_fsdp_equals_one_process(runs, pipes, kind, mode):
+    out, log = runs
     one, two = out[kind, mode]
     block = FAMILIES[kind][3]
     assert f"difrl: FSDP2 over 2 processes: 3 units (2 blocks of {block} + the root)" in log
@@ -130,3 +143,52 @@ def test_fsdp_equals_one_process(runs, kind, mode):
         for k, v in wb.items():  # transformer.X.lora_A.weight -> X.lora_A.default_0.weight
             name = k.removeprefix("transformer.").replace(".lora_A.", ".lora_A.default_0.").replace(".lora_B.", ".lora_B.default_0.")
             torch.testing.assert_close(state[name], v, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.slow  # the module's launch (shared)
+def test_fsdp_bf16_full_finetune_of_sd3(runs, pipes):
+    # model.dtype=bf16 full fine-tuning (difrl/train/precision.py): fp32 masters sharded, gathered in bf16 under
+    # autocast, the timestep kept fp32 (below): rollout and training compute alike (ratio exactly 1 on the first
+    # micro-step) and transformer/ is written in bf16, moved from the base
+    out, log = runs
+    run_dir = out["sd3", "bf16"][1]
+    assert "mixed precision bf16" in log
+    assert [r["first_step_max_abs_log_ratio"] for r in rows(run_dir)] == [0.0, 0.0]
+    written = weights(run_dir, "full")
+    base = load_safetensors_checked(pipes["sd3"] / WEIGHTS["full"], "base")[0]
+    assert written.keys() == base.keys() and {v.dtype for v in written.values()} == {torch.bfloat16}
+    assert max(float((written[k].float() - base[k]).abs().max()) for k in base) > 1e-3
+
+
+def test_the_timestep_reaches_the_embedding_in_fp32_under_fsdp_bf16(pipes):
+    # FSDP2's MixedPrecisionPolicy casts every floating input of the root to bf16 (specs/scale.md section 2): SD3's and
+    # Wan's timestep 1000 sigma would reach the timestep embedding rounded (737.9 -> 736.0) where the pipeline and an
+    # unsharded run embed it in fp32. The adapters' fsdp_fp32_inputs keep it (difrl.train.sharding.keep_input_dtypes);
+    # the prompt embeddings are still cast. A one-process gloo group in this process.
+    import torch.distributed as dist
+
+    from difrl.models.adapters import load_flow_policy
+    from difrl.train.sharding import FSDPSettings, shard
+
+    sigma = torch.tensor([0.7379])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for kind, embedder in (("sd3", "time_text_embed"), ("wan", "condition_embedder")):
+            for keep in (False, True):
+                policy = load_flow_policy(kind, pipes[kind], height=32, width=32, max_sequence_length=16,
+                                          **({"num_frames": 5} if kind == "wan" else {}))
+                assert policy.fsdp_fp32_inputs == ("timestep",)
+                policy.module = shard(policy.module, policy.block_classes, FSDPSettings(mixed_precision="bf16"),
+                                      fp32_inputs=policy.fsdp_fp32_inputs if keep else ())
+                seen = {}  # the embedder's (timestep, pooled projections | prompt embeddings) as it is called
+                getattr(policy.module, embedder).register_forward_pre_hook(
+                    lambda m, a, k: seen.update(t=a[0].clone(), cond=a[1].dtype), with_kwargs=True)
+                x = torch.randn(1, *policy.latent_shape, generator=torch.Generator().manual_seed(0))
+                v = policy.velocity(x, sigma, policy.encode(["a red dog"]))
+                assert v.shape == x.shape and bool(v.isfinite().all()) and seen["cond"] == torch.bfloat16
+                if keep:
+                    assert seen["t"].dtype == torch.float32 and torch.equal(seen["t"], sigma * 1000), (kind, seen["t"])
+                else:  # what FSDP's cast alone gives
+                    assert seen["t"].dtype == torch.bfloat16 and float(seen["t"]) == 736.0, (kind, seen["t"])
+    finally:
+        dist.destroy_process_group()
