@@ -136,6 +136,9 @@ class DiffusersFlowPolicy:
     # the half dtype the transformer's forward autocasts to when its trained parameters are fp32 master weights
     # (difrl.train.precision: full fine-tuning of a bf16 model); None: it computes in its parameters' own dtype
     autocast_dtype: torch.dtype | None = None
+    # keyword arguments of the transformer's forward that FSDP2's mixed precision must not cast to its compute dtype
+    # (difrl.train.sharding.keep_input_dtypes): the pipeline passes them in fp32 and the model embeds them in fp32
+    fsdp_fp32_inputs: tuple[str, ...] = ()
 
     def __init__(self, pipe, *, height: int, width: int, negative_prompt: str = "", max_sequence_length: int = 512,
                  cache_prompts: bool = False):

@@ -26,6 +26,7 @@ class SD3Policy(DiffusersFlowPolicy):
                        "attn.to_out.0", "attn.to_q", "attn.to_v")
     quant_preset = QUANT_PRESETS["sd3"]  # Sol-RL's skip list (specs §1.4)
     block_classes = ("JointTransformerBlock",)  # the repeated transformer blocks (regional compile, sharding)
+    fsdp_fp32_inputs = ("timestep",)  # 1000 sigma: the pipeline embeds it in fp32 (bf16 would round 737.9 to 736)
 
     def __init__(self, pipe, *, height: int = 1024, width: int = 1024, negative_prompt: str = "",
                  max_sequence_length: int = 256, cache_prompts: bool = False):

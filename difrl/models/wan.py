@@ -27,6 +27,7 @@ class WanPolicy(DiffusersFlowPolicy):
     lora_candidates = ("add_k_proj", "add_q_proj", "add_v_proj", "to_add_out", "to_k", "to_out.0", "to_q", "to_v")
     quant_preset = QUANT_PRESETS["wan"]  # ours: embedders and the output projection stay exact
     block_classes = ("WanTransformerBlock",)  # the repeated transformer blocks (regional compile, sharding)
+    fsdp_fp32_inputs = ("timestep",)  # 1000 sigma: the pipeline embeds it in fp32 (bf16 would round 737.9 to 736)
     model_options = ("num_frames",)
 
     def __init__(self, pipe, *, height: int = 480, width: int = 832, num_frames: int = 81, negative_prompt: str = "",

@@ -79,10 +79,10 @@ def shard_policy(policy, net, reference, settings, device=None):
         return net, reference
     from torch.distributed.fsdp import FSDPModule
 
-    blocks = policy.block_classes
-    net = shard(net, blocks, settings, device)
+    blocks, fp32 = policy.block_classes, getattr(policy, "fsdp_fp32_inputs", ())  # e.g. SD3's timestep
+    net = shard(net, blocks, settings, device, fp32)
     if reference is not None:
-        reference = shard(reference, blocks, settings, device)
+        reference = shard(reference, blocks, settings, device, fp32)
     if torch.distributed.get_rank() == 0:
         units = [m for m in net.modules() if isinstance(m, FSDPModule) and m is not net]
         names = sorted({type(m).__mro__[2].__name__ for m in units})  # FSDP<Block> -> (FSDP<Block>, FSDPModule, Block)

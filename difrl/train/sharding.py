@@ -175,10 +175,13 @@ def block_modules(module: nn.Module, class_names) -> list[nn.Module]:
     return out
 
 
-def shard(module: nn.Module, block_classes, settings: FSDPSettings, device: torch.device | None = None) -> nn.Module:
+def shard(module: nn.Module, block_classes, settings: FSDPSettings, device: torch.device | None = None,
+          fp32_inputs: tuple[str, ...] = ()) -> nn.Module:
     """fully_shard every block of `module` (one FSDP unit per transformer block: its weights are gathered just
     for its forward / backward), then the root (the rest: embeddings, norms, output). In place; returns module.
-    Raises ValueError when no block class is found (a config or adapter naming the wrong classes)."""
+    `fp32_inputs`: keyword arguments of the root's forward that keep the dtype the caller gives them under mixed
+    precision (the adapter's fsdp_fp32_inputs, see keep_input_dtypes). Raises ValueError when no block class is
+    found (a config or adapter naming the wrong classes)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -200,8 +203,40 @@ def shard(module: nn.Module, block_classes, settings: FSDPSettings, device: torc
     # the root too is resharded after each forward (not fully_shard's default for a root): every forward then
     # gathers the current shards, also after they were written in place (EMA swap, checkpoint restore)
     fully_shard(module, **kw)
+    if dtype is not None:
+        keep_input_dtypes(module, fp32_inputs)
     quiet_checked_view_outputs(root)
     return module
+
+
+def keep_input_dtypes(root: nn.Module, names: tuple[str, ...]) -> None:
+    """Let the keyword arguments `names` of the sharded `root`'s forward through FSDP2's input cast as they are.
+
+    MixedPrecisionPolicy(cast_forward_inputs=True) casts every floating argument of a unit's forward to param_dtype,
+    the root's included (specs/scale.md section 2). Most of them should be (latents, prompt embeddings: the root's own
+    layers compute in bf16), but SD3's and Wan's pipelines pass the timestep 1000 sigma in fp32 and embed it in fp32
+    (a sinusoid cast to the weights' dtype only after): in bf16 (8 significant bits) 737.9 arrives as 736.0, a
+    different conditioning from the pipeline's and from the same run unsharded (autocast leaves it fp32). So a
+    pre-forward hook placed before FSDP's holds these arguments and one placed after it puts them back; the
+    adapter decides their dtype, as without FSDP. tests/test_fsdp_families.py checks the timestep that reaches the
+    embedding under FSDP bf16."""
+    if not names:
+        return
+    held: dict = {}
+
+    def hold(_, args, kwargs):
+        held.clear()
+        held.update({n: kwargs[n] for n in names if n in kwargs})
+
+    def put_back(_, args, kwargs):
+        if not held:
+            return None
+        kwargs = {**kwargs, **held}
+        held.clear()
+        return args, kwargs
+
+    root.register_forward_pre_hook(hold, prepend=True, with_kwargs=True)  # before FSDP's (also prepended, earlier)
+    root.register_forward_pre_hook(put_back, with_kwargs=True)  # after it
 
 
 # FSDP2 blocks whose outputs are views and were checked to be used out of place only: diffusers' FLUX single-stream

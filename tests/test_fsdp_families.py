@@ -1,0 +1,194 @@
+"""SD3 and Wan 2.1 (tiny diffusers pipelines) under FSDP2 on 2 CPU processes (gloo) equal one unsharded process.
+
+    HF_HUB_OFFLINE=1 python -m pytest tests/test_fsdp_families.py -q           # the launch's tests are slow: one launch, ~2 min
+
+tests/test_fsdp.py does FLUX (and the masked LM); this file gives the other diffusers families the same proof, with
+as few launches as the check allows: ONE `accelerate launch --config_file configs/accelerate/fsdp.yaml
+--num_processes 2` runs the four trainings (SD3 full fine-tuning, SD3 LoRA, Wan full fine-tuning, Wan LoRA) one after
+another through the entry scripts' own main (difrl.train.entry.main, what scripts/train_sd3.py and train_wan.py run),
+and the four one-process references run in this test process (train(cfg)). Each run is as small as the check allows:
+2 prompts x 2 samples (4 per iteration: 1 process accumulates 2 micro-batches of 2 samples, 2 processes take 1 each),
+2 denoising steps (1 trained), 3 iterations, the KL to the reference on (full fine-tuning: the frozen copy, sharded
+the same way; LoRA: the adapter switched off), SD3 with true CFG (the batched [uncond; cond] forward). Rollouts run in
+forward batches of 2 samples (sampler.rollout_batch) so that both runs compute every forward on the same shapes (the
+first micro-step's ratio is then exactly 1 in both). Adam's eps = 1 as in tests/test_fsdp.py.
+
+What is compared (rtol 1e-5): every numeric metric of the 3 rows and the evaluation after training, and the trained
+weights through the final exported files, transformer/diffusion_pytorch_model.safetensors (full) and
+lora/pytorch_lora_weights.safetensors (LoRA): they are gathered once at the end, the same files whatever format the
+training checkpoints take under FSDP. transformer/ loads with the diffusers class's from_pretrained, lora/ with the
+pipeline's load_lora_weights.
+
+The same launch runs SD3 full fine-tuning with model.dtype=bf16 (fp32 masters gathered in bf16): ratio 1 on the first
+micro-step, transformer/ in bf16. Fast, in this process: under FSDP's bf16 the timestep reaches SD3's and Wan's
+timestep embedding in fp32 (the adapters' fsdp_fp32_inputs; FSDP's input cast alone rounds it).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from difrl.utils.io import load_safetensors_checked
+from test_fsdp import ROOT, rows, run
+
+diffusers = pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+
+FAMILIES = {  # kind -> (config, diffusers transformer class, pipeline class, block class, extra overrides)
+    "sd3": ("sd3_tiny.yaml", "SD3Transformer2DModel", "StableDiffusion3Pipeline", "JointTransformerBlock",
+            ["sampler.guidance=4.0"]),  # true CFG: one batched [uncond; cond] forward per step
+    "wan": ("wan_tiny.yaml", "WanTransformer3DModel", "WanPipeline", "WanTransformerBlock", []),
+}
+MODES = {"full": ["train.lora.enabled=false"], "lora": []}
+SMALL = ["threads=1", "rollout.prompts_per_iter=2", "rollout.group_size=2", "sampler.num_steps=2",
+         "sampler.rollout_batch=2", "eval.num_steps=2", "eval.per_digit=1", "train.iterations=3", "train.micro_batch=2",
+         "train.lr=1.0", "train.adam_eps=1.0", "train.weight_decay=0", "train.kl_beta=0.1"]
+WEIGHTS = {"full": "transformer/diffusion_pytorch_model.safetensors", "lora": "lora/pytorch_lora_weights.safetensors"}
+
+# Several entry-script runs in one launch. accelerate's end_training destroys the process group at the end of each
+# run, and a second init_process_group in the same launch waits for ever on the launcher's store; the group of the
+# first run is therefore kept for the next ones (every run asks for the same one).
+DRIVER = """import json, sys
+from accelerate.state import PartialState
+from difrl.train.entry import main
+PartialState.destroy_process_group = lambda self, group=None: None
+for kind, argv in json.loads(sys.argv[1]):
+    if main(kind, argv):
+        raise SystemExit(f"the {kind} run {argv[-1]} failed")
+"""
+
+
+def args(kind: str, mode: str, path: Path) -> list[str]:
+    config, *_, extra = FAMILIES[kind]
+    return [str(ROOT / "configs" / config), *SMALL, f"model.path={path}", *extra, *MODES[mode]]
+
+
+@pytest.fixture(scope="module")
+def pipes(tmp_path_factory):
+    from difrl.models.adapters import make_tiny_pipeline
+
+    root = tmp_path_factory.mktemp("tiny_pipelines")
+    return {kind: make_tiny_pipeline(kind, root / kind, seed=0) for kind in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def runs(pipes, tmp_path_factory):
+    """{(kind, mode): (one-process run dir, two-process run dir)} and the launch's output. The launch also runs SD3
+    full fine-tuning with model.dtype=bf16 (2 iterations, into out["sd3", "bf16"][1]; no one-process twin: bf16)."""
+    from difrl.train.flow import train
+    from difrl.train.recipes import load_train_config
+
+    root = tmp_path_factory.mktemp("fsdp_families")
+    cases = [(kind, mode) for kind in FAMILIES for mode in MODES]
+    out = {c: (root / f"{c[0]}-{c[1]}-one", root / f"{c[0]}-{c[1]}-two") for c in [*cases, ("sd3", "bf16")]}
+    driver = root / "driver.py"
+    driver.write_text(DRIVER)
+    plan = [(kind, [*args(kind, mode, pipes[kind]), "train.grad_accum=1", "--out", str(out[kind, mode][1])])
+            for kind, mode in cases]
+    plan.append(("sd3", [*args("sd3", "full", pipes["sd3"]), "model.dtype=bf16", "train.iterations=2",
+                         "train.grad_accum=1", "--out", str(out["sd3", "bf16"][1])]))
+    log = run(2, [str(driver)], [json.dumps(plan)], root / "unused")  # `run` appends --out: the driver ignores argv[2:]
+    for kind, mode in cases:
+        config, *overrides = args(kind, mode, pipes[kind])
+        train(load_train_config(config, [*overrides, "train.grad_accum=2"]), out[kind, mode][0])
+    return out, log
+
+
+def weights(run_dir: Path, mode: str) -> dict[str, torch.Tensor]:
+    return load_safetensors_checked(run_dir / WEIGHTS[mode], mode)[0]
+
+
+@pytest.mark.slow  # shares the module's runs: one 2-process launch (4 trainings) and 4 one-process trainings, ~1-2 min
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_fsdp_equals_one_process(runs, pipes, kind, mode):
+    out, log = runs
+    one, two = out[kind, mode]
+    block = FAMILIES[kind][3]
+    assert f"difrl: FSDP2 over 2 processes: 3 units (2 blocks of {block} + the root)" in log
+    ra, rb = rows(one), rows(two)
+    assert [r["iteration"] for r in ra] == [r["iteration"] for r in rb] == [1, 2, 3]
+    for x, y in zip(ra, rb):
+        assert x.keys() == y.keys() and x["first_step_max_abs_log_ratio"] == y["first_step_max_abs_log_ratio"] == 0
+        assert x["kl"] > 0 or x["iteration"] == 1, x  # the reference is in the loss (zero before the first update)
+        for k, v in x.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                assert v == pytest.approx(y[k], rel=1e-5, abs=1e-7), (x["iteration"], k)
+    ea, eb = (json.loads((d / "summary.json").read_text())["eval_after"] for d in (one, two))
+    assert ea.keys() == eb.keys() and ea["reward"] == pytest.approx(eb["reward"], rel=1e-5, abs=1e-7)
+
+    wa, wb = weights(one, mode), weights(two, mode)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-7, msg=k)
+
+    _, model_cls, pipe_cls, *_ = FAMILIES[kind]
+    if mode == "full":  # transformer/ is a diffusers checkpoint whose weights moved from the base
+        base = getattr(diffusers, model_cls).from_pretrained(pipes[kind] / "transformer").state_dict()
+        loaded = getattr(diffusers, model_cls).from_pretrained(two / "transformer").state_dict()
+        assert loaded.keys() == base.keys() == wb.keys()
+        assert max(float((loaded[k] - base[k]).abs().max()) for k in base) > 1e-3
+        for k, v in loaded.items():
+            torch.testing.assert_close(v, wb[k], rtol=0, atol=0, msg=k)
+    else:  # lora/ loads into a plain pipeline: its tensors are the gathered LoRA weights, B moved from zero
+        assert max(float(v.abs().max()) for k, v in wb.items() if "lora_B" in k) > 1e-3
+        pipe = getattr(diffusers, pipe_cls).from_pretrained(pipes[kind], local_files_only=True)
+        pipe.load_lora_weights(two / "lora")
+        state = pipe.transformer.state_dict()
+        for k, v in wb.items():  # transformer.X.lora_A.weight -> X.lora_A.default_0.weight
+            name = k.removeprefix("transformer.").replace(".lora_A.", ".lora_A.default_0.").replace(".lora_B.", ".lora_B.default_0.")
+            torch.testing.assert_close(state[name], v, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.slow  # the module's launch (shared)
+def test_fsdp_bf16_full_finetune_of_sd3(runs, pipes):
+    # model.dtype=bf16 full fine-tuning (difrl/train/precision.py): fp32 masters sharded, gathered in bf16 under
+    # autocast, the timestep kept fp32 (below): rollout and training compute alike (ratio exactly 1 on the first
+    # micro-step) and transformer/ is written in bf16, moved from the base
+    out, log = runs
+    run_dir = out["sd3", "bf16"][1]
+    assert "mixed precision bf16" in log
+    assert [r["first_step_max_abs_log_ratio"] for r in rows(run_dir)] == [0.0, 0.0]
+    written = weights(run_dir, "full")
+    base = load_safetensors_checked(pipes["sd3"] / WEIGHTS["full"], "base")[0]
+    assert written.keys() == base.keys() and {v.dtype for v in written.values()} == {torch.bfloat16}
+    assert max(float((written[k].float() - base[k]).abs().max()) for k in base) > 1e-3
+
+
+def test_the_timestep_reaches_the_embedding_in_fp32_under_fsdp_bf16(pipes):
+    # FSDP2's MixedPrecisionPolicy casts every floating input of the root to bf16 (specs/scale.md section 2): SD3's and
+    # Wan's timestep 1000 sigma would reach the timestep embedding rounded (737.9 -> 736.0) where the pipeline and an
+    # unsharded run embed it in fp32. The adapters' fsdp_fp32_inputs keep it (difrl.train.sharding.keep_input_dtypes);
+    # the prompt embeddings are still cast. A one-process gloo group in this process.
+    import torch.distributed as dist
+
+    from difrl.models.adapters import load_flow_policy
+    from difrl.train.sharding import FSDPSettings, shard
+
+    sigma = torch.tensor([0.7379])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for kind, embedder in (("sd3", "time_text_embed"), ("wan", "condition_embedder")):
+            for keep in (False, True):
+                policy = load_flow_policy(kind, pipes[kind], height=32, width=32, max_sequence_length=16,
+                                          **({"num_frames": 5} if kind == "wan" else {}))
+                assert policy.fsdp_fp32_inputs == ("timestep",)
+                policy.module = shard(policy.module, policy.block_classes, FSDPSettings(mixed_precision="bf16"),
+                                      fp32_inputs=policy.fsdp_fp32_inputs if keep else ())
+                seen = {}  # the embedder's (timestep, pooled projections | prompt embeddings) as it is called
+                getattr(policy.module, embedder).register_forward_pre_hook(
+                    lambda m, a, k: seen.update(t=a[0].clone(), cond=a[1].dtype), with_kwargs=True)
+                x = torch.randn(1, *policy.latent_shape, generator=torch.Generator().manual_seed(0))
+                v = policy.velocity(x, sigma, policy.encode(["a red dog"]))
+                assert v.shape == x.shape and bool(v.isfinite().all()) and seen["cond"] == torch.bfloat16
+                if keep:
+                    assert seen["t"].dtype == torch.float32 and torch.equal(seen["t"], sigma * 1000), (kind, seen["t"])
+                else:  # what FSDP's cast alone gives
+                    assert seen["t"].dtype == torch.bfloat16 and float(seen["t"]) == 736.0, (kind, seen["t"])
+    finally:
+        dist.destroy_process_group()
