@@ -126,7 +126,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   f"{diag['share_of_records_at_open_steps']['flat']:.0%} of flat GRPO's. The kernel's std on every step is the "
                   "same (same kernel, kappa 1).", ""]
 
-    runs = {n: [one_run(n, s, iterations, every, args.out, extra, args.reuse) for s in seeds] for n in names}
+    runs = {n: [] for n in names}
+    for s in seeds:  # seed-major: an interrupted run leaves whole seeds of every variant (--reuse resumes)
+        for n in names:
+            runs[n].append(one_run(n, s, iterations, every, args.out, extra, args.reuse))
     table = {}
     for name, rs in runs.items():
         row = {"variant": name, "overrides": VARIANTS[name], "seeds": seeds, "iterations": iterations,

@@ -2,6 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/diag_branch.py --json benchmarks/results/diag_branch.json  # ~1 min
     PYTHONPATH=. .venv/bin/python benchmarks/diag_branch.py --quick                                     # ~15 s
+    PYTHONPATH=. .venv/bin/python benchmarks/diag_branch.py --config configs/digits_branch.yaml         # digits: the digit
 
 Everything is measured on configs/moving_digits.yaml's base policy, sampler and rewards (issue 41):
 
@@ -15,6 +16,7 @@ Everything is measured on configs/moving_digits.yaml's base policy, sampler and 
     nodes at that depth differ in motion, the correlation of the trained advantage with motion, the kernel's
     std on the trained edges / transitions, and the norm of the policy gradient of that step's records
     (the trainer's normalisation: sum over records of -A * log p / all trained records).
+JSON keys say "motion" for the attribute, whatever the world.
 (c) The "motion-informative" records per prompt: trained records at a step whose motion outcome is still
     open (decided share of (a) below 0.5 at that step), whose advantage varies with motion in its group.
 """
@@ -52,8 +54,8 @@ def score(policy, rewards, x, prompts) -> dict[str, torch.Tensor]:
     for name, fn in rewards.items():
         s = fn(videos, prompts)
         out[name] = s[name].float() if isinstance(s, dict) else s.float()
-        if name == "motion_direction":
-            out["correct"] = s["correct"].float()
+        if isinstance(s, dict) and "correct" in s and (name == "motion_direction" or "correct" not in out):
+            out["correct"] = s["correct"].float()  # the attribute: motion direction if scored, else the reward's flag
     return out
 
 
@@ -96,6 +98,8 @@ def per_step_grads(policy, batch, adv_per_row: torch.Tensor, steps: torch.Tensor
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="10 prompts, 8 children in (a)")
+    ap.add_argument("--config", type=Path, default=CONFIG, help="a flow config whose reward returns 'correct' (default "
+                    "moving digits; configs/digits_branch.yaml: the digit's identity)")
     ap.add_argument("--json", type=Path, help="write the measurements here")
     ap.add_argument("--splits", type=int, nargs="*", default=[0, 2, 4, 6])
     ap.add_argument("--factor", type=int, default=2)
@@ -105,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. sampler.noise_level=0.7")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    cfg = load_flow_config(CONFIG, ["threads=1", *args.overrides])
+    cfg = load_flow_config(args.config, ["threads=1", *args.overrides])
     torch.set_num_threads(1)
     world = build_world(cfg.model.kind, cfg.model.path, cfg)
     policy = world.policy
@@ -197,17 +201,17 @@ def main(argv: list[str] | None = None) -> dict:
                            for i in open_steps if i in flat_rows)
     share_open = {k: sum(rows[i]["records_per_prompt"] for i in open_steps if i in rows)
                   / sum(r["records_per_prompt"] for r in rows.values()) for k, rows in (("tree", tree_rows), ("flat", flat_rows))}
-    res = {"config": str(CONFIG), "share_of_records_at_open_steps": share_open, "overrides": args.overrides, "prompts": P, "splits": args.splits,
+    res = {"config": str(args.config), "share_of_records_at_open_steps": share_open, "overrides": args.overrides, "prompts": P, "splits": args.splits,
            "factor": args.factor, "roots": R, "decided_share_after_shared_steps": decided,
            "tree": tree_rows, "flat": flat_rows, "grad_norm_tree": grads_tree, "grad_norm_flat": grads_flat,
            "open_steps": open_steps, "motion_informative_records_per_prompt": {"tree": informative_tree,
                                                                                "flat": informative_flat},
            "tree_leaf_motion_accuracy": float(sc["correct"].mean()), "flat_motion_accuracy": float(fs["correct"].mean())}
-    print(f"(a) share of the motion outcome fixed by the first s steps (s = 0: the initial noise only), "
+    print(f"(a) share of the attribute's outcome ('correct': motion, or the digit) fixed by the first s steps (s = 0: the initial noise only), "
           f"{P} prompts x {children} continuations:")
     print("    " + "  ".join(f"s={s}: {d:.2f}" for s, d in enumerate(decided)))
     print(f"(b) per step, schedule splits {args.splits} x{args.factor}, {R} root(s) per prompt, vs flat {G} per prompt:")
-    print("step | records/prompt tree / flat | motion varies in group tree / flat | corr(A, motion) tree / flat | "
+    print("step | records/prompt tree / flat | attribute varies in group tree / flat | corr(A, attribute) tree / flat | "
           "|A| tree / flat | std tree / flat | grad norm tree / flat")
     for i in range(N):
         a, b = tree_rows.get(i), flat_rows.get(i)
@@ -219,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{f(a, 'corr_adv_motion', '.2f')} / {f(b, 'corr_adv_motion', '.2f')} | "
               f"{f(a, 'adv_abs_mean', '.2f')} / {f(b, 'adv_abs_mean', '.2f')} | {f(a, 'std', '.3f')} / {f(b, 'std', '.3f')} | "
               f"{grads_tree.get(i, float('nan')):.3g} / {grads_flat.get(i, float('nan')):.3g}")
-    print(f"(c) steps with the motion still open (decided share < 0.5): {open_steps}; motion-informative trained "
+    print(f"(c) steps with the attribute still open (decided share < 0.5): {open_steps}; attribute-informative trained "
           f"records per prompt: tree {informative_tree:.1f}, flat {informative_flat:.1f}; share of the trained records at "
           f"those steps: tree {share_open['tree']:.2f}, flat {share_open['flat']:.2f}")
     if args.json:
