@@ -1,15 +1,18 @@
-"""Flat GRPO vs BranchGRPO vs Sol-RL on the moving-digits video world: cost per iteration and learning at
-equal wall-clock, several seeds, in one run.
+"""Flat GRPO vs BranchGRPO (one tree and a forest per prompt) vs Sol-RL on the moving-digits video world: cost
+per iteration and learning at equal wall-clock and at equal iterations, several seeds, in one run.
 
-    .venv/bin/python benchmarks/bench_video.py --json benchmarks/results/bench_video.json   # full: 3 seeds x 100 iterations (~30 min)
+    .venv/bin/python benchmarks/bench_video.py --json benchmarks/results/bench_video.json   # full: 3 seeds x 100 iterations (~40 min)
     .venv/bin/python benchmarks/bench_video.py --quick                                       # ~2 min, never writes
 
 Every method starts from the bundled base with configs/moving_digits.yaml (8 prompts x 16 clips per
-iteration, flow-SDE a = 1.0, 8 steps, PPO-clip, KL 0.1, LoRA r16, the three video rewards, per-reward
-advantages); only the rollout differs (--quick: 4 prompts per iteration, small evaluations):
+iteration, flow-SDE a = 1.0, 8 steps, PPO-clip, KL 0.2, LoRA r16, the three video
+rewards summed 2 / 1 / 1); only the rollout differs (--quick: 4 prompts per iteration, small evaluations):
   flat GRPO   16 independent SDE samples per prompt, 7 trained steps each
   BranchGRPO  one tree per prompt, splits at steps 0, 2, 4, 6 (x2) -> 16 leaves; every SDE edge trained with
               its child's depth-wise advantage (specs/branch-cps-guard.md §1)
+  BranchGRPO forest  8 trees per prompt (tree.roots=8), each split once at step 4 (x2) -> 16 leaves: the
+              steps where this world decides the direction of motion (0-2, benchmarks/diag_branch.py) keep 8
+              independent trajectories per prompt instead of 2; advantages per prompt and depth
   Sol-RL      32 candidate seeds per prompt from an NVFP4 rollout copy in 4 ODE steps, rewarded; the 8 best
               and 8 worst regenerated at full precision and trained with the same GRPO loss
               (specs/lowprec-and-correctors.md §1; the NVFP4 copy is the exact CPU emulation, so it saves no time here)
@@ -18,7 +21,9 @@ Cost: the median seconds per iteration (evaluations excluded) and the network ev
 (rollout + low-precision candidates + update forwards), as ratios to flat GRPO's, from the learning runs
 themselves. Learning at equal wall-clock: the budget is flat GRPO's mean training seconds; each run is read
 at its last evaluation inside that budget of its own cumulative training seconds (all runs in this one
-process, one thread each, one after the other: a busy machine slows all of them, not one).
+process, one thread each, one after the other: a busy machine slows all of them, not one). Learning at equal
+iterations: the final evaluation; for Sol-RL that is also equal full-precision rollout NFE (its trained group is
+regenerated at full precision, 16 per prompt like flat GRPO's; the pool is low precision).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ CONFIG = ROOT / "configs" / "moving_digits.yaml"
 METHODS = {
     "flat GRPO": [],
     "BranchGRPO": ["rollout.kind=tree", "tree.split_steps=[0,2,4,6]", "tree.factor=2"],
+    "BranchGRPO forest": ["rollout.kind=tree", "tree.split_steps=[4]", "tree.factor=2", "tree.roots=8"],
     "Sol-RL": ["rollout.kind=solrl", "rollout.precision=nvfp4", "solrl.candidates=32", "solrl.preview_steps=4",
                "solrl.select=best_worst"],
 }
@@ -92,6 +98,18 @@ def spread_sentence(name: str, key: str, rows: dict, higher_is_better: bool) -> 
     return f"- {name}: {key} at equal wall-clock is {verdict}."
 
 
+def final_sentence(name: str, key: str, rows: dict) -> str:
+    """`name` vs flat GRPO on `key` after the same iterations (final evaluation, mean +- std over seeds)."""
+    a, b = rows[name], rows["flat GRPO"]
+    ma, sa, mb, sb = a[f"{key}_final"], a[f"{key}_final_std"], b[f"{key}_final"], b[f"{key}_final_std"]
+    if len(a["seeds"]) < 2:
+        return f"- {name}: {key} after {a['iterations']} iterations {ma:.3f} vs flat GRPO's {mb:.3f} (one seed: no claim)"
+    how = ("within the spread over seeds of" if abs(ma - mb) <= sa + sb else
+           f"{'better' if ma > mb else 'worse'} beyond the spread over seeds than")
+    return (f"- {name}: {key} after the same {a['iterations']} iterations is {how} flat GRPO's ({ma:.3f} ± {sa:.3f} vs "
+            f"{mb:.3f} ± {sb:.3f}).")
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     standard_args(ap, "one seed, 6 iterations, small evaluations (~2 min)")
@@ -124,6 +142,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row[f"{k}_std"] = statistics.pstdev(e[k] for e in eq)
             row[f"{k}_before"] = rs[0][1]["eval_before"][k]
             row[f"{k}_final"] = statistics.mean(s["eval_after"][k] for _, s in rs)
+            row[f"{k}_final_std"] = statistics.pstdev(s["eval_after"][k] for _, s in rs)
         table[name] = row
     flat = table["flat GRPO"]
     for row in table.values():
@@ -135,18 +154,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
              f"Base: accuracy {flat['accuracy_before']:.3f}, motion accuracy {flat['motion_accuracy_before']:.3f}, "
              f"FD {flat['fd_before']:.1f}.", "",
              "| method | s / iter | × flat | NFE / iter | × flat | iterations at budget | accuracy at budget | "
-             "motion accuracy at budget | FD at budget | judge (frames / motion) at budget | final accuracy | final motion |",
+             "motion accuracy at budget | FD at budget | judge (frames / motion) at budget | final accuracy | final motion "
+             "accuracy |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in table.values():
         lines.append(f"| {r['method']} | {r['seconds_per_iter']:.2f} | {r['seconds_ratio']:.2f}× | {r['nfe_per_iter']:.0f} | "
                      f"{r['nfe_ratio']:.2f}× | {r['iterations_at_budget']:.0f} | {r['accuracy_mean']:.3f} ± "
                      f"{r['accuracy_std']:.3f} | {r['motion_accuracy_mean']:.3f} ± {r['motion_accuracy_std']:.3f} | "
                      f"{r['fd_mean']:.1f} ± {r['fd_std']:.1f} | {r['judge_accuracy_mean']:.3f} / "
-                     f"{r['judge_motion_accuracy_mean']:.3f} | {r['accuracy_final']:.3f} | {r['motion_accuracy_final']:.3f} |")
+                     f"{r['judge_motion_accuracy_mean']:.3f} | {r['accuracy_final']:.3f} ± {r['accuracy_final_std']:.3f} | "
+                     f"{r['motion_accuracy_final']:.3f} ± {r['motion_accuracy_final_std']:.3f} |")
     lines.append("")
     for name in table:
         if name != "flat GRPO":
-            lines += [spread_sentence(name, "accuracy", table, True), spread_sentence(name, "motion_accuracy", table, True)]
+            lines += [spread_sentence(name, "accuracy", table, True), spread_sentence(name, "motion_accuracy", table, True),
+                      final_sentence(name, "motion_accuracy", table)]
     lines += ["", "'iterations at budget' 0 means the base: the method's first evaluation came after flat GRPO's budget.",
               "", "CPU only (no GPU used); seconds are single-thread timings on a machine that may have been shared, "
               "so the seconds ratios are the comparable part. The NVFP4 rollout copy is an exact emulation on the CPU "

@@ -187,6 +187,21 @@ def test_bench_branch_rows(tmp_path):
     assert learn["BranchGRPO-Mix"]["iterations"] == 5 and learn["flat GRPO"]["iterations"] == 2
 
 
+def test_video_benches_call_a_difference_only_beyond_the_seed_spread():
+    bv, bbv = _load("bench_video"), _load("bench_branch_video")
+    row = lambda m, s, seeds=(0, 1, 2): {"seeds": list(seeds), "iterations": 100, "motion_accuracy_final": m,  # noqa: E731
+                                         "motion_accuracy_final_std": s}
+    rows = {"flat GRPO": row(0.90, 0.03), "tree": row(0.50, 0.03), "close": row(0.86, 0.02), "one": row(0.5, 0.0, (0,))}
+    assert "worse beyond the spread over seeds than flat GRPO's (0.500 ± 0.030 vs 0.900 ± 0.030)" in \
+        bv.final_sentence("tree", "motion_accuracy", rows)
+    assert "within the spread over seeds of flat GRPO's" in bv.final_sentence("close", "motion_accuracy", rows)
+    assert "one seed: no claim" in bv.final_sentence("one", "motion_accuracy", rows)
+    a, b = {"seeds": [0, 1, 2], "m": (0.90, 0.02)}, {"seeds": [0, 1, 2], "m": (0.50, 0.03)}
+    assert bbv.verdict(a, b, "m", ("forest", "tree")).startswith("above tree beyond the seed spread")
+    assert bbv.verdict(b, a, "m", ("tree", "forest")).startswith("below forest beyond")
+    assert bbv.verdict({"seeds": [0, 1, 2], "m": (0.52, 0.01)}, b, "m", ("x", "tree")).startswith("within the seed spread")
+
+
 def test_bench_eb_rows(tmp_path):
     import torch
 

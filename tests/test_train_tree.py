@@ -51,6 +51,20 @@ def test_tree_training_is_on_policy_and_counts_match(tmp_path, overrides):
     assert set(row["ratio_per_step"]) == ({"0", "1"} if cfg.steps.mode == "fixed_window" else {"0", "1", "2"})
 
 
+def test_forest_trains_every_edge_of_its_roots(tmp_path):
+    # tree.roots=2, one split at step 1: 2 prompts x 2 trees x 2 leaves = the groups of 4; per tree the SDE
+    # edges are 1 (step 0) + 2 + 2 (steps 1, 2), and the step-0 edges now carry an advantage (two roots per prompt)
+    _, d = run(tmp_path / "r", "rollout.kind=tree", "tree.split_steps=[1]", "tree.roots=2")
+    row = metrics(d)[0]
+    sched, sde = BranchSchedule((1,)), torch.tensor([True, True, True, False])
+    assert row["first_step_max_abs_log_ratio"] <= 1e-6
+    assert row["tree/edges_sampled"] == row["tree/edges_trained"] == row["nfe_train"] == num_trained_edges(sched, 4, sde, trees=4) == 20
+    assert row["nfe_full"] == nfe(sched, 4, trees=4)
+    assert row["trained_samples"] == 8 and set(row["ratio_per_step"]) == {"0", "1", "2"}
+    with pytest.raises(ConfigError, match="2 tree\\(s\\) per prompt .* have 8 leaves, but rollout.group_size=4"):
+        load_flow_config(None, [*TINY, *TREE, "tree.roots=2"])
+
+
 def test_tree_pruning_trains_the_closed_form_number_of_edges(tmp_path):
     # 6 steps, splits at 0 and 1: per tree 2 + 4 edges before the tail, 4 chains x 3 tail edges (steps 2-4)
     six = ("sampler.num_steps=6", "train.micro_batch=4", "train.grad_accum=1")
@@ -90,7 +104,7 @@ def test_tree_accumulation_with_a_partial_last_update(tmp_path):
 
 
 def test_tree_config_errors():
-    with pytest.raises(ConfigError, match="has 8 leaves, but rollout.group_size=4"):
+    with pytest.raises(ConfigError, match="have 8 leaves, but rollout.group_size=4"):
         load_flow_config(None, [*TINY, "rollout.kind=tree", "tree.split_steps=[0,1,2]"])
     with pytest.raises(ConfigError, match="train.objective=grpo"):
         load_flow_config(None, [*TINY, *TREE, "train.objective=nft"])

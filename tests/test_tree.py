@@ -298,6 +298,31 @@ def test_depthwise_advantages_by_hand():
     assert float(clipped.max()) == 1.0
 
 
+def test_forest_advantages_are_per_prompt_and_depth():
+    # tree.roots: a prompt's R trees are normalised together per depth. 16 single-leaf trees (no split) per
+    # prompt are flat GRPO: every depth carries the group z-score of the leaf rewards (unbiased std).
+    r = torch.randn(32, generator=torch.Generator().manual_seed(3))
+    chains = build_tree(BranchSchedule(()), 3, 32)  # 2 prompts x 16 roots, 3 steps
+    adv = depthwise_advantages(chains, fuse_rewards(chains, r), roots=16)
+    g = r.view(2, 16)
+    z = ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-8)).flatten()
+    for d in range(4):
+        torch.testing.assert_close(adv[chains.nodes_at(d)], z, rtol=0, atol=1e-5)
+    assert torch.all(depthwise_advantages(chains, fuse_rewards(chains, r)) == 0)  # one tree each: no signal at all
+    # 2 prompts x 2 roots, split at step 1: depth 1 has one node per tree but two per prompt, so the first
+    # step's edges (depth 1) get the gap between the roots' subtrees; depth 2 normalises the 4 leaves
+    t = build_tree(BranchSchedule((1,)), 2, 4)
+    r = torch.tensor([1.0, 2.0, 4.0, 6.0, 0.0, 0.0, 3.0, 3.0])
+    adv = depthwise_advantages(t, fuse_rewards(t, r), roots=2)
+    a1 = 1 / math.sqrt(2)  # two values, unbiased std: +-1/sqrt(2) whatever their gap
+    assert adv[t.nodes_at(1)].tolist() == pytest.approx([-a1, a1, -a1, a1], abs=1e-6)
+    s = math.sqrt(sum((x - 3.25) ** 2 for x in (1, 2, 4, 6)) / 3)
+    assert adv[t.nodes_at(2)][:4].tolist() == pytest.approx([(x - 3.25) / s for x in (1, 2, 4, 6)], abs=1e-6)
+    assert torch.all(depthwise_advantages(t, fuse_rewards(t, r))[t.nodes_at(1)] == 0)  # roots=1: a trunk, no signal
+    with pytest.raises(ValueError, match="roots=3 must divide"):
+        depthwise_advantages(t, fuse_rewards(t, r), roots=3)
+
+
 def test_edge_advantages_follow_the_child(policy):
     tr = tree_rollout(policy, prompts(2), torch.tensor([1, 2]), sigma_schedule(N), BranchSchedule((0, 2)))
     node_adv = depthwise_advantages(tr.tree, fuse_rewards(tr.tree, torch.randn(8, generator=torch.Generator().manual_seed(1))))

@@ -89,12 +89,16 @@ def soft_mean(values: torch.Tensor, lam: float) -> float:
 
 
 def depthwise_advantages(tree: Tree, node_values: torch.Tensor, eps: float = 1e-8,
-                         clip: float | None = None) -> torch.Tensor:
+                         clip: float | None = None, roots: int = 1) -> torch.Tensor:
     """Per tree and per depth (§1.4): A(n) = (R(n) - mean) / (std + eps), std unbiased; 0 for a depth
     with one node or std < 1e-6 (the root and the trunk before the first split). Optional clip to
-    [-clip, clip] (BranchGRPO's adv_clip_max = 5 is applied in its loss). [Nn] fp32."""
+    [-clip, clip] (BranchGRPO's adv_clip_max = 5 is applied in its loss). [Nn] fp32.
+    roots: trees per prompt (a forest, ``tree.roots``): trees k*roots .. k*roots + roots - 1 are one
+    prompt's and are normalised together, per depth (so the roots get advantages too)."""
     r = node_values.detach().to(torch.float64).cpu()
-    key = tree.tree * (tree.num_steps + 1) + tree.depth  # one group per (tree, depth)
+    if roots < 1 or tree.num_trees % roots:
+        raise ValueError(f"roots={roots} must divide the batch's {tree.num_trees} trees (trees per prompt)")
+    key = (tree.tree // roots) * (tree.num_steps + 1) + tree.depth  # one group per (prompt's forest, depth)
     uniq, inv = torch.unique(key, return_inverse=True)
     G = len(uniq)
     count = torch.zeros(G, dtype=torch.float64).index_add_(0, inv, torch.ones_like(r))
@@ -184,7 +188,7 @@ def depth_prune(tree: Tree, edges: torch.Tensor, depths: set[int] | list[int], i
 
 def tree_train_edges(tr: TreeRollout, scores: dict[str, torch.Tensor], weights: dict[str, float],
                      leaf_keep: torch.Tensor, iteration: int, tree_cfg, aggregate: str = "reward_sum", eps: float = 1e-4,
-                     clip: float = 5.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     clip: float = 5.0, roots: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """BranchGRPO's trained edges for one process's trees (specs/branch-cps-guard.md §1.3-§1.6). Leaf rewards
     (`scores`: name -> [L] in tree.leaf_node order) are fused into every node (tree_cfg.fusion), normalised per
     tree and depth, and each SDE edge takes its child's advantage; `aggregate` "advantage_sum" normalises each
@@ -196,7 +200,7 @@ def tree_train_edges(tr: TreeRollout, scores: dict[str, torch.Tensor], weights: 
 
     def node_advantages(leaf_rewards: torch.Tensor) -> torch.Tensor:  # [L] -> [Nn]
         values = fuse_rewards(t, leaf_rewards, tc.fusion, tc.fusion_lambda, tc.fusion_lambda)
-        return depthwise_advantages(t, values, eps)
+        return depthwise_advantages(t, values, eps, roots=roots)
 
     if aggregate == "reward_sum":
         node_adv = node_advantages(sum(w * scores[n].double() for n, w in weights.items()).float())

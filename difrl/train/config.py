@@ -351,9 +351,10 @@ class FlowConfig(TrainerConfig):
             sched = self.tree.schedule(n)
             if sched.split_steps and sched.split_steps[-1] > n - 1:
                 raise config_error("tree.split_steps", f"split step {sched.split_steps[-1]} is outside the {n} steps")
-            if sched.leaves != r.group_size:
-                raise config_error("rollout.group_size", f"a tree of {len(sched.split_steps)} split(s) with factor "
-                                                         f"{sched.factor} has {sched.leaves} leaves, but rollout."
+            if sched.leaves * self.tree.roots != r.group_size:
+                raise config_error("rollout.group_size", f"{self.tree.roots} tree(s) per prompt (tree.roots) of "
+                                                         f"{len(sched.split_steps)} split(s) with factor {sched.factor} "
+                                                         f"have {sched.leaves * self.tree.roots} leaves, but rollout."
                                                          f"group_size={r.group_size}: they must be equal")
             if self.train.objective != "grpo":
                 raise config_error("rollout.kind", "tree rollouts train their SDE edges' log-probs (train.objective=grpo)")

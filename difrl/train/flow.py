@@ -140,11 +140,12 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
             t_r = time.perf_counter()
             on_copy = rollout_copy is not None and not solrl
             with rollout_copy.active(policy) if on_copy else nullcontext():
-                if tree_mode:  # one tree per group, root seed = its first leaf's flat seed; leaves = the group
-                    trees = torch.arange(rank * per_proc // G, (rank + 1) * per_proc // G)
-                    tr = tree_rollout(policy, prompts[::G], seeds[::G], sigmas, schedule, cfg.sampler.kind,
+                if tree_mode:  # tree.roots trees per group, root seed = its first leaf's flat seed; leaves = the group
+                    R, L = cfg.tree.roots, G // cfg.tree.roots  # trees per group, leaves per tree
+                    trees = torch.arange(rank * per_proc // L, (rank + 1) * per_proc // L)
+                    tr = tree_rollout(policy, prompts[::L], seeds[::L], sigmas, schedule, cfg.sampler.kind,
                                       cfg.sampler.kernel_kwargs(), cfg.tree.noise_scale, cfg.tree.kappa_logprob,
-                                      sde_mask, group_prompt[trees], it * cfg.rollout.prompts_per_iter + trees,
+                                      sde_mask, group_prompt[trees // R], it * cfg.rollout.prompts_per_iter + trees // R,
                                       guidance=cfg.sampler.guidance, batch_size=cfg.sampler.rollout_batch)
                     batch = tr.edges  # trained records: the SDE edges; rewarded: the leaves
                     seeds = tr.node_seed[tr.leaf_node]
@@ -196,7 +197,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
             stage["solrl/candidate_reward_mean"] = float(pool.reward.mean())
         if tree_mode:  # BranchGRPO: fused node rewards, advantages per tree and depth, edges pruned (§1.3-§1.6)
             kept, advantages, keep = tree_train_edges(tr, scores, weights, keep, it, cfg.tree, cfg.reward.aggregate,
-                                                      cfg.advantage.eps, cfg.advantage.clip)
+                                                      cfg.advantage.eps, cfg.advantage.clip, cfg.tree.roots)
             advantages = torch.where(keep, advantages, 0.0)  # a failed leaf's NaN stays in its own (dropped) tree
             batch = tr.edges.select(kept)
             if correction is not None:

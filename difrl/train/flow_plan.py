@@ -204,9 +204,10 @@ def plan(cfg: FlowConfig, world, world_size: int, run_dir: Path, say) -> tuple[i
     if tree_mode:  # ... or one per tree edge (a record of its own)
         schedule, T = cfg.tree.schedule(cfg.sampler.num_steps), 1
         edges = num_trained_edges(schedule, cfg.sampler.num_steps, sde_mask0)
-        n_records = edges * cfg.rollout.prompts_per_iter // world_size
-        what = (f"step per record, SDE steps {cfg.steps.mode} + splits; trees: splits at {list(schedule.split_steps)} "
-                f"x{schedule.factor}, {edges} SDE edges per tree before pruning (records of 1 step); ")
+        n_records = edges * cfg.tree.roots * cfg.rollout.prompts_per_iter // world_size
+        what = (f"step per record, SDE steps {cfg.steps.mode} + splits; trees: {cfg.tree.roots} per prompt, splits at "
+                f"{list(schedule.split_steps)} x{schedule.factor}, {edges} SDE edges per tree before pruning (records "
+                "of 1 step); ")
     micro = micro_batching(cfg, T, tree_mode, n_records)
     updates = cfg.train.inner_epochs * micro.updates
     if cfg.rollout.kind == "solrl":

@@ -35,6 +35,9 @@ class TreeConfig:
                                                          "k * (num_steps // rounds)")
     rounds: int = cfg_field(4, ge=0, help="uniform splits when split_steps is None (BranchGRPO: 4)")
     factor: int = cfg_field(2, ge=2, help="children per split")
+    roots: int = cfg_field(1, ge=1, help="trees per prompt (a forest): each its own initial noise and factor ** splits "
+                                         "leaves, rollout.group_size = roots x leaves; advantages are normalised per "
+                                         "prompt and depth over its trees (difrl.algos.tree.depthwise_advantages)")
     noise_scale: float = cfg_field(1.0, gt=0.0, help="kappa: the kernel's std multiplier at split steps (BranchGRPO's "
                                                      "script: 4.0)")
     kappa_logprob: str = cfg_field("actual", choices=("actual", "reference"),

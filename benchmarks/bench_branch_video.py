@@ -1,0 +1,183 @@
+"""BranchGRPO on the moving-digits video world: why it learns motion slowly, and ablations at equal iterations.
+
+    .venv/bin/python benchmarks/bench_branch_video.py --json benchmarks/results/bench_branch_video.json  # ~35 min (1 thread)
+    .venv/bin/python benchmarks/bench_branch_video.py --quick                                             # ~3 min, never writes
+    # the same runs in two processes (2 cores), then the table from their run directories:
+    .venv/bin/python benchmarks/bench_branch_video.py --variants "flat GRPO" ... --no-write &
+    .venv/bin/python benchmarks/bench_branch_video.py --reuse --json benchmarks/results/bench_branch_video.json
+
+Part 1 is benchmarks/diag_branch.py on the base policy (where the direction of motion is decided in the
+8-step sampler, and how many trained records per prompt can carry it). Part 2 trains each variant of
+configs/moving_digits.yaml (8 prompts x 16 clips per iteration) for the same number of iterations and seeds
+and evaluates it at the midpoint and the end (200 clips). Variants (VARIANTS): flat GRPO, the BranchGRPO of
+benchmarks/bench_video.py (splits 0, 2, 4, 6 x2: one tree per prompt), splits where motion is decided
+(0, 1, 2, 3), a wider first split (factor 4 at 0, 2), the paper's split noise kappa = 4, and forests
+(`tree.roots`: several trees per prompt, each its own initial noise, advantages normalised per prompt and depth).
+--reuse takes a run whose run directory already holds summary.json for the same overrides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import publish, standard_args  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+BEGIN, END = "<!-- bench_branch_video:start -->", "<!-- bench_branch_video:end -->"
+CONFIG = ROOT / "configs" / "moving_digits.yaml"
+TREE = ["rollout.kind=tree", "tree.factor=2"]
+VARIANTS = {
+    "flat GRPO": [],
+    "BranchGRPO 0,2,4,6 x2": [*TREE, "tree.split_steps=[0,2,4,6]"],
+    "splits 0,1,2,3 x2": [*TREE, "tree.split_steps=[0,1,2,3]"],
+    "splits 0,2 x4": ["rollout.kind=tree", "tree.split_steps=[0,2]", "tree.factor=4"],
+    "kappa 4 (0,2,4,6 x2)": [*TREE, "tree.split_steps=[0,2,4,6]", "tree.noise_scale=4.0"],
+    "forest 4 roots, splits 2,4 x2": [*TREE, "tree.split_steps=[2,4]", "tree.roots=4"],
+    "forest 8 roots, split 4 x2": [*TREE, "tree.split_steps=[4]", "tree.roots=8"],
+}
+BASELINE = "BranchGRPO 0,2,4,6 x2"
+METRICS = ("accuracy", "motion_accuracy", "fd")
+
+
+def train_seconds(r: dict) -> float:
+    return r["seconds"] - r.get("seconds_eval", 0.0)
+
+
+def one_run(name: str, seed: int, iterations: int, every: int, out: Path, extra: list[str], reuse: bool):
+    overrides = [*VARIANTS[name], f"seed={seed}", f"train.iterations={iterations}", f"eval.every={every}", "threads=1",
+                 *extra]
+    d = out / name.replace(" ", "_").replace(",", "-") / f"seed{seed}"
+    done = d / "summary.json"
+    if not (reuse and done.exists() and json.loads((d / "overrides.json").read_text()) == overrides):
+        from difrl.train.config import load_flow_config
+        from difrl.train.flow import train
+
+        train(load_flow_config(CONFIG, overrides), out_dir=d, overwrite=True)
+        (d / "overrides.json").write_text(json.dumps(overrides))
+    rows = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    return rows, json.loads(done.read_text())
+
+
+def ms(xs: list[float]) -> tuple[float, float]:
+    return statistics.mean(xs), statistics.pstdev(xs)
+
+
+def verdict(a: dict, b: dict, key: str, names: tuple[str, str]) -> str:
+    """`a` vs `b` on key (mean, std over seeds): better / worse only beyond both spreads."""
+    (ma, sa), (mb, sb) = a[key], b[key]
+    if len(a["seeds"]) < 2:
+        return f"{names[0]} {ma:.3f} vs {names[1]} {mb:.3f} (one seed: no claim)"
+    if abs(ma - mb) <= sa + sb:
+        return f"within the seed spread of {names[1]} ({ma:.3f} ± {sa:.3f} vs {mb:.3f} ± {sb:.3f})"
+    return f"{'above' if ma > mb else 'below'} {names[1]} beyond the seed spread ({ma:.3f} ± {sa:.3f} vs {mb:.3f} ± {sb:.3f})"
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    standard_args(ap, "seed 0, 3 variants, 6 iterations, small evaluations (~3 min)")
+    ap.add_argument("--seeds", type=int, nargs="+", help="training seeds (default 0 1 2; --quick 0)")
+    ap.add_argument("--iterations", type=int, help="iterations per run (default 100; --quick 6)")
+    ap.add_argument("--every", type=int, help="evaluation interval (default 50: the midpoint; --quick 3)")
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="default all (--quick: flat, baseline, forest 8)")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_branch_video")
+    ap.add_argument("--reuse", action="store_true", help="take finished runs with the same overrides from --out")
+    ap.add_argument("--no-diag", action="store_true", help="skip part 1 (benchmarks/diag_branch.py)")
+    args = ap.parse_args(argv)
+    q = args.quick
+    seeds = args.seeds or ([0] if q else [0, 1, 2])
+    iterations = args.iterations or (6 if q else 100)
+    every = args.every or (3 if q else 50)
+    names = args.variants or (["flat GRPO", BASELINE, "forest 8 roots, split 4 x2"] if q else list(VARIANTS))
+    extra = ["rollout.prompts_per_iter=4", "eval.per_digit=2", "eval.num_steps=6"] if q else []
+
+    lines = []
+    diag = None
+    if not args.no_diag:
+        import diag_branch
+
+        diag = diag_branch.main(["--quick"] if q else [])
+        dec = diag["decided_share_after_shared_steps"]
+        lines += ["**Part 1: where motion is decided** (`benchmarks/diag_branch.py`, base policy, "
+                  f"{diag['prompts']} trees of 16 continuations). Share of the motion outcome's variance fixed by "
+                  "the first s sampler steps (s = 0: the initial noise alone): "
+                  + ", ".join(f"s={s}: {d:.2f}" for s, d in enumerate(dec)) + ".", "",
+                  "| step | records / prompt: tree / flat | corr(advantage, motion): tree / flat | kernel std: tree / "
+                  "flat | grad norm of the step's records: tree / flat |", "|---:|---:|---:|---:|---:|"]
+        for i, t in diag["tree"].items():
+            f = diag["flat"].get(i) or diag["flat"].get(str(i))
+            gt = diag["grad_norm_tree"].get(i, diag["grad_norm_tree"].get(str(i)))
+            gf = diag["grad_norm_flat"].get(i, diag["grad_norm_flat"].get(str(i)))
+            lines.append(f"| {i} | {t['records_per_prompt']:.0f} / {f['records_per_prompt']:.0f} | "
+                         f"{t['corr_adv_motion']:.2f} / {f['corr_adv_motion']:.2f} | {t['std']:.3f} / {f['std']:.3f} | "
+                         f"{gt:.2g} / {gf:.2g} |")
+        mi = diag["motion_informative_records_per_prompt"]
+        opened = diag["open_steps"]
+        lines += ["", f"The motion outcome is still open (less than half fixed) before steps {opened}. There a tree of "
+                  f"splits {diag['splits']} x{diag['factor']} trains {sum(diag['tree'][i]['records_per_prompt'] for i in opened):.0f}"
+                  f" records per prompt, flat GRPO {sum(diag['flat'][i]['records_per_prompt'] for i in opened):.0f}; counting "
+                  f"only groups whose motion varies: {mi['tree']:.1f} vs {mi['flat']:.1f} motion-informative records "
+                  f"per prompt ({mi['flat'] / max(mi['tree'], 1e-9):.1f}x); those steps hold "
+                  f"{diag['share_of_records_at_open_steps']['tree']:.0%} of the tree's trained records and "
+                  f"{diag['share_of_records_at_open_steps']['flat']:.0%} of flat GRPO's. The kernel's std on every step is the "
+                  "same (same kernel, kappa 1).", ""]
+
+    runs = {n: [] for n in names}
+    for s in seeds:  # seed-major: an interrupted run leaves whole seeds of every variant (--reuse resumes)
+        for n in names:
+            runs[n].append(one_run(n, s, iterations, every, args.out, extra, args.reuse))
+    table = {}
+    for name, rs in runs.items():
+        row = {"variant": name, "overrides": VARIANTS[name], "seeds": seeds, "iterations": iterations,
+               "seconds_per_iter": statistics.median(train_seconds(r) for rows, _ in rs for r in rows),
+               "nfe_per_iter": statistics.median(r.get("nfe_full", 0) + r["nfe_train"] for rows, _ in rs for r in rows),
+               "records_per_iter": statistics.median(r.get("tree/edges_trained", r["nfe_train"]) for rows, _ in rs
+                                                     for r in rows)}
+        for k in METRICS:
+            row[k] = ms([s["eval_after"][k] for _, s in rs])
+            mids = [r[f"eval/{k}"] for rows, _ in rs for r in rows if f"eval/{k}" in r and r["iteration"] == every]
+            row[f"{k}_mid"] = ms(mids) if mids else (float("nan"), 0.0)
+            row[f"{k}_before"] = rs[0][1]["eval_before"][k]
+        table[name] = row
+    flat = table.get("flat GRPO")
+    base = table.get(BASELINE)
+    lines += [f"**Part 2: ablations** (configs/moving_digits.yaml, {iterations} iterations, seeds {seeds}, evaluated "
+              f"at {every} and {iterations}; mean ± std over seeds). Base: motion accuracy "
+              f"{next(iter(table.values()))['motion_accuracy_before']:.3f}, accuracy "
+              f"{next(iter(table.values()))['accuracy_before']:.3f}.", "",
+              "| variant | overrides | s / iter | × flat | NFE / iter | trained records / iter | motion accuracy at "
+              f"{every} | motion accuracy at {iterations} | accuracy at {iterations} | FD at {iterations} |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in table.values():
+        ratio = f"{r['seconds_per_iter'] / flat['seconds_per_iter']:.2f}×" if flat else "-"
+        lines.append(f"| {r['variant']} | `{' '.join(r['overrides']) or '(config)'}` | {r['seconds_per_iter']:.2f} | "
+                     f"{ratio} | {r['nfe_per_iter']:.0f} | {r['records_per_iter']:.0f} | "
+                     f"{r['motion_accuracy_mid'][0]:.3f} ± {r['motion_accuracy_mid'][1]:.3f} | "
+                     f"{r['motion_accuracy'][0]:.3f} ± {r['motion_accuracy'][1]:.3f} | "
+                     f"{r['accuracy'][0]:.3f} ± {r['accuracy'][1]:.3f} | {r['fd'][0]:.1f} ± {r['fd'][1]:.1f} |")
+    lines.append("")
+    for name, r in table.items():
+        parts = []
+        if base and name not in (BASELINE, "flat GRPO"):
+            parts.append("motion accuracy at the end is " + verdict(r, base, "motion_accuracy", (name, "BranchGRPO")))
+        if flat and name != "flat GRPO":
+            parts.append(("motion accuracy " if not parts else "") + verdict(r, flat, "motion_accuracy", (name, "flat GRPO"))
+                         + f", at {r['seconds_per_iter'] / flat['seconds_per_iter']:.2f}× its seconds per iteration")
+        if parts:
+            lines.append(f"- {name}: " + "; ".join(parts) + ".")
+    lines += ["", "CPU only (no GPU used), one thread per run; seconds are from runs that may have shared the machine "
+              "(two at a time), so compare them within a row's order of magnitude only."]
+    rows = list(table.values())
+    if diag is not None:
+        rows.append({"diagnosis": diag})
+    publish(args, BEGIN, END, "BranchGRPO on moving digits: where motion is decided, and ablations",
+            "bench_branch_video.py", argv, lines, rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
