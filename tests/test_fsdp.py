@@ -119,14 +119,35 @@ def rows(run_dir: Path) -> list[dict]:
 
 def checkpoint_tensors(run_dir: Path, iteration: int) -> dict[str, torch.Tensor]:
     """Trainable weights, EMA and DiffusionNFT's old policy (if any) and Adam's moments of one checkpoint, by a flat
-    name."""
+    name; a sharded checkpoint (DCP, the default under FSDP) read whole in this process under the same names."""
     path = run_dir / "checkpoints" / f"iter-{iteration:06d}"
+    if (path / ".metadata").exists():
+        return sharded_checkpoint_tensors(path)
     out = {}
     for name in ("trainable", "ema", "old"):
         if (path / f"{name}.safetensors").exists():
             out |= {f"{name}/{k}": v for k, v in load_safetensors_checked(path / f"{name}.safetensors", name)[0].items()}
     opt = torch.load(path / "optimizer.pt", weights_only=True)
     out |= {f"opt/{i}/{k}": v for i, st in opt["state"].items() for k, v in st.items() if torch.is_tensor(v)}
+    return out
+
+
+def sharded_checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """checkpoint_tensors of a sharded checkpoint (difrl.train.sharded_state): its optimizer state is keyed by the
+    parameter's name, a gathered one's by the parameter's index; DCP's .metadata lists the trainable weights in the
+    order they were saved (trainable_params' order, the optimizer's), which gives the index."""
+    from difrl.train.sharded_state import read_metadata, read_sharded
+
+    names = [k[len("trainable/"):] for k in read_metadata(path).state_dict_metadata if k.startswith("trainable/")]
+    index = {n: i for i, n in enumerate(names)}
+    out = {}
+    for key, v in read_sharded(path).items():
+        kind, rest = key.split("/", 1)
+        if kind == "optim":
+            name, what = rest.rsplit("/", 1)
+            out[f"opt/{index[name]}/{what}"] = v
+        else:  # trainable/NAME, ema/NAME, extra/old/NAME -> old/NAME
+            out[rest if kind == "extra" else key] = v
     return out
 
 

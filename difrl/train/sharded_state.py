@@ -124,9 +124,12 @@ def _load(path: Path, tensors: dict[str, torch.Tensor], no_dist: bool = False) -
 
     from difrl.train.state import CheckpointError
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(path)), no_dist=no_dist)
-    except Exception as e:  # noqa: BLE001  (DCP wraps each process's failure in a CheckpointException)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001  (DCP wraps each process's failure in a
+        # CheckpointException, a BaseException)
         raise CheckpointError(f"checkpoint {path}: its sharded files (__*.distcp, {METADATA}) do not load "
                               f"({type(e).__name__}: {str(e)[:400]})") from e
 
@@ -144,6 +147,10 @@ def load_sharded(path: Path, module, optimizer, ema, extras: dict | None, metada
         extra, missing = sorted(saved - set(params)), sorted(set(params) - saved)
         raise ValueError(f"checkpoint {path} does not match this model: unexpected {extra[:4]}, missing {missing[:4]} "
                          "(was it trained with another model or LoRA setting?)")
+    shapes = [f"{k} is {list(meta[f'trainable/{k}'].size)} in the checkpoint, {list(p.shape)} here"
+              for k, p in params.items() if tuple(meta[f"trainable/{k}"].size) != tuple(p.shape)]
+    if shapes:
+        raise ValueError(f"checkpoint {path} does not match this model: {'; '.join(shapes[:4])}")
     if ema is not None and not any(k.startswith("ema/") for k in meta):
         raise ValueError(f"checkpoint {path} has no EMA weights but train.ema_decay > 0")
     for name in extras or {}:
