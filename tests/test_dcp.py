@@ -18,15 +18,12 @@ b. Slow, tiny FLUX full fine-tuning with EMA (tests/test_fsdp.py's launch helper
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from test_fsdp import (ROOT, Net, assert_same_runs, checkpoint_tensors, env, flux_args, rows, run,  # noqa: F401
-                       run_killed_after, tiny_flux)
+from test_fsdp import ROOT, Net, assert_same_runs, flux_args, run, run_killed_after, tiny_flux  # noqa: F401
 
 
 # ---------------------------------------------------------------------------------- fast checks (one process)
@@ -216,7 +213,7 @@ def assert_same_weights(a: Path, b: Path) -> None:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-7, msg=k)
 
 
-@pytest.mark.slow  # four launches of the tiny FLUX pipeline (plus the shared reference), about 2 min on 2 cores
+@pytest.mark.slow  # four launches of the tiny FLUX pipeline (+ the shared 2-process reference, 1 min), about 2 min
 def test_sharded_run_resumes_on_another_number_of_processes(uninterrupted, tiny_flux, tmp_path):
     from difrl.config import load_config
     from difrl.train.config import FlowConfig
@@ -244,21 +241,24 @@ def test_sharded_run_resumes_on_another_number_of_processes(uninterrupted, tiny_
     assert_same_weights(uninterrupted, one_two)
 
 
-def export(run_dir: Path, *extra: str) -> Path:
-    proc = subprocess.run([sys.executable, "-m", "difrl", "export", str(run_dir), *extra], env=env(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return Path(proc.stdout.strip().splitlines()[-1].rsplit(" -> ", 1)[1].split(", ")[0]).parent
+def export(capsys, run_dir: Path, *extra: str) -> Path:
+    """`difrl export RUN_DIR ...` (the CLI, in this process): the directory it wrote."""
+    from difrl.cli import main
+
+    capsys.readouterr()
+    assert main(["export", str(run_dir), *extra]) == 0
+    return Path(capsys.readouterr().out.strip().splitlines()[-1].rsplit(" -> ", 1)[1].split(", ")[0]).parent
 
 
-@pytest.mark.slow  # one 1-process launch of the tiny FLUX pipeline and two exports, about 40 s on 2 cores
-def test_export_writes_plain_diffusers_files(uninterrupted, tiny_flux, tmp_path):
+@pytest.mark.slow  # one 1-process launch of the tiny FLUX pipeline and three exports, about 1 min on 2 cores
+def test_export_writes_plain_diffusers_files(uninterrupted, tiny_flux, tmp_path, capsys):
     from diffusers import FluxPipeline, FluxTransformer2DModel
 
+    from difrl.cli import main
     from difrl.train.sharded_state import read_sharded
 
     # full fine-tuning: transformer/ of the last checkpoint is the EMA weights, the file the run itself wrote
-    out = export(uninterrupted)
+    out = export(capsys, uninterrupted)
     assert out == uninterrupted / "export" / "iter-000003"
     ema = {k[len("ema/"):]: v for k, v in read_sharded(uninterrupted / "checkpoints" / "iter-000003", "ema/").items()}
     loaded = FluxTransformer2DModel.from_pretrained(out / "transformer").state_dict()
@@ -267,17 +267,16 @@ def test_export_writes_plain_diffusers_files(uninterrupted, tiny_flux, tmp_path)
         torch.testing.assert_close(v, ema[k], rtol=0, atol=0, msg=k)
     assert_same_weights(uninterrupted, out)
     # an older checkpoint by --iteration, into --out; a non-empty --out is refused
-    older = export(uninterrupted, "--iteration", "2", "--out", str(tmp_path / "iter2"))
+    older = export(capsys, uninterrupted, "--iteration", "2", "--out", str(tmp_path / "iter2"))
     assert older == tmp_path / "iter2"
-    proc = subprocess.run([sys.executable, "-m", "difrl", "export", str(uninterrupted), "--out", str(older)],
-                          env=env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 2 and "is not empty" in proc.stderr
+    assert main(["export", str(uninterrupted), "--out", str(older)]) == 2
+    assert "is not empty" in capsys.readouterr().err
 
     # LoRA (one process, sharded checkpoints asked for): lora/ loads into a plain pipeline, equal to the checkpoint
     lora = tmp_path / "lora"
     run(1, SCRIPT, flux_args(tiny_flux, "train.iterations=1", "train.grad_accum=4", "train.checkpoint_format=sharded"),
         lora)
-    out = export(lora)
+    out = export(capsys, lora)
     trained = {k[len("trainable/"):]: v
                for k, v in read_sharded(lora / "checkpoints" / "iter-000001", "trainable/").items()}
     assert trained and all("lora_" in k for k in trained)
@@ -287,3 +286,24 @@ def test_export_writes_plain_diffusers_files(uninterrupted, tiny_flux, tmp_path)
     for k, v in trained.items():  # base_model.model.X.lora_A.default.weight -> X.lora_A.default_0.weight
         name = k[len("base_model.model."):].replace(".default.", ".default_0.")
         torch.testing.assert_close(state[name], v, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.slow  # one tiny digits run in this process, about 30 s on 2 busy cores
+def test_export_of_a_bundled_world_is_its_final_policy(tmp_path, capsys):
+    # digits (one plain process, sharded checkpoints asked for, EMA on): policy.safetensors exported from the last
+    # checkpoint is the file the run wrote at the end (the EMA weights, LoRA merged); a damaged checkpoint is named
+    from test_train import run as train_digits
+
+    from difrl.cli import main
+    from difrl.utils.io import load_safetensors_checked
+
+    _, run_dir = train_digits(tmp_path / "digits", "train.checkpoint_format=sharded", "train.ema_decay=0.5")
+    assert (run_dir / "checkpoints" / "iter-000001" / ".metadata").exists()
+    out = export(capsys, run_dir)
+    mine, theirs = (load_safetensors_checked(d / "policy.safetensors", "policy") for d in (out, run_dir))
+    assert mine[0].keys() == theirs[0].keys() and mine[1] == theirs[1]
+    for k, v in mine[0].items():
+        assert torch.equal(v, theirs[0][k]), k
+    (run_dir / "checkpoints" / "iter-000001" / "__0_0.distcp").write_bytes(b"garbage")
+    assert main(["export", str(run_dir), "--iteration", "1", "--out", str(tmp_path / "x")]) == 2
+    assert "__0_0.distcp has 7 bytes" in capsys.readouterr().err

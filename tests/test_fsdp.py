@@ -417,12 +417,20 @@ def test_bench_fsdp_memory_halves_the_per_process_state(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_fsdp_memory", ROOT / "benchmarks" / "bench_fsdp_memory.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    ddp, fsdp = bench.main(["--quick", "--json", str(tmp_path / "rows.json")])
-    assert json.loads((tmp_path / "rows.json").read_text()) == [ddp, fsdp]
+    found = bench.main(["--quick", "--json", str(tmp_path / "rows.json")])
+    assert json.loads((tmp_path / "rows.json").read_text()) == found
+    ddp, fsdp = found[:2]
     # DDP: AdamW holds two moments per weight and the gradient one copy; FSDP2 holds about half of each
     assert ddp["params"] == ddp["grads"] > 0 and ddp["optimizer"] == pytest.approx(2 * ddp["params"], rel=1e-2)  # + steps
     for k in ("params", "grads", "optimizer", "total"):
         assert 0.45 < fsdp[k] / ddp[k] < 0.55, k
+    # a checkpoint save's peak host memory (VmHWM above VmRSS): gathered, rank 0 holds the full weights, EMA and
+    # AdamW moments at once; sharded, no process holds more than a fraction of them
+    sharded, gathered = (next(r for r in found if r["setting"].startswith(f"checkpoint save, {f}"))
+                         for f in ("sharded", "gathered"))
+    full = gathered["state_full_bytes"]
+    assert gathered["peak_rss_increase_rank0"] >= 0.9 * full
+    assert sharded["peak_rss_increase_max"] < 0.5 * gathered["peak_rss_increase_rank0"]
 
 
 def test_gather_copy_and_restore_in_one_process(tmp_path):

@@ -38,7 +38,7 @@ from difrl.train.sharding import reshard
 FORMATS = ("auto", "sharded", "gathered")
 METADATA = ".metadata"
 # one plain process (no process group) saves and loads with no_dist: DCP says so in a warning each time
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+QUIET = "torch.distributed is disabled, unavailable or uninitialized"
 
 
 def checkpoint_format(cfg, run_dir: Path, sharded: bool) -> str:
@@ -96,7 +96,9 @@ def save_sharded(run_dir: Path, iteration: int, module, optimizer, ema, extras: 
         tmp.mkdir(parents=True)
     barrier()
     reshard(module)  # the registered parameters are the shards, not what a forward left gathered
-    dcp.save(state_tensors(module, optimizer, ema, extras), storage_writer=dcp.FileSystemWriter(str(tmp)))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=QUIET)
+        dcp.save(state_tensors(module, optimizer, ema, extras), storage_writer=dcp.FileSystemWriter(str(tmp)))
     barrier()  # every process's __R_0.distcp is on disk (FileSystemWriter fsyncs them) before the manifest
     final = root / f"iter-{iteration:06d}"
     if is_main:
@@ -127,7 +129,9 @@ def _load(path: Path, tensors: dict[str, torch.Tensor], no_dist: bool = False) -
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(path)), no_dist=no_dist)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=QUIET)
+            dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(path)), no_dist=no_dist)
     except (Exception, CheckpointException) as e:  # noqa: BLE001  (DCP wraps each process's failure in a
         # CheckpointException, a BaseException)
         raise CheckpointError(f"checkpoint {path}: its sharded files (__*.distcp, {METADATA}) do not load "

@@ -19,10 +19,11 @@ gradient reduction). fsdp_auto_wrap_policy is not read: the units are always the
 policy would cut blocks apart). fsdp_activation_checkpointing is not read either: activation checkpointing
 is a model option (hf_masked: model.gradient_checkpointing; the flow adapters have none yet).
 
-A sharded parameter is a DTensor holding this process's rows (dim 0, torch.chunk's split). Checkpoints
-and the final weights are gathered to full tensors, so a checkpoint written by N sharded processes is
-the same file a single process writes (a run resumes from it on the same number of processes: tested;
-another number reads the same files, untested).
+A sharded parameter is a DTensor holding this process's rows (dim 0, torch.chunk's split). Checkpoints are
+sharded by default under FSDP (train.checkpoint_format: each process writes its own rows with
+torch.distributed.checkpoint, difrl/train/sharded_state.py; a run resumes on another number of processes: tested
+2 -> 1 and 1 -> 2) or, with checkpoint_format=gathered, gathered to the full tensors a single process writes. The
+final weights (transformer/, lora/, policy.safetensors) are always gathered, once, at the end (`gathered`).
 
 fsdp_reshard_after_forward: false. FSDP2 then keeps a unit's gathered parameters after a forward (registered on
 the module in place of the shards; only a backward reshards) and its next forward uses them as they are. Every

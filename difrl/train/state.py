@@ -18,6 +18,12 @@ damaged unless the caller allows it (``allow_unverified=True``; the trainers' co
 ``resume_unverified=true``): then it loads with a warning, its files checked only as they parse.
 Everything random in a run is derived from (seed, iteration), so the saved RNG is a safeguard,
 not a requirement.
+
+That is the gathered format (train.checkpoint_format=gathered: full tensors, written by the main process). A
+sharded checkpoint (the default under FSDP: difrl/train/sharded_state.py) holds DCP's files in place of
+trainable / ema / optimizer / extras, with the same rng.safetensors, state.json, manifest, temporary name,
+rename, `latest` and pruning (publish); load_latest_checkpoint verifies it the same way, and restore_checkpoint
+reads its tensors into the live (sharded or plain) ones, whatever the number of processes that wrote it.
 """
 
 from __future__ import annotations
