@@ -99,9 +99,8 @@ def checkpoint_worker(layers: int, dim: int, out: Path) -> None:
     import torch.distributed as dist
     from diffusers import FluxTransformer2DModel
 
-    from difrl.train.sharded_state import save_sharded
     from difrl.train.sharding import FSDPSettings, shard
-    from difrl.train.state import EMA, snapshot, trainable_params, write_checkpoint
+    from difrl.train.state import EMA, save_sharded, snapshot, trainable_params, write_checkpoint
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

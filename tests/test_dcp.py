@@ -65,7 +65,7 @@ def full(t):
 
 
 def save(run_dir, it, net, opt, ema, extras):
-    from difrl.train.sharded_state import save_sharded
+    from difrl.train.state import save_sharded
 
     return save_sharded(run_dir, it, net, opt, ema, extras, {"best_fd": None}, True, lambda: None)
 

@@ -34,8 +34,8 @@ from difrl.train.rundir import check_resume, claim_run_dir, clear_run, saved_con
 from difrl.utils.collectives import gather
 from difrl.utils.modules import use_module
 from difrl.train.sharding import is_sharded, plain_copy, reshard, shard
-from difrl.train.sharded_state import checkpoint_format, latest_checkpoint, save_sharded
-from difrl.train.state import restore_checkpoint, snapshot, write_checkpoint
+from difrl.train.sharded_state import checkpoint_format
+from difrl.train.state import latest_checkpoint, restore_checkpoint, save_sharded, snapshot, write_checkpoint
 from difrl.utils.io import atomic_write_json, json_safe, save_safetensors
 from difrl.utils.rng import mix_seed
 

@@ -1,7 +1,7 @@
 """Sharded checkpoints: each process writes its own shards with torch.distributed.checkpoint (DCP).
 
     fmt = checkpoint_format(cfg, run_dir, sharded)        # train.checkpoint_format resolved: "sharded" | "gathered"
-    save_sharded(run_dir, it, net, optimizer, ema, extras, state, is_main, barrier)   # every process
+    write_shards(tmp, net, optimizer, ema, extras)       # every process (state.save_sharded: the whole save)
     load_sharded(path, net, optimizer, ema, extras)       # every process; any process count (DCP reshards)
     tensors = read_sharded(path)                          # one process, no process group: every tensor in full
 
@@ -12,7 +12,7 @@ DTensor shards) and nothing is gathered. The directory is a checkpoint like a ga
 which tensor lie where), plus ``rng.safetensors`` and ``state.json`` from the main process and ``manifest.json``
 (size and SHA-256 of every other file, the DCP files included), written by the main process after a barrier, when
 every process's files are on disk. It is written under ``.tmp-iter-NNNNNN`` and renamed into place last
-(state.publish), so a run killed mid-save leaves no ``iter-*`` directory that resume would pick.
+(state.save_sharded, state.publish), so a run killed mid-save leaves no ``iter-*`` directory that resume would pick.
 
 The tensors, one flat dict keyed by name (DCP saves each key's global shape and every process's chunk of it):
 ``trainable/NAME`` (the trained parameters), ``ema/NAME``, ``extra/EXTRA/NAME`` (DiffusionNFT's old policy, the
@@ -35,6 +35,11 @@ import torch
 
 from difrl.train.sharding import reshard
 
+class CheckpointError(ValueError):
+    """A checkpoint that fails its manifest or does not load; names the checkpoint and the file (difrl.train.state
+    re-exports it: the gathered and the sharded format raise the same error)."""
+
+
 FORMATS = ("auto", "sharded", "gathered")
 METADATA = ".metadata"
 # one plain process (no process group) saves and loads with no_dist: DCP says so in a warning each time
@@ -56,15 +61,18 @@ def checkpoint_format(cfg, run_dir: Path, sharded: bool) -> str:
     return fmt
 
 
+def trainable(module) -> dict[str, torch.Tensor]:
+    """The trained parameters by name (difrl.train.state.trainable_params; not imported: state imports this)."""
+    return {k: p for k, p in module.named_parameters() if p.requires_grad}
+
+
 def is_sharded_checkpoint(path: Path) -> bool:
     return (Path(path) / METADATA).exists()
 
 
 def state_tensors(module, optimizer, ema, extras: dict | None) -> dict[str, torch.Tensor]:
     """The flat dict DCP saves: live tensors (DTensor shards under FSDP), no copies."""
-    from difrl.train.state import trainable_params
-
-    params = trainable_params(module)
+    params = trainable(module)
     out = {f"trainable/{k}": p.detach() for k, p in params.items()}
     if ema is not None:
         out |= {f"ema/{k}": v for k, v in ema.shadow.items()}
@@ -79,40 +87,21 @@ def state_tensors(module, optimizer, ema, extras: dict | None) -> dict[str, torc
     return out
 
 
-def save_sharded(run_dir: Path, iteration: int, module, optimizer, ema, extras: dict | None, state: dict,
-                 is_main: bool, barrier, keep: int = 2) -> Path:
-    """Write checkpoint `iteration` with DCP: every process calls it (collective), each writes its shards into
-    ``.tmp-iter-N``; after a barrier the main process adds rng.safetensors, state.json and the manifest and renames
-    the directory into place (state.publish, which also prunes to `keep`)."""
+def write_shards(tmp: Path, module, optimizer, ema, extras: dict | None) -> None:
+    """Every process writes its shards into the directory `tmp` with DCP (collective; difrl.train.state.save_sharded
+    wraps it into a complete checkpoint)."""
     import torch.distributed.checkpoint as dcp
 
-    from difrl.train.state import publish, write_extras
-
-    root = Path(run_dir) / "checkpoints"
-    tmp = root / f".tmp-iter-{iteration:06d}"
-    if is_main:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    barrier()
     reshard(module)  # the registered parameters are the shards, not what a forward left gathered
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=QUIET)
         dcp.save(state_tensors(module, optimizer, ema, extras), storage_writer=dcp.FileSystemWriter(str(tmp)))
-    barrier()  # every process's __R_0.distcp is on disk (FileSystemWriter fsyncs them) before the manifest
-    final = root / f"iter-{iteration:06d}"
-    if is_main:
-        write_extras(tmp, iteration, state, ema, extras)
-        publish(root, tmp, iteration, keep)
-    return final
 
 
 def read_metadata(path: Path):
     """DCP's .metadata of checkpoint `path` (what each key's global shape and dtype are); a CheckpointError naming
     the file when it is missing or unreadable."""
     from torch.distributed.checkpoint import FileSystemReader
-
-    from difrl.train.state import CheckpointError
 
     try:
         return FileSystemReader(str(path)).read_metadata()
@@ -123,8 +112,6 @@ def read_metadata(path: Path):
 
 def _load(path: Path, tensors: dict[str, torch.Tensor], no_dist: bool = False) -> None:
     import torch.distributed.checkpoint as dcp
-
-    from difrl.train.state import CheckpointError
 
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -142,10 +129,8 @@ def load_sharded(path: Path, module, optimizer, ema, extras: dict | None, metada
     """Restore checkpoint `path` into the live objects, each tensor read in its own layout (this process's shard,
     or the whole tensor): every process calls it (collective). A checkpoint of another model, LoRA setting, EMA or
     objective is a ValueError naming what differs; unreadable files a CheckpointError."""
-    from difrl.train.state import trainable_params
-
     meta = (metadata or read_metadata(path)).state_dict_metadata
-    params = trainable_params(module)
+    params = trainable(module)
     saved = {k.split("/", 1)[1] for k in meta if k.startswith("trainable/")}
     if saved != set(params):
         extra, missing = sorted(saved - set(params)), sorted(set(params) - saved)
@@ -203,27 +188,3 @@ def read_sharded(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     _load(path, out, no_dist=True)
     return out
 
-
-def latest_checkpoint(run_dir: Path, log, allow_unverified: bool, accelerator=None):
-    """load_latest_checkpoint for every process of a run: the main one verifies the checksums (each file read once,
-    not once per process) and picks the newest intact checkpoint; the others load the one it names. A
-    CheckpointError (every checkpoint damaged) is raised on every process."""
-    from difrl.train.state import CheckpointError, _load_checkpoint, load_latest_checkpoint
-
-    if accelerator is None or accelerator.num_processes == 1:
-        return load_latest_checkpoint(run_dir, log, allow_unverified=allow_unverified)
-    from accelerate.utils import broadcast_object_list
-
-    ckpt, said = None, [None, None]
-    if accelerator.is_main_process:
-        try:
-            ckpt = load_latest_checkpoint(run_dir, log, allow_unverified=allow_unverified)
-            said = [None if ckpt is None else str(ckpt.path), None]
-        except CheckpointError as e:
-            said = [None, str(e)]
-    broadcast_object_list(said)
-    if said[1] is not None:
-        raise CheckpointError(said[1])
-    if not accelerator.is_main_process and said[0] is not None:
-        ckpt = _load_checkpoint(Path(said[0]))
-    return ckpt

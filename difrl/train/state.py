@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from difrl.train.sharded_state import is_sharded_checkpoint, load_sharded, read_metadata
+from difrl.train.sharded_state import (CheckpointError, is_sharded_checkpoint, load_sharded, read_metadata,  # noqa: F401
+                                       write_shards)
 from difrl.train.sharding import like, reshard
 from difrl.utils.io import (atomic_write_json, atomic_write_text, load_safetensors_checked, load_torch_state,
                             save_safetensors, save_torch_state, sha256_file)
@@ -98,10 +99,6 @@ class Checkpoint:
     extras: dict[str, tuple[dict[str, torch.Tensor], int]] | None = None  # name -> (tensors, num_updates)
     metadata: object = None  # a sharded checkpoint (difrl.train.sharded_state): DCP's Metadata; its tensors load
     # in restore_checkpoint, into the live (sharded) ones, and trainable, ema and optimizer are None
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that fails its manifest or does not load; names the checkpoint and the file."""
 
 
 MANIFEST = "manifest.json"
@@ -230,6 +227,49 @@ def publish(root: Path, tmp: Path, iteration: int, keep: int = 2) -> Path:
     for old in newer + checkpoint_dirs(root)[len(newer) + max(keep, 2):]:
         _discard(old, root)
     return final
+
+
+def save_sharded(run_dir: Path, iteration: int, module: nn.Module, optimizer, ema: EMA | None, extras: dict | None,
+                 state: dict, is_main: bool, barrier, keep: int = 2) -> Path:
+    """Write sharded checkpoint `iteration` (difrl.train.sharded_state): every process calls it. Each writes its
+    shards into ``.tmp-iter-N`` with DCP; after a barrier (every process's files on disk) the main process adds
+    rng.safetensors, state.json and the manifest and renames the directory into place (publish)."""
+    root = Path(run_dir) / "checkpoints"
+    tmp = root / f".tmp-iter-{iteration:06d}"
+    if is_main:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    barrier()
+    write_shards(tmp, module, optimizer, ema, extras)
+    barrier()
+    if is_main:
+        write_extras(tmp, iteration, state, ema, extras)
+        publish(root, tmp, iteration, keep)
+    return root / f"iter-{iteration:06d}"
+
+
+def latest_checkpoint(run_dir: Path, log, allow_unverified: bool, accelerator=None) -> Checkpoint | None:
+    """load_latest_checkpoint for every process of a run: the main one verifies the checksums (each file read once,
+    not once per process) and picks the newest intact checkpoint; the others load the one it names. A
+    CheckpointError (every checkpoint damaged) is raised on every process."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return load_latest_checkpoint(run_dir, log, allow_unverified=allow_unverified)
+    from accelerate.utils import broadcast_object_list
+
+    ckpt, said = None, [None, None]
+    if accelerator.is_main_process:
+        try:
+            ckpt = load_latest_checkpoint(run_dir, log, allow_unverified=allow_unverified)
+            said = [None if ckpt is None else str(ckpt.path), None]
+        except CheckpointError as e:
+            said = [None, str(e)]
+    broadcast_object_list(said)
+    if said[1] is not None:
+        raise CheckpointError(said[1])
+    if not accelerator.is_main_process and said[0] is not None:
+        ckpt = _load_checkpoint(Path(said[0]))
+    return ckpt
 
 
 def _discard(path: Path, root: Path) -> None:
