@@ -103,7 +103,7 @@ def test_sharded_checkpoint_restores_into_any_layout(tmp_path, one_process_group
     # another model (a LoRA setting, another network) is refused naming what differs
     other, oopt, _, _ = build(sharded=False)
     other.out = torch.nn.Linear(8, 4)
-    with pytest.raises(ValueError, match=r"does not match this model: out\.weight is \[3, 8\] in the checkpoint, \[4, 8\]"):
+    with pytest.raises(ValueError, match=r"does not match this model: out\.weight is \[3, 8\] in the checkpoint, \[4"):
         restore_checkpoint(load_latest_checkpoint(tmp_path), other, torch.optim.AdamW(other.parameters()), None)
 
 

@@ -41,7 +41,8 @@ def export(run_dir, iteration: int | None = None, out=None, log=print) -> Path:
     from difrl.train.precision import upcast_masters
     from difrl.train.recipes import load_train_config
     from difrl.train.scaffold import save_policy, wrap_policy
-    from difrl.train.state import CheckpointError, _load_checkpoint, load_latest_checkpoint, trainable_params, verify_manifest
+    from difrl.train.state import (CheckpointError, _load_checkpoint, load_latest_checkpoint, trainable_params,
+                                   verify_manifest)
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():

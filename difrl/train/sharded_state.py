@@ -159,7 +159,8 @@ def load_sharded(path: Path, module, optimizer, ema, extras: dict | None, metada
         if key.startswith("optim/"):
             name, what = key[len("optim/"):].rsplit("/", 1)
             p = params[name].detach()
-            t = torch.zeros_like(p) if tuple(m.size) == tuple(p.shape) else torch.zeros(m.size, dtype=m.properties.dtype)
+            same = tuple(m.size) == tuple(p.shape)
+            t = torch.zeros_like(p) if same else torch.zeros(m.size, dtype=m.properties.dtype)
             moments.setdefault(name, {})[what] = want[key] = t
     with torch.no_grad():
         _load(path, want)
