@@ -13,6 +13,10 @@ b. Slow, tiny FLUX full fine-tuning with EMA (tests/test_fsdp.py's launch helper
    row, the final evaluation, checkpoint 3's weights, EMA and AdamW moments, transformer/: rtol 1e-5).
    `difrl export` of the uninterrupted run's last sharded checkpoint writes the transformer/ the run wrote
    (FluxTransformer2DModel.from_pretrained, the EMA weights); of a LoRA run's, a lora/ that load_lora_weights reads.
+c. Slow, digits in this process (one plain process with train.checkpoint_format=sharded): the exported
+   policy.safetensors is the one the run wrote at the end; a damaged checkpoint is refused naming the file.
+The peak host memory of a save (gathered vs sharded) is benchmarks/bench_fsdp_memory.py's, checked by
+tests/test_fsdp.py::test_bench_fsdp_memory_halves_the_per_process_state.
 """
 
 from __future__ import annotations
