@@ -19,6 +19,13 @@ process builds it) and of the FSDP2-sharded one (difrl/train/rollout_copy.py: a 
 gathered FSDP unit at a time), and counts per process the copy's bytes (its parameters and buffers: fp8 codes,
 scales, the layers kept in high precision) and, under FSDP, the most fp32 bytes gathered at once while it is built
 (the largest unit) against the whole fp32 model. The FSDP copy must equal the DDP copy tensor for tensor.
+
+Checkpoint saves (checkpoint_rows, a second torchrun job of 2 processes): the same model sharded, with an EMA and
+AdamW's state, saved as the trainer saves it in each train.checkpoint_format, sharded (DCP: each process writes
+its shards) and gathered (every process gathers the full tensors, rank 0 writes them). Measured: the peak resident
+memory of each process during the save above its resident memory just before (Linux VmHWM after the save minus
+VmRSS before it, the high-water mark reset by writing 5 to /proc/self/clear_refs; not tracemalloc, which does not
+see torch's tensor allocations). Host memory in bytes, no timings.
 """
 
 from __future__ import annotations
@@ -138,11 +145,91 @@ def copy_rows(found: list[dict], state: dict[str, int]) -> tuple[list[dict], lis
     return rows, lines
 
 
-def launch(layers: int, dim: int, out: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+def vm_kib(field: str) -> int:
+    """VmRSS / VmHWM (the resident set's high-water mark) of this process, from /proc/self/status, in KiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status (Linux only)")
+
+
+def checkpoint_worker(layers: int, dim: int, out: Path) -> None:
+    """One process of the checkpoint-save job: the FLUX transformer sharded by FSDP2 with an EMA and AdamW's state
+    after one update, saved twice as the trainer saves it (difrl.train.scaffold.Run.checkpoint): sharded (each
+    process writes its shards with DCP, difrl.train.sharded_state.save_sharded), then gathered (every process
+    gathers the full tensors, rank 0 writes them: state.snapshot + write_checkpoint). Around each save: the peak
+    resident memory above the resident memory before it, i.e. VmHWM after the save minus VmRSS before it, with
+    the high-water mark reset first (writing 5 to /proc/self/clear_refs). The launch sets MALLOC_MMAP_THRESHOLD_ so
+    that every large tensor is its own mapping, returned to the system when freed (the first save's memory is not
+    reused by the second)."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from diffusers import FluxTransformer2DModel
+
+    from difrl.train.sharding import FSDPSettings, shard
+    from difrl.train.state import EMA, save_sharded, snapshot, trainable_params, write_checkpoint
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=layers, num_single_layers=layers,
+                                 attention_head_dim=16, num_attention_heads=max(1, dim // 16), joint_attention_dim=32,
+                                 pooled_projection_dim=32, axes_dims_rope=[4, 4, 8])
+    numel = sum(p.numel() for p in net.parameters())
+    net = shard(net, ("FluxTransformerBlock", "FluxSingleTransformerBlock"), FSDPSettings())
+    params = trainable_params(net)
+    optimizer = torch.optim.AdamW(params.values(), lr=1e-4)
+    for p in params.values():  # AdamW's state as after an update, without a forward (the save is what is measured)
+        p.grad = torch.ones_like(p) * 1e-3
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    ema = EMA(params, 0.9, net)
+    full_bytes = 4 * numel * 4  # fp32 weights, EMA, exp_avg, exp_avg_sq (AdamW's step counts aside)
+    found = {}
+    for fmt in ("sharded", "gathered"):
+        gc.collect()
+        dist.barrier()
+        before = vm_kib("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident set
+        run_dir = out / f"run-{fmt}"
+        if fmt == "sharded":
+            save_sharded(run_dir, 1, net, optimizer, ema, None, {}, rank == 0, dist.barrier)
+        else:
+            snap = snapshot(net, optimizer, ema)
+            if rank == 0:
+                write_checkpoint(run_dir, 1, snap, {})
+            del snap
+        dist.barrier()
+        found[fmt] = (vm_kib("VmHWM") - before) * 1024
+    (out / f"checkpoint-rank{rank}.json").write_text(json.dumps({"rank": rank, "numel": numel, "full_bytes": full_bytes,
+                                                                 **found}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def checkpoint_rows(layers: int, dim: int) -> list[dict]:
+    """The peak host memory of one checkpoint save, sharded vs gathered (one torchrun job of 2 CPU processes, gloo;
+    checkpoint_worker says how it is measured): one row per format, the largest process's increase and rank 0's."""
+    with tempfile.TemporaryDirectory() as tmp:
+        launch(layers, dim, Path(tmp), "--worker-checkpoint", {"MALLOC_MMAP_THRESHOLD_": "65536"})
+        found = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("checkpoint-rank*.json"))]
+    rows = []
+    for fmt, label in (("sharded", "checkpoint save, sharded (DCP, each process its shards)"),
+                       ("gathered", "checkpoint save, gathered (full tensors, rank 0 writes)")):
+        rows.append({"setting": label, "processes": len(found), "numel": found[0]["numel"],
+                     "state_full_bytes": found[0]["full_bytes"], "peak_rss_increase_max": max(r[fmt] for r in found),
+                     "peak_rss_increase_rank0": next(r[fmt] for r in found if r["rank"] == 0)})
+    return rows
+
+
+def launch(layers: int, dim: int, out: Path, mode: str = "--worker", extra_env: dict | None = None) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(extra_env or {}),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(Path(__file__).resolve()), "--worker", "--layers", str(layers), "--dim", str(dim), "--out", str(out)]
+           str(Path(__file__).resolve()), mode, "--layers", str(layers), "--dim", str(dim), "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"the torchrun job failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -157,11 +244,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--layers", type=int, default=4, help="double and single FLUX blocks each")
     ap.add_argument("--dim", type=int, default=256, help="hidden size (heads of 16)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-checkpoint", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     standard_args(ap, "the tiny size (1 + 1 blocks of 32)")
     args = ap.parse_args(argv)
     if args.worker:
         worker(args.layers, args.dim, args.out)
+        return []
+    if args.worker_checkpoint:
+        checkpoint_worker(args.layers, args.dim, args.out)
         return []
     layers, dim = (1, 32) if args.quick else (args.layers, args.dim)
     with tempfile.TemporaryDirectory() as tmp:
@@ -187,6 +278,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"{mib(r['total'])} | {r['vs_ddp']:.3f} |" for r in rows]
     more, copy_lines = copy_rows(copies, {"ddp": rows[0]["total"], "fsdp": rows[1]["total"]})
     rows, lines = rows + more, lines + copy_lines
+    # --quick: a checkpoint of the 1 + 1 blocks of 32 (1 MiB) would be lost in DCP's own few MiB; 1 + 1 blocks of 256
+    ck_layers, ck_dim = (1, 256) if args.quick else (layers, dim)
+    saves = checkpoint_rows(ck_layers, ck_dim)
+    rows += saves
+    full = saves[0]["state_full_bytes"]
+    lines += ["", f"Peak host memory of one checkpoint save of a FLUX transformer of {saves[0]['numel']:,} parameters "
+              f"({ck_layers} double + {ck_layers} single blocks, dim {ck_dim}) with an EMA, after one AdamW update (its "
+              f"weights, EMA and AdamW moments: {mib(full)} in full, fp32), as the trainer saves it: the peak resident "
+              "memory during the save above the resident memory before it (VmHWM after minus VmRSS before, high-water "
+              "mark reset through /proc/self/clear_refs), of rank 0 and of the process with the largest increase.", "",
+              "| save | rank 0 | largest process | vs the full state |", "|---|---:|---:|---:|"]
+    lines += [f"| {r['setting']} | {mib(r['peak_rss_increase_rank0'])} | {mib(r['peak_rss_increase_max'])} | "
+              f"{r['peak_rss_increase_max'] / full:.2f} |" for r in saves]
     publish(args, BEGIN, END, "FSDP2 vs DDP: per-process model memory (2 CPU processes)", "bench_fsdp_memory.py",
             argv, lines, rows)
     return rows

@@ -6,6 +6,7 @@
     difrl eval runs/digits                                         # a finished run's policy (appended to eval.json)
     difrl eval configs/text_arithmetic.yaml --checkpoint runs/text_arithmetic/policy.safetensors
     difrl config [configs/digits.yaml] [key=value ...]            # every key (or the resolved config)
+    difrl export runs/flux [--iteration N] [--out DIR]            # a (sharded) checkpoint as transformer/, lora/, ...
     difrl sample configs/digits.yaml --search dts-star --budget 160 [--prompt "a handwritten 3"] [--grid g.png]
     difrl sample runs/digits --grid g.png                          # a finished run's policy (any world)
     difrl sample configs/flux_tiny.yaml --checkpoint runs/flux_tiny/lora   # a LoRA on the config's pipeline
@@ -482,6 +483,13 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from difrl.train.export import export
+
+    export(args.run_dir, args.iteration, args.out)
+    return 0
+
+
 def cmd_reward_server(args) -> int:
     from difrl.rewards.server import main as serve_main
 
@@ -554,6 +562,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("report", help="write RUN_DIR/report.html: config, curves, eval table, samples (self-contained)")
     p.add_argument("run_dir", help="a run directory")
     p.set_defaults(fn=cmd_report)
+    p = sub.add_parser("export", help="write a run's checkpoint (sharded or gathered) as the plain final weights: "
+                                      "transformer/, lora/ or policy.safetensors (one process)")
+    p.add_argument("run_dir", help="a run directory")
+    p.add_argument("--iteration", type=int, help="the checkpoint of this iteration (default: the newest intact one)")
+    p.add_argument("--out", help="where to write them (default: RUN_DIR/export/iter-NNNNNN; must be empty)")
+    p.set_defaults(fn=cmd_export)
     p = sub.add_parser("rewards", help="list the rewards found by name: built-ins and installed entry points")
     p.set_defaults(fn=cmd_rewards)
     p = sub.add_parser("reward-server", help="serve rewards over HTTP (msgpack) to trainers: reward.weights={remote: 1}")

@@ -116,14 +116,35 @@ def rows(run_dir: Path) -> list[dict]:
 
 def checkpoint_tensors(run_dir: Path, iteration: int) -> dict[str, torch.Tensor]:
     """Trainable weights, EMA and DiffusionNFT's old policy (if any) and Adam's moments of one checkpoint, by a flat
-    name."""
+    name; a sharded checkpoint (DCP, the default under FSDP) read whole in this process under the same names."""
     path = run_dir / "checkpoints" / f"iter-{iteration:06d}"
+    if (path / ".metadata").exists():
+        return sharded_checkpoint_tensors(path)
     out = {}
     for name in ("trainable", "ema", "old"):
         if (path / f"{name}.safetensors").exists():
             out |= {f"{name}/{k}": v for k, v in load_safetensors_checked(path / f"{name}.safetensors", name)[0].items()}
     opt = torch.load(path / "optimizer.pt", weights_only=True)
     out |= {f"opt/{i}/{k}": v for i, st in opt["state"].items() for k, v in st.items() if torch.is_tensor(v)}
+    return out
+
+
+def sharded_checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """checkpoint_tensors of a sharded checkpoint (difrl.train.sharded_state): its optimizer state is keyed by the
+    parameter's name, a gathered one's by the parameter's index; DCP's .metadata lists the trainable weights in the
+    order they were saved (trainable_params' order, the optimizer's), which gives the index."""
+    from difrl.train.sharded_state import read_metadata, read_sharded
+
+    names = [k[len("trainable/"):] for k in read_metadata(path).state_dict_metadata if k.startswith("trainable/")]
+    index = {n: i for i, n in enumerate(names)}
+    out = {}
+    for key, v in read_sharded(path).items():
+        kind, rest = key.split("/", 1)
+        if kind == "optim":
+            name, what = rest.rsplit("/", 1)
+            out[f"opt/{index[name]}/{what}"] = v
+        else:  # trainable/NAME, ema/NAME, extra/old/NAME -> old/NAME
+            out[rest if kind == "extra" else key] = v
     return out
 
 
@@ -366,6 +387,13 @@ def test_bench_fsdp_memory_halves_the_per_process_state(tmp_path):
     ddp_copy, fsdp_copy = (r for r in rows if r["setting"].startswith("rollout copy"))
     assert fsdp_copy["copy_bytes"] == ddp_copy["copy_bytes"] > 0
     assert 0 < fsdp_copy["peak_gathered_bytes"] < fsdp_copy["model_fp32_bytes"]
+    # a checkpoint save's peak host memory (VmHWM above VmRSS): gathered, rank 0 holds the full weights, EMA and
+    # AdamW moments at once; sharded, no process holds more than a fraction of them
+    sharded, gathered = (next(r for r in rows if r["setting"].startswith(f"checkpoint save, {f}"))
+                         for f in ("sharded", "gathered"))
+    full = gathered["state_full_bytes"]
+    assert gathered["peak_rss_increase_rank0"] >= 0.9 * full
+    assert sharded["peak_rss_increase_max"] < 0.5 * gathered["peak_rss_increase_rank0"]
 
 
 def test_gather_copy_and_restore_in_one_process(tmp_path):

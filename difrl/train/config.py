@@ -111,6 +111,11 @@ class TrainConfig:
     ratio_check: bool = cfg_field(True, help="stop if the first on-policy micro-step has ratio != 1 (with a rollout "
                                              "copy also against the sampler kernel's own evaluation of the policy)")
     ratio_tol: float = cfg_field(1e-6, gt=0.0)
+    checkpoint_format: str = cfg_field("auto", choices=("auto", "sharded", "gathered"),
+                                       help="sharded: each process writes its shards (torch.distributed.checkpoint; "
+                                            "resumes on any number of processes; `difrl export RUN_DIR` writes the "
+                                            "weights); gathered: full tensors from the main process; auto = sharded "
+                                            "under FSDP, else gathered (a resumed run keeps the format it chose)")
 
 
 CORRECT_METHODS = tuple(METHODS)  # the correctors that need only (log_prob, log_prob_rollout, mask)

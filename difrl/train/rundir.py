@@ -35,6 +35,10 @@ Why each RESUME_SAFE key leaves the algorithm alone:
   machine does).
 - ``log_with``: trackers beside metrics.jsonl.
 - ``reward.timeout``: how long a reward may take before the run stops; a score is the same whenever it comes.
+
+``train.checkpoint_format: auto`` is not a change against the format the run resolved it to (config.yaml records
+the resolved one: sharded under FSDP, else gathered), so a command that leaves it at auto keeps the run's format
+whatever the launch; naming the other format is refused as any algorithm key is (both formats load either way).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ BOOKKEEPING = ("resume", "resume_override", "resume_unverified", "out", "history
 # what marks a directory as holding a run, and every file or directory a run (or `difrl eval`) writes in it
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints")
 RUN_FILES = (*RUN_MARKERS, "eval.json", "samples", "reward_curve.png", "report.html", "policy.safetensors", "lora",
-             "transformer", "tensorboard", "wandb")
+             "transformer", "tensorboard", "wandb", "export")
 
 
 class RunDirError(ValueError):
@@ -144,7 +148,8 @@ def saved_trainer(run_dir: Path) -> tuple[str, str]:
 def resume_changes(cfg, saved) -> list[tuple[str, object, object]]:
     """(key, value in the saved config, value in `cfg`) for every setting that differs, bookkeeping aside."""
     old = dict(_leaves(saved))
-    return [(k, old[k], v) for k, v in _leaves(cfg) if k not in BOOKKEEPING and old[k] != v]
+    return [(k, old[k], v) for k, v in _leaves(cfg) if k not in BOOKKEEPING and old[k] != v
+            and not (k == "train.checkpoint_format" and "auto" in (old[k], v))]
 
 
 def show(value) -> str:

@@ -34,7 +34,8 @@ from difrl.train.rundir import check_resume, claim_run_dir, clear_run, saved_con
 from difrl.utils.collectives import gather
 from difrl.utils.modules import use_module
 from difrl.train.sharding import is_sharded, plain_copy, reshard, shard
-from difrl.train.state import load_latest_checkpoint, restore_checkpoint, snapshot, write_checkpoint
+from difrl.train.sharded_state import checkpoint_format
+from difrl.train.state import latest_checkpoint, restore_checkpoint, save_sharded, snapshot, write_checkpoint
 from difrl.utils.io import atomic_write_json, json_safe, save_safetensors
 from difrl.utils.rng import mix_seed
 
@@ -189,7 +190,8 @@ class Run:
         self.dir, self.net, self.optimizer, self.ema, self.extras = run_dir, net, optimizer, ema, extras
         self.accelerator, self.state, self.start, self.total = accelerator, state, start, total
         self.is_main = accelerator is None or accelerator.is_main_process
-        self.sharded = any(is_sharded(p) for p in net.parameters())  # FSDP: checkpoints are gathered collectively
+        self.sharded = any(is_sharded(p) for p in net.parameters())  # FSDP: a gathered checkpoint is collective
+        self.format = "gathered"  # train.checkpoint_format, resolved (Run.open)
         self.trackers: list = []
         self.signal = 0  # the signal every process agreed to stop on (interrupted), 0 = none
 
@@ -202,8 +204,11 @@ class Run:
         iteration. `run_dir` is claim_run_dir's (which refused what is not allowed before anything loaded)."""
         state = {"eval_before": None, "last_eval": None, "reward_failed": 0, "reward_scored": 0, **(state or {})}
         start, say = 0, print if accelerator is None else accelerator.print
-        ckpt = (load_latest_checkpoint(run_dir, say, allow_unverified=cfg.resume_unverified) if cfg.resume
-                else None)  # newest intact (manifest-checked)
+        # train.checkpoint_format resolved (auto: sharded under FSDP, else gathered; a resumed run keeps its own)
+        fmt = checkpoint_format(cfg, run_dir, any(is_sharded(p) for p in net.parameters()))
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, checkpoint_format=fmt))
+        ckpt = (latest_checkpoint(run_dir, say, cfg.resume_unverified, accelerator) if cfg.resume
+                else None)  # newest intact (manifest-checked), either format, written by any number of processes
         if cfg.resume and ckpt is None:
             raise FileNotFoundError(f"resume={cfg.resume}: no checkpoint found in {run_dir / 'checkpoints'} (the run "
                                     "stopped before its first one); start it again with --overwrite")
@@ -213,6 +218,7 @@ class Run:
             state.update({k: ckpt.state[k] for k in state if k in ckpt.state})
             say(f"difrl: resumed from {ckpt.path} after iteration {start}")
         run = cls(run_dir, net, optimizer, ema, extras or {}, accelerator, state, start, cfg.train.iterations)
+        run.format = fmt
         run.barrier()  # every process has checked the directory (claim_run_dir) before the main one writes in it
         if run.is_main:
             if overwrite and not cfg.resume:
@@ -235,9 +241,12 @@ class Run:
             self.accelerator.wait_for_everyone()
 
     def checkpoint(self, iteration: int) -> None:
-        """Checkpoint `iteration` (difrl.train.state): under FSDP every process gathers the full tensors, the
-        main process writes them (the same files as an unsharded run)."""
-        if self.is_main or self.sharded:
+        """Checkpoint `iteration`: sharded (difrl.train.sharded_state), every process writes its shards with DCP;
+        gathered (difrl.train.state), under FSDP every process gathers the full tensors, the main one writes them."""
+        if self.format == "sharded":
+            save_sharded(self.dir, iteration, self.net, self.optimizer, self.ema, self.extras, self.state,
+                         self.is_main, self.barrier)
+        elif self.is_main or self.sharded:
             snap = snapshot(self.net, self.optimizer, self.ema, self.extras or None)
             if self.is_main:
                 write_checkpoint(self.dir, iteration, snap, self.state)
@@ -400,7 +409,6 @@ def save_policy(policy, net, lora_enabled: bool, path: Path) -> None:
     with use_module(policy, module):
         tensors, meta = policy.state_dict_and_meta()
     save_safetensors(tensors, path, meta)
-
 
 
 # ---------------------------------------------------------------------------------- the reward curve

@@ -25,10 +25,11 @@ adds the sharding of the model. Every process must run the same sequence of shar
 the masked trainer's rollouts, whose forward count depends on the samples, run with the units gathered once
 (masked_plan.rollout_forwards).
 
-A sharded parameter is a DTensor holding this process's rows (dim 0, torch.chunk's split). Checkpoints
-and the final weights are gathered to full tensors, so a checkpoint written by N sharded processes is
-the same file a single process writes (a run resumes from it on the same number of processes: tested;
-another number reads the same files, untested).
+A sharded parameter is a DTensor holding this process's rows (dim 0, torch.chunk's split). Checkpoints are
+sharded by default under FSDP (train.checkpoint_format: each process writes its own rows with
+torch.distributed.checkpoint, difrl/train/sharded_state.py; a run resumes on another number of processes: tested
+2 -> 1 and 1 -> 2) or, with checkpoint_format=gathered, gathered to the full tensors a single process writes. The
+final weights (transformer/, lora/, policy.safetensors) are always gathered, once, at the end (`gathered`).
 
 The rollout copy of a sharded policy (a full low-precision copy per process, built one gathered unit at a time) is
 difrl/train/rollout_copy.py; the equal forward counts that FSDP needs of trees and Sol-RL, difrl/train/flow_plan.py.

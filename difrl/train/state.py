@@ -18,6 +18,12 @@ damaged unless the caller allows it (``allow_unverified=True``; the trainers' co
 ``resume_unverified=true``): then it loads with a warning, its files checked only as they parse.
 Everything random in a run is derived from (seed, iteration), so the saved RNG is a safeguard,
 not a requirement.
+
+That is the gathered format (train.checkpoint_format=gathered: full tensors, written by the main process). A
+sharded checkpoint (the default under FSDP: difrl/train/sharded_state.py) holds DCP's files in place of
+trainable / ema / optimizer / extras, with the same rng.safetensors, state.json, manifest, temporary name,
+rename, `latest` and pruning (publish); load_latest_checkpoint verifies it the same way, and restore_checkpoint
+reads its tensors into the live (sharded or plain) ones, whatever the number of processes that wrote it.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from difrl.train.sharded_state import (CheckpointError, is_sharded_checkpoint, load_sharded, read_metadata,  # noqa: F401
+                                       write_shards)
 from difrl.train.sharding import like, reshard
 from difrl.utils.io import (atomic_write_json, atomic_write_text, load_safetensors_checked, load_torch_state,
                             save_safetensors, save_torch_state, sha256_file)
@@ -89,10 +97,8 @@ class Checkpoint:
     rng: dict[str, torch.Tensor]
     state: dict
     extras: dict[str, tuple[dict[str, torch.Tensor], int]] | None = None  # name -> (tensors, num_updates)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that fails its manifest or does not load; names the checkpoint and the file."""
+    metadata: object = None  # a sharded checkpoint (difrl.train.sharded_state): DCP's Metadata; its tensors load
+    # in restore_checkpoint, into the live (sharded) ones, and trainable, ema and optimizer are None
 
 
 MANIFEST = "manifest.json"
@@ -179,11 +185,8 @@ def save_checkpoint(run_dir: Path, iteration: int, module: nn.Module, optimizer,
 
 
 def write_checkpoint(run_dir: Path, iteration: int, snap: Snapshot, state: dict, keep: int = 2) -> Path:
-    """Write `snap` as checkpoint `iteration` (one process). The newest max(keep, 2) checkpoints up to
-    `iteration` are kept, so a damaged newest one can fall back to the previous (load_latest_checkpoint); any
-    after `iteration` (the damaged one a resumed run fell back from) are removed."""
+    """Write `snap` as checkpoint `iteration` (one process); `keep`: see publish."""
     root = Path(run_dir) / "checkpoints"
-    final = root / f"iter-{iteration:06d}"
     tmp = root / f".tmp-iter-{iteration:06d}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -194,8 +197,25 @@ def write_checkpoint(run_dir: Path, iteration: int, snap: Snapshot, state: dict,
     for name, (tensors, num_updates) in snap.extras.items():
         save_safetensors(tensors, tmp / f"{name}.safetensors", {"num_updates": num_updates})
     save_torch_state(snap.optimizer, tmp / "optimizer.pt")
+    write_extras(tmp, iteration, state)
+    return publish(root, tmp, iteration, keep)
+
+
+def write_extras(tmp: Path, iteration: int, state: dict, ema: EMA | None = None, extras: dict | None = None) -> None:
+    """The main process's files of every checkpoint: rng.safetensors (its torch RNG state), state.json (the
+    iteration, the trainer's counters, and for a sharded checkpoint the EMA's and extras' update counts)."""
+    counts = {} if ema is None else {"ema_num_updates": ema.num_updates}
+    counts |= {"extras_num_updates": {k: e.num_updates for k, e in extras.items()}} if extras else {}
     save_safetensors({"torch": torch.get_rng_state()}, tmp / "rng.safetensors")
-    atomic_write_json(tmp / "state.json", {"iteration": iteration, **state})
+    atomic_write_json(tmp / "state.json", {"iteration": iteration, **state, **counts})
+
+
+def publish(root: Path, tmp: Path, iteration: int, keep: int = 2) -> Path:
+    """Complete the checkpoint written in `tmp` (main process, after every file is on disk): its manifest, then
+    the rename to iter-N (a directory under that name is complete), `latest`, and the pruning. The newest
+    max(keep, 2) checkpoints up to `iteration` are kept, so a damaged newest one can fall back to the previous
+    (load_latest_checkpoint); any after `iteration` (the damaged one a resumed run fell back from) are removed."""
+    final = root / f"iter-{iteration:06d}"
     write_manifest(tmp)  # last: a directory with a manifest is complete
     if final.exists():  # a resumed run redoing an iteration (or replacing a damaged checkpoint): out of the way first
         _discard(final, root)
@@ -207,6 +227,49 @@ def write_checkpoint(run_dir: Path, iteration: int, snap: Snapshot, state: dict,
     for old in newer + checkpoint_dirs(root)[len(newer) + max(keep, 2):]:
         _discard(old, root)
     return final
+
+
+def save_sharded(run_dir: Path, iteration: int, module: nn.Module, optimizer, ema: EMA | None, extras: dict | None,
+                 state: dict, is_main: bool, barrier, keep: int = 2) -> Path:
+    """Write sharded checkpoint `iteration` (difrl.train.sharded_state): every process calls it. Each writes its
+    shards into ``.tmp-iter-N`` with DCP; after a barrier (every process's files on disk) the main process adds
+    rng.safetensors, state.json and the manifest and renames the directory into place (publish)."""
+    root = Path(run_dir) / "checkpoints"
+    tmp = root / f".tmp-iter-{iteration:06d}"
+    if is_main:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    barrier()
+    write_shards(tmp, module, optimizer, ema, extras)
+    barrier()
+    if is_main:
+        write_extras(tmp, iteration, state, ema, extras)
+        publish(root, tmp, iteration, keep)
+    return root / f"iter-{iteration:06d}"
+
+
+def latest_checkpoint(run_dir: Path, log, allow_unverified: bool, accelerator=None) -> Checkpoint | None:
+    """load_latest_checkpoint for every process of a run: the main one verifies the checksums (each file read once,
+    not once per process) and picks the newest intact checkpoint; the others load the one it names. A
+    CheckpointError (every checkpoint damaged) is raised on every process."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return load_latest_checkpoint(run_dir, log, allow_unverified=allow_unverified)
+    from accelerate.utils import broadcast_object_list
+
+    ckpt, said = None, [None, None]
+    if accelerator.is_main_process:
+        try:
+            ckpt = load_latest_checkpoint(run_dir, log, allow_unverified=allow_unverified)
+            said = [None if ckpt is None else str(ckpt.path), None]
+        except CheckpointError as e:
+            said = [None, str(e)]
+    broadcast_object_list(said)
+    if said[1] is not None:
+        raise CheckpointError(said[1])
+    if not accelerator.is_main_process and said[0] is not None:
+        ckpt = _load_checkpoint(Path(said[0]))
+    return ckpt
 
 
 def _discard(path: Path, root: Path) -> None:
@@ -269,6 +332,9 @@ def _load_checkpoint(path: Path) -> Checkpoint:
     if state["iteration"] != int(path.name[5:]):
         raise CheckpointError(f"checkpoint {path}: state.json says iteration {state['iteration']}, the directory "
                               f"name {path.name}")
+    if is_sharded_checkpoint(path):
+        metadata = read_metadata(path)  # the tensors load into the live ones (restore_checkpoint)
+        return Checkpoint(path, state["iteration"], None, None, None, _load_rng(path), state, None, metadata)
     try:
         trainable, _ = load_safetensors_checked(path / "trainable.safetensors", "checkpoint weights")
         ema = None
@@ -281,12 +347,19 @@ def _load_checkpoint(path: Path) -> Checkpoint:
                 tensors, meta = load_safetensors_checked(f, f"checkpoint {f.stem} weights")
                 extras[f.stem] = (tensors, int(meta.get("num_updates", 0)))
         optimizer = load_torch_state(path / "optimizer.pt", "checkpoint optimizer state")
+    except (OSError, ValueError) as e:  # FileNotFoundError is an OSError
+        raise CheckpointError(str(e)) from e
+    return Checkpoint(path, state["iteration"], trainable, ema, optimizer, _load_rng(path), state, extras)
+
+
+def _load_rng(path: Path) -> dict[str, torch.Tensor]:
+    try:
         rng, _ = load_safetensors_checked(path / "rng.safetensors", "checkpoint RNG state")
         if "torch" not in rng or rng["torch"].dtype != torch.uint8:
             raise ValueError(f"checkpoint RNG state {path / 'rng.safetensors'} holds no uint8 'torch' state")
-    except (OSError, ValueError) as e:  # FileNotFoundError is an OSError
+    except (OSError, ValueError) as e:
         raise CheckpointError(str(e)) from e
-    return Checkpoint(path, state["iteration"], trainable, ema, optimizer, rng, state, extras)
+    return rng
 
 
 def _optimizer_state_like(optimizer, saved: dict) -> dict:
@@ -306,6 +379,16 @@ def _optimizer_state_like(optimizer, saved: dict) -> dict:
 
 def restore_checkpoint(ckpt: Checkpoint, module: nn.Module, optimizer, ema: EMA | None,
                        extras: dict[str, EMA] | None = None) -> None:
+    """Load `ckpt` into the live network, optimizer, EMA and extras (under FSDP every process calls it, whatever
+    the number of processes that wrote a sharded checkpoint) and set the torch RNG state."""
+    if ckpt.metadata is not None:  # sharded (DCP): each tensor read in its own layout
+        load_sharded(ckpt.path, module, optimizer, ema, extras, ckpt.metadata)
+        if ema is not None:
+            ema.num_updates = int(ckpt.state.get("ema_num_updates", 0))
+        for name, extra in (extras or {}).items():
+            extra.num_updates = int(ckpt.state.get("extras_num_updates", {}).get(name, 0))
+        torch.set_rng_state(ckpt.rng["torch"])
+        return
     reshard(module)  # under FSDP: its parameters are the shards (written below, gathered by the next forward)
     params = trainable_params(module)
     if set(params) != set(ckpt.trainable):
