@@ -78,7 +78,7 @@ def one_process(tmp_path_factory):
     return get
 
 
-@pytest.mark.slow  # 4 launches of 2 processes (2 of them a run and its resume) + 2 one-process runs, ~4 min on 2 cores
+@pytest.mark.slow  # 6 launches of 2 processes (2 runs and their resumes, 2 runs) + 2 one-process runs: 4.8 min on 2 cores at load 7
 @pytest.mark.parametrize("launch", ["ddp", "fsdp"])
 @pytest.mark.parametrize("world", sorted(WORLDS))
 def test_two_processes_equal_one(world, launch, one_process, tmp_path):
