@@ -5,7 +5,8 @@ with the same global batch (CPU, gloo).
     .venv/bin/python benchmarks/bench_masked_dp.py --quick                                          # ~1 min, no write
 
 configs/text_arithmetic.yaml (the bundled tiny BertForMaskedLM, LLaDA rollouts, MaskGRPO with 4 inner updates,
-micro_batch auto: 2 optimizer updates per inner update whatever the processes) is trained with `threads=1` per
+micro_batch auto with train.updates_per_epoch=1: one optimizer update of all samples per inner update, so every launch
+makes the same updates) is trained with `threads=1` per
 process, no evaluation during training and no checkpoints, three ways with the same global batch and the same keys:
 one process (`python -m difrl train`), 2 processes under DDP (`accelerate launch --config_file
 configs/accelerate/ddp.yaml --num_processes 2`) and 2 under FSDP2 (configs/accelerate/fsdp.yaml). One thread per
@@ -88,7 +89,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     its, repeats = (3, 1) if args.quick else (args.iterations, args.repeats)
     prompts = 8 if args.quick else 16
     launches = {k: v for k, v in LAUNCHES.items() if not (args.quick and v[1] == "fsdp")}
-    keys = ["threads=1", "seed=0", f"train.iterations={its}", "eval.every=0", "checkpoint_every=0",
+    # one optimizer update per inner update: the launches then make the same updates (with 2, each process shuffles
+    # its own samples, so which samples share an update differs from one process's; the work is the same)
+    keys = ["threads=1", "seed=0", f"train.iterations={its}", "eval.every=0", "checkpoint_every=0", "train.updates_per_epoch=1",
             f"rollout.prompts_per_iter={prompts}", "eval.count=8", "eval.samples=2", "eval.pass_k=[1]"]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -119,7 +122,7 @@ def report(rows: list[dict], its: int, samples: int) -> list[str]:
     one = med["1 process"]
     loads = [r["load_before"] for r in rows]
     lines += ["", f"configs/text_arithmetic.yaml with {samples} samples per iteration (the same global batch on every "
-                  f"launch), {its} iterations per launch, the first not timed. On 2 processes under DDP an iteration "
+                  f"launch, one optimizer update of all of them per inner update), {its} iterations per launch, the first not timed. On 2 processes under DDP an iteration "
                   f"took {med['2 processes, DDP']:.3f} s against {one:.3f} s on one process: "
                   f"{one / med['2 processes, DDP']:.2f}x as fast (2x would be perfect scaling)."]
     if "2 processes, FSDP2" in med:

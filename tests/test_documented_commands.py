@@ -151,6 +151,9 @@ SKIP = {
         "which is run; SD3 on 2 processes is benchmarks/bench_models.py's full run; the 2-process plan is checked here",
     "accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no "
     "scripts/train_wan.py configs/wan_tiny.yaml train.grad_accum=2": "as the sd3_tiny line, for Wan",
+    "accelerate launch --config_file configs/accelerate/ddp.yaml --num_processes 2 -m difrl train configs/sudoku.yaml":
+        "2 gloo processes: tests/test_masked_dp.py runs this launch (with DDP and FSDP, Sudoku and the text task) and "
+        "checks that it equals one process; the 2-process plan is checked here",
 }
 # appended to every run of a world's training / evaluation: short, one thread, small evaluations
 SMALL = {

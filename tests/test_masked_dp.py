@@ -78,7 +78,7 @@ def one_process(tmp_path_factory):
     return get
 
 
-@pytest.mark.slow  # 4 launches of 2 processes (2 of them a run and its resume) + 2 one-process runs, ~4 min on 2 cores
+@pytest.mark.slow  # 6 launches of 2 processes (2 runs and their resumes, 2 runs) + 2 one-process runs: 4.8 min on 2 cores at load 7
 @pytest.mark.parametrize("launch", ["ddp", "fsdp"])
 @pytest.mark.parametrize("world", sorted(WORLDS))
 def test_two_processes_equal_one(world, launch, one_process, tmp_path):
@@ -158,3 +158,23 @@ def test_a_batch_that_does_not_split_names_the_keys_and_the_nearest_values():
         plan(_cfg("train.micro_batch=32"), 1, 0)
     split = plan(_cfg("train.micro_batch=32", "train.updates_per_epoch=null"), 2, 1)  # explicit: its own updates
     assert (split.micro, split.updates, split.rows[0].item()) == (32, 2, 64)
+
+
+def test_bench_masked_dp_sentences_are_computed_from_its_rows():
+    # benchmarks/bench_masked_dp.py's block: the ratio, the loads and the agreement come from the rows given
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_masked_dp", ROOT / "benchmarks" / "bench_masked_dp.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def row(launch, procs, s, load, rewards):
+        return {"launch": launch, "processes": procs, "seconds_per_iteration": s, "seconds_rollout": s / 4,
+                "seconds_update": s / 2, "load_before": load, "reward_mean": rewards}
+
+    rows = [row("1 process", 1, 2.0, 1.5, [0.5, 0.6]), row("2 processes, DDP", 2, 1.25, 2.5, [0.5, 0.6]),
+            row("1 process", 1, 3.0, 0.5, [0.5, 0.6]), row("2 processes, DDP", 2, 1.75, 1.0, [0.5, 0.6000006])]
+    text = "\n".join(bench.report(rows, 8, 128))
+    assert "| 1 process | 1 x 1 | 2.500 |" in text and "| 2 processes, DDP | 2 x 1 | 1.500 |" in text
+    assert "took 1.500 s against 2.500 s on one process: 1.67x as fast" in text
+    assert "agrees within a relative 1.0e-06 across all 4 launches" in text and "load average 0.5 to 2.5" in text

@@ -224,8 +224,8 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
                         with nullcontext() if a == ga - 1 else accelerator.no_sync(trained):
                             logp = token_logp(cfg, policy, tokens[idx], rm, sub.cond)
                             if first and cfg.train.ratio_check:  # on-policy: same weights, same mask -> ratio 1
-                                worst = process_max(accelerator, float((logp.detach() - logp_old[n - 1, idx])[rm.loss_mask]
-                                                                       .abs().max()))  # every process stops together
+                                d = (logp.detach() - logp_old[n - 1, idx])[rm.loss_mask].abs()
+                                worst = process_max(accelerator, float(d.max()) if d.numel() else 0.0)  # all stop together
                                 m.add("first_step_max_abs_log_ratio",
                                       torch.tensor(check_ratio(torch.tensor([worst]), torch.zeros(1), cfg.train.ratio_tol)))
                             first = False

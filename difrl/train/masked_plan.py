@@ -18,7 +18,9 @@ sequence: for S = samples per process,
 
 ``train.micro_batch=auto`` keeps updates_per_epoch (default 1) and grad_accum and takes S / (updates_per_epoch x
 grad_accum) sequences per micro-batch, so a config makes the same optimizer updates per rollout on any number of
-processes (the bundled masked configs use it). An explicit micro_batch fixes the memory per backward; the updates
+processes (the bundled masked configs use it). Each process shuffles its own samples into its micro-batches (as the
+flow trainer does), so with more than one update per pass the samples that share an update differ from one process's
+(the same number of updates of the same size); with one update per pass the update is one process's. An explicit micro_batch fixes the memory per backward; the updates
 then follow from it, and a value that does not divide S is refused with the nearest ones that do. On P processes
 each update's gradient is the mean of the processes' (DDP or FSDP2), each of them divided by 1/P of the update's
 loss-token count summed over processes (`update_tokens`), so an update equals one process's update of the same
