@@ -115,15 +115,16 @@ def rows(run_dir: Path) -> list[dict]:
 
 
 def checkpoint_tensors(run_dir: Path, iteration: int) -> dict[str, torch.Tensor]:
-    """Trainable weights, EMA and DiffusionNFT's old policy (if any) and Adam's moments of one checkpoint, by a flat
-    name; a sharded checkpoint (DCP, the default under FSDP) read whole in this process under the same names."""
+    """Trainable weights, EMA, the extras (DiffusionNFT's old policy, the stale rollout copy's source) and Adam's
+    moments of one checkpoint, by a flat name; a sharded checkpoint (DCP, the default under FSDP) read whole in this
+    process under the same names."""
     path = run_dir / "checkpoints" / f"iter-{iteration:06d}"
     if (path / ".metadata").exists():
         return sharded_checkpoint_tensors(path)
     out = {}
-    for name in ("trainable", "ema", "old"):
-        if (path / f"{name}.safetensors").exists():
-            out |= {f"{name}/{k}": v for k, v in load_safetensors_checked(path / f"{name}.safetensors", name)[0].items()}
+    for file in sorted(path.glob("*.safetensors")):
+        if file.stem != "rng":  # trainable, ema and every extra: NAME.safetensors
+            out |= {f"{file.stem}/{k}": v for k, v in load_safetensors_checked(file, file.stem)[0].items()}
     opt = torch.load(path / "optimizer.pt", weights_only=True)
     out |= {f"opt/{i}/{k}": v for i, st in opt["state"].items() for k, v in st.items() if torch.is_tensor(v)}
     return out
