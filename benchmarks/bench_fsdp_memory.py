@@ -235,6 +235,64 @@ def launch(layers: int, dim: int, out: Path, mode: str = "--worker", extra_env: 
         raise RuntimeError(f"the torchrun job failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
 
+# FLUX.1-dev's transformer (diffusers' FluxTransformer2DModel with its published config: 19 double + 38 single
+# blocks, 24 heads of 128, joint_attention_dim 4096, pooled 768, guidance embedding), counted on the meta device
+# when this script runs: 11,901,408,320 parameters, the largest block 339,831,296.
+FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                axes_dims_rope=[16, 56, 56])
+# Bytes per trained parameter measured by tests/test_precision.py::test_memory_per_trained_parameter (README,
+# "Precision"): full fine-tuning from bf16 keeps fp32 masters, and autocast's bf16 copy of each weight lives from
+# the forward to its backward (2 bytes); the KL's frozen reference stays in bf16 (2 bytes); an EMA is fp32 (4).
+BF16_COPY, REFERENCE, EMA_BYTES = 2, 2, 4
+
+
+def flux_dev_counts() -> tuple[int, int]:
+    """(parameters, parameters of the largest FSDP unit) of FLUX.1-dev's transformer, built on the meta device."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        net = FluxTransformer2DModel(**FLUX_DEV)
+    blocks = [m for m in net.modules() if type(m).__name__ in ("FluxTransformerBlock", "FluxSingleTransformerBlock")]
+    return sum(p.numel() for p in net.parameters()), max(sum(p.numel() for p in b.parameters()) for b in blocks)
+
+
+def flux12b_rows(rows: list[dict]) -> tuple[list[dict], list[str]]:
+    """Memory per GPU of a FLUX.1-dev full fine-tune (AdamW, fp32 masters, bf16 compute), computed from this run's
+    measured bytes per parameter: DDP's per-process state / parameters (a replica holds it all), FSDP2's state summed
+    over its 2 processes / parameters, split over N processes (FSDP2 shards every tensor on dim 0, so each holds 1/N
+    up to rounding: measured for N = 2 only). Plus BF16_COPY / REFERENCE per parameter (replicated under DDP,
+    the reference sharded under FSDP2, the bf16 copy one unit at a time: the running unit and the prefetched next)."""
+    numel, unit = flux_dev_counts()
+    ddp, fsdp = rows[0], rows[1]
+    ddp_bpp = ddp["total"] / ddp["numel"]
+    fsdp_bpp = fsdp["total"] * fsdp["processes"] / fsdp["numel"]  # the largest shard x 2: an upper bound
+    out = []
+    for label, n, sharded in (("1 GPU", 1, False), ("DDP, 8 GPUs", 8, False), ("FSDP2, 8 GPUs", 8, True),
+                              ("FSDP2, 16 GPUs (2 nodes)", 16, True)):
+        state = numel * (fsdp_bpp / n if sharded else ddp_bpp)
+        copy = 2 * unit * BF16_COPY if sharded else numel * BF16_COPY
+        reference = numel * REFERENCE / (n if sharded else 1)
+        ema = numel * EMA_BYTES / (n if sharded else 1)
+        out.append({"setting": f"FLUX.1-dev full fine-tune, {label}", "gpus": n, "numel": numel,
+                    "state_bytes": state, "bf16_copy_bytes": copy, "reference_bytes": reference,
+                    "total_bytes": state + copy + reference, "ema_bytes": ema})
+    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+    lines = ["", f"Projected to FLUX.1-dev's transformer ({numel:,} parameters, counted on the meta device; largest block "
+             f"{unit:,}): per GPU, from this run's measured state per parameter ({ddp_bpp:.2f} bytes under DDP, "
+             f"{fsdp_bpp:.2f} under FSDP2 summed over its processes), the bf16 compute copy ({BF16_COPY} bytes per weight; "
+             f"under FSDP2 two gathered blocks) and the KL's bf16 reference ({REFERENCE} bytes, sharded under FSDP2), both "
+             "measured by tests/test_precision.py. FSDP2's 1/N split is measured at N = 2 only. Not counted: activations, "
+             "the text encoders and VAE, DDP's gradient buckets, the rollout copy (its full size on every process, as in "
+             "the rollout-copy table), CUDA's own memory. Never run on a GPU.", "",
+             "| launch | weights + gradients + AdamW | bf16 compute copy | KL reference | total per GPU | + EMA |",
+             "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['setting'].split(', ', 1)[1]} | {gib(r['state_bytes'])} | {gib(r['bf16_copy_bytes'])} | "
+              f"{gib(r['reference_bytes'])} | {gib(r['total_bytes'])} | {gib(r['ema_bytes'])} |" for r in out]
+    return out, lines
+
+
 def mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
@@ -277,7 +335,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     lines += [f"| {r['setting']} | {mib(r['params'])} | {mib(r['grads'])} | {mib(r['optimizer'])} | "
               f"{mib(r['total'])} | {r['vs_ddp']:.3f} |" for r in rows]
     more, copy_lines = copy_rows(copies, {"ddp": rows[0]["total"], "fsdp": rows[1]["total"]})
-    rows, lines = rows + more, lines + copy_lines
+    projected, flux_lines = flux12b_rows(rows)
+    rows, lines = rows + more + projected, lines + copy_lines + flux_lines
     # --quick: a checkpoint of the 1 + 1 blocks of 32 (1 MiB) would be lost in DCP's own few MiB; 1 + 1 blocks of 256
     ck_layers, ck_dim = (1, 256) if args.quick else (layers, dim)
     saves = checkpoint_rows(ck_layers, ck_dim)
