@@ -11,8 +11,10 @@ Part 1 is benchmarks/diag_branch.py on the base policy (where the direction of m
 configs/moving_digits.yaml (8 prompts x 16 clips per iteration) for the same number of iterations and seeds
 and evaluates it at the midpoint and the end (200 clips). Variants (VARIANTS): flat GRPO, the BranchGRPO of
 benchmarks/bench_video.py (splits 0, 2, 4, 6 x2: one tree per prompt), splits where motion is decided
-(0, 1, 2, 3), a wider first split (factor 4 at 0, 2), the paper's split noise kappa = 4, and forests
-(`tree.roots`: several trees per prompt, each its own initial noise, advantages normalised per prompt and depth).
+(0, 1, 2, 3), a wider first split (factor 4 at 0, 2), the paper's split noise kappa = 4, forests
+(`tree.roots`: several trees per prompt, each its own initial noise, advantages normalised per prompt and depth),
+depth pruning of the steps after the direction of motion is decided (child depths 5-7 = steps 4-6, BranchGRPO's
+DepPru placed by part 1), and flat GRPO trained on steps 0-3 only (a fixed MixGRPO-style window).
 --reuse takes a run whose run directory already holds summary.json for the same overrides.
 """
 
@@ -39,6 +41,13 @@ VARIANTS = {
     "kappa 4 (0,2,4,6 x2)": [*TREE, "tree.split_steps=[0,2,4,6]", "tree.noise_scale=4.0"],
     "forest 4 roots, splits 2,4 x2": [*TREE, "tree.split_steps=[2,4]", "tree.roots=4"],
     "forest 8 roots, split 4 x2": [*TREE, "tree.split_steps=[4]", "tree.roots=8"],
+    # pruned: micro-batches sized on the kept edges (12 / 32 per tree or forest x 8 prompts), so that they too
+    # make 2 updates per rollout (auto sizes on the edges before pruning and would make 1)
+    "depth prune 5,6,7 (0,2,4,6 x2)": [*TREE, "tree.split_steps=[0,2,4,6]", "tree.depth_prune=[5,6,7]",
+                                       "train.micro_batch=24"],
+    "forest 8, depth prune 5,6,7": [*TREE, "tree.split_steps=[4]", "tree.roots=8", "tree.depth_prune=[5,6,7]",
+                                    "train.micro_batch=64"],
+    "flat, window steps 0-3": ["steps.mode=fixed_window", "steps.window_start=0", "steps.window_size=4"],
 }
 BASELINE = "BranchGRPO 0,2,4,6 x2"
 METRICS = ("accuracy", "motion_accuracy", "fd")
@@ -117,13 +126,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          f"{gt:.2g} / {gf:.2g} |")
         mi = diag["motion_informative_records_per_prompt"]
         opened = diag["open_steps"]
-        lines += ["", f"The motion outcome is still open (less than half fixed) before steps {opened}. There a tree of "
+        lines += ["", f"The motion outcome is still open (less than 90% fixed) before steps {opened}. There a tree of "
                   f"splits {diag['splits']} x{diag['factor']} trains {sum(diag['tree'][i]['records_per_prompt'] for i in opened):.0f}"
                   f" records per prompt, flat GRPO {sum(diag['flat'][i]['records_per_prompt'] for i in opened):.0f}; counting "
                   f"only groups whose motion varies: {mi['tree']:.1f} vs {mi['flat']:.1f} motion-informative records "
                   f"per prompt ({mi['flat'] / max(mi['tree'], 1e-9):.1f}x); those steps hold "
                   f"{diag['share_of_records_at_open_steps']['tree']:.0%} of the tree's trained records and "
-                  f"{diag['share_of_records_at_open_steps']['flat']:.0%} of flat GRPO's. The kernel's std on every step is the "
+                  f"{diag['share_of_records_at_open_steps']['flat']:.0%} of flat GRPO's, and their summed policy gradient is "
+                  f"{diag['gradient_from_open_steps']['tree']['norm_ratio']:.3f} of the norm of the tree's whole update "
+                  f"(cosine {diag['gradient_from_open_steps']['tree']['cosine']:.2f}) against "
+                  f"{diag['gradient_from_open_steps']['flat']['norm_ratio']:.3f} of flat GRPO's (cosine "
+                  f"{diag['gradient_from_open_steps']['flat']['cosine']:.2f}): the late steps, with a small std and so a "
+                  "large score, set the direction of the update (Adam then scales every direction alike). The kernel's std on every step is the "
                   "same (same kernel, kappa 1).", ""]
 
     runs = {n: [] for n in names}
