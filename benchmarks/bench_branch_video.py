@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_branch_video")
     ap.add_argument("--reuse", action="store_true", help="take finished runs with the same overrides from --out")
     ap.add_argument("--no-diag", action="store_true", help="skip part 1 (benchmarks/diag_branch.py)")
+    ap.add_argument("--diag-json", type=Path, help="part 1 from this `diag_branch.py --json` file instead of running it")
     args = ap.parse_args(argv)
     q = args.quick
     seeds = args.seeds or ([0] if q else [0, 1, 2])
@@ -109,7 +110,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not args.no_diag:
         import diag_branch
 
-        diag = diag_branch.main(["--quick"] if q else [])
+        if args.diag_json:  # JSON keys are strings: back to step indices
+            diag = json.loads(args.diag_json.read_text())
+            for k in ("tree", "flat", "grad_norm_tree", "grad_norm_flat"):
+                diag[k] = {int(i): v for i, v in diag[k].items()}
+        else:
+            diag = diag_branch.main(["--quick"] if q else [])
         dec = diag["decided_share_after_shared_steps"]
         lines += ["**Part 1: where motion is decided** (`benchmarks/diag_branch.py`, base policy, "
                   f"{diag['prompts']} trees of 16 continuations). Share of the motion outcome's variance fixed by "
