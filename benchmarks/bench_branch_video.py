@@ -1,6 +1,6 @@
 """BranchGRPO on the moving-digits video world: why it learns motion slowly, and ablations at equal iterations.
 
-    .venv/bin/python benchmarks/bench_branch_video.py --json benchmarks/results/bench_branch_video.json  # ~35 min (1 thread)
+    .venv/bin/python benchmarks/bench_branch_video.py --json benchmarks/results/bench_branch_video.json  # ~60 min alone (1 thread)
     .venv/bin/python benchmarks/bench_branch_video.py --quick                                             # ~3 min, never writes
     # the same runs in two processes (2 cores), then the table from their run directories:
     .venv/bin/python benchmarks/bench_branch_video.py --variants "flat GRPO" ... --no-write &
@@ -42,11 +42,12 @@ VARIANTS = {
     "forest 4 roots, splits 2,4 x2": [*TREE, "tree.split_steps=[2,4]", "tree.roots=4"],
     "forest 8 roots, split 4 x2": [*TREE, "tree.split_steps=[4]", "tree.roots=8"],
     # pruned: micro-batches sized on the kept edges (12 / 32 per tree or forest x 8 prompts), so that they too
-    # make 2 updates per rollout (auto sizes on the edges before pruning and would make 1)
+    # make 2 updates per rollout (auto sizes on the edges before pruning and would make 1; updates_per_epoch's
+    # check counts the edges before pruning, hence null)
     "depth prune 5,6,7 (0,2,4,6 x2)": [*TREE, "tree.split_steps=[0,2,4,6]", "tree.depth_prune=[5,6,7]",
-                                       "train.micro_batch=24"],
+                                       "train.micro_batch=24", "train.updates_per_epoch=null"],
     "forest 8, depth prune 5,6,7": [*TREE, "tree.split_steps=[4]", "tree.roots=8", "tree.depth_prune=[5,6,7]",
-                                    "train.micro_batch=64"],
+                                    "train.micro_batch=64", "train.updates_per_epoch=null"],
     "flat, window steps 0-3": ["steps.mode=fixed_window", "steps.window_start=0", "steps.window_size=4"],
 }
 BASELINE = "BranchGRPO 0,2,4,6 x2"
@@ -90,8 +91,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     standard_args(ap, "seed 0, 3 variants, 6 iterations, small evaluations (~3 min)")
     ap.add_argument("--seeds", type=int, nargs="+", help="training seeds (default 0 1 2; --quick 0)")
-    ap.add_argument("--iterations", type=int, help="iterations per run (default 100; --quick 6)")
-    ap.add_argument("--every", type=int, help="evaluation interval (default 50: the midpoint; --quick 3)")
+    ap.add_argument("--iterations", type=int, help="iterations per run (default 60; --quick 6)")
+    ap.add_argument("--every", type=int, help="evaluation interval (default 30: the midpoint; --quick 3)")
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="default all (--quick: flat, baseline, forest 8)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_branch_video")
     ap.add_argument("--reuse", action="store_true", help="take finished runs with the same overrides from --out")
@@ -100,8 +101,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     q = args.quick
     seeds = args.seeds or ([0] if q else [0, 1, 2])
-    iterations = args.iterations or (6 if q else 100)
-    every = args.every or (3 if q else 50)
+    iterations = args.iterations or (6 if q else 60)
+    every = args.every or (3 if q else 30)
     names = args.variants or (["flat GRPO", BASELINE, "forest 8 roots, split 4 x2"] if q else list(VARIANTS))
     extra = ["rollout.prompts_per_iter=4", "eval.per_digit=2", "eval.num_steps=6"] if q else []
 
