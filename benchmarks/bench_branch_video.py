@@ -164,19 +164,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row[f"{k}_mid"] = ms(mids) if mids else (float("nan"), 0.0)
             row[f"{k}_before"] = rs[0][1]["eval_before"][k]
         table[name] = row
+    spans = {n: [statistics.median(train_seconds(r) for r in rows) for rows, _ in rs] for n, rs in runs.items()}
     flat = table.get("flat GRPO")
     base = table.get(BASELINE)
     lines += [f"**Part 2: ablations** (configs/moving_digits.yaml, {iterations} iterations, seeds {seeds}, evaluated "
               f"at {every} and {iterations}; mean ± std over seeds). Base: motion accuracy "
               f"{next(iter(table.values()))['motion_accuracy_before']:.3f}, accuracy "
               f"{next(iter(table.values()))['accuracy_before']:.3f}.", "",
-              "| variant | overrides | s / iter | × flat | NFE / iter | trained records / iter | motion accuracy at "
+              "| variant | overrides | NFE / iter | × flat | trained records / iter | motion accuracy at "
               f"{every} | motion accuracy at {iterations} | accuracy at {iterations} | FD at {iterations} |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in table.values():
-        ratio = f"{r['seconds_per_iter'] / flat['seconds_per_iter']:.2f}×" if flat else "-"
-        lines.append(f"| {r['variant']} | `{' '.join(r['overrides']) or '(config)'}` | {r['seconds_per_iter']:.2f} | "
-                     f"{ratio} | {r['nfe_per_iter']:.0f} | {r['records_per_iter']:.0f} | "
+        ratio = f"{r['nfe_per_iter'] / flat['nfe_per_iter']:.2f}×" if flat else "-"
+        lines.append(f"| {r['variant']} | `{' '.join(r['overrides']) or '(config)'}` | {r['nfe_per_iter']:.0f} | "
+                     f"{ratio} | {r['records_per_iter']:.0f} | "
                      f"{r['motion_accuracy_mid'][0]:.3f} ± {r['motion_accuracy_mid'][1]:.3f} | "
                      f"{r['motion_accuracy'][0]:.3f} ± {r['motion_accuracy'][1]:.3f} | "
                      f"{r['accuracy'][0]:.3f} ± {r['accuracy'][1]:.3f} | {r['fd'][0]:.1f} ± {r['fd'][1]:.1f} |")
@@ -187,11 +188,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
             parts.append("motion accuracy at the end is " + verdict(r, base, "motion_accuracy", (name, "BranchGRPO")))
         if flat and name != "flat GRPO":
             parts.append(("motion accuracy " if not parts else "") + verdict(r, flat, "motion_accuracy", (name, "flat GRPO"))
-                         + f", at {r['seconds_per_iter'] / flat['seconds_per_iter']:.2f}× its seconds per iteration")
+                         + f"; accuracy (the digit) {verdict(r, flat, 'accuracy', (name, 'flat GRPO'))}, at "
+                         f"{r['nfe_per_iter'] / flat['nfe_per_iter']:.2f}× its NFE per iteration")
         if parts:
             lines.append(f"- {name}: " + "; ".join(parts) + ".")
-    lines += ["", "CPU only (no GPU used), one thread per run; seconds are from runs that may have shared the machine "
-              "(two at a time), so compare them within a row's order of magnitude only."]
+    lines += ["", "NFE = network evaluations per iteration (rollout + the trained records' forwards). CPU only (no GPU "
+              "used), one thread per run. Seconds are in the JSON rows but not compared: the shared machine's load "
+              "changed while these runs ran (median seconds per iteration of one variant's seeds: "
+              + "; ".join(f"{n} {min(m):.1f}-{max(m):.1f}" for n, m in spans.items()) + ")."]
+    if args.reuse:
+        lines.append("The runs were made by this script (`--variants` subsets, two processes at a time, `--no-write`); "
+                     "this command read them back (`--reuse` takes a run only if its recorded overrides match)"
+                     + (f" and part 1 from `{args.diag_json.as_posix()}` (`benchmarks/diag_branch.py --json`)."
+                        if args.diag_json else "."))
     rows = list(table.values())
     if diag is not None:
         rows.append({"diagnosis": diag})
