@@ -133,11 +133,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          f"{gt:.2g} / {gf:.2g} |")
         mi = diag["motion_informative_records_per_prompt"]
         opened = diag["open_steps"]
+        diag["open_records_per_prompt"] = {k: sum(diag[k][i]["records_per_prompt"] for i in opened) for k in ("tree", "flat")}
+        diag["informative_ratio"] = mi["flat"] / max(mi["tree"], 1e-9)
         lines += ["", f"The motion outcome is still open (less than 90% fixed) before steps {opened}. There a tree of "
-                  f"splits {diag['splits']} x{diag['factor']} trains {sum(diag['tree'][i]['records_per_prompt'] for i in opened):.0f}"
-                  f" records per prompt, flat GRPO {sum(diag['flat'][i]['records_per_prompt'] for i in opened):.0f}; counting "
+                  f"splits {diag['splits']} x{diag['factor']} trains {diag['open_records_per_prompt']['tree']:.0f}"
+                  f" records per prompt, flat GRPO {diag['open_records_per_prompt']['flat']:.0f}; counting "
                   f"only groups whose motion varies: {mi['tree']:.1f} vs {mi['flat']:.1f} motion-informative records "
-                  f"per prompt ({mi['flat'] / max(mi['tree'], 1e-9):.1f}x); those steps hold "
+                  f"per prompt ({diag['informative_ratio']:.1f}x); those steps hold "
                   f"{diag['share_of_records_at_open_steps']['tree']:.0%} of the tree's trained records and "
                   f"{diag['share_of_records_at_open_steps']['flat']:.0%} of flat GRPO's, and their summed policy gradient is "
                   f"{diag['gradient_from_open_steps']['tree']['norm_ratio']:.3f} of the norm of the tree's whole update "
@@ -167,6 +169,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     spans = {n: [statistics.median(train_seconds(r) for r in rows) for rows, _ in rs] for n, rs in runs.items()}
     flat = table.get("flat GRPO")
     base = table.get(BASELINE)
+    for name, row in table.items():  # every figure of the block is in the JSON rows (scripts/check_claims.py)
+        row["seconds_per_iter_by_seed"] = spans[name]
+        if flat:
+            row["nfe_ratio"] = row["nfe_per_iter"] / flat["nfe_per_iter"]
     lines += [f"**Part 2: ablations** (configs/moving_digits.yaml, {iterations} iterations, seeds {seeds}, evaluated "
               f"at {every} and {iterations}; mean ± std over seeds). Base: motion accuracy "
               f"{next(iter(table.values()))['motion_accuracy_before']:.3f}, accuracy "
