@@ -1,6 +1,6 @@
 """BranchGRPO on the moving-digits video world: why it learns motion slowly, and ablations at equal iterations.
 
-    .venv/bin/python benchmarks/bench_branch_video.py --json benchmarks/results/bench_branch_video.json  # ~35 min (1 thread)
+    .venv/bin/python benchmarks/bench_branch_video.py --json benchmarks/results/bench_branch_video.json  # ~60 min alone (1 thread)
     .venv/bin/python benchmarks/bench_branch_video.py --quick                                             # ~3 min, never writes
     # the same runs in two processes (2 cores), then the table from their run directories:
     .venv/bin/python benchmarks/bench_branch_video.py --variants "flat GRPO" ... --no-write &
@@ -11,8 +11,10 @@ Part 1 is benchmarks/diag_branch.py on the base policy (where the direction of m
 configs/moving_digits.yaml (8 prompts x 16 clips per iteration) for the same number of iterations and seeds
 and evaluates it at the midpoint and the end (200 clips). Variants (VARIANTS): flat GRPO, the BranchGRPO of
 benchmarks/bench_video.py (splits 0, 2, 4, 6 x2: one tree per prompt), splits where motion is decided
-(0, 1, 2, 3), a wider first split (factor 4 at 0, 2), the paper's split noise kappa = 4, and forests
-(`tree.roots`: several trees per prompt, each its own initial noise, advantages normalised per prompt and depth).
+(0, 1, 2, 3), a wider first split (factor 4 at 0, 2), the paper's split noise kappa = 4, forests
+(`tree.roots`: several trees per prompt, each its own initial noise, advantages normalised per prompt and depth),
+depth pruning of the steps after the direction of motion is decided (child depths 5-7 = steps 4-6, BranchGRPO's
+DepPru placed by part 1), and flat GRPO trained on steps 0-3 only (a fixed MixGRPO-style window).
 --reuse takes a run whose run directory already holds summary.json for the same overrides.
 """
 
@@ -39,6 +41,14 @@ VARIANTS = {
     "kappa 4 (0,2,4,6 x2)": [*TREE, "tree.split_steps=[0,2,4,6]", "tree.noise_scale=4.0"],
     "forest 4 roots, splits 2,4 x2": [*TREE, "tree.split_steps=[2,4]", "tree.roots=4"],
     "forest 8 roots, split 4 x2": [*TREE, "tree.split_steps=[4]", "tree.roots=8"],
+    # pruned: micro-batches sized on the kept edges (12 / 32 per tree or forest x 8 prompts), so that they too
+    # make 2 updates per rollout (auto sizes on the edges before pruning and would make 1; updates_per_epoch's
+    # check counts the edges before pruning, hence null)
+    "depth prune 5,6,7 (0,2,4,6 x2)": [*TREE, "tree.split_steps=[0,2,4,6]", "tree.depth_prune=[5,6,7]",
+                                       "train.micro_batch=24", "train.updates_per_epoch=null"],
+    "forest 8, depth prune 5,6,7": [*TREE, "tree.split_steps=[4]", "tree.roots=8", "tree.depth_prune=[5,6,7]",
+                                    "train.micro_batch=64", "train.updates_per_epoch=null"],
+    "flat, window steps 0-3": ["steps.mode=fixed_window", "steps.window_start=0", "steps.window_size=4"],
 }
 BASELINE = "BranchGRPO 0,2,4,6 x2"
 METRICS = ("accuracy", "motion_accuracy", "fd")
@@ -81,17 +91,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     standard_args(ap, "seed 0, 3 variants, 6 iterations, small evaluations (~3 min)")
     ap.add_argument("--seeds", type=int, nargs="+", help="training seeds (default 0 1 2; --quick 0)")
-    ap.add_argument("--iterations", type=int, help="iterations per run (default 100; --quick 6)")
-    ap.add_argument("--every", type=int, help="evaluation interval (default 50: the midpoint; --quick 3)")
+    ap.add_argument("--iterations", type=int, help="iterations per run (default 60; --quick 6)")
+    ap.add_argument("--every", type=int, help="evaluation interval (default 30: the midpoint; --quick 3)")
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="default all (--quick: flat, baseline, forest 8)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_branch_video")
     ap.add_argument("--reuse", action="store_true", help="take finished runs with the same overrides from --out")
     ap.add_argument("--no-diag", action="store_true", help="skip part 1 (benchmarks/diag_branch.py)")
+    ap.add_argument("--diag-json", type=Path, help="part 1 from this `diag_branch.py --json` file instead of running it")
     args = ap.parse_args(argv)
     q = args.quick
     seeds = args.seeds or ([0] if q else [0, 1, 2])
-    iterations = args.iterations or (6 if q else 100)
-    every = args.every or (3 if q else 50)
+    iterations = args.iterations or (6 if q else 60)
+    every = args.every or (3 if q else 30)
     names = args.variants or (["flat GRPO", BASELINE, "forest 8 roots, split 4 x2"] if q else list(VARIANTS))
     extra = ["rollout.prompts_per_iter=4", "eval.per_digit=2", "eval.num_steps=6"] if q else []
 
@@ -100,7 +111,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not args.no_diag:
         import diag_branch
 
-        diag = diag_branch.main(["--quick"] if q else [])
+        if args.diag_json:  # JSON keys are strings: back to step indices
+            diag = json.loads(args.diag_json.read_text())
+            for k in ("tree", "flat", "grad_norm_tree", "grad_norm_flat"):
+                diag[k] = {int(i): v for i, v in diag[k].items()}
+        else:
+            diag = diag_branch.main(["--quick"] if q else [])
         dec = diag["decided_share_after_shared_steps"]
         lines += ["**Part 1: where motion is decided** (`benchmarks/diag_branch.py`, base policy, "
                   f"{diag['prompts']} trees of 16 continuations). Share of the motion outcome's variance fixed by "
@@ -117,13 +133,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          f"{gt:.2g} / {gf:.2g} |")
         mi = diag["motion_informative_records_per_prompt"]
         opened = diag["open_steps"]
-        lines += ["", f"The motion outcome is still open (less than half fixed) before steps {opened}. There a tree of "
-                  f"splits {diag['splits']} x{diag['factor']} trains {sum(diag['tree'][i]['records_per_prompt'] for i in opened):.0f}"
-                  f" records per prompt, flat GRPO {sum(diag['flat'][i]['records_per_prompt'] for i in opened):.0f}; counting "
+        diag["open_records_per_prompt"] = {k: sum(diag[k][i]["records_per_prompt"] for i in opened) for k in ("tree", "flat")}
+        diag["informative_ratio"] = mi["flat"] / max(mi["tree"], 1e-9)
+        lines += ["", f"The motion outcome is still open (less than 90% fixed) before steps {opened}. There a tree of "
+                  f"splits {diag['splits']} x{diag['factor']} trains {diag['open_records_per_prompt']['tree']:.0f}"
+                  f" records per prompt, flat GRPO {diag['open_records_per_prompt']['flat']:.0f}; counting "
                   f"only groups whose motion varies: {mi['tree']:.1f} vs {mi['flat']:.1f} motion-informative records "
-                  f"per prompt ({mi['flat'] / max(mi['tree'], 1e-9):.1f}x); those steps hold "
+                  f"per prompt ({diag['informative_ratio']:.1f}x); those steps hold "
                   f"{diag['share_of_records_at_open_steps']['tree']:.0%} of the tree's trained records and "
-                  f"{diag['share_of_records_at_open_steps']['flat']:.0%} of flat GRPO's. The kernel's std on every step is the "
+                  f"{diag['share_of_records_at_open_steps']['flat']:.0%} of flat GRPO's, and their summed policy gradient is "
+                  f"{diag['gradient_from_open_steps']['tree']['norm_ratio']:.3f} of the norm of the tree's whole update "
+                  f"(cosine {diag['gradient_from_open_steps']['tree']['cosine']:.2f}) against "
+                  f"{diag['gradient_from_open_steps']['flat']['norm_ratio']:.3f} of flat GRPO's (cosine "
+                  f"{diag['gradient_from_open_steps']['flat']['cosine']:.2f}): the late steps, with a small std and so a "
+                  "large score, set the direction of the update (Adam then scales every direction alike). The kernel's std on every step is the "
                   "same (same kernel, kappa 1).", ""]
 
     runs = {n: [] for n in names}
@@ -143,19 +166,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row[f"{k}_mid"] = ms(mids) if mids else (float("nan"), 0.0)
             row[f"{k}_before"] = rs[0][1]["eval_before"][k]
         table[name] = row
+    spans = {n: [statistics.median(train_seconds(r) for r in rows) for rows, _ in rs] for n, rs in runs.items()}
     flat = table.get("flat GRPO")
     base = table.get(BASELINE)
+    for name, row in table.items():  # every figure of the block is in the JSON rows (scripts/check_claims.py)
+        row["seconds_per_iter_by_seed"] = spans[name]
+        if flat:
+            row["nfe_ratio"] = row["nfe_per_iter"] / flat["nfe_per_iter"]
     lines += [f"**Part 2: ablations** (configs/moving_digits.yaml, {iterations} iterations, seeds {seeds}, evaluated "
               f"at {every} and {iterations}; mean ± std over seeds). Base: motion accuracy "
               f"{next(iter(table.values()))['motion_accuracy_before']:.3f}, accuracy "
               f"{next(iter(table.values()))['accuracy_before']:.3f}.", "",
-              "| variant | overrides | s / iter | × flat | NFE / iter | trained records / iter | motion accuracy at "
+              "| variant | overrides | NFE / iter | × flat | trained records / iter | motion accuracy at "
               f"{every} | motion accuracy at {iterations} | accuracy at {iterations} | FD at {iterations} |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in table.values():
-        ratio = f"{r['seconds_per_iter'] / flat['seconds_per_iter']:.2f}×" if flat else "-"
-        lines.append(f"| {r['variant']} | `{' '.join(r['overrides']) or '(config)'}` | {r['seconds_per_iter']:.2f} | "
-                     f"{ratio} | {r['nfe_per_iter']:.0f} | {r['records_per_iter']:.0f} | "
+        ratio = f"{r['nfe_per_iter'] / flat['nfe_per_iter']:.2f}×" if flat else "-"
+        lines.append(f"| {r['variant']} | `{' '.join(r['overrides']) or '(config)'}` | {r['nfe_per_iter']:.0f} | "
+                     f"{ratio} | {r['records_per_iter']:.0f} | "
                      f"{r['motion_accuracy_mid'][0]:.3f} ± {r['motion_accuracy_mid'][1]:.3f} | "
                      f"{r['motion_accuracy'][0]:.3f} ± {r['motion_accuracy'][1]:.3f} | "
                      f"{r['accuracy'][0]:.3f} ± {r['accuracy'][1]:.3f} | {r['fd'][0]:.1f} ± {r['fd'][1]:.1f} |")
@@ -166,11 +194,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
             parts.append("motion accuracy at the end is " + verdict(r, base, "motion_accuracy", (name, "BranchGRPO")))
         if flat and name != "flat GRPO":
             parts.append(("motion accuracy " if not parts else "") + verdict(r, flat, "motion_accuracy", (name, "flat GRPO"))
-                         + f", at {r['seconds_per_iter'] / flat['seconds_per_iter']:.2f}× its seconds per iteration")
+                         + f"; accuracy (the digit) {verdict(r, flat, 'accuracy', (name, 'flat GRPO'))}, at "
+                         f"{r['nfe_per_iter'] / flat['nfe_per_iter']:.2f}× its NFE per iteration")
         if parts:
             lines.append(f"- {name}: " + "; ".join(parts) + ".")
-    lines += ["", "CPU only (no GPU used), one thread per run; seconds are from runs that may have shared the machine "
-              "(two at a time), so compare them within a row's order of magnitude only."]
+    lines += ["", "NFE = network evaluations per iteration (rollout + the trained records' forwards). CPU only (no GPU "
+              "used), one thread per run. Seconds are in the JSON rows but not compared: the shared machine's load "
+              "changed while these runs ran (median seconds per iteration of one variant's seeds: "
+              + "; ".join(f"{n} {min(m):.1f}-{max(m):.1f}" for n, m in spans.items()) + ")."]
+    if args.reuse:
+        lines.append("The runs were made by this script (`--variants` subsets, two processes at a time, `--no-write`); "
+                     "this command read them back (`--reuse` takes a run only if its recorded overrides match)"
+                     + (f" and part 1 from `{args.diag_json.as_posix()}` (`benchmarks/diag_branch.py --json`)."
+                        if args.diag_json else "."))
     rows = list(table.values())
     if diag is not None:
         rows.append({"diagnosis": diag})

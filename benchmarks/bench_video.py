@@ -1,7 +1,7 @@
 """Flat GRPO vs BranchGRPO (one tree and a forest per prompt) vs Sol-RL on the moving-digits video world: cost
 per iteration and learning at equal wall-clock and at equal iterations, several seeds, in one run.
 
-    .venv/bin/python benchmarks/bench_video.py --json benchmarks/results/bench_video.json   # full: 3 seeds x 100 iterations (~40 min)
+    .venv/bin/python benchmarks/bench_video.py --json benchmarks/results/bench_video.json   # full: 3 seeds x 100 iterations (~50 min)
     .venv/bin/python benchmarks/bench_video.py --quick                                       # ~2 min, never writes
 
 Every method starts from the bundled base with configs/moving_digits.yaml (8 prompts x 16 clips per
@@ -13,6 +13,8 @@ rewards summed 2 / 1 / 1); only the rollout differs (--quick: 4 prompts per iter
   BranchGRPO forest  8 trees per prompt (tree.roots=8), each split once at step 4 (x2) -> 16 leaves: the
               steps where this world decides the direction of motion (0-2, benchmarks/diag_branch.py) keep 8
               independent trajectories per prompt instead of 2; advantages per prompt and depth
+  BranchGRPO forest, steps 0-3  the same forest trained on steps 0-3 only (tree.depth_prune=[5,6,7]: the
+              steps after most of the motion is decided are not trained; 2 updates per rollout)
   Sol-RL      32 candidate seeds per prompt from an NVFP4 rollout copy in 4 ODE steps, rewarded; the 8 best
               and 8 worst regenerated at full precision and trained with the same GRPO loss
               (specs/lowprec-and-correctors.md §1; the NVFP4 copy is the exact CPU emulation, so it saves no time here)
@@ -47,6 +49,8 @@ METHODS = {
     "flat GRPO": [],
     "BranchGRPO": ["rollout.kind=tree", "tree.split_steps=[0,2,4,6]", "tree.factor=2"],
     "BranchGRPO forest": ["rollout.kind=tree", "tree.split_steps=[4]", "tree.factor=2", "tree.roots=8"],
+    "BranchGRPO forest, steps 0-3": ["rollout.kind=tree", "tree.split_steps=[4]", "tree.factor=2", "tree.roots=8",
+                                     "tree.depth_prune=[5,6,7]", "train.micro_batch=64", "train.updates_per_epoch=null"],
     "Sol-RL": ["rollout.kind=solrl", "rollout.precision=nvfp4", "solrl.candidates=32", "solrl.preview_steps=4",
                "solrl.select=best_worst"],
 }

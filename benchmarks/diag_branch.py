@@ -18,7 +18,7 @@ Everything is measured on configs/moving_digits.yaml's base policy, sampler and 
     (the trainer's normalisation: sum over records of -A * log p / all trained records).
 JSON keys say "motion" for the attribute, whatever the world.
 (c) The "motion-informative" records per prompt: trained records at a step whose motion outcome is still
-    open (decided share of (a) below 0.5 at that step), whose advantage varies with motion in its group.
+    open (decided share of (a) below 0.9 before that step), whose advantage varies with motion in its group.
 """
 
 from __future__ import annotations
@@ -74,25 +74,36 @@ def decided_share(policy, rewards, sigmas, kind, kw, prompts, seeds, children: i
     return out
 
 
-def grad_norm(policy, loss: torch.Tensor) -> float:
+def grad_vector(policy, loss: torch.Tensor) -> torch.Tensor:
+    """d loss / d theta over the policy network's parameters, flattened (fp32)."""
     params = [p for p in policy.module.parameters() if p.requires_grad]
     grads = torch.autograd.grad(loss, params, allow_unused=True)
-    return float(torch.sqrt(sum((g.float() ** 2).sum() for g in grads if g is not None)))
+    return torch.cat([(torch.zeros_like(p) if g is None else g).float().flatten() for p, g in zip(params, grads)])
 
 
 def per_step_grads(policy, batch, adv_per_row: torch.Tensor, steps: torch.Tensor, kind, kw, total: int) -> dict:
-    """Norm of d/dtheta [sum over the rows of step i of -A log p / total] for each step i (rows: [R, T=1..])."""
+    """d/dtheta [sum over the records of step i of -A log p / total] for each step i: {i: flat gradient}
+    (batch rows [R, T]; `steps` [R] the step of each row when T = 1; for T > 1 every row holds every step)."""
     out = {}
+    T = batch.step.shape[1]
     for i in sorted(set(steps.tolist())):
-        rows = (steps == i).nonzero().flatten()
-        if len(rows) == 0:
-            continue
+        rows = (steps == i).nonzero().flatten() if T == 1 else torch.arange(batch.step.shape[0])
         with torch.enable_grad():
             lp = recompute(policy, batch.select(rows), kind, kw).log_prob  # [R', T]
             sel = (batch.step[rows] == i).float()
-            loss = -(adv_per_row[rows, None] * lp * sel).sum() / total
-            out[int(i)] = grad_norm(policy, loss)
+            out[int(i)] = grad_vector(policy, -(adv_per_row[rows, None] * lp * sel).sum() / total)
     return out
+
+
+def open_share(grads: dict, open_steps: list[int]) -> dict:
+    """How much of the update's gradient comes from the steps where the attribute is still open: the norm of
+    their summed gradient over the norm of the whole one, and the cosine between the two."""
+    total = sum(grads.values())
+    opened = sum(g for i, g in grads.items() if i in open_steps)
+    if isinstance(opened, int):
+        return {"norm_ratio": 0.0, "cosine": 0.0}
+    return {"norm_ratio": float(opened.norm() / total.norm()),
+            "cosine": float(torch.dot(opened, total) / (opened.norm() * total.norm() + 1e-30))}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -163,7 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
         corr = float((mc * ac).sum() / (mc.norm() * ac.norm() + 1e-12))
         tree_rows[i] = {"records_per_prompt": len(rows) / P, "motion_varies_share": varies, "corr_adv_motion": corr,
                         "adv_abs_mean": float(a.abs().mean()), "std": float(edges.extras["std_old"][rows].mean())}
-    grads_tree = per_step_grads(policy, edges, adv_e, e_step, kind, kw, len(kept))
+    gv_tree = per_step_grads(policy, edges, adv_e, e_step, kind, kw, len(kept))
+    grads_tree = {i: float(g.norm()) for i, g in gv_tree.items()}
 
     # flat: G independent samples per prompt, the trainer's masks; advantage = group z-score of reward_sum
     _, train_mask, _ = step_masks(cfg, 0, P * G)
@@ -186,22 +198,18 @@ def main(argv: list[str] | None = None) -> dict:
         std_flat = recompute(policy, fr, kind, kw).std.view(-1, T)[0]
     for j in range(T):
         flat_rows[int(fr.step[0, j])]["std"] = float(std_flat[j])
-    grads_flat = {}
-    for j in range(T):  # one step's transitions at a time; the trainer divides by all B * T transitions
-        i = int(fr.step[0, j])
-        with torch.enable_grad():
-            sub = fr.select(torch.arange(P * G))
-            lp = recompute(policy, sub, kind, kw).log_prob[:, j]
-            grads_flat[i] = grad_norm(policy, -(fa * lp).sum() / (P * G * T))
+    gv_flat = per_step_grads(policy, fr, fa, fr.step[0], kind, kw, P * G * T)  # the trainer's 1 / (B * T)
+    grads_flat = {i: float(g.norm()) for i, g in gv_flat.items()}
 
-    open_steps = [i for i in range(N) if decided[i] < 0.5]  # steps whose outcome is still open (before the step)
+    open_steps = [i for i in range(N) if decided[i] < 0.9]  # steps before which the outcome is less than 90% fixed
     informative_tree = sum(tree_rows[i]["records_per_prompt"] * tree_rows[i]["motion_varies_share"]
                            for i in open_steps if i in tree_rows)
     informative_flat = sum(flat_rows[i]["records_per_prompt"] * flat_rows[i]["motion_varies_share"]
                            for i in open_steps if i in flat_rows)
+    grad_open = {"tree": open_share(gv_tree, open_steps), "flat": open_share(gv_flat, open_steps)}
     share_open = {k: sum(rows[i]["records_per_prompt"] for i in open_steps if i in rows)
                   / sum(r["records_per_prompt"] for r in rows.values()) for k, rows in (("tree", tree_rows), ("flat", flat_rows))}
-    res = {"config": str(args.config), "share_of_records_at_open_steps": share_open, "overrides": args.overrides, "prompts": P, "splits": args.splits,
+    res = {"config": str(args.config), "gradient_from_open_steps": grad_open, "share_of_records_at_open_steps": share_open, "overrides": args.overrides, "prompts": P, "splits": args.splits,
            "factor": args.factor, "roots": R, "decided_share_after_shared_steps": decided,
            "tree": tree_rows, "flat": flat_rows, "grad_norm_tree": grads_tree, "grad_norm_flat": grads_flat,
            "open_steps": open_steps, "motion_informative_records_per_prompt": {"tree": informative_tree,
@@ -223,9 +231,11 @@ def main(argv: list[str] | None = None) -> dict:
               f"{f(a, 'corr_adv_motion', '.2f')} / {f(b, 'corr_adv_motion', '.2f')} | "
               f"{f(a, 'adv_abs_mean', '.2f')} / {f(b, 'adv_abs_mean', '.2f')} | {f(a, 'std', '.3f')} / {f(b, 'std', '.3f')} | "
               f"{grads_tree.get(i, float('nan')):.3g} / {grads_flat.get(i, float('nan')):.3g}")
-    print(f"(c) steps with the attribute still open (decided share < 0.5): {open_steps}; attribute-informative trained "
+    print(f"(c) steps with the attribute still open (less than 90% fixed before the step): {open_steps}; attribute-informative trained "
           f"records per prompt: tree {informative_tree:.1f}, flat {informative_flat:.1f}; share of the trained records at "
-          f"those steps: tree {share_open['tree']:.2f}, flat {share_open['flat']:.2f}")
+          f"those steps: tree {share_open['tree']:.2f}, flat {share_open['flat']:.2f}; their gradient's norm over the "
+          f"whole update's: tree {grad_open['tree']['norm_ratio']:.3f}, flat {grad_open['flat']['norm_ratio']:.3f} "
+          f"(cosine with it: tree {grad_open['tree']['cosine']:.3f}, flat {grad_open['flat']['cosine']:.3f})")
     if args.json:
         write_json(args.json, res)
     return res

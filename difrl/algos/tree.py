@@ -195,7 +195,7 @@ def tree_train_edges(tr: TreeRollout, scores: dict[str, torch.Tensor], weights: 
     reward on its own, then weights them (MixGRPO's multi-reward form). Depth and width pruning (tree_cfg)
     drop edges from the backward pass, per tree so prompts never mix (§1.10). A tree with a leaf outside
     `leaf_keep` [L] bool (failed reward, zero spread) keeps its edges with keep = 0, like the flat trainer's
-    samples. Returns (kept rows' indices into tr.edges [E'], their advantages [E'], keep [E'] bool)."""
+    samples. `roots`: trees per prompt (tree.roots, a forest), normalised together per depth. Returns (kept rows' indices into tr.edges [E'], their advantages [E'], keep [E'] bool)."""
     t, tc = tr.tree, tree_cfg
 
     def node_advantages(leaf_rewards: torch.Tensor) -> torch.Tensor:  # [L] -> [Nn]
