@@ -259,7 +259,8 @@ def forward_counts(cfg: FlowConfig, world_size: int, schedule=None, sde_mask: to
     for rank in range(world_size):
         counts = {}
         if schedule is not None:
-            trees = _split(r.prompts_per_iter, world_size)[rank]
+            trees = _split(r.prompts_per_iter * cfg.tree.roots, world_size)[rank]  # tree.roots trees per prompt
+            counts["trees"] = trees  # whole trees per process (the trainer cuts the leaves in tree-sized slices)
             offsets = build_tree(schedule, N, 1, sde_mask).depth_offsets  # live nodes of one tree per step
             counts["tree rollout"] = sum(chunks(trees * int(offsets[i + 1] - offsets[i]), rb) for i in range(N))
             mb = cfg.train.micro_batch
@@ -295,8 +296,9 @@ def refuse_uneven_forwards(cfg: FlowConfig, world_size: int, schedule, sde_mask:
     if not uneven:
         return
     r = cfg.rollout
-    what = {"tree rollout": f"{r.prompts_per_iter} trees (rollout.prompts_per_iter)",
-            "trained-edge micro-batches": f"{r.prompts_per_iter} trees (rollout.prompts_per_iter)",
+    trees = (f"{r.prompts_per_iter * cfg.tree.roots} trees (rollout.prompts_per_iter x tree.roots)" if cfg.tree.roots > 1
+             else f"{r.prompts_per_iter} trees (rollout.prompts_per_iter)")
+    what = {"trees": trees, "tree rollout": trees, "trained-edge micro-batches": trees,
             "rollout": f"{r.prompts_per_iter * r.group_size} samples (rollout.prompts_per_iter x rollout.group_size)",
             "samples trained": f"{r.prompts_per_iter * r.group_size} samples (rollout.prompts_per_iter x rollout.group_size)",
             "Sol-RL candidates": f"{r.prompts_per_iter * cfg.solrl.candidates} Sol-RL candidates "
