@@ -145,6 +145,14 @@ SKIP = {
                                                                                    "under /usr/bin/time",
     "difrl train configs/moving_digits.yaml --out runs/moving_digits_s0": "configs/moving_digits.yaml as run (its "
                                                                           "header), into another run directory",
+    # launchers of 2 processes that another test already launches (the same launcher, flags, script and config, with
+    # smaller sizes), so this file does not pay for them twice; their 2-process plans are checked here
+    "accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no "
+    "scripts/train_flux.py configs/flux_tiny.yaml train.grad_accum=2": "launched as written (2 iterations, smaller "
+        "batches) by tests/test_train_diffusers.py::test_accelerate_launch_two_processes_equal_one, against one process; "
+        "`accelerate launch --multi_gpu --num_processes 2 scripts/train_flux.py configs/flux_tiny.yaml` is run here",
+    "torchrun --standalone --nproc_per_node 2 -m difrl train configs/digits.yaml": "launched as written (16 small "
+        "iterations, three times) by tests/test_interrupt.py::test_sigterm_to_a_torchrun_group_stops_both_processes_together",
     # launchers of 2 processes: the flux_tiny ones are run; these start the same code on another tiny model
     "accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no "
     "scripts/train_sd3.py configs/sd3_tiny.yaml train.grad_accum=2": "2 gloo processes like the flux_tiny command, "
