@@ -308,8 +308,9 @@ def _small(kind: str, program: list[str]) -> list[str]:
     config = next((a for a in program if a.endswith(".yaml")), None)
     if program[:1] == ["sample"]:
         return ["threads=1"]
-    if program[:1] == ["eval"] and config is None:  # a run directory: its config's world
-        run = Path(program[1]) / "config.yaml"
+    resume = next((a.partition("=")[2] for a in program if a.startswith("resume=")), None)
+    if config is None and (program[:1] == ["eval"] or resume):  # a run directory: its config's world
+        run = Path(resume or program[1]) / "config.yaml"
         config = "masked" if run.is_file() and yaml.safe_load(run.read_text())["model"]["kind"] in (
             "sudoku", "digit_tokens", "hf_masked") else "flow"
     if config is None:
@@ -317,7 +318,7 @@ def _small(kind: str, program: list[str]) -> list[str]:
     small = SMALL["masked" if Path(config).name in MASKED_CONFIGS or config == "masked" else "flow"]
     if program[:1] == ["eval"]:
         return [s for s in small if not s.startswith(("train.", "eval.every"))]
-    if any(a.startswith("resume=") for a in program):
+    if resume:  # one iteration more than the run made (a resume names no config: it used to run all 400 of them)
         return ["train.iterations=2", *small[1:]]
     # the examples share default run directories (runs/flux_tiny, runs/digits): run one after another, the second
     # is refused as it would be for a user (tests/test_run_dir.py); each is run here as a fresh run of its own
