@@ -13,7 +13,9 @@ paths land there), with overrides appended that make it short without leaving it
 a small evaluation, one thread (SMALL). `difrl` and `python -m difrl` commands and `python scripts/*.py` run in this
 process (difrl.cli.main, or the script file itself), launchers (`torchrun`, `accelerate launch`) as subprocesses.
 Order: tiny pipelines first, then trainings, resumed trainings, the rest (evaluations of the runs just made), then
-launchers. A command that cannot run here is in SKIP with its reason; a training command among them still has its
+launchers. An invocation runs once: a command, or a part of one after `&&` (the tiny pipeline three commands build
+first), that already ran is not run again. A command that cannot run here (or that another test already launches as
+written) is in SKIP with its reason; a training command among them still has its
 config loaded and its iteration planned (difrl.train.flow_plan) at the number of processes it starts, so a batch
 that does not split over them fails here, without a GPU or a model. The test fails on a command that is neither run
 nor skipped, on a skip entry that no documented command matches any more, and on every command that fails.
@@ -467,7 +469,7 @@ def test_training_commands_load_and_plan_at_their_process_count():
     assert checked and not failures, "\n".join(failures)
 
 
-@pytest.mark.slow  # every runnable documented command, shortened: ~3-4 min on 2 cores
+@pytest.mark.slow  # every runnable documented command, shortened: ~2 min of CPU on 2 cores
 def test_every_documented_command_runs(tmp_path, monkeypatch):
     commands = unique(documented_commands())
     only = re.compile(os.environ.get("DIFRL_DOCUMENTED", ""))  # e.g. DIFRL_DOCUMENTED=sliding_window while editing
