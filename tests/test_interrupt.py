@@ -28,11 +28,10 @@ from difrl.utils.io import load_safetensors_checked
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = str(ROOT / "configs" / "digits.yaml")
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-# the digits world, 8 samples x 4 steps per iteration (about 0.15 s each on one thread); 16 iterations: the signal,
-# sent once 3 rows are written, lands at iteration 4 or so, with 12 iterations (about 2 s unloaded) to spare
+# the digits world, 8 samples x 4 steps per iteration (about 0.15 s each on one thread): long enough to signal mid-run
 TINY = ["seed=3", "threads=1", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4",
         "train.micro_batch=6", "train.grad_accum=2", "train.lr=1e-3", "train.clip_low=1e-3", "train.clip_high=1e-3",
-        "eval.every=0", "eval.per_digit=1", "eval.num_steps=3", "train.kl_beta=0.1", "train.iterations=16",
+        "eval.every=0", "eval.per_digit=1", "eval.num_steps=3", "train.kl_beta=0.1", "train.iterations=40",
         "train.updates_per_epoch=null"]  # digits.yaml makes 2 updates per rollout; on 2 processes these sizes make 1
 
 
@@ -167,7 +166,7 @@ def difrl(nproc: int) -> list[str]:
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "difrl"]
 
 
-@pytest.mark.slow  # two launches of `python -m difrl train` and an in-process run of 16 iterations (about 30 s)
+@pytest.mark.slow  # two launches of `python -m difrl train` and an in-process run of 40 iterations (about 50 s)
 def test_ctrl_c_checkpoints_and_resume_equals_the_run_never_stopped(tmp_path):
     from difrl.train.config import load_flow_config
     from difrl.train.flow import train
@@ -179,16 +178,16 @@ def test_ctrl_c_checkpoints_and_resume_equals_the_run_never_stopped(tmp_path):
                   signal.SIGINT, after_rows=3)
     assert "Traceback" not in text and "KeyboardInterrupt" not in text
     k = stopped_at(text, "SIGINT", part)
-    assert 3 <= k < 16 and len(rows(part)) == k
+    assert 3 <= k < 40 and len(rows(part)) == k
     assert (part / "checkpoints" / f"iter-{k:06d}" / "manifest.json").is_file()  # a verified checkpoint
 
     proc = subprocess.run([*difrl(1), "train", f"resume={part}"], capture_output=True, text=True, env=ENV, cwd=ROOT,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"after iteration {k}" in proc.stdout
-    assert rows(part) == rows(full) and len(rows(full)) == 16
-    assert_same_weights(part / "checkpoints" / "iter-000016" / "trainable.safetensors",
-                        full / "checkpoints" / "iter-000016" / "trainable.safetensors")
+    assert rows(part) == rows(full) and len(rows(full)) == 40
+    assert_same_weights(part / "checkpoints" / "iter-000040" / "trainable.safetensors",
+                        full / "checkpoints" / "iter-000040" / "trainable.safetensors")
     assert_same_weights(part / "policy.safetensors", full / "policy.safetensors")
     assert yaml.safe_load((part / "config.yaml").read_text())["history"] == []  # nothing changed on resume
 
@@ -205,12 +204,12 @@ def test_sigterm_to_a_torchrun_group_stops_both_processes_together(tmp_path):
     text = launch([*difrl(2), "train", DIGITS, *TINY, "--out", str(part)], part, tmp_path / "part.log",
                   signal.SIGTERM, after_rows=3, group=True)
     k = stopped_at(text, "SIGTERM", part)
-    assert 3 <= k < 16 and len(rows(part)) == k
+    assert 3 <= k < 40 and len(rows(part)) == k
     assert (part / "checkpoints" / f"iter-{k:06d}" / "manifest.json").is_file()
     assert "KeyboardInterrupt" not in text and f'File "{ROOT / "difrl"}' not in text  # a traceback is torchrun's own
 
     proc = subprocess.run([*difrl(2), "train", f"resume={part}"], capture_output=True, text=True, env=ENV, cwd=ROOT,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert rows(part) == rows(full) and len(rows(full)) == 16
+    assert rows(part) == rows(full) and len(rows(full)) == 40
     assert_same_weights(part / "policy.safetensors", full / "policy.safetensors")
