@@ -153,7 +153,7 @@ SKIP = {
     "scripts/train_flux.py configs/flux_tiny.yaml train.grad_accum=2": "launched as written (2 iterations, smaller "
         "batches) by tests/test_train_diffusers.py::test_accelerate_launch_two_processes_equal_one, against one process; "
         "`accelerate launch --multi_gpu --num_processes 2 scripts/train_flux.py configs/flux_tiny.yaml` is run here",
-    "torchrun --standalone --nproc_per_node 2 -m difrl train configs/digits.yaml": "launched as written (16 small "
+    "torchrun --standalone --nproc_per_node 2 -m difrl train configs/digits.yaml": "launched as written (40 small "
         "iterations, three times) by tests/test_interrupt.py::test_sigterm_to_a_torchrun_group_stops_both_processes_together",
     # launchers of 2 processes: the flux_tiny ones are run; these start the same code on another tiny model
     "accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no "
