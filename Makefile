@@ -18,7 +18,7 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/difrl train configs/digits.yaml --overwrite
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=15
 
 test-fast: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow"

@@ -13,7 +13,9 @@ paths land there), with overrides appended that make it short without leaving it
 a small evaluation, one thread (SMALL). `difrl` and `python -m difrl` commands and `python scripts/*.py` run in this
 process (difrl.cli.main, or the script file itself), launchers (`torchrun`, `accelerate launch`) as subprocesses.
 Order: tiny pipelines first, then trainings, resumed trainings, the rest (evaluations of the runs just made), then
-launchers. A command that cannot run here is in SKIP with its reason; a training command among them still has its
+launchers. An invocation runs once: a command, or a part of one after `&&` (the tiny pipeline three commands build
+first), that already ran is not run again. A command that cannot run here (or that another test already launches as
+written) is in SKIP with its reason; a training command among them still has its
 config loaded and its iteration planned (difrl.train.flow_plan) at the number of processes it starts, so a batch
 that does not split over them fails here, without a GPU or a model. The test fails on a command that is neither run
 nor skipped, on a skip entry that no documented command matches any more, and on every command that fails.
@@ -145,6 +147,14 @@ SKIP = {
                                                                                    "under /usr/bin/time",
     "difrl train configs/moving_digits.yaml --out runs/moving_digits_s0": "configs/moving_digits.yaml as run (its "
                                                                           "header), into another run directory",
+    # launchers of 2 processes that another test already launches (the same launcher, flags, script and config, with
+    # smaller sizes), so this file does not pay for them twice; their 2-process plans are checked here
+    "accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no "
+    "scripts/train_flux.py configs/flux_tiny.yaml train.grad_accum=2": "launched as written (2 iterations, smaller "
+        "batches) by tests/test_train_diffusers.py::test_accelerate_launch_two_processes_equal_one, against one process; "
+        "`accelerate launch --multi_gpu --num_processes 2 scripts/train_flux.py configs/flux_tiny.yaml` is run here",
+    "torchrun --standalone --nproc_per_node 2 -m difrl train configs/digits.yaml": "launched as written (40 small "
+        "iterations, three times) by tests/test_interrupt.py::test_sigterm_to_a_torchrun_group_stops_both_processes_together",
     # launchers of 2 processes: the flux_tiny ones are run; these start the same code on another tiny model
     "accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no "
     "scripts/train_sd3.py configs/sd3_tiny.yaml train.grad_accum=2": "2 gloo processes like the flux_tiny command, "
@@ -303,8 +313,9 @@ def _small(kind: str, program: list[str]) -> list[str]:
     config = next((a for a in program if a.endswith(".yaml")), None)
     if program[:1] == ["sample"]:
         return ["threads=1"]
-    if program[:1] == ["eval"] and config is None:  # a run directory: its config's world
-        run = Path(program[1]) / "config.yaml"
+    resume = next((a.partition("=")[2] for a in program if a.startswith("resume=")), None)
+    if config is None and (program[:1] == ["eval"] or resume):  # a run directory: its config's world
+        run = Path(resume or program[1]) / "config.yaml"
         config = "masked" if run.is_file() and yaml.safe_load(run.read_text())["model"]["kind"] in (
             "sudoku", "digit_tokens", "hf_masked") else "flow"
     if config is None:
@@ -312,7 +323,7 @@ def _small(kind: str, program: list[str]) -> list[str]:
     small = SMALL["masked" if Path(config).name in MASKED_CONFIGS or config == "masked" else "flow"]
     if program[:1] == ["eval"]:
         return [s for s in small if not s.startswith(("train.", "eval.every"))]
-    if any(a.startswith("resume=") for a in program):
+    if resume:  # one iteration more than the run made (a resume names no config: it used to run all 400 of them)
         return ["train.iterations=2", *small[1:]]
     # the examples share default run directories (runs/flux_tiny, runs/digits): run one after another, the second
     # is refused as it would be for a user (tests/test_run_dir.py); each is run here as a fresh run of its own
@@ -329,10 +340,21 @@ def _argv(argv):
         sys.argv = old
 
 
-def run_one(parts: list[list[str]], work: Path) -> tuple[bool, str]:
-    """Run a documented command (its && parts in order) in `work`; (ok, output tail)."""
+def _key(argv: list[str]) -> tuple:
+    """One invocation, whatever its spelling (python -m difrl X == difrl X)."""
+    kind, program, _ = _program(argv)
+    return tuple(_strip(argv)) if kind == "launcher" else (kind, *program)
+
+
+def run_one(parts: list[list[str]], work: Path, ran: set | None = None) -> tuple[bool, str]:
+    """Run a documented command (its && parts in order) in `work`; (ok, output tail). A part in `ran` (the same
+    invocation already ran in `work`, e.g. the tiny pipeline another command built) is not run again; each part that
+    succeeds is added to it."""
     log = io.StringIO()
     for argv in parts:
+        if ran is not None and _key(argv) in ran:
+            log.write(f"(already ran: {' '.join(argv)})\n")
+            continue
         kind, program, procs = _program(argv)
         small = _small(kind, program)
         program = [*program, *small]
@@ -368,6 +390,8 @@ def run_one(parts: list[list[str]], work: Path) -> tuple[bool, str]:
                     torch.set_num_threads(threads)
         if code != 0:
             return False, f"{' '.join(argv)} -> exit {code}\n{log.getvalue()[-4000:]}"
+        if ran is not None:
+            ran.add(_key(argv))
     return True, log.getvalue()[-300:]
 
 
@@ -452,7 +476,7 @@ def test_training_commands_load_and_plan_at_their_process_count():
     assert checked and not failures, "\n".join(failures)
 
 
-@pytest.mark.slow  # every runnable documented command, shortened: ~3-4 min on 2 cores
+@pytest.mark.slow  # every runnable documented command, shortened: ~2 min of CPU on 2 cores
 def test_every_documented_command_runs(tmp_path, monkeypatch):
     commands = unique(documented_commands())
     only = re.compile(os.environ.get("DIFRL_DOCUMENTED", ""))  # e.g. DIFRL_DOCUMENTED=sliding_window while editing
@@ -461,14 +485,15 @@ def test_every_documented_command_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(work)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     done: dict[tuple, str] = {}  # one run per distinct invocation (python -m difrl X == difrl X)
+    ran: set = set()  # and per distinct part of one: `make_tiny_pipeline.py flux runs/tiny_flux && ...` builds it once
     report, failures = [], []
     for c in todo:
-        key = tuple(tuple(_strip(p) if _program(p)[0] == "launcher" else _program(p)[1]) for p in c.parts)
-        if key in done:
+        key = tuple(_key(p) for p in c.parts)
+        if key in done or all(k in ran for k in key):
             report.append(f"  same as above   {c.text}   ({c.where})")
             continue
         t0 = time.perf_counter()
-        ok, out = run_one(c.parts, work)
+        ok, out = run_one(c.parts, work, ran)
         done[key] = c.text
         report.append(f"  {'ran' if ok else 'FAILED':6s} {time.perf_counter() - t0:5.1f} s  {c.text}   ({c.where})")
         if not ok:

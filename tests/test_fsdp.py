@@ -275,17 +275,20 @@ def test_fsdp_bf16_model_full_finetune_keeps_fp32_masters(tiny_flux, tmp_path):
         assert v.dtype == torch.bfloat16 and torch.equal(v, trained[f"ema/{k}"].bfloat16()), k
 
 
-@pytest.mark.slow  # three launches of the digits world, about 1 min on 2 cores
+@pytest.mark.slow  # one launch of three digits runs, about 40 s on 2 cores
 def test_fsdp_reshard_after_forward_off_and_cpu_offload_equal_the_default_run(tmp_path):
     # without sharding.reshard after each swap, reshard_after_forward=false differs from the first iteration on (NFT's
-    # trained forward ran on the old policy's weights left gathered by its no-grad forward)
-    target = ["-m", "difrl", "train", str(ROOT / "configs" / "digits_solrl.yaml")]
+    # trained forward ran on the old policy's weights left gathered by its no-grad forward). The three runs share one
+    # launch (tests/many_runs.py), each with the environment `accelerate launch --fsdp_reshard_after_forward false`
+    # or `--fsdp_offload_params true` sets (the settings read from it: test_settings_come_from_the_accelerate_config)
+    config = str(ROOT / "configs" / "digits_solrl.yaml")
     default, kept, offload = tmp_path / "default", tmp_path / "kept_gathered", tmp_path / "offload"
-    run(2, target, DIGITS_NFT, default)
-    out = run(2, target, DIGITS_NFT, kept, launch=("--fsdp_reshard_after_forward", "false"))
-    assert "mixed precision no, kept gathered after forward;" in out
-    out = run(2, target, DIGITS_NFT, offload, launch=("--fsdp_offload_params", "true"))
-    assert "mixed precision no, offloaded to the CPU;" in out
+    plan = [{"argv": ["train", config, *DIGITS_NFT, "--out", str(d)], "env": e} for d, e in (
+        (default, {}), (kept, {"FSDP_RESHARD_AFTER_FORWARD": "false"}), (offload, {"FSDP_OFFLOAD_PARAMS": "true"}))]
+    out = run(2, [str(ROOT / "tests" / "many_runs.py")], [json.dumps(plan)], tmp_path / "unused")
+    for said in ("mixed precision no;", "mixed precision no, kept gathered after forward;",
+                 "mixed precision no, offloaded to the CPU;"):
+        assert out.count(said) == 1, said
     assert any(k.startswith("old/") for k in checkpoint_tensors(default, 2))  # NFT's old policy is compared too
     for other in (kept, offload):
         assert_same_runs(default, other, iteration=2)

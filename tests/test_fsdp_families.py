@@ -5,7 +5,7 @@
 tests/test_fsdp.py does FLUX (and the masked LM); this file gives the other diffusers families the same proof, with
 as few launches as the check allows: ONE `accelerate launch --config_file configs/accelerate/fsdp.yaml
 --num_processes 2` runs the four trainings (SD3 full fine-tuning, SD3 LoRA, Wan full fine-tuning, Wan LoRA) one after
-another through the entry scripts' own main (difrl.train.entry.main, what scripts/train_sd3.py and train_wan.py run),
+another through the entry scripts' own main (tests/many_runs.py: what scripts/train_sd3.py and train_wan.py run),
 and the four one-process references run in this test process (train(cfg)). Each run is as small as the check allows:
 2 prompts x 2 samples (4 per iteration: 1 process accumulates 2 micro-batches of 2 samples, 2 processes take 1 each),
 2 denoising steps (1 trained), 3 iterations, the KL to the reference on (full fine-tuning: the frozen copy, sharded
@@ -27,7 +27,6 @@ timestep embedding in fp32 (the adapters' fsdp_fp32_inputs; FSDP's input cast al
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -49,18 +48,6 @@ SMALL = ["threads=1", "rollout.prompts_per_iter=2", "rollout.group_size=2", "sam
          "sampler.rollout_batch=2", "eval.num_steps=2", "eval.per_digit=1", "train.iterations=3", "train.micro_batch=2",
          "train.lr=1.0", "train.adam_eps=1.0", "train.weight_decay=0", "train.kl_beta=0.1"]
 WEIGHTS = {"full": "transformer/diffusion_pytorch_model.safetensors", "lora": "lora/pytorch_lora_weights.safetensors"}
-
-# Several entry-script runs in one launch. accelerate's end_training destroys the process group at the end of each
-# run, and a second init_process_group in the same launch waits for ever on the launcher's store; the group of the
-# first run is therefore kept for the next ones (every run asks for the same one).
-DRIVER = """import json, sys
-from accelerate.state import PartialState
-from difrl.train.entry import main
-PartialState.destroy_process_group = lambda self, group=None: None
-for kind, argv in json.loads(sys.argv[1]):
-    if main(kind, argv):
-        raise SystemExit(f"the {kind} run {argv[-1]} failed")
-"""
 
 
 def args(kind: str, mode: str, path: Path) -> list[str]:
@@ -86,13 +73,11 @@ def runs(pipes, tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp_families")
     cases = [(kind, mode) for kind in FAMILIES for mode in MODES]
     out = {c: (root / f"{c[0]}-{c[1]}-one", root / f"{c[0]}-{c[1]}-two") for c in [*cases, ("sd3", "bf16")]}
-    driver = root / "driver.py"
-    driver.write_text(DRIVER)
-    plan = [(kind, [*args(kind, mode, pipes[kind]), "train.grad_accum=1", "--out", str(out[kind, mode][1])])
+    plan = [{"kind": kind, "argv": [*args(kind, mode, pipes[kind]), "train.grad_accum=1", "--out", str(out[kind, mode][1])]}
             for kind, mode in cases]
-    plan.append(("sd3", [*args("sd3", "full", pipes["sd3"]), "model.dtype=bf16", "train.iterations=2",
-                         "train.grad_accum=1", "--out", str(out["sd3", "bf16"][1])]))
-    log = run(2, [str(driver)], [json.dumps(plan)], root / "unused")  # `run` appends --out: the driver ignores argv[2:]
+    plan.append({"kind": "sd3", "argv": [*args("sd3", "full", pipes["sd3"]), "model.dtype=bf16", "train.iterations=2",
+                                         "train.grad_accum=1", "--out", str(out["sd3", "bf16"][1])]})
+    log = run(2, [str(ROOT / "tests" / "many_runs.py")], [json.dumps(plan)], root / "unused")  # --out: ignored
     for kind, mode in cases:
         config, *overrides = args(kind, mode, pipes[kind])
         train(load_train_config(config, [*overrides, "train.grad_accum=2"]), out[kind, mode][0])

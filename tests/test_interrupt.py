@@ -31,7 +31,7 @@ ENV = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH":
 # the digits world, 8 samples x 4 steps per iteration (about 0.15 s each on one thread): long enough to signal mid-run
 TINY = ["seed=3", "threads=1", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4",
         "train.micro_batch=6", "train.grad_accum=2", "train.lr=1e-3", "train.clip_low=1e-3", "train.clip_high=1e-3",
-        "eval.every=0", "eval.per_digit=3", "eval.num_steps=3", "train.kl_beta=0.1", "train.iterations=40",
+        "eval.every=0", "eval.per_digit=1", "eval.num_steps=3", "train.kl_beta=0.1", "train.iterations=40",
         "train.updates_per_epoch=null"]  # digits.yaml makes 2 updates per rollout; on 2 processes these sizes make 1
 
 
