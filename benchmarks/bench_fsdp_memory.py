@@ -131,11 +131,13 @@ def copy_rows(found: list[dict], state: dict[str, int]) -> tuple[list[dict], lis
     for r in rows:
         r["copy_vs_ddp"] = r["copy_bytes"] / worst["ddp_copy"]
         r["with_state_vs_ddp"] = r["with_state_bytes"] / rows[0]["with_state_bytes"]
+        r["linear_layers_quantized"] = worst["quantized"]
+    rows[1]["peak_gathered_vs_model"] = rows[1]["peak_gathered_bytes"] / rows[1]["model_fp32_bytes"]
     fsdp = rows[1]
     lines = ["", f"The fp8_row rollout copy ({worst['quantized']} linear layers quantized, FLUX's skip list kept in fp32) "
              f"per process: under FSDP2 {fsdp['copy_vs_ddp']:.3f} x DDP's copy (equal, tensor for tensor, to the deep "
              "copy of the gathered weights), built one gathered unit at a time: the most fp32 bytes gathered at once "
-             f"were {fsdp['peak_gathered_bytes'] / fsdp['model_fp32_bytes']:.2f} x the whole model's. With the training "
+             f"were {fsdp['peak_gathered_vs_model']:.2f} x the whole model's. With the training "
              f"state above, an FSDP2 process holds {fsdp['with_state_vs_ddp']:.3f} x a DDP process.", "",
              "| setting | copy per process | vs DDP's copy | most gathered at once (fp32) | whole model (fp32) | "
              "copy + training state | vs DDP |", "|---|---:|---:|---:|---:|---:|---:|"]
@@ -275,7 +277,7 @@ def flux12b_rows(rows: list[dict]) -> tuple[list[dict], list[str]]:
         copy = 2 * unit * BF16_COPY if sharded else numel * BF16_COPY
         reference = numel * REFERENCE / (n if sharded else 1)
         ema = numel * EMA_BYTES / (n if sharded else 1)
-        out.append({"setting": f"FLUX.1-dev full fine-tune, {label}", "gpus": n, "numel": numel,
+        out.append({"setting": f"FLUX.1-dev full fine-tune, {label}", "gpus": n, "numel": numel, "largest_unit": unit,
                     "state_bytes": state, "bf16_copy_bytes": copy, "reference_bytes": reference,
                     "total_bytes": state + copy + reference, "ema_bytes": ema})
     gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
@@ -340,8 +342,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     # --quick: a checkpoint of the 1 + 1 blocks of 32 (1 MiB) would be lost in DCP's own few MiB; 1 + 1 blocks of 256
     ck_layers, ck_dim = (1, 256) if args.quick else (layers, dim)
     saves = checkpoint_rows(ck_layers, ck_dim)
-    rows += saves
     full = saves[0]["state_full_bytes"]
+    for r in saves:
+        r["peak_vs_full_state"] = r["peak_rss_increase_max"] / full
+    rows += saves
     lines += ["", f"Peak host memory of one checkpoint save of a FLUX transformer of {saves[0]['numel']:,} parameters "
               f"({ck_layers} double + {ck_layers} single blocks, dim {ck_dim}) with an EMA, after one AdamW update (its "
               f"weights, EMA and AdamW moments: {mib(full)} in full, fp32), as the trainer saves it: the peak resident "
@@ -349,7 +353,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
               "mark reset through /proc/self/clear_refs), of rank 0 and of the process with the largest increase.", "",
               "| save | rank 0 | largest process | vs the full state |", "|---|---:|---:|---:|"]
     lines += [f"| {r['setting']} | {mib(r['peak_rss_increase_rank0'])} | {mib(r['peak_rss_increase_max'])} | "
-              f"{r['peak_rss_increase_max'] / full:.2f} |" for r in saves]
+              f"{r['peak_vs_full_state']:.2f} |" for r in saves]
     publish(args, BEGIN, END, "FSDP2 vs DDP: per-process model memory (2 CPU processes)", "bench_fsdp_memory.py",
             argv, lines, rows)
     return rows

@@ -101,18 +101,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 rows.append(measure(name, nproc, launch, keys, repeat, runs))
                 print(f"{name} (repeat {repeat + 1}): {rows[-1]['seconds_per_iteration']:.3f} s/iteration "
                       f"(load average {rows[-1]['load_before']:.1f} before)", flush=True)
-    lines = report(rows, its, prompts * 8)
+    lines, summary = report(rows, its, prompts * 8)
+    rows += summary  # the block's medians and ratios, so every number it prints is in the JSON too
     publish(args, BEGIN, END, "Data-parallel dLLM trainer: seconds per iteration, 1 vs 2 processes (CPU, gloo)",
             "bench_masked_dp.py", argv, lines, rows)
     return rows
 
 
-def report(rows: list[dict], its: int, samples: int) -> list[str]:
-    """The table and the sentences, every number from `rows`."""
+def report(rows: list[dict], its: int, samples: int) -> tuple[list[str], list[dict]]:
+    """The table and the sentences, every number from `rows` (one per launch); and the summary rows (one per launch
+    kind: the medians and the ratio to one process the block prints)."""
     by = {}
     for r in rows:
         by.setdefault(r["launch"], []).append(r)
     med = {k: statistics.median(r["seconds_per_iteration"] for r in v) for k, v in by.items()}
+    summary = [{"launch": k, "summary": True, "processes": v[0]["processes"], "seconds_per_iteration_median": med[k],
+                "seconds_rollout_median": statistics.median(r["seconds_rollout"] for r in v),
+                "seconds_update_median": statistics.median(r["seconds_update"] for r in v), "launches": len(v),
+                "speed_vs_one_process": med["1 process"] / med[k], "samples_per_iteration": samples, "iterations": its,
+                "launches_total": len(rows)} for k, v in by.items()]
     lines = ["| launch | processes x threads | s / iteration (median) | rollout s | update s | launches |",
              "|---|---|---|---|---|---|"]
     for k, v in by.items():
@@ -138,7 +145,7 @@ def report(rows: list[dict], its: int, samples: int) -> list[str]:
                   "processes buys, not extra threads. The machine was shared with other jobs (1-minute load average "
                   f"{min(loads):.1f} to {max(loads):.1f} before the launches), which inflates both sides, by different "
                   "amounts as the load moves. No GPU and no NCCL were measured."]
-    return lines
+    return lines, summary
 
 
 if __name__ == "__main__":

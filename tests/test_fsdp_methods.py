@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from test_fsdp import ROOT, checkpoint_tensors, flux_args, rows, run, tiny_flux  # noqa: F401
+from test_fsdp import assert_same_runs as same_runs
 
 SCRIPT = [str(ROOT / "scripts" / "train_flux.py")]
 COPY = ["rollout.quant_min_dim=0"]  # the tiny FLUX's linears are far below the preset's 1000: quantize them all
@@ -54,25 +55,8 @@ def assert_same_runs(a, b, iteration: int = 3) -> None:
     it, within 1e-5 x adv_std: the rewards of leaves decoded in another batch (8 on 1 process, 4 on each of 2) differ
     in their last bits (about 1e-7 relative), and the trees' depth-wise advantages over 2-4 nodes carry that into
     the terms, which their cancelling sum then shows at up to 1e-4 of itself (seen: -0.0041126 vs -0.0041132)."""
-    import json
-
-    ra, rb = rows(a), rows(b)
-    assert [r["iteration"] for r in ra] == [r["iteration"] for r in rb] == list(range(1, iteration + 1))
-    for x, y in zip(ra, rb):
-        assert x.keys() == y.keys()
-        for k, v in x.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                floor = (1e-6 if k.endswith("max_abs_log_ratio") else 1e-5 * x["adv_std"] if k in ("loss", "policy_loss")
-                         else 1e-7)
-                assert v == pytest.approx(y[k], rel=1e-5, abs=floor), (x["iteration"], k, v, y[k])
-    ea, eb = (json.loads((d / "summary.json").read_text())["eval_after"] for d in (a, b))
-    for k, v in ea.items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            assert v == pytest.approx(eb[k], rel=1e-5, abs=1e-7), ("eval_after", k)
-    ta, tb = checkpoint_tensors(a, iteration), checkpoint_tensors(b, iteration)
-    assert ta.keys() == tb.keys() and any(k.startswith("opt/") for k in ta)
-    for k in ta:
-        torch.testing.assert_close(ta[k], tb[k], rtol=1e-5, atol=1e-7, msg=k)
+    same_runs(a, b, iteration, lambda k, row: 1e-6 if k.endswith("max_abs_log_ratio") else
+              1e-5 * row["adv_std"] if k in ("loss", "policy_loss") else 1e-7)
 
 
 def one_and_two(tmp_path_factory, tiny_flux, name: str, extra: list[str], accum_one: int, accum_two: int):

@@ -174,7 +174,10 @@ def test_bench_masked_dp_sentences_are_computed_from_its_rows():
 
     rows = [row("1 process", 1, 2.0, 1.5, [0.5, 0.6]), row("2 processes, DDP", 2, 1.25, 2.5, [0.5, 0.6]),
             row("1 process", 1, 3.0, 0.5, [0.5, 0.6]), row("2 processes, DDP", 2, 1.75, 1.0, [0.5, 0.6000006])]
-    text = "\n".join(bench.report(rows, 8, 128))
+    lines, summary = bench.report(rows, 8, 128)
+    text = "\n".join(lines)
+    assert [(r["launch"], r["seconds_per_iteration_median"]) for r in summary] == [("1 process", 2.5),
+                                                                                  ("2 processes, DDP", 1.5)]
     assert "| 1 process | 1 x 1 | 2.500 |" in text and "| 2 processes, DDP | 2 x 1 | 1.500 |" in text
     assert "took 1.500 s against 2.500 s on one process: 1.67x as fast" in text
     assert "agrees within a relative 1.0e-06 across all 4 launches" in text and "load average 0.5 to 2.5" in text
