@@ -353,3 +353,30 @@ def test_wan_rollout_copy_with_no_layer_skipped(policies, tiny_dirs):
             v_q = policy.velocity(x, sigma, cond, 1.0)
     err = float((v_q - v).norm() / v.norm())
     assert 0 < err < 0.1, err  # quantized (not the policy itself), and close to it (0.033 when written)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_forwards_per_step_counts_the_rows_the_transformer_sees(kind, tiny_dirs, policies):
+    # the trainer's NFE counts (difrl.models.base.forwards_per_step): network evaluations per sample of one velocity
+    # call = rows through the transformer / samples. FLUX's guidance is embedded (one row whatever its value); SD3 and
+    # Wan do CFG for guidance > 1 (two rows: [uncond; cond]); a FLUX with true_cfg_scale > 1 too
+    from difrl.models.base import forwards_per_step
+
+    def rows_seen(policy, guidance):
+        seen = []
+        hook = policy.pipe.transformer.register_forward_hook(
+            lambda m, args, kwargs, out: seen.append(kwargs["hidden_states"].shape[0]), with_kwargs=True)
+        try:
+            x = sample_noise(SEEDS, INIT_STEP, tuple(policy.latent_shape))
+            policy.velocity(x, torch.full((len(SEEDS),), 0.5), policy.encode(PROMPTS), guidance=guidance)
+        finally:
+            hook.remove()
+        return sum(seen) // len(SEEDS)
+
+    policy = policies(kind)
+    for guidance in (1.0, 3.5):
+        assert forwards_per_step(policy, guidance) == rows_seen(policy, guidance), (kind, guidance)
+    assert forwards_per_step(policy, 3.5) == (1 if kind == "flux" else 2)
+    if kind == "flux":
+        cfg = load_flow_policy("flux", tiny_dirs("flux"), true_cfg_scale=2.5, **policy_options("flux"))
+        assert forwards_per_step(cfg, 3.5) == rows_seen(cfg, 3.5) == 2

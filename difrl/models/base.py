@@ -60,6 +60,15 @@ class HoldsNet:
         self.net = m
 
 
+def forwards_per_step(policy, guidance: float) -> int:
+    """Network evaluations of one velocity call at `guidance` (for the trainer's NFE counts): the adapter's own count
+    (`policy.forwards_per_step`: diffusers pipelines do classifier-free guidance only for guidance > 1, and FLUX's
+    guidance is embedded, one forward whatever its value), else 2 for a guidance other than 1 (the bundled worlds'
+    CFG: one batched pass over [uncond; cond]) and 1 otherwise."""
+    own = getattr(policy, "forwards_per_step", None)
+    return int(own(guidance)) if callable(own) else (2 if guidance != 1.0 else 1)
+
+
 def policy_device(policy) -> torch.device:
     """The device the policy computes on: an adapter's own ``device`` (a diffusers pipeline's transformer), else its
     network's first parameter's; the CPU for a parameter-free stub. Rollouts keep every per-step tensor here

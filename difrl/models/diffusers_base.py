@@ -263,6 +263,11 @@ class DiffusersFlowPolicy:
             out = self._forward(x, sigma, cond, guidance)
         return out.float().to(home)
 
+    def forwards_per_step(self, guidance: float) -> int:
+        """Network evaluations of one velocity call: 2 with CFG ([uncond; cond] in one batch), else 1 (FLUX's embedded
+        guidance included)."""
+        return 1 if self._cfg_scale(guidance) is None else 2
+
     def _cfg_scale(self, guidance: float) -> float | None:
         """The CFG scale for this `guidance`, or None for one conditional forward (the pipelines'
         `do_classifier_free_guidance = guidance_scale > 1`)."""

@@ -29,6 +29,7 @@ import torch
 from difrl.algos.tree import tree_train_edges
 from difrl.correct.core import Correction
 from difrl.eval.metrics import change_over_noise
+from difrl.models.base import forwards_per_step
 from difrl.rewards import Scoring, score_all
 from difrl.rollout import cat_rollouts, chunk_slices, per_transition, rollout
 from difrl.solrl import candidate_pool, rank_agreement
@@ -122,7 +123,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
         scoring = Scoring(rewards, overlap=cfg.reward.overlap)  # the trained samples' rewards, submitted as sampled
         unwrapped.eval()
         stage = {"nfe_lowprec": 0, "nfe_full": 0}  # network evaluations per iteration (all processes) and stage times
-        nfe = 2 if cfg.sampler.guidance != 1.0 else 1  # per sample and step: CFG batches [uncond; cond]
+        nfe = forwards_per_step(policy, cfg.sampler.guidance)  # per sample and step: 2 with CFG's [uncond; cond]
         with old.swapped() if nft else nullcontext():  # NFT samples from its old policy; GRPO from the trained one
             sync_rollout_copy(rollout_copy, copy_source, unwrapped, it, run.start, cfg.rollout.sync_every)
             if solrl:  # stage 1: a large candidate pool from the rollout copy, few deterministic steps, rewarded
