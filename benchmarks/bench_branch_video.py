@@ -14,7 +14,8 @@ benchmarks/bench_video.py (splits 0, 2, 4, 6 x2: one tree per prompt), splits wh
 (0, 1, 2, 3), a wider first split (factor 4 at 0, 2), the paper's split noise kappa = 4, forests
 (`tree.roots`: several trees per prompt, each its own initial noise, advantages normalised per prompt and depth),
 depth pruning of the steps after the direction of motion is decided (child depths 5-7 = steps 4-6, BranchGRPO's
-DepPru placed by part 1), and flat GRPO trained on steps 0-3 only (a fixed MixGRPO-style window).
+DepPru placed by part 1), flat GRPO trained on steps 0-3 only (a fixed MixGRPO-style window), and edges weighted by
+the leaves below them (`tree.edge_weight=leaves`) on four of those schedules.
 --reuse takes a run whose run directory already holds summary.json for the same overrides.
 """
 
@@ -49,6 +50,12 @@ VARIANTS = {
     "forest 8, depth prune 5,6,7": [*TREE, "tree.split_steps=[4]", "tree.roots=8", "tree.depth_prune=[5,6,7]",
                                     "train.micro_batch=64", "train.updates_per_epoch=null"],
     "flat, window steps 0-3": ["steps.mode=fixed_window", "steps.window_start=0", "steps.window_size=4"],
+    # tree.edge_weight=leaves: each edge's loss and KL weighted by the leaves below it, so the shared early steps
+    # weigh in the update as flat GRPO's 16 samples do there (difrl.algos.tree.edge_leaf_weights)
+    "leaf weights (0,2,4,6 x2)": [*TREE, "tree.split_steps=[0,2,4,6]", "tree.edge_weight=leaves"],
+    "leaf weights, splits 0,1,2,3 x2": [*TREE, "tree.split_steps=[0,1,2,3]", "tree.edge_weight=leaves"],
+    "leaf weights, splits 0,2 x4": ["rollout.kind=tree", "tree.split_steps=[0,2]", "tree.factor=4", "tree.edge_weight=leaves"],
+    "leaf weights, forest 8, split 4": [*TREE, "tree.split_steps=[4]", "tree.roots=8", "tree.edge_weight=leaves"],
 }
 BASELINE = "BranchGRPO 0,2,4,6 x2"
 METRICS = ("accuracy", "motion_accuracy", "fd")

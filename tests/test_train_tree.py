@@ -27,7 +27,8 @@ TREE = ("rollout.kind=tree", "tree.split_steps=[0,1]")
     ("steps.mode=fixed_window", "steps.window_start=0", "steps.window_size=1", "tree.fusion=soft"),  # Mix
     ("sampler.guidance=2.0", "tree.fusion=path_prob", "train.kl_beta=0.1"),
     ("rollout.precision=nvfp4", "correct.method=token_tis"),  # trees from the NVFP4 rollout copy
-], ids=["plain", "kappa", "kappa_reference_dance", "mix_soft", "cfg_path_prob_kl", "nvfp4_tis"])
+    ("tree.edge_weight=leaves", "train.kl_beta=0.1"),  # each edge's loss and KL weighted by its leaves
+], ids=["plain", "kappa", "kappa_reference_dance", "mix_soft", "cfg_path_prob_kl", "nvfp4_tis", "leaf_weights"])
 def test_tree_training_is_on_policy_and_counts_match(tmp_path, overrides):
     _, d = run(tmp_path / "r", *TREE, *overrides)
     row = metrics(d)[0]

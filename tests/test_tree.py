@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from difrl.algos.tree import (depth_prune, depth_pruning_set, depthwise_advantages, edge_advantages, fuse_rewards,
+from difrl.algos.tree import (depth_prune, depth_pruning_set, depthwise_advantages, edge_advantages, edge_leaf_weights,
+                              fuse_rewards,
                               width_prune)
 from difrl.branching import BranchSchedule, build_tree, mix_sde_mask, nfe, node_seed, num_edges, num_trained_edges
 from difrl.models.base import cond_repeat
@@ -330,6 +331,23 @@ def test_edge_advantages_follow_the_child(policy):
     assert adv.shape == (len(tr.edges),)
     child = tr.tree.edge_child[tr.edges.extras["edge_index"]]
     assert torch.equal(adv, node_adv[child])
+
+
+def test_edge_leaf_weights_make_every_step_weigh_as_in_flat_grpo(policy):
+    # tree.edge_weight=leaves: splits at 0 and 2 (x2) over N steps, 2 trees: an edge counts the leaves below its
+    # child, so each trained step's weights sum to the 8 leaves (flat GRPO: 8 samples per step), over the mean weight
+    tr = tree_rollout(policy, prompts(2), torch.tensor([1, 2]), sigma_schedule(N), BranchSchedule((0, 2)))
+    rows = torch.arange(len(tr.edges))
+    w = edge_leaf_weights(tr, rows)
+    child = tr.tree.edge_child[tr.trained_edge]
+    leaves = tr.tree.num_leaves[child].float()
+    torch.testing.assert_close(w, leaves / leaves.mean())
+    assert w.mean().item() == pytest.approx(1.0)
+    step = tr.tree.edge_step[tr.trained_edge]
+    per_step = [float((w * leaves.mean())[step == i].sum()) for i in step.unique().tolist()]
+    assert per_step == pytest.approx([8.0] * len(per_step))  # 2 trees x 4 leaves on every trained step
+    assert sorted(set(leaves.tolist())) == [1.0, 2.0]  # steps 0-1: the first split's edges (2 leaves each); then 1
+    assert len(edge_leaf_weights(tr, rows[:0])) == 0
 
 
 # ---------------------------------------------------------------------------------- pruning

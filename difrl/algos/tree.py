@@ -119,6 +119,18 @@ def edge_advantages(tr: TreeRollout, node_advantages: torch.Tensor) -> torch.Ten
     return node_advantages[tr.tree.edge_child[tr.trained_edge]]
 
 
+def edge_leaf_weights(tr: TreeRollout, rows: torch.Tensor) -> torch.Tensor:
+    """[E'] loss weight of the trained edges `rows` (indices into ``tr.edges``, e.g. tree_train_edges' kept): the
+    leaves below each edge's child, over their mean (so the update's scale is unchanged). tree.edge_weight=leaves:
+    an edge shared by k leaves counts as the k transitions flat GRPO would train there, so every step of a full
+    tree weighs the same, as in flat GRPO; with one term per edge (BranchGRPO, §1.5) a step weighs as many edges as
+    it has, and the early shared steps, where a coarse attribute such as the direction of motion is decided, carry
+    a small share of the gradient (benchmarks/diag_branch.py measures it)."""
+    t = tr.tree
+    leaves = t.num_leaves[t.edge_child[tr.trained_edge[rows]]].float()
+    return leaves / leaves.mean() if len(leaves) else leaves
+
+
 def width_prune(tree: Tree, edges: torch.Tensor, advantages: torch.Tensor, mode: WidthMode = "per_branch",
                 ratio: float = 0.5, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Keep-mask [E] over `edges` (edge indices into ``tree.edge_*``) with their `advantages` [E] (§1.6).

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from difrl.algos.tree import tree_train_edges
+from difrl.algos.tree import edge_leaf_weights, tree_train_edges
 from difrl.correct.core import Correction
 from difrl.eval.metrics import change_over_noise
 from difrl.models.base import forwards_per_step
@@ -204,6 +204,8 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
             if correction is not None:
                 correction = Correction(correction.weights[kept], correction.keep[kept], correction.diagnostics)
             stage.update(tree_stats(tr, advantages, accelerator))
+            if cfg.tree.edge_weight == "leaves":  # keep becomes each edge's loss weight (0: a dropped tree's edge)
+                keep = keep.float() * edge_leaf_weights(tr, kept)
 
         # ==================================================================== policy update
         unwrapped.train()

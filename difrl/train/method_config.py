@@ -38,6 +38,10 @@ class TreeConfig:
     roots: int = cfg_field(1, ge=1, help="trees per prompt (a forest): each its own initial noise and factor ** splits "
                                          "leaves, rollout.group_size = roots x leaves; advantages are normalised per "
                                          "prompt and depth over its trees (difrl.algos.tree.depthwise_advantages)")
+    edge_weight: str = cfg_field("edge", choices=("edge", "leaves"),
+                                 help="edge: one loss term per trained edge (BranchGRPO); leaves: each edge's loss and KL "
+                                      "weighted by the leaves below it (over their mean), so every step weighs as in flat "
+                                      "GRPO (difrl.algos.tree.edge_leaf_weights)")
     noise_scale: float = cfg_field(1.0, gt=0.0, help="kappa: the kernel's std multiplier at split steps (BranchGRPO's "
                                                      "script: 4.0)")
     kappa_logprob: str = cfg_field("actual", choices=("actual", "reference"),
