@@ -205,8 +205,8 @@ def test_pruning_keeps_equal_counts_per_tree():
 def test_sharded_copy_equals_the_plain_copy_and_follows_updates():
     # FSDP2 on a one-process gloo group, in this process: the code paths of the sharded copy (meta skeleton, one
     # gathered unit per part, LoRA merged from the gathered base and adapters) build and sync the same copy as a deep
-    # copy of the plain network; after an update the sync moves both alike and verifies; a sync that skips a layer
-    # is caught
+    # copy of the plain network; after an update (and a forward that left the units gathered) the sync moves both
+    # alike and verifies; a sync that skips a layer is caught
     import torch.distributed as dist
     from peft import LoraConfig, get_peft_model
 
@@ -230,7 +230,8 @@ def test_sharded_copy_equals_the_plain_copy_and_follows_updates():
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        plain, net = build(), shard(build(), ["Block"], FSDPSettings())
+        # fsdp_reshard_after_forward: false: a forward leaves the units gathered, and the sync must read the shards
+        plain, net = build(), shard(build(), ["Block"], FSDPSettings(reshard_after_forward=False))
         parts = [sorted(p) for p in sharded_weights()(net)]  # one part per unit: each block, then the root's rest
         assert [p[0].split(".")[:2] for p in parts] == [["blocks", "0"], ["blocks", "1"], ["out", "bias"]]
         assert not any("lora" in k for p in parts for k in p)  # merged into the base weights
@@ -249,6 +250,8 @@ def test_sharded_copy_equals_the_plain_copy_and_follows_updates():
         update(net)
         with gathered(net):
             torch.testing.assert_close(plain_copy(net)(x), plain(x))
+        with torch.no_grad():
+            net(x)  # the units stay gathered
         assert ref.sync(plain)["changed_layers"] > 0 and copy.sync(net)["changed_layers"] > 0
         same(ref, copy)
         stale = copy.module.get_submodule("blocks.1.fc1")
