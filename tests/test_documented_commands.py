@@ -111,6 +111,9 @@ SKIP = {
         "weights; the preset's refusal without a detector is tests/test_cli_paths.py",
     # synopses: placeholders or alternatives, not commands
     "difrl eval RUN_DIR": "synopsis (RUN_DIR); run as `difrl eval runs/cps` and `difrl eval runs/sudoku ...`",
+    "difrl export RUN_DIR": "synopsis (RUN_DIR); run on a sharded tiny FLUX run and on a bundled world by "
+                            "tests/test_dcp.py (test_export_writes_plain_diffusers_files, "
+                            "test_export_of_a_bundled_world_is_its_final_policy)",
     "difrl eval CONFIG --checkpoint PATH": "synopsis; run as `difrl eval configs/text_arithmetic.yaml --checkpoint ...`",
     "difrl report RUN_DIR": "synopsis; every training run here writes report.html the same way (difrl.report), and "
                             "`difrl report` itself is tests/test_report.py",
