@@ -159,11 +159,15 @@ def test_thread_note_only_when_other_processes_keep_the_cores_busy(monkeypatch):
     assert flow_plan.thread_note(False) == ""  # one thread per process waits for no other
 
 
-def test_the_masked_trainer_keeps_its_micro_batch_of_sequences():
+def test_the_masked_trainer_takes_the_flow_trainers_micro_batch_keys():
+    # the masked trainer is data-parallel like the flow trainer (difrl/train/masked_plan.py), with the same keys in
+    # sequences: micro_batch auto keeps train.updates_per_epoch whatever the process count (tests/test_masked_dp.py)
     from difrl.config import ConfigError
     from difrl.train.recipes import load_train_config
 
-    with pytest.raises(ConfigError, match="train.micro_batch"):
-        load_train_config(ROOT / "configs" / "sudoku.yaml", ["train.micro_batch=auto"])
+    cfg = load_train_config(ROOT / "configs" / "sudoku.yaml", [])
+    assert (cfg.train.micro_batch, cfg.train.updates_per_epoch) == ("auto", 2)
+    cfg = load_train_config(ROOT / "configs" / "sudoku.yaml", ["train.micro_batch=32", "train.updates_per_epoch=null"])
+    assert (cfg.train.micro_batch, cfg.train.updates_per_epoch) == (32, None)
     with pytest.raises(ConfigError, match="train.updates_per_epoch"):
-        load_train_config(ROOT / "configs" / "sudoku.yaml", ["train.updates_per_epoch=2"])
+        load_train_config(ROOT / "configs" / "sudoku.yaml", ["train.updates_per_epoch=0"])

@@ -192,7 +192,7 @@ def test_bench_video_rows(tmp_path):
     rows = bench.main(["--quick", "--iterations", "1", "--every", "1", "--out", str(tmp_path), "--json",
                        str(tmp_path / "rows.json")])
     by = {r["method"]: r for r in rows}
-    assert list(by) == ["flat GRPO", "BranchGRPO", "Sol-RL"]
+    assert list(by) == ["flat GRPO", "BranchGRPO", "BranchGRPO forest", "BranchGRPO forest, steps 0-3", "Sol-RL"]
     # NFE per iteration, 4 prompts x 16 clips, 8 steps: flat samples 512 and trains 7 steps of each;
     # Sol-RL adds 4 x 32 candidates x 4 preview steps; a 16-leaf tree samples fewer than 16 paths
     assert by["flat GRPO"]["nfe_per_iter"] == 64 * 8 + 64 * 7
