@@ -176,8 +176,9 @@ def test_bench_masked_dp_sentences_are_computed_from_its_rows():
             row("1 process", 1, 3.0, 0.5, [0.5, 0.6]), row("2 processes, DDP", 2, 1.75, 1.0, [0.5, 0.6000006])]
     lines, summary = bench.report(rows, 8, 128)
     text = "\n".join(lines)
-    assert [(r["launch"], r["seconds_per_iteration_median"]) for r in summary] == [("1 process", 2.5),
-                                                                                  ("2 processes, DDP", 1.5)]
+    # the summary rows carry the block's ratios (median of 1 process / median of the launch): 2.5 / 1.5 here
+    assert [(r["launch"], r["launches"]) for r in summary] == [("1 process", 2), ("2 processes, DDP", 2)]
+    assert [r["speed_vs_one_process"] for r in summary] == pytest.approx([1.0, 2.5 / 1.5])
     assert "| 1 process | 1 x 1 | 2.500 |" in text and "| 2 processes, DDP | 2 x 1 | 1.500 |" in text
     assert "took 1.500 s against 2.500 s on one process: 1.67x as fast" in text
     assert "agrees within a relative 1.0e-06 across all 4 launches" in text and "load average 0.5 to 2.5" in text
