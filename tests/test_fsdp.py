@@ -149,6 +149,18 @@ def sharded_checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def assert_lora_loads(pipeline_dir: Path, lora_dir: Path, trained: dict) -> None:
+    """`lora_dir` loads into a plain FluxPipeline with load_lora_weights and holds exactly `trained` (peft names)."""
+    from diffusers import FluxPipeline
+
+    pipe = FluxPipeline.from_pretrained(pipeline_dir)
+    pipe.load_lora_weights(lora_dir)
+    state = pipe.transformer.state_dict()
+    for k, v in trained.items():  # base_model.model.X.lora_A.default.weight -> X.lora_A.default_0.weight
+        name = k[len("base_model.model."):].replace(".default.", ".default_0.")
+        torch.testing.assert_close(state[name], v, rtol=0, atol=0, msg=name)
+
+
 def assert_same_runs(a: Path, b: Path, iteration: int = 3, floor=lambda key, row: 1e-7) -> None:
     """Every numeric metric of every row, the final evaluation and every checkpoint tensor at `iteration` agree
     (rtol 1e-5; a metric's absolute floor is `floor(key, row of a)`)."""
@@ -229,14 +241,7 @@ def test_fsdp_lora_flux_equals_one_process_and_loads_in_diffusers(tiny_flux, tmp
     assert max(float(v.abs().max()) for k, v in trained.items() if "lora_B" in k) > 1e-3  # B left zero
 
     # lora/ loads into a plain pipeline: its tensors are the gathered LoRA weights
-    from diffusers import FluxPipeline
-
-    pipe = FluxPipeline.from_pretrained(tiny_flux)
-    pipe.load_lora_weights(two / "lora")
-    state = pipe.transformer.state_dict()
-    for k, v in trained.items():  # base_model.model.X.lora_A.default.weight -> X.lora_A.default_0.weight
-        name = k[len("base_model.model."):].replace(".default.", ".default_0.")
-        torch.testing.assert_close(state[name], v, rtol=0, atol=0, msg=name)
+    assert_lora_loads(tiny_flux, two / "lora", trained)
 
 
 @pytest.mark.slow  # one launch of the tiny FLUX pipeline
