@@ -14,8 +14,10 @@ benchmarks/bench_video.py (splits 0, 2, 4, 6 x2: one tree per prompt), splits wh
 (0, 1, 2, 3), a wider first split (factor 4 at 0, 2), the paper's split noise kappa = 4, forests
 (`tree.roots`: several trees per prompt, each its own initial noise, advantages normalised per prompt and depth),
 depth pruning of the steps after the direction of motion is decided (child depths 5-7 = steps 4-6, BranchGRPO's
-DepPru placed by part 1), flat GRPO trained on steps 0-3 only (a fixed MixGRPO-style window), and edges weighted by
-the leaves below them (`tree.edge_weight=leaves`) on four of those schedules.
+DepPru placed by part 1), flat GRPO trained on steps 0-3 only (a fixed MixGRPO-style window), edges weighted by
+the leaves below them (`tree.edge_weight=leaves`) on four of those schedules, the reward fusion of internal
+nodes (path-probability, soft), no KL, TempFlow-GRPO's per-step weight (`train.step_weight=tempflow`, against
+part 1's late-step dominance) on the tree, on flat GRPO and with leaf weights, and a tree trained on steps 0-3.
 --reuse takes a run whose run directory already holds summary.json for the same overrides.
 """
 
@@ -56,8 +58,39 @@ VARIANTS = {
     "leaf weights, splits 0,1,2,3 x2": [*TREE, "tree.split_steps=[0,1,2,3]", "tree.edge_weight=leaves"],
     "leaf weights, splits 0,2 x4": ["rollout.kind=tree", "tree.split_steps=[0,2]", "tree.factor=4", "tree.edge_weight=leaves"],
     "leaf weights, forest 8, split 4": [*TREE, "tree.split_steps=[4]", "tree.roots=8", "tree.edge_weight=leaves"],
+    # reward fusion of internal nodes (specs/branch-cps-guard.md §1.3): the paper's path-probability weighting and a
+    # log-mean-exp (DTS's soft value, §5) instead of the mean
+    "path-prob fusion (0,2,4,6 x2)": [*TREE, "tree.split_steps=[0,2,4,6]", "tree.fusion=path_prob"],
+    "soft fusion (0,2,4,6 x2)": [*TREE, "tree.split_steps=[0,2,4,6]", "tree.fusion=soft"],
+    # the KL to the base on shared edges (BranchGRPO's reference code has none)
+    "KL 0 (0,2,4,6 x2)": [*TREE, "tree.split_steps=[0,2,4,6]", "train.kl_beta=0"],
+    # part 1: the low-noise late steps (small std, large score) set the update's direction; TempFlow-GRPO's
+    # noise-aware weight (2.25 std per step, specs/branch-cps-guard.md §4) rebalances the steps, for both rollouts
+    "TempFlow weights (0,2,4,6 x2)": [*TREE, "tree.split_steps=[0,2,4,6]", "train.step_weight=tempflow"],
+    "flat, TempFlow weights": ["train.step_weight=tempflow"],
+    "leaf weights + TempFlow, splits 0,1,2,3 x2": [*TREE, "tree.split_steps=[0,1,2,3]", "tree.edge_weight=leaves",
+                                                  "train.step_weight=tempflow"],
+    "leaf weights + TempFlow, splits 0,2 x4": ["rollout.kind=tree", "tree.split_steps=[0,2]", "tree.factor=4",
+                                               "tree.edge_weight=leaves", "train.step_weight=tempflow"],
+    "leaf weights + TempFlow, forest 8, split 4": [*TREE, "tree.split_steps=[4]", "tree.roots=8",
+                                                   "tree.edge_weight=leaves", "train.step_weight=tempflow"],
+    # the tree counterpart of "flat, window steps 0-3": every split where motion is decided, steps 4-6 untrained
+    # (2 + 4 + 8 + 16 = 30 kept edges per tree x 8 prompts = 240: micro-batches of 60 for 2 updates)
+    "leaf weights, splits 0,1,2,3 x2, steps 0-3": [*TREE, "tree.split_steps=[0,1,2,3]", "tree.edge_weight=leaves",
+                                                   "tree.depth_prune=[5,6,7]", "train.micro_batch=60",
+                                                   "train.updates_per_epoch=null"],
 }
 BASELINE = "BranchGRPO 0,2,4,6 x2"
+# a tree variant that changes the loss (step weights) or the trained steps is also held against flat GRPO with the
+# same change, so that a gain the option gives flat GRPO too is not read as the tree catching up
+FLAT_COUNTERPART = {
+    "TempFlow weights (0,2,4,6 x2)": "flat, TempFlow weights",
+    "leaf weights + TempFlow, splits 0,1,2,3 x2": "flat, TempFlow weights",
+    "leaf weights + TempFlow, splits 0,2 x4": "flat, TempFlow weights",
+    "leaf weights + TempFlow, forest 8, split 4": "flat, TempFlow weights",
+    "leaf weights, splits 0,1,2,3 x2, steps 0-3": "flat, window steps 0-3",
+    "forest 8, depth prune 5,6,7": "flat, window steps 0-3",
+}
 METRICS = ("accuracy", "motion_accuracy", "fd")
 
 
@@ -203,6 +236,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             parts.append(("motion accuracy " if not parts else "") + verdict(r, flat, "motion_accuracy", (name, "flat GRPO"))
                          + f"; accuracy (the digit) {verdict(r, flat, 'accuracy', (name, 'flat GRPO'))}, at "
                          f"{r['nfe_per_iter'] / flat['nfe_per_iter']:.2f}× its NFE per iteration")
+        if (pair := FLAT_COUNTERPART.get(name)) in table:
+            parts.append(f"against {pair}: motion accuracy {verdict(r, table[pair], 'motion_accuracy', (name, pair))}, "
+                         f"accuracy {verdict(r, table[pair], 'accuracy', (name, pair))}, at "
+                         f"{r['nfe_per_iter'] / table[pair]['nfe_per_iter']:.2f}× its NFE per iteration")
         if parts:
             lines.append(f"- {name}: " + "; ".join(parts) + ".")
     lines += ["", "NFE = network evaluations per iteration (rollout + the trained records' forwards). CPU only (no GPU "

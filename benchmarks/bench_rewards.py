@@ -191,15 +191,16 @@ def verdict(r: dict) -> str:
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     standard_args(ap, "2 seeds x 6 iterations, 3 repeats (about 1.5 min); never writes BENCHMARKS.md")
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--iterations", type=int, default=30)
+    ap.add_argument("--batch", type=int, help="samples per call (default 32; --quick 16)")
+    ap.add_argument("--repeats", type=int, help="timed calls per rate (default 5; --quick 3)")
+    ap.add_argument("--seeds", type=int, help="overlap seeds (default 3; --quick 2)")
+    ap.add_argument("--iterations", type=int, help="overlap iterations per run (default 30; --quick 6)")
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = all available cores)")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.repeats, args.seeds, args.iterations, args.batch = 3, 2, 6, 16
+    for key, full, quick in (("batch", 32, 16), ("repeats", 5, 3), ("seeds", 3, 2), ("iterations", 30, 6)):
+        if getattr(args, key) is None:  # an explicit value wins over --quick's
+            setattr(args, key, quick if args.quick else full)
     if args.threads:
         torch.set_num_threads(args.threads)
 

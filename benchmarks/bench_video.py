@@ -10,21 +10,24 @@ rewards summed 2 / 1 / 1); only the rollout differs (--quick: 4 prompts per iter
   flat GRPO   16 independent SDE samples per prompt, 7 trained steps each
   BranchGRPO  one tree per prompt, splits at steps 0, 2, 4, 6 (x2) -> 16 leaves; every SDE edge trained with
               its child's depth-wise advantage (specs/branch-cps-guard.md §1)
-  BranchGRPO forest  8 trees per prompt (tree.roots=8), each split once at step 4 (x2) -> 16 leaves: the
-              steps where this world decides the direction of motion (0-2, benchmarks/diag_branch.py) keep 8
-              independent trajectories per prompt instead of 2; advantages per prompt and depth
-  BranchGRPO forest, steps 0-3  the same forest trained on steps 0-3 only (tree.depth_prune=[5,6,7]: the
-              steps after most of the motion is decided are not trained; 2 updates per rollout)
+  BranchGRPO, leaf weights + TempFlow  one tree per prompt split at steps 0, 1, 2, 3 (x2), where this world
+              decides the direction of motion (benchmarks/diag_branch.py), each edge weighted by the leaves below
+              it (tree.edge_weight=leaves) and each step by TempFlow-GRPO's 2.25 std (train.step_weight=tempflow),
+              the best tree of benchmarks/bench_branch_video.py's ablations
+  BranchGRPO forest, steps 0-3  8 trees per prompt (tree.roots=8), each split once at step 4 (x2), trained on
+              steps 0-3 only (tree.depth_prune=[5,6,7]; 2 updates per rollout)
   Sol-RL      32 candidate seeds per prompt from an NVFP4 rollout copy in 4 ODE steps, rewarded; the 8 best
               and 8 worst regenerated at full precision and trained with the same GRPO loss
               (specs/lowprec-and-correctors.md §1; the NVFP4 copy is the exact CPU emulation, so it saves no time here)
 
 Cost: the median seconds per iteration (evaluations excluded) and the network evaluations per iteration
 (rollout + low-precision candidates + update forwards), as ratios to flat GRPO's, from the learning runs
-themselves. Learning at equal wall-clock: the budget is flat GRPO's mean training seconds; each run is read
-at its last evaluation inside that budget of its own cumulative training seconds (all runs in this one
-process, one thread each, one after the other: a busy machine slows all of them, not one). Learning at equal
-iterations: the final evaluation; for Sol-RL that is also equal full-precision rollout NFE (its trained group is
+themselves. Learning at equal wall-clock: the budget is flat GRPO's mean training seconds over its
+iterations; a method that has not spent it after the same iterations is resumed (`resume=`, the same run
+continued exactly) to the first evaluation past it, and each run is read at its last evaluation inside the
+budget of its own cumulative training seconds (all runs in this one process, one thread each, one after the
+other: a busy machine slows all of them, not one). Learning at equal iterations: the evaluation after
+`--iterations`; for Sol-RL that is also equal full-precision rollout NFE (its trained group is
 regenerated at full precision, 16 per prompt like flat GRPO's; the pool is low precision).
 """
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -48,7 +52,8 @@ CONFIG = ROOT / "configs" / "moving_digits.yaml"
 METHODS = {
     "flat GRPO": [],
     "BranchGRPO": ["rollout.kind=tree", "tree.split_steps=[0,2,4,6]", "tree.factor=2"],
-    "BranchGRPO forest": ["rollout.kind=tree", "tree.split_steps=[4]", "tree.factor=2", "tree.roots=8"],
+    "BranchGRPO, leaf weights + TempFlow": ["rollout.kind=tree", "tree.split_steps=[0,1,2,3]", "tree.factor=2",
+                                           "tree.edge_weight=leaves", "train.step_weight=tempflow"],
     "BranchGRPO forest, steps 0-3": ["rollout.kind=tree", "tree.split_steps=[4]", "tree.factor=2", "tree.roots=8",
                                      "tree.depth_prune=[5,6,7]", "train.micro_batch=64", "train.updates_per_epoch=null"],
     "Sol-RL": ["rollout.kind=solrl", "rollout.precision=nvfp4", "solrl.candidates=32", "solrl.preview_steps=4",
@@ -65,25 +70,44 @@ def nfe(r: dict) -> int:
     return r.get("nfe_full", 0) + r.get("nfe_lowprec", 0) + r["nfe_train"]
 
 
-def one_run(name: str, seed: int, iterations: int, every: int, out: Path, extra: list[str]) -> tuple[list[dict], dict]:
-    cfg = load_flow_config(CONFIG, [*METHODS[name], f"seed={seed}", f"train.iterations={iterations}",
-                                    f"eval.every={every}", "threads=1", *extra])
+def one_run(name: str, seed: int, iterations: int, every: int, out: Path, extra: list[str],
+            budget: float | None = None) -> dict:
+    """`iterations` of method `name`; then, if `budget` (flat GRPO's training seconds) is not spent, the same run
+    resumed (resume=, exact: iteration k is the same whatever the total) to the first evaluation past it, so a
+    cheaper method gets flat GRPO's wall-clock. Returns its metric rows, the summary at `iterations` and every
+    evaluation as (cumulative training seconds, iteration, metrics)."""
+    overrides = [*METHODS[name], f"seed={seed}", f"train.iterations={iterations}", f"eval.every={every}", "threads=1",
+                 *extra]
     d = out / name.replace(" ", "_") / f"seed{seed}"
-    summary = train(cfg, out_dir=d, overwrite=True)
-    rows = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines() if ln.strip()]
-    return rows, summary
-
-
-def at_budget(rows: list[dict], summary: dict, budget: float) -> dict:
-    """The last evaluation (before, every `every`, after) within `budget` cumulative training seconds."""
-    t, best = 0.0, {"seconds": 0.0, "iteration": 0, **{k: summary["eval_before"][k] for k in METRICS}}
+    summary = train(load_flow_config(CONFIG, overrides), out_dir=d, overwrite=True)
+    ends = {iterations: summary["eval_after"]}  # the last iteration's evaluation is the summary's, not a row's
+    rows = read_rows(d)
+    spent = sum(train_seconds(r) for r in rows)
+    if budget is not None and spent < budget:
+        per_iter = statistics.median(train_seconds(r) for r in rows)
+        longer = iterations + every * (math.ceil((budget - spent) / per_iter / every) + 1)  # one evaluation to spare
+        longer_summary = train(load_flow_config(CONFIG, [*overrides, f"train.iterations={longer}", f"resume={d}"]),
+                               out_dir=d)
+        ends[longer_summary["iterations"]] = longer_summary["eval_after"]
+        rows = read_rows(d)
+    t, evals = 0.0, [(0.0, 0, summary["eval_before"])]
     for r in rows:
         t += train_seconds(r)
-        if t > budget * 1.0001:
-            return best
         if "eval/accuracy" in r:
-            best = {"seconds": t, "iteration": r["iteration"], **{k: r[f"eval/{k}"] for k in METRICS}}
-    return {"seconds": t, "iteration": summary["iterations"], **{k: summary["eval_after"][k] for k in METRICS}}
+            evals.append((t, r["iteration"], {k: r[f"eval/{k}"] for k in METRICS}))
+        elif r["iteration"] in ends:
+            evals.append((t, r["iteration"], ends[r["iteration"]]))
+    return {"rows": rows, "summary": summary, "evals": evals, "iterations": rows[-1]["iteration"]}
+
+
+def read_rows(d: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+
+
+def at_budget(run: dict, budget: float) -> dict:
+    """The last evaluation (before, every `every`, at the end) within `budget` cumulative training seconds."""
+    t, it, ev = [e for e in run["evals"] if e[0] <= budget * 1.0001][-1]
+    return {"seconds": t, "iteration": it, **{k: ev[k] for k in METRICS}}
 
 
 def spread_sentence(name: str, key: str, rows: dict, higher_is_better: bool) -> str:
@@ -131,22 +155,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
     extra = ["rollout.prompts_per_iter=4", "eval.per_digit=2", "eval.num_steps=6"] if q else []
     methods = ["flat GRPO", *[m for m in args.methods if m != "flat GRPO"]]
 
-    runs = {name: [one_run(name, s, iterations, every, args.out, extra) for s in seeds] for name in methods}
-    budget = statistics.mean(sum(train_seconds(r) for r in rows) for rows, _ in runs["flat GRPO"])
+    runs = {"flat GRPO": [one_run("flat GRPO", s, iterations, every, args.out, extra) for s in seeds]}
+    budget = statistics.mean(sum(train_seconds(r) for r in run["rows"]) for run in runs["flat GRPO"])
+    runs |= {name: [one_run(name, s, iterations, every, args.out, extra, budget) for s in seeds] for name in methods[1:]}
     table = {}
     for name, rs in runs.items():
-        per_iter = statistics.median(train_seconds(r) for rows, _ in rs for r in rows)
-        nfe_iter = statistics.median(nfe(r) for rows, _ in rs for r in rows)
-        eq = [at_budget(rows, s, budget) for rows, s in rs]
+        per_iter = statistics.median(train_seconds(r) for run in rs for r in run["rows"])
+        nfe_iter = statistics.median(nfe(r) for run in rs for r in run["rows"])
+        eq = [at_budget(run, budget) for run in rs]
         row = {"method": name, "seeds": seeds, "iterations": iterations, "seconds_per_iter": per_iter,
                "nfe_per_iter": nfe_iter, "budget_seconds": budget,
-               "iterations_at_budget": statistics.mean(e["iteration"] for e in eq)}
+               "iterations_at_budget": statistics.mean(e["iteration"] for e in eq),
+               "iterations_run": [run["iterations"] for run in rs],
+               "seconds_at_budget": [e["seconds"] for e in eq]}
         for k in METRICS:
             row[f"{k}_mean"] = statistics.mean(e[k] for e in eq)
             row[f"{k}_std"] = statistics.pstdev(e[k] for e in eq)
-            row[f"{k}_before"] = rs[0][1]["eval_before"][k]
-            row[f"{k}_final"] = statistics.mean(s["eval_after"][k] for _, s in rs)
-            row[f"{k}_final_std"] = statistics.pstdev(s["eval_after"][k] for _, s in rs)
+            row[f"{k}_before"] = rs[0]["summary"]["eval_before"][k]
+            row[f"{k}_final"] = statistics.mean(run["summary"]["eval_after"][k] for run in rs)
+            row[f"{k}_final_std"] = statistics.pstdev(run["summary"]["eval_after"][k] for run in rs)
         table[name] = row
     flat = table["flat GRPO"]
     for row in table.values():
@@ -154,12 +181,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         row["nfe_ratio"] = row["nfe_per_iter"] / flat["nfe_per_iter"]
 
     lines = [f"Moving-digits world (configs/moving_digits.yaml), {iterations} iterations per run, seeds {seeds}, "
-             f"evaluation every {every}; budget = flat GRPO's {budget:.0f} s of training (mean over seeds). "
+             f"evaluation every {every}; budget = flat GRPO's {budget:.0f} s of training (mean over seeds of its {iterations} "
+             "iterations). A method cheaper per iteration is resumed past them (`resume=`, exact) until an evaluation "
+             "past the budget, and read at its last evaluation inside it. "
              f"Base: accuracy {flat['accuracy_before']:.3f}, motion accuracy {flat['motion_accuracy_before']:.3f}, "
              f"FD {flat['fd_before']:.1f}.", "",
              "| method | s / iter | × flat | NFE / iter | × flat | iterations at budget | accuracy at budget | "
-             "motion accuracy at budget | FD at budget | judge (frames / motion) at budget | final accuracy | final motion "
-             "accuracy |",
+             f"motion accuracy at budget | FD at budget | judge (frames / motion) at budget | accuracy at {iterations} "
+             f"iterations | motion accuracy at {iterations} iterations |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in table.values():
         lines.append(f"| {r['method']} | {r['seconds_per_iter']:.2f} | {r['seconds_ratio']:.2f}× | {r['nfe_per_iter']:.0f} | "
@@ -173,7 +202,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if name != "flat GRPO":
             lines += [spread_sentence(name, "accuracy", table, True), spread_sentence(name, "motion_accuracy", table, True),
                       final_sentence(name, "motion_accuracy", table)]
-    lines += ["", "'iterations at budget' 0 means the base: the method's first evaluation came after flat GRPO's budget.",
+    lines += ["", "'iterations at budget' 0 means the base: the method's first evaluation came after flat GRPO's budget. "
+              "Iterations run per seed: " + "; ".join(f"{n} {', '.join(map(str, r['iterations_run']))}"
+                                                      for n, r in table.items()) + ".",
               "", "CPU only (no GPU used); seconds are single-thread timings on a machine that may have been shared, "
               "so the seconds ratios are the comparable part. The NVFP4 rollout copy is an exact emulation on the CPU "
               "(slower than fp32 there): Sol-RL's candidate stage saves no time on this machine."]

@@ -110,5 +110,8 @@ def same_config(cfg, run_dir: Path) -> bool:
         cfg.out = cfg_out
         mine = (Path(d) / "c.yaml").read_text()
     theirs = (run_dir / "config.yaml").read_text()
+    if "checkpoint_format: auto" in mine:  # a run's config.yaml records what auto resolved to (difrl.train.rundir)
+        for resolved in ("gathered", "sharded"):
+            theirs = theirs.replace(f"checkpoint_format: {resolved}", "checkpoint_format: auto")
     strip = lambda t: "\n".join(ln for ln in t.splitlines() if not ln.startswith(("out:", "resume:")))
     return strip(mine) == strip(theirs)

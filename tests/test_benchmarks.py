@@ -202,6 +202,14 @@ def test_video_benches_call_a_difference_only_beyond_the_seed_spread():
     assert bbv.verdict({"seeds": [0, 1, 2], "m": (0.52, 0.01)}, b, "m", ("x", "tree")).startswith("within the seed spread")
 
 
+def test_bench_solrl_groups_calls_a_difference_only_beyond_the_seed_spread():
+    sg = _load("bench_solrl_groups")
+    assert sg.verdict((0.95, 0.01), (0.90, 0.01), 3).startswith("better beyond the seed spread")
+    assert sg.verdict((0.95, 0.03), (0.90, 0.03), 3).startswith("level, within the seed spread")
+    assert sg.verdict((20.0, 1.0), (25.0, 1.0), 3, lower_is_better=True).startswith("better")  # FD: lower is better
+    assert sg.verdict((0.95, 0.0), (0.90, 0.0), 1).endswith("(one seed: no claim)")
+
+
 def test_bench_eb_rows(tmp_path):
     import torch
 
@@ -600,9 +608,9 @@ def test_bench_reward_server_quick_rows(tmp_path):
     assert jpeg["bytes_per_image"] < png["bytes_per_image"] < 512 * 512 * 3  # both compress these smooth images
 
 
-@pytest.mark.slow  # every built-in reward's throughput, then 2 seeds x 6 digits iterations serial and overlapped
+@pytest.mark.slow  # every built-in reward's throughput, then 1 seed x 4 digits iterations serial and overlapped
 def test_bench_rewards_quick_rows(tmp_path):
-    rows = _quick("bench_rewards", [], tmp_path)
+    rows = _quick("bench_rewards", ["--repeats", "1", "--seeds", "1", "--iterations", "4"], tmp_path)
     tp = {r["reward"].split(" ")[0]: r for r in rows if r["part"] == "throughput"}
     assert set(tp) == {"clip_score", "pickscore", "aesthetic", "hpsv2", "ocr", "jpeg_compressibility", "geneval",
                        "digit_prob", "video"}

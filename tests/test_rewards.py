@@ -263,6 +263,23 @@ def test_digits_trains_with_two_rewards(aggregate, tmp_path):
         assert 0 < r["reward_norm/brightness"] <= 5.0
 
 
+def test_reward_stats_counts_the_groups_whose_correct_flag_does_not_vary():
+    from types import SimpleNamespace
+
+    from difrl.train.reward_stage import reward_stats
+
+    # 4 groups of 3 (ids not contiguous): all right, mixed, all wrong, mixed; a failed sample (NaN reward) in the
+    # last group leaves it uniform (its two scored samples are both right)
+    groups = torch.tensor([7, 7, 7, 2, 2, 2, 9, 9, 9, 4, 4, 4])
+    correct = torch.tensor([1., 1., 1., 0., 1., 1., 0., 0., 0., 1., 1., 0.])
+    reward = correct.clone()
+    reward[11] = float("nan")
+    adv = SimpleNamespace(std_scope="group", eps=1e-4, scale=True)
+    row = reward_stats(reward, {"digit_prob": correct, "digit_prob/correct": correct}, {"digit_prob": 1.0}, groups, adv)
+    assert row["reward/digit_prob/correct/uniform_groups"] == 0.75
+    assert "reward/digit_prob/uniform_groups" not in row  # only a flag named .../correct is counted
+
+
 def test_overlapped_scoring_trains_exactly_like_serial(tmp_path):
     from difrl.train.config import load_flow_config
     from difrl.train.flow import train

@@ -192,7 +192,11 @@ def test_bench_video_rows(tmp_path):
     rows = bench.main(["--quick", "--iterations", "1", "--every", "1", "--out", str(tmp_path), "--json",
                        str(tmp_path / "rows.json")])
     by = {r["method"]: r for r in rows}
-    assert list(by) == ["flat GRPO", "BranchGRPO", "BranchGRPO forest", "BranchGRPO forest, steps 0-3", "Sol-RL"]
+    assert list(by) == ["flat GRPO", "BranchGRPO", "BranchGRPO, leaf weights + TempFlow", "BranchGRPO forest, steps 0-3",
+                        "Sol-RL"]
+    assert by["flat GRPO"]["iterations_run"] == [1]  # the budget's method is never resumed
+    for r in rows:  # each run is read at an evaluation inside flat GRPO's budget (a cheaper one resumed to reach it)
+        assert min(r["iterations_run"]) >= 1 and all(t <= r["budget_seconds"] * 1.0001 for t in r["seconds_at_budget"])
     # NFE per iteration, 4 prompts x 16 clips, 8 steps: flat samples 512 and trains 7 steps of each;
     # Sol-RL adds 4 x 32 candidates x 4 preview steps; a 16-leaf tree samples fewer than 16 paths
     assert by["flat GRPO"]["nfe_per_iter"] == 64 * 8 + 64 * 7

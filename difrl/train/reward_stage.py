@@ -191,10 +191,19 @@ def reward_stats(reward: torch.Tensor, scores: dict[str, torch.Tensor], weights:
                  group_ids: torch.Tensor, adv_cfg) -> dict[str, float]:
     """The log's reward columns: the aggregated reward's mean and std, each reward's (and extra's) raw mean,
     and with several rewards each one's group-normalised |value| (how much of the advantage it drives), all
-    over the samples whose rewards did not fail."""
+    over the samples whose rewards did not fail. A verifiable flag (a score named `<reward>/correct`, 0 or 1) also
+    gets `reward/<reward>/correct/uniform_groups`: the share of groups in which it does not vary (all right or all
+    wrong), the groups whose advantages can teach nothing about it (DAPO's dynamic-sampling motive)."""
     mean, std = finite_mean_std(reward)  # reward [N]: the aggregated (weighted-sum) reward, NaN where failed
     row = {"reward_mean": mean, "reward_std": std, **{f"reward/{k}": finite_mean_std(v)[0] for k, v in scores.items()}}
     ok = torch.isfinite(reward)
+    for k, v in scores.items():
+        if k.endswith("/correct") and ok.any():
+            _, g = group_ids[ok].unique(return_inverse=True)  # groups renumbered 0..n-1 [N_ok]
+            flag = v[ok].float()
+            lo = torch.full((int(g.max()) + 1,), float("inf"), device=flag.device).scatter_reduce(0, g, flag, "amin")
+            hi = torch.full_like(lo, float("-inf")).scatter_reduce(0, g, flag, "amax")
+            row[f"reward/{k}/uniform_groups"] = float((lo == hi).float().mean())
     if len(weights) > 1 and ok.any():
         for k in weights:
             norm, _ = group_normalize(scores[k][ok], group_ids[ok], adv_cfg.std_scope, adv_cfg.eps, None, adv_cfg.scale)
