@@ -249,7 +249,8 @@ def cost_reading(rows: list[dict], fp4_cost: float) -> list[str]:
                    f"{sol['nfe_full_to_target']:.3g} vs {nft['nfe_full_to_target']:.3g} "
                    f"({'fewer' if saved else 'no saving'}), plus {sol['nfe_lowprec_to_target']:.3g} low-precision NFEs; "
                    f"final accuracy {acc_word} ({sol['accuracy_mean']:.3f} vs {nft['accuracy_mean']:.3f}); {fd_word}. "
-                   "The candidate pool's selection effect on the reward is not reproduced on this world.")
+                   "This compares more than the selection (Sol-RL runs nft.ref_beta 0.3, DiffusionNFT 0.1): "
+                   "benchmarks/bench_solrl_groups.py changes only the selection, at equal NFEs.")
     return out
 
 
