@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import publish, standard_args  # noqa: E402
+from common import mean_std, publish, standard_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- bench_branch_video:start -->", "<!-- bench_branch_video:end -->"
@@ -111,10 +111,6 @@ def one_run(name: str, seed: int, iterations: int, every: int, out: Path, extra:
         (d / "overrides.json").write_text(json.dumps(overrides))
     rows = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines() if ln.strip()]
     return rows, json.loads(done.read_text())
-
-
-def ms(xs: list[float]) -> tuple[float, float]:
-    return statistics.mean(xs), statistics.pstdev(xs)
 
 
 def verdict(a: dict, b: dict, key: str, names: tuple[str, str]) -> str:
@@ -201,9 +197,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                "records_per_iter": statistics.median(r.get("tree/edges_trained", r["nfe_train"]) for rows, _ in rs
                                                      for r in rows)}
         for k in METRICS:
-            row[k] = ms([s["eval_after"][k] for _, s in rs])
+            row[k] = mean_std([s["eval_after"][k] for _, s in rs])
             mids = [r[f"eval/{k}"] for rows, _ in rs for r in rows if f"eval/{k}" in r and r["iteration"] == every]
-            row[f"{k}_mid"] = ms(mids) if mids else (float("nan"), 0.0)
+            row[f"{k}_mid"] = mean_std(mids) if mids else (float("nan"), 0.0)
             row[f"{k}_before"] = rs[0][1]["eval_before"][k]
         table[name] = row
     spans = {n: [statistics.median(train_seconds(r) for r in rows) for rows, _ in rs] for n, rs in runs.items()}

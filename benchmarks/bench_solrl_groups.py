@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import publish, same_config, standard_args  # noqa: E402
+from common import mean_std, publish, same_config, standard_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- bench_solrl_groups:start -->", "<!-- bench_solrl_groups:end -->"
@@ -49,10 +49,6 @@ def one_run(group: int, ref_beta: float, rule: str, seed: int, iterations: int, 
         train(cfg, out_dir=d, overwrite=True)
     rows = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines() if ln.strip()]
     return rows, json.loads((d / "summary.json").read_text())
-
-
-def ms(xs: list[float]) -> tuple[float, float]:
-    return statistics.mean(xs), statistics.pstdev(xs)
 
 
 def verdict(a: tuple[float, float], b: tuple[float, float], n_seeds: int, lower_is_better: bool = False) -> str:
@@ -93,11 +89,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         row = {"group_size": group, "ref_beta": beta, "select": rule, "seeds": seeds, "iterations": iterations, "every": every,
                "nfe_full_per_iter": statistics.median(r["nfe_full"] for rows, _ in rs for r in rows),
                "nfe_lowprec_per_iter": statistics.median(r["nfe_lowprec"] for rows, _ in rs for r in rows),
-               "no_contrast": ms([statistics.mean(r[UNIFORM] for r in rows) for rows, _ in rs]),
-               "accuracy_mid": ms(mid) if mid else (float("nan"), 0.0),
+               "no_contrast": mean_std([statistics.mean(r[UNIFORM] for r in rows) for rows, _ in rs]),
+               "accuracy_mid": mean_std(mid) if mid else (float("nan"), 0.0),
                "accuracy_before": rs[0][1]["eval_before"]["accuracy"], "fd_before": rs[0][1]["eval_before"]["fd"]}
         for k in ("accuracy", "fd", "judge_accuracy"):
-            row[k] = ms([s["eval_after"][k] for _, s in rs])
+            row[k] = mean_std([s["eval_after"][k] for _, s in rs])
         table.append(row)
         print(row, flush=True)
 

@@ -7,6 +7,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import statistics
 from pathlib import Path
 
 import torch
@@ -115,3 +116,8 @@ def same_config(cfg, run_dir: Path) -> bool:
             theirs = theirs.replace(f"checkpoint_format: {resolved}", "checkpoint_format: auto")
     strip = lambda t: "\n".join(ln for ln in t.splitlines() if not ln.startswith(("out:", "resume:")))
     return strip(mine) == strip(theirs)
+
+
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    """(mean, population std) over seeds: the "m ± s" of the benchmark tables."""
+    return statistics.mean(xs), statistics.pstdev(xs)
