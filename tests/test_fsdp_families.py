@@ -84,6 +84,11 @@ def runs(pipes, tmp_path_factory):
     return out, log
 
 
+# the first micro-step's max |log ratio| may differ from 0 by float32 rounding (the reductions' order differs between
+# CPU types and between 1 and 2 processes); a real train/rollout mismatch is orders of magnitude above this floor
+RATIO_FLOOR = 1e-6
+
+
 def weights(run_dir: Path, mode: str) -> dict[str, torch.Tensor]:
     return load_safetensors_checked(run_dir / WEIGHTS[mode], mode)[0]
 
@@ -99,7 +104,10 @@ def test_fsdp_equals_one_process(runs, pipes, kind, mode):
     ra, rb = rows(one), rows(two)
     assert [r["iteration"] for r in ra] == [r["iteration"] for r in rb] == [1, 2, 3]
     for x, y in zip(ra, rb):
-        assert x.keys() == y.keys() and x["first_step_max_abs_log_ratio"] == y["first_step_max_abs_log_ratio"] == 0
+        # ratio 1 on the first on-policy micro-step, to one float32 rounding: 2 FSDP processes gave 5.96e-08 (one ulp
+        # of a log-prob near 0.5) on an Intel Xeon with AVX-512 and exactly 0 on AMD EPYC (issue 46, item 11)
+        assert x.keys() == y.keys()
+        assert max(x["first_step_max_abs_log_ratio"], y["first_step_max_abs_log_ratio"]) <= RATIO_FLOOR, x
         assert x["kl"] > 0 or x["iteration"] == 1, x  # the reference is in the loss (zero before the first update)
         for k, v in x.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -138,7 +146,7 @@ def test_fsdp_bf16_full_finetune_of_sd3(runs, pipes):
     out, log = runs
     run_dir = out["sd3", "bf16"][1]
     assert "mixed precision bf16" in log
-    assert [r["first_step_max_abs_log_ratio"] for r in rows(run_dir)] == [0.0, 0.0]
+    assert all(r["first_step_max_abs_log_ratio"] <= RATIO_FLOOR for r in rows(run_dir)), rows(run_dir)
     written = weights(run_dir, "full")
     base = load_safetensors_checked(pipes["sd3"] / WEIGHTS["full"], "base")[0]
     assert written.keys() == base.keys() and {v.dtype for v in written.values()} == {torch.bfloat16}

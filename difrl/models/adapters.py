@@ -33,6 +33,23 @@ def load_flow_policy(kind: str, path: str | Path, **options) -> DiffusersFlowPol
 
 
 # ---- tiny test pipelines (each family's `tiny_pipeline`, from the parts in difrl/models/tiny.py) ----------
+def arch_flow_policy(kind: str, path: str | Path, **options) -> DiffusersFlowPolicy:
+    """The adapter for model `kind` over a pipeline built from the architecture configs in `path` (no weights read;
+    difrl.models.arch), with load_flow_policy's options: what difrl plan simulates under FakeTensorMode. The adapter
+    class's `fp32_components` (Wan's VAE) are made in fp32, as its from_pretrained loads them."""
+    from difrl.models.arch import build_arch_pipeline
+    from difrl.models.diffusers_base import as_dtype
+
+    if kind not in ADAPTERS:
+        raise ValueError(f"unknown model kind {kind!r}; expected one of {sorted(ADAPTERS)}")
+    cls = ADAPTERS[kind]
+    dtype = as_dtype(options.pop("dtype", "fp32"))
+    device = options.pop("device", None)
+    pipe = build_arch_pipeline(path, dtype, {name: torch.float32 for name in cls.fp32_components})
+    if device is not None:
+        pipe.to(device)
+    return cls(pipe, **options)
+
 
 def build_tiny_pipeline(kind: str, seed: int = 0):
     """The tiny pipeline object for `kind` (a key of ADAPTERS), in memory, eval mode, fp32."""

@@ -139,6 +139,8 @@ class DiffusersFlowPolicy:
     # keyword arguments of the transformer's forward that FSDP2's mixed precision must not cast to its compute dtype
     # (difrl.train.sharding.keep_input_dtypes): the pipeline passes them in fp32 and the model embeds them in fp32
     fsdp_fp32_inputs: tuple[str, ...] = ()
+    # pipeline components from_pretrained loads in fp32 whatever model.dtype is (Wan's VAE); difrl plan builds them so
+    fp32_components: tuple[str, ...] = ()
 
     def __init__(self, pipe, *, height: int, width: int, negative_prompt: str = "", max_sequence_length: int = 512,
                  cache_prompts: bool = False):

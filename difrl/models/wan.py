@@ -29,6 +29,7 @@ class WanPolicy(DiffusersFlowPolicy):
     block_classes = ("WanTransformerBlock",)  # the repeated transformer blocks (regional compile, sharding)
     fsdp_fp32_inputs = ("timestep",)  # 1000 sigma: the pipeline embeds it in fp32 (bf16 would round 737.9 to 736)
     model_options = ("num_frames",)
+    fp32_components = ("vae",)  # from_pretrained's vae_dtype default
 
     def __init__(self, pipe, *, height: int = 480, width: int = 832, num_frames: int = 81, negative_prompt: str = "",
                  max_sequence_length: int = 512, cache_prompts: bool = False):

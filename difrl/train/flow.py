@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,7 +45,7 @@ from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, claim_run_d
                                   cores_available, fmt_eval, make_optimizer, progress, record_eval, reference_policy,
                                   save_policy, shard_policy, wrap_policy)
 from difrl.train.rollout_copy import RolloutCopy, build_rollout_copy, sync_rollout_copy  # noqa: F401
-from difrl.train.sharding import fsdp_settings, gathered, process_group_kwargs
+from difrl.train.sharding import fsdp_settings, gathered, grad_sync, process_group_kwargs, take_fsdp_branches
 from difrl.train.state import EMA, trainable_params
 from difrl.tree_rollout import tree_rollout
 from difrl.utils.collectives import gather, reduce
@@ -65,6 +66,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
     # without cpu=True accelerate ignores torchrun's WORLD_SIZE on a machine with no GPU
     cpu = world.device == "cpu" or not torch.cuda.is_available()
     accelerator = Accelerator(cpu=cpu, kwargs_handlers=process_group_kwargs(cpu))  # FSDP offload: a CPU backend too
+    take_fsdp_branches(accelerator)  # an FSDP launch runs accelerate's FSDP code on CPU processes too (tests)
     world_size, rank = accelerator.num_processes, accelerator.process_index
     torch.set_num_threads(cfg.threads or max(1, cores_available() // world_size))
     tree_mode, solrl, nft = cfg.rollout.kind == "tree", cfg.rollout.kind == "solrl", cfg.train.objective == "nft"
@@ -73,28 +75,10 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
     policy = world.policy
     rewards, weights = build_rewards(cfg.reward, world.default_reward, probe_batch(world))  # a misfit stops here
     sigmas = world.sigmas(cfg.sampler.num_steps, cfg.sampler.shift)  # difrl's schedule, or a pipeline's own
-    net, reference = wrap_policy(policy, cfg.train.lora, cfg.seed,
-                                 need_reference=cfg.train.kl_beta > 0 or (nft and cfg.nft.ref_beta > 0))
-    # full fine-tuning of a bf16 model: fp32 master weights (so fp32 gradients, AdamW state, EMA / NFT / copy-source
-    # shadows and checkpoints), bf16 compute under autocast; LoRA and fp32 models are left as they are
-    masters = upcast_masters(policy, net)
-    # FSDP2 (accelerate launch --config_file configs/accelerate/fsdp.yaml) or None; gathers in the compute dtype
-    fsdp = masters.fsdp(fsdp_settings(accelerator))
-    net, reference = shard_policy(policy, net, reference, fsdp, accelerator.device)
-    params = trainable_params(net)
-    optimizer = make_optimizer(params, cfg.train)
-    if fsdp is None:  # DDP (or one process); a sharded net is already distributed
-        net, optimizer = accelerator.prepare(net, optimizer)
-    policy.module = net
-    unwrapped = accelerator.unwrap_model(net)
-    ema = EMA(trainable_params(unwrapped), cfg.train.ema_decay, unwrapped) if cfg.train.ema_decay > 0 else None
-    # DiffusionNFT's old policy (the sampler and v_old): an EMA of the trained weights with its own schedule
-    old = EMA(trainable_params(unwrapped), 0.0, unwrapped) if nft else None
-    # under FSDP a full low-precision copy per process, built one gathered block at a time (train/rollout_copy.py)
-    rollout_copy, copy_source = build_rollout_copy(cfg, policy, unwrapped, masters, accelerator.print,
-                                                   accelerator.device, sharded=fsdp is not None)
+    trainee = setup_training(cfg, policy, accelerator)  # LoRA / masters / reference / FSDP / optimizer / EMA / copy
+    unwrapped, optimizer, ema, old = trainee.unwrapped, trainee.optimizer, trainee.ema, trainee.old
+    masters, rollout_copy, copy_source = trainee.masters, trainee.rollout_copy, trainee.copy_source
     extras = {k: v for k, v in (("old", old), ("rollout_source", copy_source)) if v is not None}
-    reference_ctx = lambda: reference_policy(policy, unwrapped, reference)  # noqa: E731
     train_sigmas = nft_sigmas(cfg, sigmas) if nft else None  # DiffusionNFT's trained sigmas [T]
 
     run = Run.open(cfg, run_dir, unwrapped, optimizer, ema, extras, accelerator, state={"best_fd": None, "bad_evals": 0},
@@ -219,37 +203,8 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
             if correction is not None:
                 correction = Correction(correction.weights.reshape(-1, 1), correction.keep.reshape(-1, 1),
                                         correction.diagnostics)
-        device = batch.x_final.device  # the rollout's (the policy's) device: the losses' operands go there once
-        advantages, keep = advantages.to(device), keep.to(device)
-        n_rec, mbs, ga = len(batch), micro.records, cfg.train.grad_accum  # records per forward/backward
-        micro_per_epoch = -(-n_rec // mbs)
-        first = True
-        for epoch in range(cfg.train.inner_epochs):
-            perm = torch.randperm(n_rec, generator=torch.Generator().manual_seed(mix_seed(cfg.seed, it, 4, epoch)))
-            for mb in range(micro_per_epoch):
-                idx = perm[mb * mbs:(mb + 1) * mbs]  # on the host (the batch's ids and prompts are there)
-                sub = batch.select(idx)
-                idx = idx.to(device, non_blocking=True)  # once, for the per-record tensors on the policy's device
-                first_of_update = (mb // ga) * mbs * ga
-                denom = (min(n_rec, first_of_update + mbs * ga) - first_of_update) * T_rec  # the update's transitions,
-                sync = (mb + 1) % ga == 0 or mb == micro_per_epoch - 1                 # so 1x8 accumulation == 8x1
-                with (nullcontext() if sync else accelerator.no_sync(net)):
-                    if nft:
-                        loss = nft_micro_loss(policy, sub, advantages[idx], keep[idx].float(), m, denom, cfg,
-                                              train_sigmas, old, reference_ctx)
-                    else:
-                        loss = grpo_micro_loss(policy, sub, advantages[idx], keep[idx].float(),
-                                               None if correction is None else (correction.weights[idx], correction.keep[idx]),
-                                               m, first and cfg.train.ratio_check, denom, cfg, reference_ctx)
-                    first = False
-                    accelerator.backward(loss)
-                if sync:
-                    norm = clip_and_step(optimizer, params, cfg.train.max_grad_norm,
-                                         None if fsdp else accelerator.clip_grad_norm_)
-                    if norm is not None:
-                        m.add("grad_norm", norm)
-                    if ema is not None:
-                        ema.update()
+        policy_update(cfg, policy, trainee, accelerator, batch, advantages, keep, correction, T_rec, micro, it, m,
+                      train_sigmas)
         if old is not None:  # Sol-RL/DiffusionNFT: old <- d old + (1 - d) new, d = min(rate * iteration, max)
             old.update(min(cfg.nft.old_decay_rate * it, cfg.nft.old_decay_max))
         unwrapped.eval()
@@ -323,6 +278,103 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
 
 
 # ---------------------------------------------------------------------------------- pieces of the loop
+
+
+@dataclass
+class Trainee:
+    """What setup_training makes of a policy: the trained network (`net`: as the optimizer and collectives see it,
+    `unwrapped`: the module the policy calls), the frozen reference of full fine-tuning, master weights, the FSDP
+    settings (None: DDP or one process), the optimizer over `params`, the EMA, DiffusionNFT's old policy and the
+    rollout copy with its source. difrl plan (difrl/train/planner.py) runs the same function at real size."""
+    net: torch.nn.Module
+    unwrapped: torch.nn.Module
+    reference: torch.nn.Module | None
+    masters: object
+    fsdp: object
+    params: dict
+    optimizer: torch.optim.Optimizer
+    ema: EMA | None
+    old: EMA | None
+    rollout_copy: object
+    copy_source: object
+    reference_ctx: object
+
+
+def setup_training(cfg: FlowConfig, policy, accelerator) -> Trainee:
+    """The trained network of `policy` and everything that follows its parameters, in the order that keeps
+    precision and sharding right: LoRA or the frozen reference (wrap_policy), fp32 master weights of a bf16 full
+    fine-tune (upcast_masters), FSDP2 (shard_policy, when the launch asks for it), the optimizer, EMA / NFT old policy,
+    the rollout copy. Installs the network in `policy` (policy.module)."""
+    nft = cfg.train.objective == "nft"
+    net, reference = wrap_policy(policy, cfg.train.lora, cfg.seed,
+                                 need_reference=cfg.train.kl_beta > 0 or (nft and cfg.nft.ref_beta > 0))
+    # full fine-tuning of a bf16 model: fp32 master weights (so fp32 gradients, AdamW state, EMA / NFT / copy-source
+    # shadows and checkpoints), bf16 compute under autocast; LoRA and fp32 models are left as they are
+    masters = upcast_masters(policy, net)
+    # FSDP2 (accelerate launch --config_file configs/accelerate/fsdp.yaml) or None; gathers in the compute dtype
+    fsdp = masters.fsdp(fsdp_settings(accelerator))
+    net, reference = shard_policy(policy, net, reference, fsdp, accelerator.device)
+    params = trainable_params(net)
+    optimizer = make_optimizer(params, cfg.train)
+    if fsdp is None:  # DDP (or one process); a sharded net is already distributed
+        net, optimizer = accelerator.prepare(net, optimizer)
+    policy.module = net
+    unwrapped = accelerator.unwrap_model(net)
+    ema = EMA(trainable_params(unwrapped), cfg.train.ema_decay, unwrapped) if cfg.train.ema_decay > 0 else None
+    # DiffusionNFT's old policy (the sampler and v_old): an EMA of the trained weights with its own schedule
+    old = EMA(trainable_params(unwrapped), 0.0, unwrapped) if nft else None
+    # under FSDP a full low-precision copy per process, built one gathered block at a time (train/rollout_copy.py)
+    rollout_copy, copy_source = build_rollout_copy(cfg, policy, unwrapped, masters, accelerator.print,
+                                                   accelerator.device, sharded=fsdp is not None)
+    reference_ctx = lambda: reference_policy(policy, unwrapped, reference)  # noqa: E731
+    return Trainee(net, unwrapped, reference, masters, fsdp, params, optimizer, ema, old, rollout_copy, copy_source,
+                   reference_ctx)
+
+
+def policy_update(cfg: FlowConfig, policy, tr: Trainee, accelerator, batch, advantages: torch.Tensor,
+                  keep: torch.Tensor, correction, T_rec: int, micro, it: int, m: Metrics, train_sigmas,
+                  max_micro_steps: int | None = None) -> None:
+    """train.inner_epochs passes over this process's records `batch` (advantages, keep: [records]) in micro-batches of
+    micro.records, train.grad_accum of them per optimizer step (gradient clipping, EMA update). Each micro-step's
+    loss is divided by its update's transitions, so 1x8 accumulation == 8x1. `max_micro_steps`: difrl plan's
+    simulation stops after that many (the first ones and the last, which steps)."""
+    nft = cfg.train.objective == "nft"
+    device = batch.x_final.device  # the rollout's (the policy's) device: the losses' operands go there once
+    advantages, keep = advantages.to(device), keep.to(device)
+    n_rec, mbs, ga = len(batch), micro.records, cfg.train.grad_accum  # records per forward/backward
+    micro_per_epoch = -(-n_rec // mbs)
+    steps = [(e, mb) for e in range(cfg.train.inner_epochs) for mb in range(micro_per_epoch)]
+    if max_micro_steps is not None and len(steps) > max_micro_steps:  # the first ones, then the last (it steps)
+        steps = steps[:max_micro_steps - 1] + steps[-1:]
+    first, perm, perm_epoch = True, None, None
+    for epoch, mb in steps:
+        if perm_epoch != epoch:
+            perm_epoch = epoch
+            perm = torch.randperm(n_rec, generator=torch.Generator().manual_seed(mix_seed(cfg.seed, it, 4, epoch)))
+        idx = perm[mb * mbs:(mb + 1) * mbs]  # on the host (the batch's ids and prompts are there)
+        sub = batch.select(idx)
+        idx = idx.to(device, non_blocking=True)  # once, for the per-record tensors on the policy's device
+        first_of_update = (mb // ga) * mbs * ga
+        denom = (min(n_rec, first_of_update + mbs * ga) - first_of_update) * T_rec  # the update's transitions,
+        sync = (mb + 1) % ga == 0 or mb == micro_per_epoch - 1                 # so 1x8 accumulation == 8x1
+        with grad_sync(accelerator, tr.net, tr.fsdp is not None, sync):  # FSDP2: sharded accumulation
+            if nft:
+                loss = nft_micro_loss(policy, sub, advantages[idx], keep[idx].float(), m, denom, cfg,
+                                      train_sigmas, tr.old, tr.reference_ctx)
+            else:
+                loss = grpo_micro_loss(policy, sub, advantages[idx], keep[idx].float(),
+                                       None if correction is None else (correction.weights[idx], correction.keep[idx]),
+                                       m, first and cfg.train.ratio_check, denom, cfg, tr.reference_ctx)
+            first = False
+            accelerator.backward(loss)
+        if sync:
+            norm = clip_and_step(tr.optimizer, tr.params, cfg.train.max_grad_norm,
+                                 None if tr.fsdp else accelerator.clip_grad_norm_)
+            if norm is not None:
+                m.add("grad_norm", norm)
+            if tr.ema is not None:
+                tr.ema.update()
+
 
 
 def candidate_reward(cfg: FlowConfig, world, rewards, weights, run: Run, it: int, say, images, prompts, prompt_ids,

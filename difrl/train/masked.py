@@ -39,7 +39,6 @@ trained forwards go through DDP's wrapper (its gradient all-reduce).
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -61,7 +60,7 @@ from difrl.train.precision import refuse_fp16, upcast_masters
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, check_ratio, claim_run_dir,  # noqa: F401
                                   clip_and_step, cores_available, fmt_eval, make_optimizer, progress, record_eval,
                                   reference_policy, save_policy, shard_policy, wrap_policy)
-from difrl.train.sharding import gathered
+from difrl.train.sharding import gathered, grad_sync
 from difrl.train.state import trainable_params
 from difrl.utils.modules import use_module
 from difrl.utils.rng import mix_seed
@@ -221,7 +220,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
                         sub = batch.select(idx)
                         rm = remask(cfg, tokens[idx], answer[idx], prompt[idx], seeds[idx], n, coupled_t[n - 1], mask_id)
                         lm = rm.loss_mask & keep[idx, None] & is_keep[idx]
-                        with nullcontext() if a == ga - 1 else accelerator.no_sync(trained):
+                        with grad_sync(accelerator, trained, fsdp is not None, a == ga - 1):
                             logp = token_logp(cfg, policy, tokens[idx], rm, sub.cond)
                             if first and cfg.train.ratio_check:  # on-policy: same weights, same mask -> ratio 1
                                 d = (logp.detach() - logp_old[n - 1, idx])[rm.loss_mask].abs()

@@ -71,11 +71,12 @@ def processes(policy):
     text world's LM goes to a GPU when there is one)."""
     from accelerate import Accelerator
 
-    from difrl.train.sharding import fsdp_settings, process_group_kwargs
+    from difrl.train.sharding import fsdp_settings, process_group_kwargs, take_fsdp_branches
 
     on_cpu = next(policy.module.parameters()).device.type == "cpu"
     cpu = on_cpu or not torch.cuda.is_available()
     accelerator = Accelerator(cpu=cpu, kwargs_handlers=process_group_kwargs(cpu))  # FSDP offload: a CPU backend too
+    take_fsdp_branches(accelerator)  # an FSDP launch runs accelerate's FSDP code on CPU processes too (tests)
     return accelerator, fsdp_settings(accelerator)
 
 

@@ -64,7 +64,7 @@ accelerator: pinning needs a GPU driver.
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -157,6 +157,36 @@ def fsdp_settings(accelerator) -> FSDPSettings | None:
 
 
 
+def take_fsdp_branches(accelerator) -> None:
+    """Make accelerate treat this launch as the FSDP launch it is, also on CPU processes.
+
+    accelerate sets distributed_type = FSDP only for accelerator devices (accelerate/state.py: the MULTI_GPU ...
+    MULTI_NEURON branch); CPU processes launched with an FSDP config stay MULTI_CPU, so `no_sync`, `is_fsdp2`,
+    `clip_grad_norm_` and the state-dict helpers ran their DDP/CPU code in our multi-process tests and their FSDP2
+    code on a GPU cluster (specs/scale-sim.md section 1). Here the accelerator's state takes the FSDP type and
+    plugin the launch asked for, so the tests (gloo) and difrl plan run the branches a GPU run takes. PartialState
+    (gather, barriers, device) is not touched: collectives stay on the CPU path gloo needs. Nothing happens when the
+    launch did not ask for FSDP or accelerate already took the branch."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    if not fsdp_requested() or accelerator.num_processes < 2 or accelerator.distributed_type == DistributedType.FSDP:
+        return
+    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+    accelerator.state.distributed_type = DistributedType.FSDP
+
+
+def grad_sync(accelerator, net: nn.Module, sharded: bool, sync: bool):
+    """The context of one micro-step's backward under gradient accumulation; `sync`: the update's last micro-step.
+    DDP: no all-reduce until the last one (accelerate's no_sync). FSDP2: every micro-step reduce-scatters and its
+    gradients accumulate sharded. accelerate's no_sync would call set_requires_gradient_sync(False), and FSDP2 then
+    accumulates *unsharded* gradients in reduce_dtype (fp32) on every process until the sync: 4 bytes per parameter
+    of the whole model per GPU (44 GiB for FLUX.1-dev; difrl plan shows it as unsharded_grads_gib). The price is one
+    reduce-scatter per micro-step instead of per update."""
+    if sync or sharded:
+        return nullcontext()
+    return accelerator.no_sync(net)
+
+
 def block_modules(module: nn.Module, class_names) -> list[nn.Module]:
     """The submodules whose class name is one of `class_names` (the transformer blocks FSDP wraps one by one),
     less any holding a parameter that is also used outside it (tied weights, e.g. BERT's word embeddings and
@@ -193,7 +223,10 @@ def shard(module: nn.Module, block_classes, settings: FSDPSettings, device: torc
         raise ValueError(f"FSDP: no module of the block classes {list(classes)} in {type(module).__name__} (its classes: "
                          f"{present[:12]}...); set fsdp_transformer_layer_cls_to_wrap in the accelerate config")
     device = device or torch.device("cpu")
-    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # the mesh reads its ranks as numbers; difrl plan shards under FakeTensorMode
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     dtype = MIXED.get(settings.mixed_precision)
     kw = {"mesh": mesh, "reshard_after_forward": settings.reshard_after_forward,
           "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None),

@@ -86,27 +86,38 @@ def policy_device() -> str | None:
     return None
 
 
-def flow_world(kind: str, model_path: str | None, cfg=None) -> World:
-    """The world of the diffusers pipeline directory `model_path` (model `kind`, a key of ADAPTERS), set up
-    from `cfg` (see the module docstring for the attributes read)."""
-    from PIL import Image
+def policy_options(kind: str, cfg) -> dict:
+    """The adapter options of `cfg.model` (size, dtype, text length, the family's own model_options) for
+    load_flow_policy / arch_flow_policy, on this process's GPU when there is one."""
+    from difrl.models.adapters import ADAPTERS
 
-    from difrl.models.adapters import ADAPTERS, load_flow_policy
-    from difrl.models.lora_io import save_lora
-    from difrl.worlds.digits import image_grid
-
-    if model_path is None:
-        raise ValueError(f"model.kind={kind} needs model.path: a local diffusers pipeline directory")
-    if cfg is None:
-        raise ValueError(f"model.kind={kind} needs the run's config (cfg.model's prompts and size, cfg.reward, "
-                         "cfg.sampler): build_world(kind, path, cfg)")
     mc = cfg.model
     options = dict(dtype=mc.dtype, height=mc.height, width=mc.width, device=policy_device(),
                    max_sequence_length=mc.max_sequence_length, negative_prompt=mc.negative_prompt,
                    cache_prompts=mc.cache_prompts)
     extra = ADAPTERS[kind].model_options if kind in ADAPTERS else ()  # an unknown kind: load_flow_policy says so
     options.update({name: getattr(mc, name) for name in extra})
-    policy = load_flow_policy(kind, model_path, **options)
+    return options
+
+
+def flow_world(kind: str, model_path: str | None, cfg=None, policy=None) -> World:
+    """The world of the diffusers pipeline directory `model_path` (model `kind`, a key of ADAPTERS), set up
+    from `cfg` (see the module docstring for the attributes read). `policy`: an adapter already made (difrl plan's,
+    built from architecture configs on fake tensors, difrl.models.arch) instead of the one loaded from model_path."""
+    from PIL import Image
+
+    from difrl.models.adapters import load_flow_policy
+    from difrl.models.lora_io import save_lora
+    from difrl.worlds.digits import image_grid
+
+    if model_path is None and policy is None:
+        raise ValueError(f"model.kind={kind} needs model.path: a local diffusers pipeline directory")
+    if cfg is None:
+        raise ValueError(f"model.kind={kind} needs the run's config (cfg.model's prompts and size, cfg.reward, "
+                         "cfg.sampler): build_world(kind, path, cfg)")
+    mc = cfg.model
+    if policy is None:
+        policy = load_flow_policy(kind, model_path, **policy_options(kind, cfg))
     if mc.gradient_checkpointing:
         policy.enable_gradient_checkpointing()
     if mc.compile:
