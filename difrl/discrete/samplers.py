@@ -12,7 +12,7 @@ loop of pure tensor steps on the policy's logits (``*_step`` functions, usable o
 Where tensors live: the rollout's record (tokens, log-probs, plans, uniforms) is kept on the host
 (``tokens``' device); the [B, L, V] logits stay on the policy's device (``policy.logits``), where
 the log-softmax, the categorical draw and the entropies run. Per step only per-position values come
-back: the drawn tokens and their two log-probs, and EB's two fp64 ranking keys per position, so a
+back: the drawn tokens and their two log-probs, and EB's two fp64 ranking keys per candidate, so a
 step's host traffic does not grow with the vocabulary (LLaDA: V = 126,464, 0.5 MB of fp32 logits
 per position; tests/test_scale_device.py counts the bytes).
 
@@ -288,20 +288,24 @@ def eb_sample(policy, tokens: torch.Tensor, cond: Cond | None = None, *, gamma: 
         logits = restrict(_forward(policy, rec.x, cond, cfg_scale, rec.prompt), policy.mask_id, allowed)  # device
         rec.nfe += 1
         rec.nfe_row += masked.any(1).long()
-        ent = entropy(logits, temperature)  # [B, L] fp64, on the device
+        b, pos = cand.nonzero(as_tuple=True)
+        lc = logits[b, pos]  # [K, V] the candidates' logits, on the device: the selection reads no other position
+        ent_k = entropy(lc, temperature)  # [K] fp64
         if order == "entropy":
-            err = ent
+            err_k = ent_k
         else:
-            p = torch.softmax(logits.double() / (temperature if temperature > 0 else 1.0), dim=-1)
+            p = torch.softmax(lc.double() / (temperature if temperature > 0 else 1.0), dim=-1)
             top = p.topk(2, dim=-1).values
             if order == "confidence":
-                err = -top[..., 0]
+                err_k = -top[..., 0]
             elif order == "margin":
-                err = -(top[..., 0] - top[..., 1])
+                err_k = -(top[..., 0] - top[..., 1])
             else:
                 raise ValueError(f"unknown order {order!r}; expected 'entropy', 'confidence' or 'margin'")
-        ent_h = ent.to(masked.device)  # the two [B, L] ranking keys are all the selection needs on the host
-        sel = eb_select(ent_h if err is ent else err.to(masked.device), ent_h, cand, gamma)
+        # the candidates' two ranking keys are all the selection needs on the host: [B, L] fp64, 0 elsewhere
+        ent = torch.zeros(cand.shape, dtype=torch.float64).index_put_((b, pos), ent_k.to(cand.device))
+        err = ent if err_k is ent_k else torch.zeros_like(ent).index_put_((b, pos), err_k.to(cand.device))
+        sel = eb_select(err, ent, cand, gamma)
         tok, lp, plp = draw_at(logits, sel, temperature, counter_uniform(rec.seeds, _STREAM_TOKEN, rec.nfe, tokens.shape[1]))
         rec.commit(sel, tok, lp, plp)
     return rec.result()
