@@ -18,7 +18,9 @@ is refused here too:
 - `.numpy()` of a device tensor (it is not host memory);
 and `StrictAccelerator` (in place of accelerate's Accelerator: one process) raises HostTensorInCollective for any
 gather / reduce / broadcast / pad input that is not on `DEVICE`, as NCCL does. It counts every collective, and
-the mode counts device-to-host reads (`.item()`, `float()`, `.tolist()`, `nonzero`: each is a sync on a GPU).
+the mode counts device-to-host reads (`.item()`, `float()`, `.tolist()`, `nonzero`, `.cpu()`: each is a sync on a
+GPU) in `host_reads` and the bytes they bring to the host in `host_bytes` (a `nonzero` or `masked_select` counts
+8: its result stays on the device, only its length is read).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class OnDevice(torch.Tensor):
     def tolist(self):  # a host read, as on CUDA (PyTorch's tolist refuses subclasses)
         if _ACTIVE:
             _ACTIVE[-1].host_reads += 1
+            _ACTIVE[-1].host_bytes += self.inner.numel() * self.inner.element_size()
         return self.inner.tolist()
 
     def numpy(self, *args, **kwargs):  # CUDA: "can't convert cuda:0 device type tensor to numpy"
@@ -102,12 +105,24 @@ def _device_as_keyword(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, kwargs
 
 
+def _read_bytes(func, args: tuple) -> int:
+    """Bytes a device -> host read brings to the host: a copy's whole source, a scalar's element, 8 for the length a
+    nonzero / masked_select syncs on (its result stays on the device), 1 for equal / is_nonzero's answer."""
+    if func in (aten._to_copy.default, aten.copy_.default):
+        src = args[0] if func is aten._to_copy.default else args[1]
+        return src.numel() * src.element_size()
+    if func is aten._local_scalar_dense.default:
+        return args[0].element_size()
+    return 8 if func in (aten.nonzero.default, aten.masked_select.default) else 1
+
+
 class EmulatedDevice(TorchDispatchMode):
     """The dispatch mode that gives DEVICE tensors their data (see the module docstring)."""
 
     def __init__(self):
         super().__init__()
-        self.host_reads = 0
+        self.host_reads = 0  # device -> host reads (syncs on a GPU)
+        self.host_bytes = 0  # the bytes they bring to the host
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         args, kwargs = _device_as_keyword(func, args, kwargs or {})
@@ -130,6 +145,7 @@ class EmulatedDevice(TorchDispatchMode):
         if dev_in and (func in HOST_READS or (kwargs.get("device") is not None and not to_device)
                        or (func is aten.copy_.default and not on_device(args[0]))):
             self.host_reads += 1  # a value read on the host or a copy to it: a sync each on a GPU
+            self.host_bytes += _read_bytes(func, args)
         unwrap = lambda a: a.inner if on_device(a) else a  # noqa: E731
         inner_args, inner_kwargs = pytree.tree_map(unwrap, (args, kwargs))
         if _is_device_kw(inner_kwargs.get("device")):

@@ -62,15 +62,17 @@ def token_logp(cfg, policy, tokens: torch.Tensor, rm: Remask, cond: dict | None 
     """[B, L] fp32 per-token log-prob estimate under `policy` from ONE forward over the stacked views.
     maskgrpo / unigrpo / d1: log p(o_k | view) at masked positions. coupled: 1/2 [l_full + w_k l_view(k)]
     with view(k) the one of A / B where k is masked (w_k l_view(k) alone without the full view).
-    `cond`: the rows' conditioning (e.g. the digit label), repeated for every view."""
+    `cond`: the rows' conditioning (e.g. the digit label), repeated for every view. The log-softmax over the
+    vocabulary (and its backward) runs on the policy's device; the result, [B, L], is on `tokens`' device."""
     V, B, L = rm.inputs.shape
     logits = policy.logits(rm.inputs.reshape(V * B, L), None if cond is None else cond_cat([cond] * V)).view(V, B, L, -1)
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, tokens[None, :, :, None].expand(V, B, L, 1))[..., 0]
-    lp = lp * rm.masked.float()  # only masked positions carry an estimate
+    dev = logits.device  # [V, B, L, vocab] stays there: only the [B, L] estimate goes back
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, tokens.to(dev)[None, :, :, None].expand(V, B, L, 1))[..., 0]
+    lp = lp * rm.masked.to(dev).float()  # only masked positions carry an estimate
     if cfg.estimator.kind != "coupled":
-        return lp[0]
-    partial = rm.weight * lp[-2:].sum(0)  # A and B are disjoint: each answer token in exactly one
-    return 0.5 * (lp[0] + partial) if cfg.estimator.full_view else partial
+        return lp[0].to(tokens.device)
+    partial = rm.weight.to(dev) * lp[-2:].sum(0)  # A and B are disjoint: each answer token in exactly one
+    return (0.5 * (lp[0] + partial) if cfg.estimator.full_view else partial).to(tokens.device)
 
 
 __all__ = ["Remask", "remask", "token_logp"]

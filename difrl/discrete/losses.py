@@ -41,14 +41,17 @@ def forward_mask(tokens: torch.Tensor, answer: torch.Tensor, t: torch.Tensor, ma
 def mdlm_loss(logits: torch.Tensor, targets: torch.Tensor, masked: torch.Tensor, t: torch.Tensor,
               answer: torch.Tensor | None = None, normalize: str = "answer") -> torch.Tensor:
     """Masked-token cross-entropy weighted by 1/t: mean_b [ sum_{k masked} CE_bk / t_b ] / n_b with
-    n_b = number of answer positions of row b ('answer') or L ('tokens'). logits [B, L, V]."""
+    n_b = number of answer positions of row b ('answer') or L ('tokens'). logits [B, L, V]; the loss is computed
+    on the logits' device (the [B, L] / [B] operands are moved there)."""
+    dev = logits.device
+    targets, masked, t = targets.to(dev), masked.to(dev), t.to(dev)
     ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
     ce = ce.view(targets.shape) * masked.float()
     per_row = ce.sum(1) / t.float()
     if normalize == "answer":
         if answer is None:
             raise ValueError("normalize='answer' needs the answer mask")
-        n = answer.float().sum(1).clamp_min(1.0)
+        n = answer.to(dev).float().sum(1).clamp_min(1.0)
     elif normalize == "tokens":
         n = torch.full_like(per_row, float(targets.shape[1]))
     else:
@@ -152,7 +155,8 @@ def trace_logp(policy, tokens: torch.Tensor, gen: torch.Tensor, step: torch.Tens
     """[B, L] fp32 log-prob of each generated token in the context the rollout committed it in
     (``trace_inputs``; TraceRL's trajectory-consistent likelihood, spec section 3.7), 0 elsewhere:
     one forward per distinct commit step. It is what the behaviour policy's recorded log-prob is
-    compared with when a rollout came from another policy (importance correction)."""
+    compared with when a rollout came from another policy (importance correction). The log-softmax runs on the
+    policy's device; only each step's [rows, L] log-probs come back to `tokens`' device."""
     from difrl.models.base import cond_select
 
     gen = gen.bool()
@@ -161,7 +165,7 @@ def trace_logp(policy, tokens: torch.Tensor, gen: torch.Tensor, step: torch.Tens
         here = gen & (step == s)
         rows = here.any(1).nonzero().flatten()
         x = trace_inputs(tokens[rows], gen[rows], step[rows], int(s), policy.mask_id)
-        lp = torch.log_softmax(policy.logits(x, None if cond is None else cond_select(cond, rows)).float().cpu(), dim=-1)
-        lp = lp.gather(-1, tokens[rows, :, None])[..., 0]
-        out[rows] = torch.where(here[rows], lp, out[rows])
+        logits = policy.logits(x, None if cond is None else cond_select(cond, rows))  # [rows, L, V] on the device
+        lp = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[rows, :, None].to(logits.device))[..., 0]
+        out[rows] = torch.where(here[rows], lp.to(out.device), out[rows])
     return out

@@ -2,14 +2,17 @@
 
     policy = TinyMaskedPolicy.from_checkpoint(path)        # difrl's own bidirectional transformer
     policy = HFMaskedLM.from_pretrained("/models/llada")    # any local transformers masked LM (logits out)
-    logits = policy.logits(tokens, cond)                    # tokens [B, L] long -> [B, L, V] fp32
+    logits = policy.logits(tokens, cond)                    # tokens [B, L] long -> [B, L, V] fp32 on policy.device
     prompt = policy.prompt_mask(tokens, cond)               # [B, L] bool: positions that are never masked
-    policy.mask_id, policy.vocab_size
+    policy.mask_id, policy.vocab_size, policy.device
 
 Conventions shared by every masked adapter:
 
 - ``logits`` returns fp32 ``[B, L, V]`` with the mask token's logit set to ``NEG`` (the SUBS rule of
-  MDLM: the denoiser never predicts the mask). Other positions' logits are left as the network
+  MDLM: the denoiser never predicts the mask), on the policy's compute device (``policy.device``,
+  difrl.models.base.ComputeDevice) whatever device the tokens come from: at V = 126,464 (LLaDA) the logits
+  are 0.5 MB per position, so samplers and log-prob estimators read them there and bring back per-position
+  values only (tokens, log-probs, confidences). Other positions' logits are left as the network
   made them (no carry-over point mass), so a corrector can still read a visible token's confidence;
   samplers and losses only ever read masked positions.
 - "Prompt" positions are the ones a rollout starts with visible and a loss never masks. They are
@@ -28,7 +31,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from difrl.models.base import Cond, HoldsNet, autocast_to
+from difrl.models.base import ComputeDevice, Cond, HoldsNet, autocast_to
 
 NEG = -1e9  # "minus infinity" for logits (finite: no NaN in entropies or under temperature)
 
@@ -46,7 +49,8 @@ class MaskedPolicy(Protocol):
         """The trainable network."""
 
     def logits(self, tokens: torch.Tensor, cond: Cond | None = None) -> torch.Tensor:
-        """tokens [B, L] long (mask_id where masked) -> fp32 [B, L, V], mask logit = NEG."""
+        """tokens [B, L] long (mask_id where masked; any device) -> fp32 [B, L, V] on the policy's device, mask
+        logit = NEG."""
 
     def prompt_mask(self, tokens: torch.Tensor, cond: Cond | None = None) -> torch.Tensor:
         """[B, L] bool: prompt positions (never masked by a loss, never changed by a sampler)."""
@@ -151,8 +155,9 @@ class TinyMaskedPolicy(HoldsNet):
 
     def logits(self, tokens: torch.Tensor, cond: Cond | None = None) -> torch.Tensor:
         _check_tokens(tokens, self.vocab_size)
-        out = self.net(tokens, (cond or {}).get("label")).float()
-        return mask_logit(out, self.mask_id)
+        label = (cond or {}).get("label")
+        out = self.net(tokens.to(self.device), None if label is None else label.to(self.device)).float()
+        return mask_logit(out, self.mask_id)  # [B, L, V] on the compute device
 
     def prompt_mask(self, tokens: torch.Tensor, cond: Cond | None = None) -> torch.Tensor:
         return prompt_mask_of(tokens, self.mask_id, cond)
@@ -187,7 +192,7 @@ class TinyMaskedPolicy(HoldsNet):
 
 
 # ----------------------------------------------------------------------------- transformers masked LMs
-class HFMaskedLM:
+class HFMaskedLM(ComputeDevice):
     """MaskedPolicy adapter for a masked LM in a local transformers directory (BERT-like, ModernBERT,
     LLaDA with ``trust_remote_code=True``): anything whose forward(input_ids, attention_mask) returns
     ``.logits`` of shape [B, L, V].
@@ -269,10 +274,6 @@ class HFMaskedLM:
             model = model.to(device)
         return cls(model.eval(), int(mask_id), int(vocab), tokenizer)
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
     def logits(self, tokens: torch.Tensor, cond: Cond | None = None) -> torch.Tensor:
         _check_tokens(tokens, self.vocab_size)
         att = (cond or {}).get("attention_mask")
@@ -282,7 +283,7 @@ class HFMaskedLM:
         if logits.shape[:2] != tokens.shape or logits.shape[-1] != self.vocab_size:
             raise ValueError(f"the model returned logits {tuple(logits.shape)} for tokens {tuple(tokens.shape)}; "
                              f"expected [B, L, {self.vocab_size}]")
-        return mask_logit(logits, self.mask_id).to(tokens.device)  # on the caller's device (the masked trainer keeps its tensors on the CPU)
+        return mask_logit(logits, self.mask_id)  # [B, L, V] on the compute device: never the host's (0.5 MB a position for LLaDA)
 
     def prompt_mask(self, tokens: torch.Tensor, cond: Cond | None = None) -> torch.Tensor:
         return prompt_mask_of(tokens, self.mask_id, cond)

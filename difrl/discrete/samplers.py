@@ -9,6 +9,13 @@
 elsewhere (prompt positions are never read for sampling and never changed). Every sampler is a
 loop of pure tensor steps on the policy's logits (``*_step`` functions, usable on their own).
 
+Where tensors live: the rollout's record (tokens, log-probs, plans, uniforms) is kept on the host
+(``tokens``' device); the [B, L, V] logits stay on the policy's device (``policy.logits``), where
+the log-softmax, the categorical draw and the entropies run. Per step only per-position values come
+back: the drawn tokens and their two log-probs, and EB's two fp64 ranking keys per candidate, so a
+step's host traffic does not grow with the vocabulary (LLaDA: V = 126,464, 0.5 MB of fp32 logits
+per position; tests/test_scale_device.py counts the bytes).
+
 Randomness is counter-based: every draw is a pure function of (sample seed, stream, step,
 position) through ``difrl.utils.rng.mix_seed_tensor``, so a sample's rollout depends on its own
 seed only, not on its batch neighbours or the batch size (DESIGN.md seam 3). ``seeds`` is a [B]
@@ -84,8 +91,10 @@ def restrict(logits: torch.Tensor, mask_id: int, allowed: torch.Tensor | None = 
 
 
 def draw(logits: torch.Tensor, temperature: float, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sample from softmax(logits / T) by inverse CDF: logits [K, V], u [K] fp64 in (0, 1).
-    Returns (tokens [K], logp [K] under the sampling distribution, policy_logp [K] at T = 1), fp32 log-probs."""
+    """Sample from softmax(logits / T) by inverse CDF: logits [K, V], u [K] fp64 in (0, 1) (any device).
+    Returns (tokens [K], logp [K] under the sampling distribution, policy_logp [K] at T = 1), fp32 log-probs, on
+    the logits' device. fp64 throughout: the CDF's last entries differ from 1 by less than fp32's resolution."""
+    u = u.to(logits.device)
     lp1 = torch.log_softmax(logits.double(), dim=-1)
     if temperature <= 0:
         tok = logits.argmax(-1)
@@ -97,6 +106,16 @@ def draw(logits: torch.Tensor, temperature: float, u: torch.Tensor) -> tuple[tor
         tok = (cdf < u[:, None]).sum(-1).clamp_max(logits.shape[-1] - 1)
     pick = lambda lp: lp.gather(-1, tok[:, None])[:, 0].float()
     return tok, pick(lpt), pick(lp1)
+
+
+def draw_at(logits: torch.Tensor, sel: torch.Tensor, temperature: float,
+            u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``draw`` at the positions `sel` [B, L] bool (host) of `logits` [B, L, V] (the policy's device) with the
+    uniforms `u` [B, L]: the rows are picked on the device by host indices, and only the K drawn tokens and their
+    log-probs come back, on `sel`'s device, in row-major order (that of logits[sel])."""
+    b, pos = sel.nonzero(as_tuple=True)
+    tok, lp, plp = draw(logits[b, pos], temperature, u[b, pos])
+    return tok.to(sel.device), lp.to(sel.device), plp.to(sel.device)
 
 
 def _forward(policy, x: torch.Tensor, cond: Cond | None, cfg_scale: float, prompt: torch.Tensor) -> torch.Tensor:
@@ -128,8 +147,8 @@ class _Recorder:
     def commit(self, sel: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor, plp: torch.Tensor) -> None:
         """sel [B, L] bool (row-major order matches tok / lp / plp [K])."""
         self.x[sel] = tok.to(self.x.dtype)
-        self.logp[sel] = lp.cpu()
-        self.plogp[sel] = plp.cpu()
+        self.logp[sel] = lp.to(self.logp.device)
+        self.plogp[sel] = plp.to(self.plogp.device)
         self.step[sel] = self.nfe - 1
 
     def result(self) -> DiscreteRollout:
@@ -163,11 +182,12 @@ def transfer_plan(masked_count: torch.Tensor, steps: int) -> torch.Tensor:
 def llada_step(logits: torch.Tensor, x: torch.Tensor, candidates: torch.Tensor, k: torch.Tensor, *,
                temperature: float, u_token: torch.Tensor, u_conf: torch.Tensor | None = None,
                remasking: str = "low_confidence"):
-    """One LLaDA step. logits [B, L, V] (restricted), candidates [B, L] bool (masked, in the current
-    block), k [B] how many to commit. Every candidate gets a drawn token; the k with the highest
+    """One LLaDA step. logits [B, L, V] (restricted; the policy's device), candidates [B, L] bool (masked, in the
+    current block), k [B] how many to commit. Every candidate gets a drawn token; the k with the highest
     confidence (untempered prob of the drawn token; U(0,1) for 'random') are committed.
-    Returns (commit [B, L] bool, tokens [K], logp [K], policy_logp [K]) with K = commit.sum()."""
-    tok, lp, plp = draw(logits[candidates], temperature, u_token[candidates])
+    Returns (commit [B, L] bool, tokens [K], logp [K], policy_logp [K]) with K = commit.sum(), on x's device
+    (the ranking runs there, on the candidates' drawn tokens and log-probs)."""
+    tok, lp, plp = draw_at(logits, candidates, temperature, u_token)
     conf = torch.full(x.shape, -math.inf, dtype=torch.float64)
     if remasking == "low_confidence":
         conf[candidates] = plp.double().exp()
@@ -211,7 +231,7 @@ def llada_sample(policy, tokens: torch.Tensor, cond: Cond | None = None, *, step
             rec.nfe_row += ((rec.x == policy.mask_id).any(1)).long()
             cand = (rec.x == policy.mask_id) & in_block
             u_conf = counter_uniform(rec.seeds, _STREAM_CONF, s, tokens.shape[1]) if remasking == "random" else None
-            commit, tok, lp, plp = llada_step(logits.cpu(), rec.x, cand, k, temperature=temperature,
+            commit, tok, lp, plp = llada_step(logits, rec.x, cand, k, temperature=temperature,
                                               u_token=counter_uniform(rec.seeds, _STREAM_TOKEN, s, tokens.shape[1]),
                                               u_conf=u_conf, remasking=remasking)
             rec.commit(commit, tok, lp, plp)
@@ -265,23 +285,28 @@ def eb_sample(policy, tokens: torch.Tensor, cond: Cond | None = None, *, gamma: 
         # current block per row: the block of its leftmost masked position
         first = torch.where(masked, block_id[None, :].expand_as(masked), torch.full_like(masked, 1 << 30, dtype=torch.long))
         cand = masked & (block_id[None, :] == first.min(1, keepdim=True).values)
-        logits = restrict(_forward(policy, rec.x, cond, cfg_scale, rec.prompt), policy.mask_id, allowed).cpu()
+        logits = restrict(_forward(policy, rec.x, cond, cfg_scale, rec.prompt), policy.mask_id, allowed)  # device
         rec.nfe += 1
         rec.nfe_row += masked.any(1).long()
-        ent = entropy(logits, temperature)
+        b, pos = cand.nonzero(as_tuple=True)
+        lc = logits[b, pos]  # [K, V] the candidates' logits, on the device: the selection reads no other position
+        ent_k = entropy(lc, temperature)  # [K] fp64
         if order == "entropy":
-            err = ent
+            err_k = ent_k
         else:
-            p = torch.softmax(logits.double() / (temperature if temperature > 0 else 1.0), dim=-1)
+            p = torch.softmax(lc.double() / (temperature if temperature > 0 else 1.0), dim=-1)
             top = p.topk(2, dim=-1).values
             if order == "confidence":
-                err = -top[..., 0]
+                err_k = -top[..., 0]
             elif order == "margin":
-                err = -(top[..., 0] - top[..., 1])
+                err_k = -(top[..., 0] - top[..., 1])
             else:
                 raise ValueError(f"unknown order {order!r}; expected 'entropy', 'confidence' or 'margin'")
+        # the candidates' two ranking keys are all the selection needs on the host: [B, L] fp64, 0 elsewhere
+        ent = torch.zeros(cand.shape, dtype=torch.float64).index_put_((b, pos), ent_k.to(cand.device))
+        err = ent if err_k is ent_k else torch.zeros_like(ent).index_put_((b, pos), err_k.to(cand.device))
         sel = eb_select(err, ent, cand, gamma)
-        tok, lp, plp = draw(logits[sel], temperature, counter_uniform(rec.seeds, _STREAM_TOKEN, rec.nfe, tokens.shape[1])[sel])
+        tok, lp, plp = draw_at(logits, sel, temperature, counter_uniform(rec.seeds, _STREAM_TOKEN, rec.nfe, tokens.shape[1]))
         rec.commit(sel, tok, lp, plp)
     return rec.result()
 
@@ -317,17 +342,17 @@ def emerge_sample(policy, tokens: torch.Tensor, cond: Cond | None = None, *, ste
         sel = masked & (counter_uniform(rec.seeds, _STREAM_UNMASK, i, tokens.shape[1]) >= stay)
         if not bool(sel.any()):
             continue
-        logits = restrict(_forward(policy, rec.x, cond, cfg_scale, rec.prompt), policy.mask_id, allowed).cpu()
+        logits = restrict(_forward(policy, rec.x, cond, cfg_scale, rec.prompt), policy.mask_id, allowed)  # device
         rec.nfe += 1
         rec.nfe_row += masked.any(1).long()
-        tok, lp, plp = draw(logits[sel], temperature, counter_uniform(rec.seeds, _STREAM_TOKEN, i, tokens.shape[1])[sel])
+        tok, lp, plp = draw_at(logits, sel, temperature, counter_uniform(rec.seeds, _STREAM_TOKEN, i, tokens.shape[1]))
         rec.commit(sel, tok, lp, plp)
     return rec.result()
 
 
 SAMPLERS = {"llada": llada_sample, "eb": eb_sample, "emerge": emerge_sample}
 
-__all__ = ["DiscreteRollout", "SAMPLERS", "counter_uniform", "draw", "eb_sample", "eb_select", "emerge_sample", "entropy",
+__all__ = ["DiscreteRollout", "SAMPLERS", "counter_uniform", "draw", "draw_at", "eb_sample", "eb_select", "emerge_sample", "entropy",
            "llada_sample", "llada_step", "mask_schedule", "merge_rollouts", "restrict", "row_seeds", "transfer_plan"]
 
 

@@ -45,7 +45,29 @@ class FlowPolicy(Protocol):
         """Latents -> images (or videos) in [0, 1], fp32."""
 
 
-class HoldsNet:
+class ComputeDevice:
+    """The device a policy's forward computes on (``policy.device``): the one the trainer fixed when it placed or
+    sharded the network (``set_compute_device(accelerator.device)``, difrl.train.scaffold.shard_policy), else where
+    the network's first parameter is (a policy used as loaded). Not read from the parameters once fixed: under FSDP2
+    with CPU offload a parameter is a DTensor whose ``.device`` is its local shard's, the CPU, while every forward
+    runs on the GPU (the shards are copied there before each all-gather), so noise, rollouts, losses and the
+    autocast context would go to the host."""
+
+    _compute_device: torch.device | None = None
+
+    @property
+    def device(self) -> torch.device:
+        if self._compute_device is not None:
+            return self._compute_device
+        param = next(iter(self.module.parameters()), None)
+        return param.device if param is not None else torch.device("cpu")
+
+    def set_compute_device(self, device: torch.device | str | None) -> None:
+        """Fix the compute device (None: back to the parameters' device). Moves nothing."""
+        self._compute_device = None if device is None else torch.device(device)
+
+
+class HoldsNet(ComputeDevice):
     """The `module` property of a policy that keeps its network in ``self.net``; peft, accelerate and the
     trainer's reference swap set it, so the wrapped network replaces the plain one."""
 
@@ -70,8 +92,8 @@ def forwards_per_step(policy, guidance: float) -> int:
 
 
 def policy_device(policy) -> torch.device:
-    """The device the policy computes on: an adapter's own ``device`` (a diffusers pipeline's transformer), else its
-    network's first parameter's; the CPU for a parameter-free stub. Rollouts keep every per-step tensor here
+    """The device the policy computes on: an adapter's own ``device`` (ComputeDevice: the one the trainer fixed),
+    else its network's first parameter's; the CPU for a parameter-free stub. Rollouts keep every per-step tensor here
     (DESIGN.md: a trajectory stays on the policy's device until it is done)."""
     dev = getattr(policy, "device", None)
     if dev is not None:

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from difrl.models.base import DEFAULT_QUANT_PRESET, Cond, autocast_to
+from difrl.models.base import DEFAULT_QUANT_PRESET, ComputeDevice, Cond, autocast_to
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -122,7 +122,7 @@ def present_targets(module: nn.Module, candidates: tuple[str, ...]) -> list[str]
 
 # ---- the shared adapter ----------------------------------------------------------------------------
 
-class DiffusersFlowPolicy:
+class DiffusersFlowPolicy(ComputeDevice):
     """FlowPolicy over a diffusers pipeline object; subclasses fill in the model-specific parts."""
 
     kind: str = ""
@@ -164,10 +164,6 @@ class DiffusersFlowPolicy:
         dtype as loaded (model.dtype), also once full fine-tuning has made them fp32 master weights (then the forward
         autocasts to this dtype: `autocast_dtype`), so the inputs, and FLUX's timestep rounding, stay as loaded."""
         return self.autocast_dtype or self.pipe.transformer.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.pipe.transformer.device
 
     # -- FlowPolicy -------------------------------------------------------------------------------
     @property

@@ -75,11 +75,12 @@ def shard_policy(policy, net, reference, settings, device=None):
     """Under FSDP (`settings` from difrl.train.sharding.fsdp_settings; None: nothing to do) shard the trained
     network and the frozen reference copy of full fine-tuning per transformer block (the adapter's
     `block_classes`), so no process holds either whole. Call before make_optimizer: the optimizer must see the
-    sharded parameters. Returns (net, reference)."""
+    sharded parameters. The policy computes on `device` from here on, even if offloaded. Returns (net, reference)."""
     if settings is None:
         return net, reference
     from torch.distributed.fsdp import FSDPModule
 
+    getattr(policy, "set_compute_device", lambda _: None)(device)  # not the parameters' (offload: cpu); models/base.py
     blocks, fp32 = policy.block_classes, getattr(policy, "fsdp_fp32_inputs", ())  # e.g. SD3's timestep
     net = shard(net, blocks, settings, device, fp32)
     if reference is not None:
