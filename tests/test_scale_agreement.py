@@ -57,3 +57,62 @@ def test_a_forest_split_over_processes_is_refused_by_the_plan(tmp_path):
     # 4 prompts over 8 processes: refused as well (half a forest each), with 8 as the nearest prompts that work
     with pytest.raises(ConfigError, match=r"rollout.prompts_per_iter=8 .*or 1, 2 or 4 processes"):
         plan(load_flow_config(DIGITS, [*FOREST, "rollout.prompts_per_iter=4"]), _NoWorld(), 8, tmp_path, print)
+
+
+# ---------------------------------------------------------------------------------- the ratio check over processes
+
+# run by each launched process: on rank 1 only, the trainer's recompute scores the transitions with another noise
+# level than the sampler drew them with (the fault of tests/test_safety_checks.py), so rank 1's check fails and rank
+# 0's passes. Each process writes how it ended to OUT/rank{r}.txt.
+LAUNCHED = '''
+import os, sys
+from pathlib import Path
+
+rank, out = int(os.environ["RANK"]), Path(sys.argv[1])
+if rank == 1:
+    from difrl.train import objectives
+
+    real = objectives.recompute
+
+    def wrong(policy, batch, kernel, kernel_kwargs=None, guidance=1.0):
+        return real(policy, batch, kernel, {**kernel_kwargs, "noise_level": kernel_kwargs["noise_level"] * 1.05},
+                    guidance)
+
+    objectives.recompute = wrong
+from difrl.cli import main
+
+try:
+    code = main(sys.argv[2:])
+except BaseException as e:
+    (out / f"rank{rank}.txt").write_text(f"{type(e).__name__}: {e}")
+    raise
+(out / f"rank{rank}.txt").write_text(f"finished: {code}")
+'''
+
+TINY = ["seed=3", "threads=1", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4",
+        "train.micro_batch=6", "train.grad_accum=1", "train.updates_per_epoch=null", "train.iterations=1",
+        "eval.every=0", "eval.per_digit=1", "eval.num_steps=2"]
+
+
+@pytest.mark.slow  # a 2-process launch of the digits trainer
+@pytest.mark.parametrize("copy", [False, True], ids=["first_step_check", "policy_ratio_check"])
+def test_a_ratio_check_failing_on_one_process_stops_every_process(tmp_path, copy):
+    # without a copy the first micro-step's check (check_ratio) fails on rank 1; with an fp8 rollout copy that check
+    # compares the recompute with itself and passes, and policy_ratio_check (the sampler kernel) fails on rank 1
+    script = tmp_path / "launched.py"
+    script.write_text(LAUNCHED)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           str(tmp_path), "train", str(DIGITS), *TINY, *(["rollout.precision=fp8"] if copy else []),
+           "--out", str(tmp_path / "run")]
+    # a process left waiting in a collective would stay there until gloo's 30-minute timeout: the timeout here is
+    # the "hang" verdict (the 2-process run takes well under a minute when it ends by itself)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    ended = {r: (tmp_path / f"rank{r}.txt").read_text() if (tmp_path / f"rank{r}.txt").exists() else "no record"
+             for r in (0, 1)}
+    for r, text in ended.items():  # both processes raise the same error, not rank 1 alone
+        assert text.startswith("RatioCheckError: on-policy ratio check failed"), (r, text, proc.stderr[-3000:])
+    assert ended[0] == ended[1]  # the same (agreed) value in both messages
+    # the check that failed: with a copy, the independent one (the tracebacks of both processes are in stderr)
+    assert ("in policy_ratio_check" in proc.stderr) == copy, proc.stderr[-3000:]

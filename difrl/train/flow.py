@@ -47,7 +47,7 @@ from difrl.train.rollout_copy import RolloutCopy, build_rollout_copy, sync_rollo
 from difrl.train.sharding import fsdp_settings, gathered, process_group_kwargs
 from difrl.train.state import EMA, trainable_params
 from difrl.tree_rollout import tree_rollout
-from difrl.utils.collectives import gather, reduce
+from difrl.utils.collectives import gather, process_max, reduce
 from difrl.utils.rng import mix_seed
 from difrl.worlds import build_world
 
@@ -240,7 +240,8 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
                     else:
                         loss = grpo_micro_loss(policy, sub, advantages[idx], keep[idx].float(),
                                                None if correction is None else (correction.weights[idx], correction.keep[idx]),
-                                               m, first and cfg.train.ratio_check, denom, cfg, reference_ctx)
+                                               m, first and cfg.train.ratio_check, denom, cfg, reference_ctx,
+                                               lambda x: process_max(accelerator, x))  # all processes stop together
                     first = False
                     accelerator.backward(loss)
                 if sync:

@@ -4,6 +4,7 @@ gather and reduce.
     all_scores = gather(accelerator, scores)          # [B] on this process -> [N * B], back where `scores` was
     totals = reduce(accelerator, sums, "sum")         # summed over processes, back where `sums` was
     score = lambda t: gather(accelerator, t)          # what Sol-RL's candidate pool takes
+    worst = process_max(accelerator, err)             # the largest of the processes' floats, on every process
 
 NCCL, the backend of every multi-GPU run, takes only tensors on the process's GPU ("Tensors must be CUDA and
 dense"), while gloo, the backend of the CPU tests, takes host tensors too: a reward's scores, group ids or a
@@ -33,3 +34,10 @@ def gather(accelerator, t: torch.Tensor) -> torch.Tensor:
 def reduce(accelerator, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """`t` reduced over processes ("sum" or "mean", accelerate's reduce), on `t`'s device. Collective."""
     return accelerator.reduce(to_device(accelerator, t), op).to(t.device)
+
+
+def process_max(accelerator, x: float) -> float:
+    """The largest of the processes' `x`, the same float on every process (NaN if any is NaN). Collective: where
+    every process must take the same decision from a local number (stop on a failed check, a loop's count), each
+    calls it and decides on the result, so none raises or stops while another goes on into the next collective."""
+    return float(gather(accelerator, torch.tensor([float(x)], dtype=torch.float64)).max())
