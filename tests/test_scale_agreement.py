@@ -116,3 +116,70 @@ def test_a_ratio_check_failing_on_one_process_stops_every_process(tmp_path, copy
     assert ended[0] == ended[1]  # the same (agreed) value in both messages
     # the check that failed: with a copy, the independent one (the tracebacks of both processes are in stderr)
     assert ("in policy_ratio_check" in proc.stderr) == copy, proc.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------- evaluation over processes
+
+# run by each launched process: the flow trainer's evaluate (difrl.train.flow.evaluate) of the digits and moving-digits
+# worlds, counting the samples this process generated; each process writes its metrics, its count and the images.
+LAUNCHED_EVAL = '''
+import json, os, sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from accelerate import Accelerator
+
+from difrl.rollout import rollout
+from difrl.train.config import load_flow_config
+from difrl.train.flow import evaluate
+from difrl.worlds import build_world
+from difrl.worlds import digits, moving_digits
+
+rank, out = int(os.environ["RANK"]), Path(sys.argv[1])
+generated = []
+
+def counted(policy, prompts, *args, **kwargs):
+    generated.append(len(prompts))
+    return rollout(policy, prompts, *args, **kwargs)
+
+digits.rollout = moving_digits.rollout = counted
+accelerator = Accelerator(cpu=True)
+run = SimpleNamespace(accelerator=accelerator, is_main=False, dir=out)  # not main: nothing written
+result = {}
+for kind, per in (("digits", 3), ("moving_digits", 2)):
+    world = build_world(kind)
+    cfg = load_flow_config(None, [f"model.kind={kind}", f"eval.per_digit={per}", "eval.num_steps=3"])
+    generated.clear()
+    metrics = evaluate(world, world.policy, None, cfg, run, "t", 0)
+    result[kind] = {"metrics": metrics, "generated": sum(generated)}
+(out / f"rank{rank}.json").write_text(json.dumps(result))
+'''
+
+
+@pytest.mark.slow  # a 2-process launch of the digits and moving-digits evaluations
+def test_two_processes_share_the_evaluation_and_equal_one(tmp_path):
+    import json
+
+    from difrl.worlds import build_world
+
+    script = tmp_path / "launched_eval.py"
+    script.write_text(LAUNCHED_EVAL)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for kind, per, n in (("digits", 3, 30), ("moving_digits", 2, 80)):  # 10 digits x 3; 40 prompts x 2
+        assert [r[kind]["generated"] for r in ranks] == [n // 2, n // 2]  # each process generates its half
+        assert ranks[0][kind]["metrics"] == ranks[1][kind]["metrics"]  # every process has the gathered numbers
+        world = build_world(kind)
+        cfg = load_flow_config(None, [f"model.kind={kind}"])
+        one, _ = world.evaluate(world.policy, per, 3, cfg.eval.seed, cfg.sampler.shift)  # one process, one rollout
+        two = ranks[0][kind]["metrics"]
+        assert one.keys() == two.keys()
+        for k, v in one.items():
+            # the same samples from the same seeds; rollout batches of 15 / 40 instead of 30 / 80 change float
+            # summation order only (~1e-7 on images in [0, 1]), so the counts are equal and the features' statistics
+            # agree to 1e-4 relative
+            assert v == (pytest.approx(two[k], rel=1e-4, abs=1e-6) if isinstance(v, float) else two[k]), (kind, k)
