@@ -1,11 +1,13 @@
-"""Processes that must agree before they act: the on-policy ratio check stops every process together, and the plan
-refuses a forest whose trees of one prompt would be split over processes.
+"""Processes that must agree before they act: the on-policy ratio check stops every process together, the plan
+refuses a forest whose trees of one prompt would be split over processes, and the evaluation is shared out and
+gathered into one process's numbers.
 
     PYTHONPATH=. .venv/bin/python -m pytest tests/test_scale_agreement.py -q
 
 The ratio-check tests launch 2 processes (torchrun, gloo on CPU) of the digits trainer with the log-prob recompute
 made wrong on rank 1 only: every process must stop with the RatioCheckError, not rank 1 alone while rank 0 waits in
-backward's all-reduce (under NCCL: for ever). The plan tests need no processes (world_size is a parameter).
+backward's all-reduce (under NCCL: for ever). The plan tests need no processes (world_size is a parameter). The
+evaluation test launches 2 processes of the flow trainer's evaluate and compares them with one process's.
 """
 
 from __future__ import annotations
