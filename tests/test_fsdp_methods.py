@@ -160,11 +160,12 @@ def test_uneven_forward_counts_are_refused_before_any_forward(tmp_path):
     assert e.value.key == "rollout.prompts_per_iter"
     # the same plan on 3 processes splits evenly
     plan(cfg, _NoForward(), 3, tmp_path, say)
-    # a forest (tree.roots=2): 2 prompts x 2 trees split over 4 processes, one tree each; 3 x 2 trees over 4 do not,
-    # even where one micro-batch holds a process's edges whatever its trees (only the count of trees differs)
+    # a forest (tree.roots=2): 4 prompts x 2 trees split over 4 processes, one forest each (a forest split over
+    # processes is refused: tests/test_scale_agreement.py); 3 x 2 trees over 4 do not split evenly, even where one
+    # micro-batch holds a process's edges whatever its trees (only the count of trees differs)
     forest = ["rollout.kind=tree", "tree.split_steps=[1]", "tree.roots=2", "rollout.group_size=4", "train.micro_batch=64",
               "train.updates_per_epoch=null"]
-    plan(load_flow_config(digits, [*forest, "rollout.prompts_per_iter=2"]), _NoForward(), 4, tmp_path, say)
+    plan(load_flow_config(digits, [*forest, "rollout.prompts_per_iter=4"]), _NoForward(), 4, tmp_path, say)
     with pytest.raises(ConfigError, match=r"6 trees \(rollout.prompts_per_iter x tree.roots\) per iteration do not split "
                                           r"evenly over 4 processes.*process 0: trees 2; process 1: trees 2; process 2: "
                                           r"trees 1; process 3: trees 1.*Use a multiple of 4 for rollout.prompts_per_iter x "

@@ -206,6 +206,12 @@ def test_accelerate_launch_two_processes_equal_one(tiny_dirs, tmp_path):
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], rtol=1e-3, atol=1e-6, msg=k)
     assert any(float(w.abs().max()) > 1e-4 for k, w in w1.items() if "lora_B" in k)  # training moved B
+    # the evaluation before training, its samples split over the 2 processes and gathered, is one process's: the same
+    # seeds and weights, rollout batches of half the size (float summation order only: 1e-4 relative)
+    e1, e2 = (json.loads((d / "summary.json").read_text())["eval_before"] for d in (one, two))
+    assert e1.keys() == e2.keys() and e1["samples"] == e2["samples"]
+    for k, v in e1.items():
+        assert v == (pytest.approx(e2[k], rel=1e-4, abs=1e-6) if isinstance(v, float) else e2[k]), k
 
 
 # ---- c2. the tiny config learns (benchmarks/bench_models.py measures all three families over seeds) --------

@@ -97,7 +97,9 @@ def depthwise_advantages(tree: Tree, node_values: torch.Tensor, eps: float = 1e-
     prompt's and are normalised together, per depth (so the roots get advantages too)."""
     r = node_values.detach().to(torch.float64).cpu()
     if roots < 1 or tree.num_trees % roots:
-        raise ValueError(f"roots={roots} must divide the batch's {tree.num_trees} trees (trees per prompt)")
+        raise ValueError(f"roots={roots} (tree.roots, trees per prompt) must divide the batch's {tree.num_trees} trees: "
+                         "a prompt's trees are normalised together, so the batch must hold whole forests (on several "
+                         "processes, rollout.prompts_per_iter a multiple of the number of processes)")
     key = (tree.tree // roots) * (tree.num_steps + 1) + tree.depth  # one group per (prompt's forest, depth)
     uniq, inv = torch.unique(key, return_inverse=True)
     G = len(uniq)

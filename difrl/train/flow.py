@@ -48,7 +48,7 @@ from difrl.train.rollout_copy import RolloutCopy, build_rollout_copy, sync_rollo
 from difrl.train.sharding import fsdp_settings, gathered, grad_sync, process_group_kwargs, take_fsdp_branches
 from difrl.train.state import EMA, trainable_params
 from difrl.tree_rollout import tree_rollout
-from difrl.utils.collectives import gather, reduce
+from difrl.utils.collectives import gather, process_max, reduce, split_rows
 from difrl.utils.rng import mix_seed
 from difrl.worlds import build_world
 
@@ -364,7 +364,8 @@ def policy_update(cfg: FlowConfig, policy, tr: Trainee, accelerator, batch, adva
             else:
                 loss = grpo_micro_loss(policy, sub, advantages[idx], keep[idx].float(),
                                        None if correction is None else (correction.weights[idx], correction.keep[idx]),
-                                       m, first and cfg.train.ratio_check, denom, cfg, tr.reference_ctx)
+                                       m, first and cfg.train.ratio_check, denom, cfg, tr.reference_ctx,
+                                       lambda x: process_max(accelerator, x))  # all processes stop together
             first = False
             accelerator.backward(loss)
         if sync:
@@ -397,9 +398,11 @@ def tree_stats(tr, advantages: torch.Tensor, accelerator) -> dict:
 
 
 def evaluate(world, policy, ema: EMA | None, cfg: FlowConfig, run: Run, tag: str, iteration: int) -> dict:
-    """The world's evaluation of the policy (EMA weights if on); its sample grid goes to samples/."""
+    """The world's evaluation of the policy (EMA weights if on), its samples split over the processes and gathered
+    (every process gets the metrics of one process's evaluation); its sample grid goes to samples/."""
     with ema.swapped() if ema is not None else nullcontext():
-        metrics, images = world.evaluate(policy, cfg.eval.per_digit, cfg.eval.num_steps, cfg.eval.seed, cfg.sampler.shift)
+        metrics, images = world.evaluate(policy, cfg.eval.per_digit, cfg.eval.num_steps, cfg.eval.seed, cfg.sampler.shift,
+                                         split=lambda n: split_rows(run.accelerator, n))
     if run.is_main:
         world.save_grid(images, run.dir / "samples" / f"{tag}-iter-{iteration:06d}.png")
         record_eval(run.dir, tag, iteration, metrics)

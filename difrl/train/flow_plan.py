@@ -195,6 +195,8 @@ def plan(cfg: FlowConfig, world, world_size: int, run_dir: Path, say) -> tuple[i
     tree_mode = cfg.rollout.kind == "tree"
     sde_mask0, train_mask0, _ = step_masks(cfg, 0, 1)
     refuse_uneven_forwards(cfg, world_size, cfg.tree.schedule(cfg.sampler.num_steps) if tree_mode else None, sde_mask0)
+    if tree_mode:
+        refuse_split_forests(cfg, world_size)
     T = int(train_mask0.sum())  # trained transitions per sample (GRPO) ...
     if cfg.train.objective == "nft":  # ... or sigmas (NFT)
         T = len(nft_sigmas(cfg, world.sigmas(cfg.sampler.num_steps, cfg.sampler.shift)))
@@ -312,6 +314,27 @@ def refuse_uneven_forwards(cfg: FlowConfig, world_size: int, schedule, sde_mask:
                       "FSDP each forward all-gathers the sharded blocks and a process with one forward more waits for "
                       "the others forever (under DDP the backward's all-reduce does). Use a multiple of "
                       f"{world_size} for {what.split('(')[1].rstrip(')')}", key)
+
+
+def refuse_split_forests(cfg: FlowConfig, world_size: int) -> None:
+    """ConfigError, before anything loads, when a prompt's tree.roots trees (one group: difrl.algos.tree.
+    depthwise_advantages normalises over them, per depth, on the process that holds them) would fall on different
+    processes. The trees split in equal contiguous slices of P x roots / world_size, so every slice holds whole
+    groups exactly when world_size divides P = rollout.prompts_per_iter, whatever tree.roots is."""
+    P, R = cfg.rollout.prompts_per_iter, cfg.tree.roots
+    if R == 1 or P % world_size == 0:  # one tree per group: an uneven split is refuse_uneven_forwards'
+        return
+    per = P * R / world_size
+    prompts = _nearest([p for p in range(world_size, P + world_size + 1, world_size)], P)
+    procs = _divisors(P)
+    procs_text = " or ".join(map(str, procs)) if len(procs) < 3 else ", ".join(map(str, procs[:-1])) + f" or {procs[-1]}"
+    raise ConfigError(f"a forest of tree.roots={R} trees per prompt is one group (its advantages are normalised over "
+                      f"its trees, per depth, on one process), but rollout.prompts_per_iter={P} prompts x {R} trees "
+                      f"over {world_size} processes give {per:g} tree(s) per process, so a prompt's trees would be "
+                      f"split over processes. Each process needs whole forests: use rollout.prompts_per_iter="
+                      f"{' or '.join(map(str, prompts))} (a multiple of the {world_size} processes), or {procs_text} "
+                      f"processes (dividing rollout.prompts_per_iter={P}); tree.roots does not change this",
+                      "rollout.prompts_per_iter")
 
 
 def step_masks(cfg: FlowConfig, iteration: int, num_samples: int) -> tuple[torch.Tensor, torch.Tensor, int | None]:

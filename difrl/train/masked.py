@@ -223,10 +223,10 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
                         with grad_sync(accelerator, trained, fsdp is not None, a == ga - 1):
                             logp = token_logp(cfg, policy, tokens[idx], rm, sub.cond)
                             if first and cfg.train.ratio_check:  # on-policy: same weights, same mask -> ratio 1
-                                d = (logp.detach() - logp_old[n - 1, idx])[rm.loss_mask].abs()
-                                worst = process_max(accelerator, float(d.max()) if d.numel() else 0.0)  # all stop together
-                                m.add("first_step_max_abs_log_ratio",
-                                      torch.tensor(check_ratio(torch.tensor([worst]), torch.zeros(1), cfg.train.ratio_tol)))
+                                on = rm.loss_mask  # [b, L]; 0 - 0 outside it (a micro-batch may have no loss token)
+                                m.add("first_step_max_abs_log_ratio", torch.tensor(check_ratio(  # all stop together
+                                    torch.where(on, logp, 0.0), torch.where(on, logp_old[n - 1, idx], 0.0),
+                                    cfg.train.ratio_tol, lambda x: process_max(accelerator, x))))
                             first = False
                             pg, pm = ppo_clip_loss(logp, logp_old[n - 1, idx], advantages[idx], cfg.train.clip_low,
                                                    cfg.train.clip_high)

@@ -45,7 +45,7 @@ import torch
 
 from difrl.config import ConfigError
 from difrl.train.flow_plan import _divisors, _either, _nearest
-from difrl.utils.collectives import gather, reduce
+from difrl.utils.collectives import gather, process_max, reduce
 
 
 class MaskedPlan(NamedTuple):
@@ -147,11 +147,6 @@ def gather_rows(accelerator, t: torch.Tensor) -> torch.Tensor:
     """Every process's rows of `t` ([per_proc, ...]) in global sample order ([n_total, ...]). Collective (also on one
     process, where accelerate hands `t` back: a test accelerator checks every collective's input there)."""
     return gather(accelerator, t)
-
-
-def process_max(accelerator, x: float) -> float:
-    """The largest of the processes' `x` (every process gets it; NaN if any is NaN). Collective."""
-    return float(gather(accelerator, torch.tensor([float(x)], dtype=torch.float64)).max())
 
 
 def busiest(accelerator, nfe: int) -> int:

@@ -1,14 +1,15 @@
 """The flow trainer's per-micro-batch losses: GRPO on stored SDE transitions, DiffusionNFT on clean samples.
 
-    loss = grpo_micro_loss(policy, sub, adv, keep, correction, m, check, denom, cfg, reference_ctx)
+    loss = grpo_micro_loss(policy, sub, adv, keep, correction, m, check, denom, cfg, reference_ctx, agree)
     loss = nft_micro_loss(policy, sub, adv, keep, m, denom, cfg, nft_sigmas, old, reference_ctx)
     batch, correction = proximal_correction(policy, batch, cfg, micro.transitions)  # copy rollouts: pi_old, IS weights
-    err = policy_ratio_check(policy, sub, cfg)                       # copy rollouts: the on-policy check that can fail
+    err = policy_ratio_check(policy, sub, cfg, agree)                # copy rollouts: the on-policy check that can fail
 
 Each loss is summed over its micro-batch's elements and divided by a denominator fixed per optimizer
 update (the update's records x steps), so gradient accumulation 1x8 equals 8x1; metrics go into `m`
 (difrl.train.metrics.Metrics). `reference_ctx()` is the context in which the policy computes the
-reference (difrl.train.scaffold.reference_policy).
+reference (difrl.train.scaffold.reference_policy). `agree` (x -> the largest x over processes,
+difrl.utils.collectives.process_max) makes the ratio checks one decision of all processes: all raise or none.
 """
 
 from __future__ import annotations
@@ -37,15 +38,17 @@ def transition_log_prob(policy, batch: Rollout, cfg):
 
 
 def grpo_micro_loss(policy, sub: Rollout, adv: torch.Tensor, keep: torch.Tensor, correction, m, check: bool,
-                    denom: int, cfg, reference_ctx) -> torch.Tensor:
+                    denom: int, cfg, reference_ctx, agree=None) -> torch.Tensor:
     """PPO-clip on the recomputed log-probs of `sub`'s transitions (Flow-GRPO), optionally with GRPO-Guard's
     RatioNorm / step weights, IS weights from difrl.correct (`correction` = (weights, keep) [b, T]) and the KL
-    to the reference. adv, keep: [b]."""
+    to the reference. adv, keep: [b]. `check`: the first on-policy micro-step, whose ratio checks take the max
+    over processes through `agree` (module docstring; every process passes the same `check`)."""
     log_prob, mean, std = transition_log_prob(policy, sub, cfg)
     if check:
-        m.add("first_step_max_abs_log_ratio", torch.tensor(check_ratio(log_prob, sub.log_prob_old, cfg.train.ratio_tol)))
+        m.add("first_step_max_abs_log_ratio",
+              torch.tensor(check_ratio(log_prob, sub.log_prob_old, cfg.train.ratio_tol, agree)))
         if correction is not None:  # a rollout copy: log_prob_old is itself a recompute, so check against the engine
-            m.add("first_step_policy_max_abs_log_ratio", torch.tensor(policy_ratio_check(policy, sub, cfg)))
+            m.add("first_step_policy_max_abs_log_ratio", torch.tensor(policy_ratio_check(policy, sub, cfg, agree)))
     elem_keep = keep[:, None].expand_as(log_prob)
     is_weight = 1.0
     if correction is not None:  # detached IS weights and rejections
@@ -166,14 +169,15 @@ def proximal_correction(policy, batch: Rollout, cfg, micro_batch: int | None = N
 
 
 @torch.no_grad()
-def policy_ratio_check(policy, sub: Rollout, cfg) -> float:
+def policy_ratio_check(policy, sub: Rollout, cfg, agree=None) -> float:
     """The on-policy ratio check when rollouts come from a copy. There the stored log-probs are the copy's and
     log_prob_old is the trainer's own recompute, so "recompute == log_prob_old" tests the recompute against
     itself. This evaluates the trained policy independently, the way the rollout engine does: for every stored
     transition of `sub`, a forward per step column on the same inputs (x [b, T, ...], sigma, cond; the module in
     eval mode, as in rollouts), the sampler kernel draws x_next from the sample's own step noise and scores it.
     The trainer's recompute of those on-policy transitions (in the module's current mode) must give the same
-    log-probs: ratio 1. Returns max |log ratio|; raises RatioCheckError above train.ratio_tol."""
+    log-probs: ratio 1. Returns max |log ratio| (over processes with `agree`: all raise together); raises
+    RatioCheckError above train.ratio_tol."""
     B, T = sub.step.shape
     module, lat = policy.module, tuple(policy.latent_shape)
     steps = sub.step.unique()
@@ -194,4 +198,4 @@ def policy_ratio_check(policy, sub: Rollout, cfg) -> float:
         module.train(was_training)
     own = replace(sub, x_next=torch.stack(x_next, 1), log_prob_old=torch.stack(log_prob, 1), extras={})
     lp, _, _ = transition_log_prob(policy, own, cfg)
-    return check_ratio(lp, own.log_prob_old, cfg.train.ratio_tol)
+    return check_ratio(lp, own.log_prob_old, cfg.train.ratio_tol, agree)

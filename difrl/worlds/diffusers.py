@@ -41,6 +41,7 @@ from difrl.eval.panel import EvalPanel
 from difrl.rewards import build_reward, reward_key, score_all
 from difrl.rollout import rollout
 from difrl.samplers.schedules import sigma_schedule
+from difrl.utils.collectives import whole
 from difrl.utils.rng import mix_seed
 from difrl.worlds import World
 
@@ -140,21 +141,23 @@ def flow_world(kind: str, model_path: str | None, cfg=None, policy=None) -> Worl
     panel = EvalPanel(cfg.eval, (mc.height, mc.width), policy_device() or "cpu")  # held-out rewards, FD / KID
 
     @torch.no_grad()
-    def evaluate(policy, per_digit=4, num_steps=10, seed=1234, shift=1.0):
-        """Fixed-seed ODE samples, `per_digit` per evaluation prompt (prompt-major), scored by the run's rewards."""
+    def evaluate(policy, per_digit=4, num_steps=10, seed=1234, shift=1.0, split=None):
+        """Fixed-seed ODE samples, `per_digit` per evaluation prompt (prompt-major), scored by the run's rewards.
+        `split` (n -> (rows, finish), difrl.utils.collectives.split_rows): this process samples its rows, finish
+        gathers every process's images; the rewards and the panel score all of them."""
         if not rewards:
             rewards.update({n: build_reward(n, **cfg.reward.options.get(n, {})) for n in cfg.reward.weights})
         ids = torch.arange(len(eval_prompts)).repeat_interleave(per_digit)
         texts = [eval_prompts[i] for i in ids.tolist()]
         seeds = torch.tensor([mix_seed(seed, i) for i in range(len(texts))])
-        bs = cfg.sampler.rollout_batch or len(texts)
+        rows, finish = (split or whole)(len(texts))  # equal rows on every process: equal forwards (FSDP)
+        bs = cfg.sampler.rollout_batch or len(rows)
         images = []
-        for lo in range(0, len(texts), bs):  # decode batch by batch: a video model's decoded batch is large
-            sl = slice(lo, lo + bs)
-            batch = rollout(policy, texts[sl], seeds[sl], sigmas(num_steps, shift), kernel="ode",
+        for sl in rows.split(bs):  # decode batch by batch: a video model's decoded batch is large
+            batch = rollout(policy, [texts[i] for i in sl.tolist()], seeds[sl], sigmas(num_steps, shift), kernel="ode",
                             sde_mask=torch.zeros(num_steps, dtype=torch.bool), guidance=cfg.sampler.guidance)
             images.append(policy.decode(batch.x_final).cpu())
-        images = torch.cat(images)
+        images = finish(torch.cat(images))
         meta = [{**meta_by_prompt.get(t, {}), "prompt_id": int(i), "prompt": t} for i, t in zip(ids, texts)]
         scores = score_all(rewards, images, texts, meta, seeds, ids)
         total = sum(w * scores[n] for n, w in weights.items())  # [N] the weighted reward of each sample

@@ -24,6 +24,7 @@ from difrl.eval.metrics import frechet_distance, within_class_diversity
 from difrl.models.digits import digit_prompt
 from difrl.rewards.digits import BUNDLED_CLASSIFIER, DigitClassifier, load_classifier  # noqa: F401  (the reward model)
 from difrl.rollout import rollout
+from difrl.utils.collectives import whole
 from difrl.utils.images import to_uint8
 from difrl.utils.rng import mix_seed
 from difrl.worlds import World, check_bundled_config
@@ -91,20 +92,22 @@ def real_reference(world: DigitsWorld) -> tuple[torch.Tensor, float]:
 
 @torch.no_grad()
 def sample_eval_images(policy, per_digit: int = 50, num_steps: int = 10, seed: int = 1234, shift: float = 1.0,
-                       guidance: float = 1.0, batch_size: int = 500) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fixed-seed ODE samples: per_digit images of each digit. Returns images [10*per_digit, 1, 8, 8], labels."""
+                       guidance: float = 1.0, batch_size: int = 500, split=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed-seed ODE samples: per_digit images of each digit. Returns images [10*per_digit, 1, 8, 8], labels.
+    `split` (n -> (rows, finish), difrl.utils.collectives.split_rows): this process samples its rows, finish gathers."""
     labels = torch.arange(10).repeat_interleave(per_digit)
-    prompts = [PROMPTS[int(d)] for d in labels]
     seeds = torch.tensor([mix_seed(seed, i) for i in range(len(labels))])
-    batch = rollout(policy, prompts, seeds, sigma_schedule(num_steps, shift), kernel="ode",
-                    sde_mask=torch.zeros(num_steps, dtype=torch.bool), guidance=guidance, batch_size=batch_size)
-    return policy.decode(batch.x_final), labels
+    rows, finish = (split or whole)(len(labels))
+    batch = rollout(policy, [PROMPTS[int(d)] for d in labels[rows]], seeds[rows], sigma_schedule(num_steps, shift),
+                    kernel="ode", sde_mask=torch.zeros(num_steps, dtype=torch.bool), guidance=guidance,
+                    batch_size=batch_size)
+    return finish(policy.decode(batch.x_final)), labels
 
 
 def evaluate_digits(policy, world: DigitsWorld, per_digit: int = 50, num_steps: int = 10, seed: int = 1234,
-                    shift: float = 1.0) -> tuple[dict, torch.Tensor]:
-    """The digits eval (no CFG, ODE, fixed seeds). Returns (metrics, images)."""
-    images, labels = sample_eval_images(policy, per_digit, num_steps, seed, shift)
+                    shift: float = 1.0, split=None) -> tuple[dict, torch.Tensor]:
+    """The digits eval (no CFG, ODE, fixed seeds); `split`: sample_eval_images'. Returns (metrics, images)."""
+    images, labels = sample_eval_images(policy, per_digit, num_steps, seed, shift, split=split)
     return image_metrics(world, images, labels, num_steps), images
 
 
@@ -155,8 +158,8 @@ def flow_world(kind: str, model_path: str | None, cfg=None) -> World:
     world = DigitsWorld.load()
     policy = DigitsPolicy.from_checkpoint(model_path)
 
-    def evaluate(policy, per_digit=50, num_steps=10, seed=1234, shift=1.0):
-        return evaluate_digits(policy, world, per_digit, num_steps, seed, shift)
+    def evaluate(policy, per_digit=50, num_steps=10, seed=1234, shift=1.0, split=None):
+        return evaluate_digits(policy, world, per_digit, num_steps, seed, shift, split)
 
     def save_grid(images: torch.Tensor, path: Path) -> None:
         # images come prompt-major (per_digit of 0, then of 1, ...): one row per digit, 10 samples each

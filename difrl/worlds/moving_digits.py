@@ -45,6 +45,7 @@ from difrl.rewards.moving_digits import (SPEED, SPRITE, UNIT, centre_of_mass, cl
                                          locate_crops, motion_direction_of, velocity)
 from difrl.rollout import rollout
 from difrl.samplers.schedules import sigma_schedule
+from difrl.utils.collectives import whole
 from difrl.utils.rng import mix_seed
 from difrl.worlds import World, check_bundled_config
 from difrl.worlds.digits import fit_judge, image_grid, load_split
@@ -185,20 +186,23 @@ def real_reference(world: MovingDigitsWorld) -> tuple[torch.Tensor, float]:
 
 @torch.no_grad()
 def sample_eval_videos(policy, per_prompt: int = 10, num_steps: int = 10, seed: int = 1234, shift: float = 1.0,
-                       guidance: float = 1.0, batch_size: int = 400) -> tuple[torch.Tensor, torch.Tensor]:
+                       guidance: float = 1.0, batch_size: int = 400, split=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fixed-seed ODE clips, per_prompt of each of the 40 prompts (prompt-major). Returns videos [40 per_prompt,
-    F, 3, H, W] and their prompt ids."""
+    F, 3, H, W] and their prompt ids. `split` (n -> (rows, finish), difrl.utils.collectives.split_rows): this process
+    samples its rows and finish gathers every process's."""
     ids = torch.arange(len(PROMPTS)).repeat_interleave(per_prompt)
     seeds = torch.tensor([mix_seed(seed, i) for i in range(len(ids))])
-    batch = rollout(policy, [PROMPTS[int(i)] for i in ids], seeds, sigma_schedule(num_steps, shift), kernel="ode",
-                    sde_mask=torch.zeros(num_steps, dtype=torch.bool), guidance=guidance, batch_size=batch_size)
-    return policy.decode(batch.x_final), ids
+    rows, finish = (split or whole)(len(ids))
+    batch = rollout(policy, [PROMPTS[int(i)] for i in ids[rows]], seeds[rows], sigma_schedule(num_steps, shift),
+                    kernel="ode", sde_mask=torch.zeros(num_steps, dtype=torch.bool), guidance=guidance,
+                    batch_size=batch_size)
+    return finish(policy.decode(batch.x_final)), ids
 
 
 def evaluate_moving_digits(policy, world: MovingDigitsWorld, per_prompt: int = 10, num_steps: int = 10,
-                           seed: int = 1234, shift: float = 1.0) -> tuple[dict, torch.Tensor]:
-    """The moving-digits eval (no CFG, ODE, fixed seeds). Returns (metrics, videos)."""
-    videos, ids = sample_eval_videos(policy, per_prompt, num_steps, seed, shift)
+                           seed: int = 1234, shift: float = 1.0, split=None) -> tuple[dict, torch.Tensor]:
+    """The moving-digits eval (no CFG, ODE, fixed seeds); `split`: sample_eval_videos'. Returns (metrics, videos)."""
+    videos, ids = sample_eval_videos(policy, per_prompt, num_steps, seed, shift, split=split)
     return video_metrics(world, videos, ids, num_steps), videos
 
 
@@ -268,8 +272,8 @@ def flow_world(kind: str, model_path: str | None, cfg=None) -> World:
         for p in prompts:
             parse_moving_prompt(p)  # an unreadable prompt stops the run here, named (check_config names the key)
 
-    def evaluate(policy, per_digit=10, num_steps=10, seed=1234, shift=1.0):
-        return evaluate_moving_digits(policy, world, per_digit, num_steps, seed, shift)
+    def evaluate(policy, per_digit=10, num_steps=10, seed=1234, shift=1.0, split=None):
+        return evaluate_moving_digits(policy, world, per_digit, num_steps, seed, shift, split)
 
     def save_grid(videos: torch.Tensor, path: Path) -> None:
         # a GIF beside the trainer's .png name: row = digit, columns = left, right, up, down x 3 samples
