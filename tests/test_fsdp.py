@@ -540,7 +540,7 @@ def swap_and_restore_worker(out: str) -> None:
         saved |= {f"live/{k}": full_tensor(p) for k, p in params.items()}
         saved |= {f"ema/{k}": full_tensor(v) for k, v in ema.shadow.items()}
         run_dir = out / f"run-offload{offload}"
-        snap = snapshot(net, opt, ema)  # every process (collective); rank 0 writes
+        snap = snapshot(net, opt, ema, keep=True)  # every process (collective) keeps it here; rank 0 writes
         if rank == 0:
             write_checkpoint(run_dir, 1, snap, {})
         dist.barrier()

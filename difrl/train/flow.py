@@ -261,10 +261,12 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
                "headline": list(world.headline)}
     if (change := change_over_noise(summary["eval_before"], eval_after)) is not None:  # diffusers worlds
         summary["reward_change"] = change
-    # EMA weights if on; under FSDP every process gathers the full weights (sharding.gathered), the main one saves
-    # written in the dtypes the model was loaded in (model.dtype): transformer/ is a diffusers checkpoint like the base
-    with ema.swapped() if ema is not None else nullcontext(), gathered(unwrapped), masters.as_loaded(unwrapped):
-        if accelerator.is_main_process:
+    # EMA weights if on; under FSDP every process takes part in gathering the full weights (sharding.gathered), the
+    # main one alone keeps and saves them, written in the dtypes the model was loaded in (model.dtype): transformer/
+    # is a diffusers checkpoint like the base
+    main = accelerator.is_main_process
+    with ema.swapped() if ema is not None else nullcontext(), gathered(unwrapped, keep=main), masters.as_loaded(unwrapped):
+        if main:
             if world.save_lora is None:  # digits: a plain merged checkpoint usable as model.path
                 save_policy(policy, unwrapped, cfg.train.lora.enabled, run_dir / "policy.safetensors")
             elif cfg.train.lora.enabled:  # diffusers: run_dir/lora for pipe.load_lora_weights

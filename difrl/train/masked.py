@@ -295,8 +295,9 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
     save_samples(world, policy, run_dir / "samples" / f"iter-{done:04d}.png", main)
     summary = {"eval_before": run.state["eval_before"], "eval_after": eval_after, "iterations": done,
                "stopped_early": None, "run_dir": str(run_dir), "headline": list(world.headline)}
-    # under FSDP every process gathers the full weights, the main one saves them, in the dtypes they were loaded in
-    with gathered(net), masters.as_loaded(net):
+    # under FSDP every process takes part in gathering the full weights, the main one alone keeps and saves them, in
+    # the dtypes they were loaded in
+    with gathered(net, keep=main), masters.as_loaded(net):
         if main:
             save_policy(policy, net, cfg.train.lora.enabled, run_dir / "policy.safetensors")
             if cfg.train.lora.enabled:  # also the adapter alone in peft's own format: PeftModel.from_pretrained(base, run_dir/"lora")

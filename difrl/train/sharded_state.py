@@ -10,9 +10,12 @@ host (about 190 GB in fp32 for a 12B FLUX) at every save; with DCP each process 
 DTensor shards) and nothing is gathered. The directory is a checkpoint like a gathered one (difrl.train.state):
 ``checkpoints/iter-NNNNNN/`` holding DCP's ``__R_0.distcp`` (one per process) and ``.metadata`` (which rows of
 which tensor lie where), plus ``rng.safetensors`` and ``state.json`` from the main process and ``manifest.json``
-(size and SHA-256 of every other file, the DCP files included), written by the main process after a barrier, when
-every process's files are on disk. It is written under ``.tmp-iter-NNNNNN`` and renamed into place last
-(state.save_sharded, state.publish), so a run killed mid-save leaves no ``iter-*`` directory that resume would pick.
+(size and SHA-256 of every other file, the DCP files included): each process hashes the files it wrote, the records
+are gathered and the main process writes them (on resume each process verifies a share: difrl/train/manifest.py).
+Every process must see every file: on several nodes the run directory must be shared (a save that finds otherwise,
+and a restore missing a shard file, stop on every process with an error that says so). It is written under
+``.tmp-iter-NNNNNN`` and renamed into place last (state.save_sharded, state.publish), so a run killed mid-save
+leaves no ``iter-*`` directory that resume would pick.
 
 The tensors, one flat dict keyed by name (DCP saves each key's global shape and every process's chunk of it):
 ``trainable/NAME`` (the trained parameters), ``ema/NAME``, ``extra/EXTRA/NAME`` (DiffusionNFT's old policy, the
@@ -87,15 +90,40 @@ def state_tensors(module, optimizer, ema, extras: dict | None) -> dict[str, torc
     return out
 
 
-def write_shards(tmp: Path, module, optimizer, ema, extras: dict | None) -> None:
+def write_shards(tmp: Path, module, optimizer, ema, extras: dict | None) -> list[str]:
     """Every process writes its shards into the directory `tmp` with DCP (collective; difrl.train.state.save_sharded
-    wraps it into a complete checkpoint)."""
+    wraps it into a complete checkpoint). Returns the names of the files this process wrote (its ``__R_n.distcp``;
+    the main process's .metadata aside), which it hashes for the manifest."""
     import torch.distributed.checkpoint as dcp
 
+    class Writer(dcp.FileSystemWriter):  # notes the file-name prefix DCP's global plan gives this process (__R_)
+        prefix = None
+
+        def write_data(self, plan, planner):
+            self.prefix = plan.storage_data.prefix
+            return super().write_data(plan, planner)
+
     reshard(module)  # the registered parameters are the shards, not what a forward left gathered
+    writer = Writer(str(tmp))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=QUIET)
-        dcp.save(state_tensors(module, optimizer, ema, extras), storage_writer=dcp.FileSystemWriter(str(tmp)))
+        dcp.save(state_tensors(module, optimizer, ema, extras), storage_writer=writer)
+    return sorted(f.name for f in Path(tmp).iterdir() if f.name.startswith(writer.prefix) and f.suffix == ".distcp")
+
+
+def check_shard_files(path: Path, metadata) -> None:
+    """Before dcp.load (collective: every process calls it): every file DCP's .metadata names exists where this
+    process looks (under resharding a process may read any of them). A CheckpointError naming the missing files,
+    the processes that miss them and the shared run directory this needs, the same on every process, instead of a
+    dcp.load that fails or waits on some processes only (node-local run directories)."""
+    from difrl.train.manifest import SHARED, all_gather_objects
+
+    needed = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+    everyone = all_gather_objects([name for name in needed if not (Path(path) / name).is_file()])
+    if any(everyone):
+        said = (f"{', '.join(everyone[0])} missing for every process" if all(m == everyone[0] for m in everyone) else
+                "; ".join(f"process {i} does not find {', '.join(names)}" for i, names in enumerate(everyone) if names))
+        raise CheckpointError(f"checkpoint {path}: its shard files are incomplete ({said}): {SHARED}")
 
 
 def read_metadata(path: Path):
@@ -129,7 +157,8 @@ def load_sharded(path: Path, module, optimizer, ema, extras: dict | None, metada
     """Restore checkpoint `path` into the live objects, each tensor read in its own layout (this process's shard,
     or the whole tensor): every process calls it (collective). A checkpoint of another model, LoRA setting, EMA or
     objective is a ValueError naming what differs; unreadable files a CheckpointError."""
-    meta = (metadata or read_metadata(path)).state_dict_metadata
+    metadata = metadata or read_metadata(path)
+    meta = metadata.state_dict_metadata
     params = trainable(module)
     saved = {k.split("/", 1)[1] for k in meta if k.startswith("trainable/")}
     if saved != set(params):
@@ -162,6 +191,7 @@ def load_sharded(path: Path, module, optimizer, ema, extras: dict | None, metada
             same = tuple(m.size) == tuple(p.shape)
             t = torch.zeros_like(p) if same else torch.zeros(m.size, dtype=m.properties.dtype)
             moments.setdefault(name, {})[what] = want[key] = t
+    check_shard_files(path, metadata)  # a missing file is named on every process, not a dcp.load that waits
     with torch.no_grad():
         _load(path, want)
     if ema is not None:

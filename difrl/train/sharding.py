@@ -3,7 +3,7 @@
     accelerate launch --config_file configs/accelerate/fsdp.yaml scripts/train_flux.py configs/flux_tiny.yaml
     settings = fsdp_settings(accelerator)            # None unless the launch asked for FSDP (ACCELERATE_USE_FSDP)
     net = shard(net, policy.block_classes, settings)   # fully_shard per transformer block, then the root
-    with gathered(net): save(net)                   # every process: full fp32 weights in place of the shards
+    with gathered(net, keep=is_main): save(net)     # every process gathers; the main one holds the full weights
     full = full_tensor(p); p.copy_(like(p, full))  # one tensor gathered / put back into its shard
 
 Why difrl calls `torch.distributed.fsdp.fully_shard` itself instead of leaving it to
@@ -29,7 +29,8 @@ A sharded parameter is a DTensor holding this process's rows (dim 0, torch.chunk
 sharded by default under FSDP (train.checkpoint_format: each process writes its own rows with
 torch.distributed.checkpoint, difrl/train/sharded_state.py; a run resumes on another number of processes: tested
 2 -> 1 and 1 -> 2) or, with checkpoint_format=gathered, gathered to the full tensors a single process writes. The
-final weights (transformer/, lora/, policy.safetensors) are always gathered, once, at the end (`gathered`).
+final weights (transformer/, lora/, policy.safetensors) are always gathered, once, at the end (`gathered`), and held
+in full by the main process only (it writes them; the others drop each gathered tensor at once).
 
 The rollout copy of a sharded policy (a full low-precision copy per process, built one gathered unit at a time) is
 difrl/train/rollout_copy.py; the equal forward counts that FSDP needs of trees and Sol-RL, difrl/train/flow_plan.py.
@@ -314,11 +315,14 @@ def is_sharded(t) -> bool:
     return isinstance(t, DTensor)
 
 
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A sharded tensor gathered (collective: every process calls it, in the same order), on the CPU; a plain one as is."""
+def full_tensor(t: torch.Tensor, keep: bool = True) -> torch.Tensor | None:
+    """A sharded tensor gathered (collective: every process calls it, in the same order), on the CPU; a plain one as
+    is. keep=False: take part in the all-gather only, drop the result at once and return None (a process that does
+    not write what is gathered: gathered, state.snapshot)."""
     if is_sharded(t):
-        return t.detach().full_tensor().cpu()
-    return t
+        full = t.detach().full_tensor()
+        return full.cpu() if keep else None
+    return t if keep else None
 
 
 def like(ref: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
@@ -338,17 +342,26 @@ def like(ref: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def gathered(module: nn.Module):
-    """Inside the block `module`'s sharded parameters are replaced by their full values (fp32 masters, gathered on
-    every process), so saving it (save_pretrained, save_lora, a merged checkpoint) works as unsharded; the shards
-    are put back after. Tied parameters stay tied. No forward may run inside."""
+def gathered(module: nn.Module, keep: bool = True):
+    """Inside the block `module`'s sharded parameters are replaced by their full values (fp32 masters), so saving it
+    (save_pretrained, save_lora, a merged checkpoint) works as unsharded; the shards are put back after. Tied
+    parameters stay tied. No forward may run inside. Collective: every process enters it (each parameter is
+    all-gathered, in the same order everywhere).
+
+    `keep`: whether this process holds the full values. The final save passes keep=accelerator.is_main_process: the
+    main process writes the files, and each other process drops every gathered tensor as soon as its all-gather
+    returns (one tensor at a time) and sees meta tensors of the full shapes and dtypes inside the block (no data:
+    reading one fails loudly). Without it every process would hold the whole model at once (the host memory of
+    8 FLUX copies on one node)."""
     reshard(module)  # the shards registered, not what a forward left gathered (reshard_after_forward=False)
     swapped, full_of = [], {}
     for mod in module.modules():
         for name, p in list(mod._parameters.items()):
             if p is not None and is_sharded(p):
                 if id(p) not in full_of:
-                    full_of[id(p)] = nn.Parameter(full_tensor(p), requires_grad=p.requires_grad)
+                    full = full_tensor(p, keep)
+                    full_of[id(p)] = nn.Parameter(full if keep else torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                  requires_grad=p.requires_grad)
                 swapped.append((mod, name, p))
                 mod._parameters[name] = full_of[id(p)]
     try:

@@ -23,7 +23,10 @@ That is the gathered format (train.checkpoint_format=gathered: full tensors, wri
 sharded checkpoint (the default under FSDP: difrl/train/sharded_state.py) holds DCP's files in place of
 trainable / ema / optimizer / extras, with the same rng.safetensors, state.json, manifest, temporary name,
 rename, `latest` and pruning (publish); load_latest_checkpoint verifies it the same way, and restore_checkpoint
-reads its tensors into the live (sharded or plain) ones, whatever the number of processes that wrote it.
+reads its tensors into the live (sharded or plain) ones, whatever the number of processes that wrote it. With
+several processes none hashes, gathers or verifies for the others: each hashes the shard files it wrote and, on
+resume, its share of the files, and the verdicts are agreed (difrl/train/manifest.py); a gathered snapshot is held
+in full by the main process only.
 """
 
 from __future__ import annotations
@@ -37,16 +40,22 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from difrl.train.manifest import MANIFEST, SHARED, all_gather_objects, check, file_record, verdict
 from difrl.train.sharded_state import (CheckpointError, is_sharded_checkpoint, load_sharded, read_metadata,  # noqa: F401
                                        write_shards)
-from difrl.train.sharding import like, reshard
+from difrl.train.sharding import is_sharded, like, reshard
 from difrl.utils.io import (atomic_write_json, atomic_write_text, load_safetensors_checked, load_torch_state,
-                            save_safetensors, save_torch_state, sha256_file)
+                            save_safetensors, save_torch_state)
 
 
 class EMA:
     """Exponential moving average of named tensors, decay warmed up as min(decay, (1 + n) / (10 + n)). `module`: the
-    network holding `params`; under FSDP give it, so that a swap reshards it (sharding.reshard)."""
+    network holding `params`; under FSDP give it, so that a swap reshards it (sharding.reshard).
+
+    Update and swap are `torch._foreach_*` calls over every tensor at once (a few fused kernels, not one op and one
+    Python dispatch per parameter: thousands at FLUX scale), on the local tensors (a DTensor's shard: the EMA is
+    elementwise, so each process averages its own rows, as the per-parameter DTensor ops did). The numbers are the
+    per-tensor loop's: the same lerp and copy kernels (tests/test_dcp_scale.py checks bit equality)."""
 
     def __init__(self, params: dict[str, nn.Parameter], decay: float, module: nn.Module | None = None):
         self.decay = decay
@@ -55,21 +64,35 @@ class EMA:
         self.shadow = {k: p.detach().clone() for k, p in params.items()}
         self.num_updates = 0
 
+    def _pairs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(live, shadow) as plain local tensors, in the params' order (a sharded one's local rows: its storage)."""
+        live = [_local(p.detach()) for p in self.params.values()]
+        return live, [_local(self.shadow[k]) for k in self.params]
+
     @torch.no_grad()
     def update(self, decay: float | None = None) -> None:
         """shadow <- d shadow + (1 - d) live; d = `decay` if given, else the warmed-up self.decay."""
         d = min(self.decay, (1 + self.num_updates) / (10 + self.num_updates)) if decay is None else decay
-        for k, p in self.params.items():
-            self.shadow[k].lerp_(p.detach(), 1.0 - d)
+        live, shadow = self._pairs()
+        if live:
+            torch._foreach_lerp_(shadow, live, 1.0 - d)
         self.num_updates += 1
 
     @torch.no_grad()
     def swap(self) -> None:
-        """Exchange live and EMA weights (call twice to restore)."""
-        for k, p in self.params.items():
-            tmp = p.detach().clone()
-            p.copy_(self.shadow[k])
-            self.shadow[k].copy_(tmp)
+        """Exchange live and EMA weights (call twice to restore). The temporary copy of the live weights is made
+        SWAP_BUCKET_BYTES at a time (the per-parameter loop held one parameter; a copy of all of them would add a
+        whole shard of the model at once)."""
+        live, shadow = self._pairs()
+        start = 0
+        while start < len(live):
+            end, size = start, 0
+            while end < len(live) and (end == start or size + live[end].nbytes <= SWAP_BUCKET_BYTES):
+                size, end = size + live[end].nbytes, end + 1
+            held = torch._foreach_mul(live[start:end], 1.0)  # a copy: x * 1.0 is x exactly (IEEE, signed zeros too)
+            torch._foreach_copy_(live[start:end], shadow[start:end])
+            torch._foreach_copy_(shadow[start:end], held)
+            start = end
         if self.module is not None:  # the next forward must gather the swapped shards (reshard_after_forward=False)
             reshard(self.module)
 
@@ -81,6 +104,13 @@ class EMA:
             yield
         finally:
             self.swap()
+
+
+SWAP_BUCKET_BYTES = 1 << 28  # the most bytes EMA.swap copies aside at once (256 MiB)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if is_sharded(t) else t
 
 
 def trainable_params(module: nn.Module) -> dict[str, nn.Parameter]:
@@ -101,47 +131,26 @@ class Checkpoint:
     # in restore_checkpoint, into the live (sharded) ones, and trainable, ema and optimizer are None
 
 
-MANIFEST = "manifest.json"
-
-
-def write_manifest(path: Path) -> None:
-    """path/manifest.json: {"format": 1, "files": {name: {"bytes": n, "sha256": hex}}} over every other file,
-    hashed from the bytes on disk (so it also catches a write that did not land as written)."""
-    files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
-             for f in sorted(path.iterdir()) if f.is_file() and f.name != MANIFEST}
-    atomic_write_json(path / MANIFEST, {"format": 1, "files": files})
+def write_manifest(path: Path, hashed: dict | None = None) -> None:
+    """path/manifest.json: {"format": 1, "files": {name: {"bytes": n, "sha256": hex}}} over every other file, hashed
+    from the bytes on disk (difrl.train.manifest.file_record). `hashed`: entries made already (a sharded save: each
+    process hashed the shard files it wrote); the rest of the directory is hashed here."""
+    files = dict(hashed or {})
+    files |= {f.name: file_record(f) for f in sorted(path.iterdir())
+              if f.is_file() and f.name != MANIFEST and f.name not in files}
+    atomic_write_json(path / MANIFEST, {"format": 1, "files": dict(sorted(files.items()))})
 
 
 def verify_manifest(path: Path, allow_unverified: bool = False) -> bool:
-    """Check every file of checkpoint `path` against its manifest: raises CheckpointError naming each missing,
-    resized, changed or unlisted file. No manifest.json (written before manifests existed, or the manifest was
-    deleted: the two look the same) is a CheckpointError too, unless `allow_unverified`: then this returns
-    False (not verified; its files are still checked as they load)."""
-    if not (path / MANIFEST).exists():
-        if allow_unverified:
-            return False
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is missing, so its bytes cannot be verified (deleted, "
-                              "or written before difrl wrote manifests); to load such a checkpoint unchecked pass "
-                              "resume_unverified=true")
-    try:
-        listed = json.loads((path / MANIFEST).read_text())["files"]
-        listed = {str(k): (int(v["bytes"]), str(v["sha256"])) for k, v in listed.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable ({type(e).__name__}: {e})") from e
-    problems = []
-    for name, (size, digest) in sorted(listed.items()):
-        f = path / name
-        if not f.is_file():
-            problems.append(f"{name} is missing")
-        elif f.stat().st_size != size:
-            problems.append(f"{name} has {f.stat().st_size} bytes, the manifest says {size} (truncated or overwritten)")
-        elif sha256_file(f) != digest:
-            problems.append(f"{name} does not match its SHA-256 in the manifest (its bytes changed)")
-    problems += [f"{f.name} is not in the manifest" for f in sorted(path.iterdir())
-                 if f.is_file() and f.name != MANIFEST and f.name not in listed]
-    if problems:
-        raise CheckpointError(f"checkpoint {path}: " + "; ".join(problems))
-    return True
+    """Check every file of checkpoint `path` against its manifest (in this one process): raises CheckpointError
+    naming each missing, resized, changed or unlisted file. No manifest.json (written before manifests existed, or
+    the manifest was deleted: the two look the same) is a CheckpointError too, unless `allow_unverified`: then this
+    returns False (not verified; its files are still checked as they load). Several processes share the work:
+    load_latest_checkpoint(process=...)."""
+    verified, problem = verdict(path, [check(path, allow_unverified)])
+    if problem is not None:
+        raise CheckpointError(problem)
+    return verified
 
 
 def checkpoint_dirs(root: Path) -> list[Path]:
@@ -160,21 +169,30 @@ class Snapshot:
     extras: dict[str, tuple[dict[str, torch.Tensor], int]]
 
 
-def snapshot(module: nn.Module, optimizer, ema: EMA | None, extras: dict[str, EMA] | None = None) -> Snapshot:
-    """The checkpoint's content. Under FSDP every process must call it (sharded tensors are gathered, in the
-    same order everywhere); the result is what one unsharded process would save."""
+def snapshot(module: nn.Module, optimizer, ema: EMA | None, extras: dict[str, EMA] | None = None,
+             keep: bool | None = None) -> Snapshot | None:
+    """The checkpoint's content, what one unsharded process would save. Under FSDP every process must call it
+    (sharded tensors are gathered one at a time, in the same order everywhere), and only the process that writes the
+    checkpoint keeps them: `keep` (default: this is the main process, rank 0, or there is no process group); the
+    others drop each gathered tensor as soon as its all-gather returns and get None (no process but the writer ever
+    holds the full model, its EMA and AdamW's moments: about 190 GB for a 12B FLUX)."""
     from difrl.train.sharding import full_tensor
 
+    if keep is None:
+        keep = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
     def full(tensors: dict) -> dict:
-        return {k: full_tensor(v) for k, v in tensors.items()}
+        return {k: full_tensor(v, keep) for k, v in tensors.items()}
 
     reshard(module)  # its parameters are the shards again, not what a forward left gathered
 
     opt = optimizer.state_dict()
-    opt = {**opt, "state": {i: {k: full_tensor(v) if torch.is_tensor(v) else v for k, v in st.items()}
+    opt = {**opt, "state": {i: {k: full_tensor(v, keep) if torch.is_tensor(v) else v for k, v in st.items()}
                             for i, st in sorted(opt["state"].items())}}
-    return Snapshot(full(trainable_params(module)), opt, None if ema is None else (full(ema.shadow), ema.num_updates),
-                    {name: (full(e.shadow), e.num_updates) for name, e in (extras or {}).items()})
+    trained = full(trainable_params(module))
+    ema_full = None if ema is None else (full(ema.shadow), ema.num_updates)
+    extras_full = {name: (full(e.shadow), e.num_updates) for name, e in (extras or {}).items()}
+    return Snapshot(trained, opt, ema_full, extras_full) if keep else None
 
 
 def save_checkpoint(run_dir: Path, iteration: int, module: nn.Module, optimizer, ema: EMA | None,
@@ -210,13 +228,14 @@ def write_extras(tmp: Path, iteration: int, state: dict, ema: EMA | None = None,
     atomic_write_json(tmp / "state.json", {"iteration": iteration, **state, **counts})
 
 
-def publish(root: Path, tmp: Path, iteration: int, keep: int = 2) -> Path:
+def publish(root: Path, tmp: Path, iteration: int, keep: int = 2, hashed: dict | None = None) -> Path:
     """Complete the checkpoint written in `tmp` (main process, after every file is on disk): its manifest, then
     the rename to iter-N (a directory under that name is complete), `latest`, and the pruning. The newest
     max(keep, 2) checkpoints up to `iteration` are kept, so a damaged newest one can fall back to the previous
-    (load_latest_checkpoint); any after `iteration` (the damaged one a resumed run fell back from) are removed."""
+    (load_latest_checkpoint); any after `iteration` (the damaged one a resumed run fell back from) are removed.
+    `hashed`: manifest entries made by the processes that wrote the files (write_manifest)."""
     final = root / f"iter-{iteration:06d}"
-    write_manifest(tmp)  # last: a directory with a manifest is complete
+    write_manifest(tmp, hashed)  # last: a directory with a manifest is complete
     if final.exists():  # a resumed run redoing an iteration (or replacing a damaged checkpoint): out of the way first
         _discard(final, root)
     tmp.rename(final)
@@ -232,8 +251,10 @@ def publish(root: Path, tmp: Path, iteration: int, keep: int = 2) -> Path:
 def save_sharded(run_dir: Path, iteration: int, module: nn.Module, optimizer, ema: EMA | None, extras: dict | None,
                  state: dict, is_main: bool, barrier, keep: int = 2) -> Path:
     """Write sharded checkpoint `iteration` (difrl.train.sharded_state): every process calls it. Each writes its
-    shards into ``.tmp-iter-N`` with DCP; after a barrier (every process's files on disk) the main process adds
-    rng.safetensors, state.json and the manifest and renames the directory into place (publish)."""
+    shards into ``.tmp-iter-N`` with DCP and hashes the files it wrote; the records are gathered (small objects), and
+    every process checks that it sees every file (else all raise CheckpointError: the run directory is not shared);
+    the main process adds rng.safetensors and state.json, the manifest from the records, and renames the directory
+    into place (publish). No process reads another's shard files."""
     root = Path(run_dir) / "checkpoints"
     tmp = root / f".tmp-iter-{iteration:06d}"
     if is_main:
@@ -241,35 +262,27 @@ def save_sharded(run_dir: Path, iteration: int, module: nn.Module, optimizer, em
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     barrier()
-    write_shards(tmp, module, optimizer, ema, extras)
-    barrier()
+    written = write_shards(tmp, module, optimizer, ema, extras)  # this process's __R_n.distcp
+    hashed = {}
+    for part in all_gather_objects({name: file_record(tmp / name) for name in written}):
+        hashed |= part
+    unseen = all_gather_objects(sorted(name for name in hashed if not (tmp / name).is_file()))
+    if any(unseen):
+        said = "; ".join(f"process {i} does not see {', '.join(names)}" for i, names in enumerate(unseen) if names)
+        raise CheckpointError(f"checkpoint {tmp}: {said}, written by another process: {SHARED}")
     if is_main:
         write_extras(tmp, iteration, state, ema, extras)
-        publish(root, tmp, iteration, keep)
+        publish(root, tmp, iteration, keep, hashed)
     return root / f"iter-{iteration:06d}"
 
 
 def latest_checkpoint(run_dir: Path, log, allow_unverified: bool, accelerator=None) -> Checkpoint | None:
-    """load_latest_checkpoint for every process of a run: the main one verifies the checksums (each file read once,
-    not once per process) and picks the newest intact checkpoint; the others load the one it names. A
-    CheckpointError (every checkpoint damaged) is raised on every process."""
+    """load_latest_checkpoint for every process of a run (each calls it): each process verifies its share of the
+    files (difrl.train.manifest), the verdict is agreed, and all load the same checkpoint or raise the same
+    CheckpointError."""
     if accelerator is None or accelerator.num_processes == 1:
         return load_latest_checkpoint(run_dir, log, allow_unverified=allow_unverified)
-    from accelerate.utils import broadcast_object_list
-
-    ckpt, said = None, [None, None]
-    if accelerator.is_main_process:
-        try:
-            ckpt = load_latest_checkpoint(run_dir, log, allow_unverified=allow_unverified)
-            said = [None if ckpt is None else str(ckpt.path), None]
-        except CheckpointError as e:
-            said = [None, str(e)]
-    broadcast_object_list(said)
-    if said[1] is not None:
-        raise CheckpointError(said[1])
-    if not accelerator.is_main_process and said[0] is not None:
-        ckpt = _load_checkpoint(Path(said[0]))
-    return ckpt
+    return load_latest_checkpoint(run_dir, log, allow_unverified, (accelerator.process_index, accelerator.num_processes))
 
 
 def _discard(path: Path, root: Path) -> None:
@@ -282,33 +295,46 @@ def _discard(path: Path, root: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def load_latest_checkpoint(run_dir: Path, log=print, allow_unverified: bool = False) -> Checkpoint | None:
+def load_latest_checkpoint(run_dir: Path, log=print, allow_unverified: bool = False,
+                           process: tuple[int, int] = (0, 1)) -> Checkpoint | None:
     """The newest intact checkpoint of the run, or None if it has none. Each is verified against its manifest
     before it loads; a damaged one (a changed, truncated, missing or unlisted file, garbage state, no
     manifest.json) is reported through `log`, naming the checkpoint and the file, and the previous one is
     tried. When checkpoints exist but none is intact this raises CheckpointError: a run never silently starts
     again from scratch. `allow_unverified` (config key resume_unverified): a checkpoint without manifest.json
-    loads with a warning instead (its files are checked only as they parse)."""
+    loads with a warning instead (its files are checked only as they parse). `process`: (index, count) when every
+    process of a run calls it (latest_checkpoint): each hashes its share of the files, the main process's list of
+    checkpoints is walked, and every verdict is agreed, so all return the same checkpoint or raise the same error."""
+    index, count = process
     root = Path(run_dir) / "checkpoints"
     latest = root / "latest"
-    candidates = checkpoint_dirs(root)
-    if latest.exists():
-        named = root / latest.read_text(errors="replace").strip()
-        if named not in candidates:
-            log(f"difrl: {latest} names {named.name!r}, which is not a checkpoint; looking for the newest intact one")
+    names = [p.name for p in checkpoint_dirs(root)]
+    pointer = latest.read_text(errors="replace").strip() if latest.exists() else None
+    if count > 1:  # the main process's view: every process walks the same candidates
+        names, pointer = all_gather_objects((names, pointer))[0]
+    candidates = [root / n for n in names]
+    if pointer is not None and (root / pointer) not in candidates:
+        log(f"difrl: {latest} names {(root / pointer).name!r}, which is not a checkpoint; looking for the newest "
+            "intact one")
     if not candidates:
-        if latest.exists():
+        if pointer is not None:
             raise CheckpointError(f"{latest} exists but {root} holds no checkpoint directory: the run directory is "
                                   "damaged (move checkpoints/ aside to start the run again)")
         return None
     damaged = []
     for path in candidates:
-        try:
-            verified = verify_manifest(path, allow_unverified)
-            ckpt = _load_checkpoint(path)
-        except CheckpointError as e:
-            damaged.append(str(e))
-            log(f"difrl: WARNING: {e}; trying the previous checkpoint")
+        report = check(path, allow_unverified, index, count)
+        verified, problem = verdict(path, all_gather_objects(report) if count > 1 else [report])
+        if problem is None:
+            try:
+                ckpt = _load_checkpoint(path)
+            except CheckpointError as e:
+                problem = str(e)
+            if count > 1:  # the same verdict everywhere (a file may load on one process and not on another)
+                problem = " | ".join(dict.fromkeys(e for e in all_gather_objects(problem) if e)) or None
+        if problem is not None:
+            damaged.append(problem)
+            log(f"difrl: WARNING: {problem}; trying the previous checkpoint")
             continue
         if not verified:
             log(f"difrl: WARNING: checkpoint {path} has no {MANIFEST} and resume_unverified=true: its bytes are "
@@ -365,7 +391,6 @@ def _load_rng(path: Path) -> dict[str, torch.Tensor]:
 def _optimizer_state_like(optimizer, saved: dict) -> dict:
     """A saved (full) optimizer state dict with each per-parameter tensor laid out like its parameter (its
     shard under FSDP); state entries are numbered over the param groups' parameters in order."""
-    from difrl.train.sharding import is_sharded
 
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if not any(is_sharded(p) for p in params):
