@@ -80,6 +80,10 @@ def test_the_continue_command_is_the_launch_with_resume_in_place_of_the_argument
     # one process, no launcher (the parent is a shell): its own command line
     own = ["/v/python", "/v/difrl", "train", "configs/digits.yaml", "--out", "runs/x"]
     assert said(monkeypatch, ("train",), own, ["-bash"], {}) == "/v/python /v/difrl train resume=runs/x"
+    (tmp_path / "difrl").write_text("#!/v/python\n")  # the difrl console script on PATH
+    (tmp_path / "difrl").chmod(0o755)
+    assert said(monkeypatch, ("train",), ["/v/python", str(tmp_path / "difrl"), *own[2:]], ["-bash"], {}) == (
+        "difrl train resume=runs/x")
     # several processes whose launcher is not the parent (srun, mpirun): no command, what to run in words
     line = said(monkeypatch, ("train",), own, ["slurmstepd: [1.0]"], {"WORLD_SIZE": "4"})
     assert line.startswith("the launch that started these 4 processes again, with `train resume=runs/x` in place of "

@@ -136,8 +136,8 @@ def _cmdline(pid: int) -> list[str] | None:
 
 
 def _readable(prefix: list[str]) -> list[str]:
-    """`python /venv/bin/accelerate launch ...` (what the kernel records for a console script) as `accelerate
-    launch ...` when `accelerate` on PATH is that same file; anything else as it is."""
+    """`python /venv/bin/accelerate launch ...` (what the kernel records for a console script: its interpreter, then
+    the script's path) as `accelerate launch ...` when `accelerate` on PATH is that same file; else as it is."""
     if len(prefix) > 1 and Path(prefix[0]).name.startswith("python") and os.path.isfile(prefix[1]):
         name, found = Path(prefix[1]).name, shutil.which(Path(prefix[1]).name)
         if found and os.path.samefile(found, prefix[1]):
@@ -172,12 +172,12 @@ def launch_command(program: tuple[str, ...] | None, argv: list[str] | None) -> t
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
         note = (f" (on node {os.environ.get('GROUP_RANK', '0')}; every node runs its own launch command with its "
                 "arguments replaced the same way)") if world > local else ""
-        return [*_readable(parent[:-n]), own[-n], *program], "", note
+        return [*_readable([*parent[:-n], own[-n]]), *program], "", note
     if world > 1:  # srun, mpirun, a launcher that is not the parent: its command line is out of sight
         return None, (f"the launch that started these {world} processes again, with "
                       f"`{shlex.join([*program, 'resume=RUN_DIR'])}` in place of the arguments after {own[-n]} "
                       "(this process cannot see its launcher's command line)"), ""
-    return [*_readable(own[:-n]), own[-n], *program], "", ""
+    return [*_readable(own[:len(own) - n + 1]), *program], "", ""  # python [options] TARGET, or TARGET on PATH
 
 
 def continue_command(run_dir: Path) -> str:
