@@ -14,7 +14,8 @@
 Config errors (unknown key, wrong type, out of range, a resume that changes the run's settings, a run
 directory that already holds a run) and bad input (a missing checkpoint, a failing reward, a reward server
 that is down at start-up) end the command with one clear line and exit status 2. Ctrl-C or SIGTERM during
-training saves a checkpoint and ends with one line naming the resume command, exit status 130 / 143
+training saves a checkpoint and ends with one line naming the command that continues the run as it was launched
+(the launcher and its options kept, `train resume=RUN_DIR` as the arguments), exit status 130 / 143
 (difrl.train.interrupt). Known third-party start-up noise is left out (difrl.utils.quiet).
 """
 
