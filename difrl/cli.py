@@ -28,7 +28,8 @@ import sys
 from pathlib import Path
 
 # `key=value`'s value, and `difrl train resume=R [CONFIG] [key=value ...]`'s config: shared with the entry scripts
-from difrl.train.entry import given as _given, load_resume_config  # noqa: F401
+from difrl.train.entry import given as _given
+from difrl.train.entry import load_resume_config
 
 
 def _split(argv: list[str]) -> tuple[str | None, list[str]]:

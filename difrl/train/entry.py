@@ -79,7 +79,6 @@ def main(kind: str, argv: list[str] | None = None, description: str | None = Non
 
     try:
         from difrl.train.flow import train
-
         from difrl.train.recipes import load_train_config
 
         # any world's config: a wrong one is named below
