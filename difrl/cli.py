@@ -14,7 +14,8 @@
 Config errors (unknown key, wrong type, out of range, a resume that changes the run's settings, a run
 directory that already holds a run) and bad input (a missing checkpoint, a failing reward, a reward server
 that is down at start-up) end the command with one clear line and exit status 2. Ctrl-C or SIGTERM during
-training saves a checkpoint and ends with one line naming the resume command, exit status 130 / 143
+training saves a checkpoint and ends with one line naming the command that continues the run as it was launched
+(the launcher and its options kept, `train resume=RUN_DIR` as the arguments), exit status 130 / 143
 (difrl.train.interrupt). Known third-party start-up noise is left out (difrl.utils.quiet).
 """
 
@@ -25,6 +26,10 @@ import json
 import os
 import sys
 from pathlib import Path
+
+# `key=value`'s value, and `difrl train resume=R [CONFIG] [key=value ...]`'s config: shared with the entry scripts
+from difrl.train.entry import given as _given
+from difrl.train.entry import load_resume_config
 
 
 def _split(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -57,33 +62,6 @@ def _run_dir_config(path: str | None) -> tuple[Path | None, str | None]:
     return None, path
 
 
-def _given(overrides: list[str], key: str) -> str | None:
-    """The value of the last `key=value` override, or None."""
-    values = [o.partition("=")[2].strip() for o in overrides if o.partition("=")[0].strip() == key]
-    return values[-1] if values else None
-
-
-def load_resume_config(path: str | None, overrides: list[str]):
-    """`difrl train resume=R [CONFIG] [key=value ...]`: the run's own R/config.yaml with the overrides (CONFIG, if
-    given, in its place, checked against R/config.yaml key by key like the overrides), refused as
-    difrl.train.rundir.check_resume says, naming who says each refused value: the command line or CONFIG."""
-    from difrl.config import CLI
-    from difrl.train.rundir import check_resume
-
-    run = Path(_given(overrides, "resume"))
-    if not (run / "config.yaml").is_file():
-        raise FileNotFoundError(f"resume={run}: {run} holds no run to continue (no config.yaml, no checkpoint)")
-    cfg = _load(path or str(run / "config.yaml"), overrides)
-    keys = [o.partition("=")[0].strip() for o in overrides]
-
-    def said(key: str) -> str:
-        from_cli = path is None or any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in keys)
-        return f"{'the ' + CLI if from_cli else path} says"
-
-    check_resume(cfg, run, said)
-    return cfg
-
-
 def cmd_train(args) -> int:
     from difrl.train.interrupt import Interrupted, stop_on_signals
     from difrl.train.recipes import train_function
@@ -93,7 +71,9 @@ def cmd_train(args) -> int:
     resume = _given(overrides, "resume")
     if path is None and not resume:
         raise SystemExit("difrl train: give a config file, e.g. difrl train configs/digits.yaml (or resume=RUN_DIR)")
-    with stop_on_signals():  # SIGINT / SIGTERM: a checkpoint, one line, exit 130 / 143 (difrl.train.interrupt)
+    # SIGINT / SIGTERM: a checkpoint, one line with the command that continues the run as it was launched (the
+    # launcher and its options kept, `train resume=RUN_DIR` as the arguments), exit 130 / 143 (difrl.train.interrupt)
+    with stop_on_signals(program=("train",), argv=args.argv):
         # resume=: the run's own config.yaml; a change of anything but the safe keys is refused (difrl.train.rundir),
         # and the run directory is the resumed one: --out or out= naming another is refused there too
         cfg = load_resume_config(path, overrides) if resume else _load(path, overrides)
@@ -592,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:
         args.rest = [*args.rest, *extra]
+    args.argv = argv  # None: sys.argv[1:], this process's own command line (the resume command is built from it)
     try:
         return args.fn(args)
     except (ConfigError, RewardError, FileNotFoundError, ValueError) as e:  # ValueError: bad checkpoints/settings

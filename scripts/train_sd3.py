@@ -7,6 +7,9 @@
 
 Everything else is the config: configs/sd3_*.yaml carry the published defaults, each headed by its command (sized for
 32 GPUs: on P, train.grad_accum = 1152 / (2 x 9 x P) keeps their 2 updates per rollout; the start-up error says so).
+`resume=DIR` alone (no config file) continues the run in DIR with its config.yaml; a run of several processes
+continues under the launch that started it, `resume=DIR` in place of train_sd3.py's arguments: the command a stopped
+run prints (difrl.train.interrupt). key=value overrides may follow --out.
 """
 
 from difrl.train.entry import main

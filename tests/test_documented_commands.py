@@ -126,6 +126,9 @@ SKIP = {
     "difrl train / eval / config / rewards / reward-server ...": "docs/architecture.md's list of subcommands",
     "difrl train resume=DIR": "synopsis (DIR); resuming a run with its own config.yaml is tests/test_run_dir.py and "
                               "tests/test_interrupt.py",
+    "accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes 8 scripts/train_flux.py "
+    "resume=runs/flux": "continues a FLUX.1 run on 8 GPUs; the same launch on 2 gloo processes (tiny FLUX), stopped and "
+                        "continued with the command its stop line printed, is tests/test_resume_command.py",
     "python -m difrl train": "the name of the process a signal is sent to in tests/test_interrupt.py, not a command",
     "python scripts/pretrain_digits.py --out DIR": "placeholder DIR; the script is run by "
                                                    "tests/test_digits_world.py::test_pretrain_script_reproduces_bundled_assets",

@@ -4,13 +4,16 @@
 
 Real signals throughout: in the handler's own test, into an in-process masked run (sent from inside the reward
 stage or the update), to a `python -m difrl train` process (SIGINT) and to a torchrun launcher's process group
-(SIGTERM, two gloo processes), each run then resumed with `difrl train resume=RUN_DIR`.
+(SIGTERM, two gloo processes), each run then continued with the command its stop line printed (the same launch,
+`train resume=RUN_DIR` as the arguments). A poll after the reward stage rides on its verdict gather, one at an
+iteration's end is one all-reduce (a fake two-process accelerator counts them).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -90,6 +93,55 @@ def test_the_handler_by_phase(monkeypatch, tmp_path):
     assert signal.getsignal(signal.SIGINT) is before and interrupt.requested() == 0
 
 
+# ---------------------------------------------------------------------------------- the poll's cost
+
+
+class TwoProcesses:
+    """The accelerator of this process and one other, whose signal is `theirs`: each collective is recorded."""
+    num_processes, is_main_process, device = 2, True, torch.device("cpu")
+
+    def __init__(self):
+        self.theirs, self.calls = 0, []
+
+    def reduce(self, t, reduction="sum"):  # the other process's votes: 1 for the signal it got
+        self.calls.append(f"all_reduce({reduction})")
+        return t + torch.tensor([self.theirs == s for s in interrupt.SIGNALS], dtype=t.dtype)
+
+    def gather(self, t):
+        self.calls.append("all_gather")
+        return torch.cat([t, torch.tensor([self.theirs], dtype=t.dtype)])
+
+    def gather_object(self, objs):  # the reward stage's verdict gather; the other process carries its signal too
+        self.calls.append("gather_object")
+        return objs + [(self.theirs, item) for _, item in objs]
+
+
+def test_a_poll_rides_on_the_reward_gather_or_is_one_all_reduce(tmp_path):
+    # an iteration polls twice: after the reward stage (carried by its verdict gather, no collective of its own) and
+    # at its end (one all-reduce); a signal on the other process stops this one at the same poll
+    from difrl.train.scaffold import Run
+
+    acc = TwoProcesses()
+    run = Run(tmp_path, torch.nn.Linear(1, 1), None, None, {}, acc, {}, 0, total=3)
+    interrupt.training(tmp_path)
+    assert run.carrying(acc.gather_object)(["verdict"]) == ["verdict", "verdict"]  # the reward stage's result
+    assert not run.interrupted() and acc.calls == ["gather_object"]
+    assert not run.interrupted() and acc.calls == ["gather_object", "all_reduce(sum)"]  # the iteration's end
+
+    acc.calls, acc.theirs = [], signal.SIGTERM  # the other process got SIGTERM during the next rollout
+    run.carrying(acc.gather_object)(["verdict"])
+    assert run.interrupted() and run.signal == signal.SIGTERM and acc.calls == ["gather_object"]
+    assert run.interrupted() and acc.calls == ["gather_object"]  # agreed once: end_loop's poll needs nothing more
+
+    run = Run(tmp_path, torch.nn.Linear(1, 1), None, None, {}, acc, {}, 0, total=3)
+    interrupt.training(tmp_path)
+    acc.calls, acc.theirs = [], signal.SIGINT  # ... during an update: the end poll's all-reduce says so
+    assert run.interrupted() and run.signal == signal.SIGINT and acc.calls == ["all_reduce(sum)"]
+
+    one = Run(tmp_path, torch.nn.Linear(1, 1), None, None, {}, None, {}, 0, total=3)
+    assert one.carrying(None) is None and not one.interrupted()  # one process: the handler's flag, no collective
+
+
 # ---------------------------------------------------------------------------------- the masked trainer, in process
 
 
@@ -153,12 +205,14 @@ def launch(cmd: list[str], out: Path, log: Path, signum: int, after_rows: int, g
     return text
 
 
-def stopped_at(text: str, signame: str, run_dir: Path) -> int:
-    """The iteration of the one line that says how to continue (no traceback from difrl)."""
-    said = [ln for ln in text.splitlines() if "continue with: difrl train resume=" in ln]
+def stopped_at(text: str, signame: str, run_dir: Path, launch: list[str]) -> tuple[int, list[str]]:
+    """The iteration of the one line that says how to continue (no traceback from difrl), and its command: the
+    launch `launch` (up to the module) with `train resume=RUN_DIR` as its arguments."""
+    said = [ln for ln in text.splitlines() if "continue with: " in ln]
     assert len(said) == 1 and said[0].startswith(f"difrl: stopped by {signame} after iteration "), text[-3000:]
-    assert said[0].endswith(f"resume={run_dir}")
-    return int(said[0].split("after iteration ")[1].split()[0])
+    cmd = shlex.split(said[0].split("continue with: ", 1)[1])
+    assert cmd == [*launch, "train", f"resume={run_dir}"], said[0]
+    return int(said[0].split("after iteration ")[1].split()[0]), cmd
 
 
 def difrl(nproc: int) -> list[str]:
@@ -177,12 +231,11 @@ def test_ctrl_c_checkpoints_and_resume_equals_the_run_never_stopped(tmp_path):
     text = launch([*difrl(1), "train", DIGITS, *TINY, "--out", str(part)], part, tmp_path / "part.log",
                   signal.SIGINT, after_rows=3)
     assert "Traceback" not in text and "KeyboardInterrupt" not in text
-    k = stopped_at(text, "SIGINT", part)
+    k, resume = stopped_at(text, "SIGINT", part, difrl(1))  # `python -m difrl train resume=DIR`
     assert 3 <= k < 40 and len(rows(part)) == k
     assert (part / "checkpoints" / f"iter-{k:06d}" / "manifest.json").is_file()  # a verified checkpoint
 
-    proc = subprocess.run([*difrl(1), "train", f"resume={part}"], capture_output=True, text=True, env=ENV, cwd=ROOT,
-                          timeout=600)
+    proc = subprocess.run(resume, capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"after iteration {k}" in proc.stdout
     assert rows(part) == rows(full) and len(rows(full)) == 40
@@ -203,13 +256,12 @@ def test_sigterm_to_a_torchrun_group_stops_both_processes_together(tmp_path):
     # their own), which agree on one iteration boundary and checkpoint it (a lone stop would hang the barrier)
     text = launch([*difrl(2), "train", DIGITS, *TINY, "--out", str(part)], part, tmp_path / "part.log",
                   signal.SIGTERM, after_rows=3, group=True)
-    k = stopped_at(text, "SIGTERM", part)
+    k, resume = stopped_at(text, "SIGTERM", part, difrl(2))  # the same torchrun launch, 2 processes
     assert 3 <= k < 40 and len(rows(part)) == k
     assert (part / "checkpoints" / f"iter-{k:06d}" / "manifest.json").is_file()
     assert "KeyboardInterrupt" not in text and f'File "{ROOT / "difrl"}' not in text  # a traceback is torchrun's own
 
-    proc = subprocess.run([*difrl(2), "train", f"resume={part}"], capture_output=True, text=True, env=ENV, cwd=ROOT,
-                          timeout=600)
+    proc = subprocess.run(resume, capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert rows(part) == rows(full) and len(rows(full)) == 40
     assert_same_weights(part / "policy.safetensors", full / "policy.safetensors")

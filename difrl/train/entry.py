@@ -1,12 +1,16 @@
 """The body of the entry scripts (scripts/train_flux.py, train_sd3.py, train_wan.py): `difrl train` for one model kind.
 
-    python scripts/train_flux.py configs/flux_tiny.yaml [key=value ...] [--out DIR] [--overwrite]
+    python scripts/train_flux.py configs/flux_tiny.yaml [key=value ...] [--out DIR] [--overwrite] [key=value ...]
+    python scripts/train_flux.py resume=DIR [train.iterations=N ...]        # continue a run with its config.yaml
     accelerate launch --num_processes 8 scripts/train_flux.py configs/flux_flow_grpo.yaml model.path=/models/FLUX.1-dev
 
-Loads the typed config (dotted overrides), checks that it is for this script's model kind, runs
-difrl.train.flow.train (the one trainer), and prints the evaluation before and after on the main
-process. Config and input errors end with one line naming the problem and exit status 2; SIGINT / SIGTERM
-with a checkpoint and one line naming the resume command, exit status 130 / 143 (difrl.train.interrupt).
+Loads the typed config (dotted overrides; with resume=DIR the run's own DIR/config.yaml, what a resume may
+change checked as for `difrl train resume=DIR`: load_resume_config, which `difrl train` uses too), checks that
+it is for this script's model kind, runs difrl.train.flow.train (the one trainer), and prints the evaluation
+before and after on the main process. Config and input errors end with one line naming the problem and exit
+status 2; SIGINT / SIGTERM with a checkpoint and one line naming the command that continues the run as it was
+launched (the same launcher and options, `resume=DIR` as the script's arguments), exit status 130 / 143
+(difrl.train.interrupt).
 """
 
 from __future__ import annotations
@@ -15,6 +19,34 @@ import argparse
 import os
 import sys
 from pathlib import Path
+
+
+def given(overrides: list[str], key: str) -> str | None:
+    """The value of the last `key=value` override, or None."""
+    values = [o.partition("=")[2].strip() for o in overrides if o.partition("=")[0].strip() == key]
+    return values[-1] if values else None
+
+
+def load_resume_config(path: str | None, overrides: list[str]):
+    """`difrl train resume=R [CONFIG] [key=value ...]`: the run's own R/config.yaml with the overrides (CONFIG, if
+    given, in its place, checked against R/config.yaml key by key like the overrides), refused as
+    difrl.train.rundir.check_resume says, naming who says each refused value: the command line or CONFIG."""
+    from difrl.config import CLI
+    from difrl.train.recipes import load_train_config
+    from difrl.train.rundir import check_resume
+
+    run = Path(given(overrides, "resume"))
+    if not (run / "config.yaml").is_file():
+        raise FileNotFoundError(f"resume={run}: {run} holds no run to continue (no config.yaml, no checkpoint)")
+    cfg = load_train_config(path or str(run / "config.yaml"), overrides)
+    keys = [o.partition("=")[0].strip() for o in overrides]
+
+    def said(key: str) -> str:
+        from_cli = path is None or any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in keys)
+        return f"{'the ' + CLI if from_cli else path} says"
+
+    check_resume(cfg, run, said)
+    return cfg
 
 
 def main(kind: str, argv: list[str] | None = None, description: str | None = None) -> int:
@@ -27,28 +59,40 @@ def main(kind: str, argv: list[str] | None = None, description: str | None = Non
     from difrl.rewards import RewardError
 
     ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("config", help="a YAML config (configs/*.yaml)")
-    ap.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.path=/models/x train.lr=1e-5")
-    ap.add_argument("--out", help="run directory (default: the config's `out`)")
+    ap.add_argument("rest", nargs="*", metavar="CONFIG [key=value ...] | resume=DIR [key=value ...]",
+                    help="a YAML config (configs/*.yaml) and key=value overrides, e.g. model.path=/models/x "
+                         "train.lr=1e-5; or resume=DIR: continue the run in DIR with its own config.yaml")
+    ap.add_argument("--out", help="run directory (default: the config's `out`); with resume=, the same or nothing")
     ap.add_argument("--overwrite", action="store_true", help="train into a directory that holds a run (its files "
                                                              "are removed first)")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides may follow --out / --overwrite too
     name = Path(sys.argv[0]).name
+    configs = [a for a in args.rest if "=" not in a]
+    overrides = [a for a in args.rest if "=" in a]
+    resume = given(overrides, "resume")
+    if len(configs) > 1:
+        ap.error(f"one config file, then key=value overrides: {configs[1]!r} is neither")
+    if not configs and not resume:
+        ap.error("give a config file (configs/*.yaml), or resume=DIR to continue a run")
+    path = configs[0] if configs else None
     from difrl.train.interrupt import Interrupted, stop_on_signals
 
     try:
         from difrl.train.flow import train
-
         from difrl.train.recipes import load_train_config
 
-        cfg = load_train_config(args.config, args.overrides)  # any world's config: a wrong one is named below
+        # any world's config: a wrong one is named below
+        cfg = load_resume_config(path, overrides) if resume else load_train_config(path, overrides)
         if cfg.model.kind != kind:
             script = Path(sys.argv[0]).with_name(f"train_{cfg.model.kind}.py")
-            other = f"scripts/{script.name} {args.config} or " if script.is_file() else ""
-            raise ValueError(f"{args.config} is a model.kind={cfg.model.kind} config; this script trains {kind} "
-                             f"(use {other}difrl train {args.config})")
-        with stop_on_signals():  # SIGINT / SIGTERM: a checkpoint, one line, exit 130 / 143
-            summary = train(cfg, out_dir=args.out, overwrite=args.overwrite)
+            what, head = ((f"resume={resume}", f"resume={resume}: {resume} is a model.kind={cfg.model.kind} run")
+                          if path is None else (path, f"{path} is a model.kind={cfg.model.kind} config"))
+            other = f"scripts/{script.name} {what} or " if script.is_file() else ""
+            raise ValueError(f"{head}; this script trains {kind} (use {other}difrl train {what})")
+        out = args.out or (given(overrides, "out") if resume else None)
+        # SIGINT / SIGTERM: a checkpoint, one line with the command that continues the run, exit 130 / 143
+        with stop_on_signals(program=(), argv=argv):
+            summary = train(cfg, out_dir=out, overwrite=args.overwrite)
     except (ConfigError, RewardError, FileNotFoundError, ValueError) as e:
         print(f"{name}: error: {e}", file=sys.stderr)
         return 2

@@ -158,7 +158,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
         # ==================================================================== reward
         scores, bad = score_rewards(lambda: scoring.result(prompt_ids, seeds), len(prompts), cfg.reward.on_error,
                                     lambda: run.checkpoint(it), f"iteration {it + 1}", run_dir, accelerator.print,
-                                    across_processes(accelerator))  # a failure on any process stops every one
+                                    run.carrying(across_processes(accelerator)))  # a failure or signal on any process stops all
         if run.interrupted():  # SIGINT / SIGTERM on any process: this iteration is abandoned before its update
             break
         t_adv = time.perf_counter()

@@ -180,7 +180,8 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
         prompt_ids = batch.ids if batch.ids is not None else torch.full((S,), -1)
         scores, bad = score_rewards(lambda: score_all(rewards, world.decode(tokens), batch.texts, batch.metadata, seeds,
                                                       prompt_ids), S, cfg.reward.on_error, lambda: run.checkpoint(it),
-                                    f"iteration {it + 1}", run_dir, say, across_processes(accelerator))
+                                    f"iteration {it + 1}", run_dir, say,
+                                    run.carrying(across_processes(accelerator)))  # the signals too: the poll below
         if run.interrupted():  # SIGINT / SIGTERM on any process: this iteration is abandoned before its update
             break
         t_adv = time.perf_counter()

@@ -31,7 +31,6 @@ import torch
 from difrl.config import save_config
 from difrl.train import interrupt
 from difrl.train.rundir import check_resume, claim_run_dir, clear_run, saved_config, show  # noqa: F401  (re-exported)
-from difrl.utils.collectives import gather
 from difrl.utils.modules import use_module
 from difrl.train.sharding import is_sharded, plain_copy, reshard, shard
 from difrl.train.sharded_state import checkpoint_format
@@ -256,14 +255,15 @@ class Run:
 
     def interrupted(self) -> bool:
         """Stop now? True once SIGINT / SIGTERM reached this process (difrl.train.interrupt) or, under several
-        processes, any of them: every process calls this at the same points of its loop and the decision is one
-        gather, so all stop at the same iteration boundary (one stopping alone would leave the others waiting in
-        the checkpoint's barrier). The agreed signal is kept in self.signal."""
-        signum = interrupt.requested()
-        if self.accelerator is not None and self.accelerator.num_processes > 1:
-            signum = int(gather(self.accelerator, torch.tensor([signum])).max())
-        self.signal = self.signal or signum
+        processes, any of them: every process polls at the same points of its loop and the decision is agreed
+        (interrupt.agreed), so all stop at the same iteration boundary (one stopping alone would leave the others
+        waiting in the checkpoint's barrier). A trainer polls twice an iteration: after the reward stage, whose
+        gather carries the signals (Run.carrying: no collective of its own), and at the iteration's end, after its
+        metrics reached the host: one all-reduce of two int32. Once agreed, the signal is kept in self.signal."""
+        self.signal = self.signal or interrupt.agreed(self.accelerator)
         return bool(self.signal)
+
+    carrying = staticmethod(interrupt.carrying)  # score_rewards' gather, carrying the signals (the poll after it)
 
     def end_loop(self, done: int, stopped_early: bool = False) -> None:
         """After the loop, `done` iterations completed: a signal (polled once more) checkpoints them and raises
