@@ -449,6 +449,12 @@ def cmd_config(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from difrl.train.planner import main as plan_main
+
+    return plan_main(args, _load)
+
+
 def cmd_rewards(args) -> int:
     from difrl.rewards import describe_rewards
 
@@ -548,6 +554,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iteration", type=int, help="the checkpoint of this iteration (default: the newest intact one)")
     p.add_argument("--out", help="where to write them (default: RUN_DIR/export/iter-NNNNNN; must be empty)")
     p.set_defaults(fn=cmd_export)
+    p = sub.add_parser("plan", help="simulate a flow config at real size on N GPUs (fake tensors, a fake process group, "
+                                    "the trainer's own code): memory per GPU by phase and category, collectives, a verdict")
+    from difrl.train.planner import add_arguments as plan_arguments
+
+    plan_arguments(p)
+    p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("rewards", help="list the rewards found by name: built-ins and installed entry points")
     p.set_defaults(fn=cmd_rewards)
     p = sub.add_parser("reward-server", help="serve rewards over HTTP (msgpack) to trainers: reward.weights={remote: 1}")

@@ -63,8 +63,10 @@ class ComputeDevice:
         return param.device if param is not None else torch.device("cpu")
 
     def set_compute_device(self, device: torch.device | str | None) -> None:
-        """Fix the compute device (None: back to the parameters' device). Moves nothing."""
-        self._compute_device = None if device is None else torch.device(device)
+        """Fix the compute device (None: back to the parameters' device). Moves nothing. A CPU device is plain
+        `cpu`, as CPU tensors report it (accelerate's multi-process CPU device is "cpu:0")."""
+        device = None if device is None else torch.device(device)
+        self._compute_device = torch.device("cpu") if device is not None and device.type == "cpu" else device
 
 
 class HoldsNet(ComputeDevice):

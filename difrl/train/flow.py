@@ -40,12 +40,12 @@ from difrl.train.objectives import grpo_micro_loss, nft_micro_loss, nft_sigmas, 
 from difrl.train.reward_stage import (across_processes, build_rewards, probe_batch, reward_stats, score_rewards,
                                      track_reward_failures, valid_group_advantages)
 from difrl.train.metrics import Metrics, pooled_std
-from difrl.train.precision import refuse_fp16, upcast_masters
+from difrl.train.precision import refuse_fp16, trained_network
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, claim_run_dir, clip_and_step,  # noqa: F401
                                   cores_available, fmt_eval, make_optimizer, progress, record_eval, reference_policy,
-                                  save_policy, shard_policy, wrap_policy)
+                                  save_policy)
 from difrl.train.rollout_copy import RolloutCopy, build_rollout_copy, sync_rollout_copy  # noqa: F401
-from difrl.train.sharding import fsdp_settings, gathered, grad_sync, process_group_kwargs, take_fsdp_branches
+from difrl.train.sharding import clip_sharded_grad_norm_, fsdp_settings, gathered, grad_sync, process_group_kwargs, take_fsdp_branches
 from difrl.train.state import EMA, trainable_params
 from difrl.tree_rollout import tree_rollout
 from difrl.utils.collectives import gather, process_max, reduce, split_rows
@@ -308,14 +308,13 @@ def setup_training(cfg: FlowConfig, policy, accelerator) -> Trainee:
     fine-tune (upcast_masters), FSDP2 (shard_policy, when the launch asks for it), the optimizer, EMA / NFT old policy,
     the rollout copy. Installs the network in `policy` (policy.module)."""
     nft = cfg.train.objective == "nft"
-    net, reference = wrap_policy(policy, cfg.train.lora, cfg.seed,
-                                 need_reference=cfg.train.kl_beta > 0 or (nft and cfg.nft.ref_beta > 0))
-    # full fine-tuning of a bf16 model: fp32 master weights (so fp32 gradients, AdamW state, EMA / NFT / copy-source
-    # shadows and checkpoints), bf16 compute under autocast; LoRA and fp32 models are left as they are
-    masters = upcast_masters(policy, net)
-    # FSDP2 (accelerate launch --config_file configs/accelerate/fsdp.yaml) or None; gathers in the compute dtype
-    fsdp = masters.fsdp(fsdp_settings(accelerator))
-    net, reference = shard_policy(policy, net, reference, fsdp, accelerator.device)
+    # LoRA or the frozen reference; full fine-tuning of a bf16 model: fp32 master weights (so fp32 gradients, AdamW
+    # state, EMA / NFT / copy-source shadows and checkpoints), bf16 compute under autocast; FSDP2 (accelerate launch
+    # --config_file configs/accelerate/fsdp.yaml) or None, gathering in the compute dtype, the masters and reference
+    # made one block at a time as they are sharded
+    net, reference, masters, fsdp = trained_network(policy, cfg.train.lora, cfg.seed,
+                                                    cfg.train.kl_beta > 0 or (nft and cfg.nft.ref_beta > 0),
+                                                    fsdp_settings(accelerator), accelerator.device)
     params = trainable_params(net)
     optimizer = make_optimizer(params, cfg.train)
     if fsdp is None:  # DDP (or one process); a sharded net is already distributed
@@ -372,7 +371,7 @@ def policy_update(cfg: FlowConfig, policy, tr: Trainee, accelerator, batch, adva
             accelerator.backward(loss)
         if sync:
             norm = clip_and_step(tr.optimizer, tr.params, cfg.train.max_grad_norm,
-                                 None if tr.fsdp else accelerator.clip_grad_norm_)
+                                 clip_sharded_grad_norm_ if tr.fsdp else accelerator.clip_grad_norm_)
             if norm is not None:
                 m.add("grad_norm", norm)
             if tr.ema is not None:

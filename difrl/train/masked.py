@@ -56,11 +56,11 @@ from difrl.train.masked_plan import (busiest, external_correction, gather_rows, 
 from difrl.train.reward_stage import (across_processes, build_rewards, finite_mean_std, probe_batch, reward_stats,
                                      score_rewards, track_reward_failures, valid_group_advantages)
 from difrl.train.metrics import Metrics
-from difrl.train.precision import refuse_fp16, upcast_masters
+from difrl.train.precision import refuse_fp16, trained_network
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, check_ratio, claim_run_dir,  # noqa: F401
                                   clip_and_step, cores_available, fmt_eval, make_optimizer, progress, record_eval,
-                                  reference_policy, save_policy, shard_policy, wrap_policy)
-from difrl.train.sharding import gathered, grad_sync
+                                  reference_policy, save_policy)
+from difrl.train.sharding import clip_sharded_grad_norm_, gathered, grad_sync
 from difrl.train.state import trainable_params
 from difrl.utils.modules import use_module
 from difrl.utils.rng import mix_seed
@@ -109,10 +109,9 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
         external_sample = lambda tokens, cond, *, seeds: sampler(ext_policy, tokens, cond, seeds=seeds, **ext_kw)  # noqa: E731
     corrector = CORRECTORS[ext.correct.method]
 
-    net, reference = wrap_policy(policy, cfg.train.lora, cfg.seed, need_reference=cfg.train.kl_beta > 0)
-    masters = upcast_masters(policy, net)  # a bf16 model fully fine-tuned: fp32 master weights, bf16 compute
-    fsdp = masters.fsdp(fsdp)
-    net, reference = shard_policy(policy, net, reference, fsdp, accelerator.device)
+    # LoRA or the reference; a bf16 model fully fine-tuned: fp32 master weights, bf16 compute; FSDP2 or None
+    net, reference, masters, fsdp = trained_network(policy, cfg.train.lora, cfg.seed, cfg.train.kl_beta > 0, fsdp,
+                                                    accelerator.device)
     params = trainable_params(net)
     optimizer = make_optimizer(params, cfg.train)
     trained = net  # what the trained forwards run: DDP's wrapper (its gradient all-reduce), or the (sharded) network
@@ -240,7 +239,8 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
                         m.add("policy_loss", pg, lm)
                         for name in ("ratio", "approx_kl", "clip_high", "clip_low"):
                             m.add(name, pm[name], lm)
-                    norm = clip_and_step(optimizer, params, cfg.train.max_grad_norm)
+                    norm = clip_and_step(optimizer, params, cfg.train.max_grad_norm,
+                                         clip_sharded_grad_norm_ if fsdp is not None else None)
                     if norm is not None:
                         m.add("grad_norm", norm)
         net.eval()

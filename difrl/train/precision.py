@@ -80,6 +80,15 @@ class MasterWeights:
     computes in its parameters' own dtype) and the dtype each upcast parameter was loaded in, by name."""
     compute_dtype: torch.dtype | None = None
     loaded: dict[str, torch.dtype] = dataclasses.field(default_factory=dict)
+    pending: dict[int, nn.Parameter] = dataclasses.field(default_factory=dict)  # not yet upcast (FSDP: per unit)
+
+    def upcast(self, module: nn.Module) -> None:
+        """Make the pending half-precision parameters of `module` fp32 master weights in place (shard's `prepare`:
+        one FSDP unit at a time, just before it is sharded; tied parameters once)."""
+        with torch.no_grad():
+            for p in module.parameters():
+                if self.pending.pop(id(p), None) is not None:
+                    p.data = p.data.float()
 
     def fsdp(self, settings):
         """FSDP settings (difrl.train.sharding.FSDPSettings, or None) whose MixedPrecisionPolicy gathers the
@@ -109,7 +118,7 @@ class MasterWeights:
                 p.data = master
 
 
-def upcast_masters(policy, net: nn.Module) -> MasterWeights:
+def upcast_masters(policy, net: nn.Module, defer: bool = False) -> MasterWeights:
     """Full fine-tuning of a half-precision model (`net`'s trained parameters in bf16): make those parameters fp32
     in place (the master weights; tied parameters stay tied) and have `policy` run its forward under autocast to the
     loaded dtype. Call it after wrap_policy and before shard_policy, make_optimizer and any EMA. A network whose
@@ -124,9 +133,28 @@ def upcast_masters(policy, net: nn.Module) -> MasterWeights:
     if not hasattr(policy, "autocast_dtype"):
         raise ValueError(f"{type(policy).__name__} trains bf16 parameters but has no autocast_dtype: it cannot "
                          "compute in bf16 from fp32 master weights (difrl/train/precision.py)")
-    masters = MasterWeights(torch.bfloat16, {n: p.dtype for n, p in trained.items() if p.dtype in HALF})
-    with torch.no_grad():
-        for name in masters.loaded:
-            trained[name].data = trained[name].data.float()
+    masters = MasterWeights(torch.bfloat16, {n: p.dtype for n, p in trained.items() if p.dtype in HALF},
+                            {id(p): p for p in trained.values() if p.dtype in HALF})
+    if not defer:  # `defer`: FSDP upcasts each unit as it shards it (MasterWeights.upcast via trained_network)
+        masters.upcast(net)
     policy.autocast_dtype = masters.compute_dtype
     return masters
+
+
+def trained_network(policy, lora, seed: int, need_reference: bool, settings, device=None):
+    """The trained network of `policy`, its frozen reference, master weights and FSDP settings, for both trainers:
+    (net, reference, masters, fsdp). Without FSDP (`settings` None): wrap_policy (LoRA, or the reference as a copy),
+    upcast_masters, as before. Under FSDP nothing is made whole on the device beyond the model as loaded: the
+    reference is built as a meta skeleton and filled and sharded one block at a time, and the master weights are
+    upcast one block at a time as each is sharded, so setup holds at most one unsharded fp32 block beyond the shards
+    (before: the whole model's fp32 masters and a full reference copy on every GPU before the first shard existed,
+    difrl plan's setup_peak_gib)."""
+    from difrl.train.scaffold import shard_policy, wrap_policy
+
+    sharded = settings is not None
+    net, reference = wrap_policy(policy, lora, seed, need_reference=need_reference and not sharded)
+    masters = upcast_masters(policy, net, defer=sharded)
+    fsdp = masters.fsdp(settings)
+    net, reference = shard_policy(policy, net, reference, fsdp, device, masters=masters,
+                                  copy_reference=sharded and need_reference and not lora.enabled)
+    return net, reference, masters, fsdp

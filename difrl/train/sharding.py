@@ -208,12 +208,21 @@ def block_modules(module: nn.Module, class_names) -> list[nn.Module]:
 
 
 def shard(module: nn.Module, block_classes, settings: FSDPSettings, device: torch.device | None = None,
-          fp32_inputs: tuple[str, ...] = ()) -> nn.Module:
+          fp32_inputs: tuple[str, ...] = (), prepare=None) -> nn.Module:
     """fully_shard every block of `module` (one FSDP unit per transformer block: its weights are gathered just
     for its forward / backward), then the root (the rest: embeddings, norms, output). In place; returns module.
     `fp32_inputs`: keyword arguments of the root's forward that keep the dtype the caller gives them under mixed
-    precision (the adapter's fsdp_fp32_inputs, see keep_input_dtypes). Raises ValueError when no block class is
-    found (a config or adapter naming the wrong classes)."""
+    precision (the adapter's fsdp_fp32_inputs, see keep_input_dtypes). `prepare(unit)`: called on each block just
+    before it is sharded and on the root before the root (whose own parameters are then the ones not in a block), so
+    that work on the full weights (fp32 master weights, a frozen copy's values) is done one unit at a time and never
+    holds more than one unsharded block beyond the shards (difrl/train/precision.py `trained_network`). Raises
+    ValueError when no block class is found (a config or adapter naming the wrong classes).
+
+    Only the root casts its floating inputs to the compute dtype (MixedPrecisionPolicy's cast_forward_inputs): a
+    block takes what the root's layers computed in the dtype they computed it, as without FSDP. Casting at every
+    block would give, e.g., a FLUX block its rotary (cos, sin) and every Wan block its fp32 time projection in bf16,
+    which diffusers computes in fp32 unsharded (and under autocast): FSDP and DDP runs of one config would differ
+    silently (tests/test_fsdp_families.py compares each block's inputs, sharded and not)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -230,18 +239,60 @@ def shard(module: nn.Module, block_classes, settings: FSDPSettings, device: torc
         mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     dtype = MIXED.get(settings.mixed_precision)
     kw = {"mesh": mesh, "reshard_after_forward": settings.reshard_after_forward,
-          "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None),
           "offload_policy": offload_policy(settings, mesh.device_type, mesh.get_group())}
+    reduce = torch.float32 if dtype else None
     root = type(module).__name__  # fully_shard renames the class (FSDP<name>)
     for block in blocks:
-        fully_shard(block, **kw)
+        if prepare is not None:
+            prepare(block)
+        fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce,
+                                                           cast_forward_inputs=False), **kw)
+    if prepare is not None:
+        prepare(module)
     # the root too is resharded after each forward (not fully_shard's default for a root): every forward then
     # gathers the current shards, also after they were written in place (EMA swap, checkpoint restore)
-    fully_shard(module, **kw)
+    fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce), **kw)
     if dtype is not None:
         keep_input_dtypes(module, fp32_inputs)
     quiet_checked_view_outputs(root)
     return module
+
+
+def frozen_skeleton(module: nn.Module) -> tuple[nn.Module, dict]:
+    """A copy of `module` whose parameters are on the meta device (no memory), frozen, tied where `module`'s are, and
+    the map from each to the parameter of `module` it copies; buffers are copied as they are (small). `fill(unit)`
+    (frozen_fill) gives a unit its values just before it is sharded: a frozen reference copy is thus made and
+    sharded one block at a time instead of deep-copying the whole model onto every GPU first."""
+    import copy
+
+    memo, source = {}, {}
+    for p in module.parameters():
+        if id(p) not in memo:
+            meta = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+            memo[id(p)], source[id(meta)] = meta, p
+    return copy.deepcopy(module, memo), source
+
+
+def frozen_fill(source: dict):
+    """The `prepare` of `shard` for a frozen_skeleton: each meta parameter of the unit becomes a frozen copy of the
+    parameter it stands for (on that one's device, in its dtype); tied parameters stay tied (a tie never crosses
+    units: block_modules leaves a shared parameter to the root). Each source is forgotten once copied and each copy
+    is held only by its unit, so after the unit is sharded neither full tensor is kept alive from here."""
+
+    def fill(unit: nn.Module) -> None:
+        made: dict[int, nn.Parameter] = {}
+        with torch.no_grad():
+            for mod in unit.modules():
+                for name, p in list(mod._parameters.items()):
+                    if p is None or id(p) not in source:
+                        continue
+                    if id(p) not in made:
+                        made[id(p)] = nn.Parameter(source[id(p)].detach().clone(), requires_grad=False)
+                    mod._parameters[name] = made[id(p)]
+        for key in made:
+            source.pop(key, None)
+
+    return fill
 
 
 def keep_input_dtypes(root: nn.Module, names: tuple[str, ...]) -> None:
@@ -323,6 +374,30 @@ def full_tensor(t: torch.Tensor, keep: bool = True) -> torch.Tensor | None:
         full = t.detach().full_tensor()
         return full.cpu() if keep else None
     return t if keep else None
+
+
+def clip_sharded_grad_norm_(params, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ (2-norm) for FSDP2's sharded gradients with one all-reduce: the sum of squares
+    of this process's gradient shards (fp32), summed over the processes, is the squared norm of the whole gradient;
+    every shard is scaled in place by min(1, max_norm / (norm + 1e-6)). Returns the norm (a plain tensor). torch's
+    clip on DTensor gradients runs DTensor ops per parameter, and difrl plan saw the update's peak grow by 8 times
+    the sharded gradients inside it (FLUX.1-dev on 8 GPUs): this one holds a scalar per parameter at most."""
+    grads = [p.grad for p in params if p.grad is not None]
+    sharded = [g.to_local() for g in grads if is_sharded(g)]
+    plain = [g for g in grads if not is_sharded(g)]  # the same on every process: not summed over them
+    device = (sharded or plain)[0].device if grads else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for g in sharded:
+        sq += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+    if sharded:
+        torch.distributed.all_reduce(sq, group=next(g for g in grads if is_sharded(g)).device_mesh.get_group())
+    for g in plain:
+        sq += torch.linalg.vector_norm(g, dtype=torch.float32).to(device) ** 2
+    norm = sq.sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in sharded + plain:
+        g.mul_(coef.to(g.device, g.dtype))
+    return norm
 
 
 def like(ref: torch.Tensor, full: torch.Tensor) -> torch.Tensor:

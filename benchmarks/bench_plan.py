@@ -1,0 +1,112 @@
+"""Real-size runs simulated by `difrl plan`: per-GPU peak memory by phase and category, collectives, verdicts.
+
+    python benchmarks/bench_plan.py [--quick] [--json PATH] [--no-write]
+
+Each row is `difrl plan` (difrl/train/planner.py) of a published recipe config at the size of the family's reference
+checkpoint (FLUX.1-dev, SD3.5-Large, Wan 2.1 T2V 14B: difrl/assets/arch/), at 1, 8 and 16 GPUs: the trainer's own
+setup, one rollout forward batch and the update's first and last micro-steps, on fake tensors under a fake process
+group (FSDP2 above one GPU, one plain process at one). The configs' train.grad_accum is set per GPU count to keep
+their published updates per rollout (the configs' headers give the formula). Simulated on a CPU, never measured on a
+GPU; not simulated: reward models, evaluation, checkpoint writes, CUDA allocator fragmentation and context, NCCL
+buffers (every row's `not_simulated`). A plan fits when its peak (setup's or the iteration's) is at most 90% of the
+GPU (`difrl.train.planner.FIT_MARGIN`). Byte counts, no timings: the numbers do not depend on the machine's load.
+--quick: FLUX.1-dev LoRA and full fine-tuning on 8 GPUs only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import publish, standard_args  # noqa: E402
+
+BEGIN, END = "<!-- bench_plan:begin -->", "<!-- bench_plan:end -->"
+ROOT = Path(__file__).resolve().parent.parent
+GPUS = (1, 8, 16)
+VERDICTS = (80, 141)  # H100 80 GB, H200 141 GB
+# name, config, overrides, the samples-per-update numerator: grad_accum = numerator // gpus (the config header's formula)
+CASES = [
+    ("FLUX.1-dev full, EMA + KL ref, micro-batch 15", "configs/flux_flow_grpo.yaml",
+     ["train.lora.enabled=false", "train.kl_beta=0.04"], 192),
+    ("FLUX.1-dev full, EMA + KL ref, micro-batch 15, grad. checkpointing", "configs/flux_flow_grpo.yaml",
+     ["train.lora.enabled=false", "train.kl_beta=0.04", "model.gradient_checkpointing=true"], 192),
+    ("FLUX.1-dev LoRA r32, EMA", "configs/flux_flow_grpo.yaml", [], 192),
+    ("SD3.5-Large full, EMA + KL ref, micro-batch 81, grad. checkpointing", "configs/sd3_flow_grpo.yaml",
+     ["train.lora.enabled=false", "model.gradient_checkpointing=true"], 64),
+    ("Wan 2.1 14B LoRA r32", "configs/wan_dance_grpo.yaml", [], 192),
+    ("Wan 2.1 14B full, grad. checkpointing", "configs/wan_dance_grpo.yaml",
+     ["train.lora.enabled=false", "model.gradient_checkpointing=true"], 192),
+]
+
+
+def run_case(name: str, config: str, overrides: list[str], numerator: int, gpus: int) -> dict:
+    from difrl.train.planner import plan_flow
+    from difrl.train.recipes import load_train_config
+
+    over = [*overrides, f"train.grad_accum={numerator // gpus}"]
+    cfg = load_train_config(ROOT / config, over)
+    row = plan_flow(cfg, gpus, None, config_name=config)
+    row.update({"case": name, "overrides": over})
+    for v in VERDICTS:
+        row[f"fits_{v}"] = max(row["peak_gib"], row["setup_peak_gib"]) <= 0.9 * v
+    return row
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| run | GPUs | peak GiB (phase) | setup peak | params | grads | optimizer | activations | reference | "
+             "EMA | text enc. + VAE | fits 80 | fits 141 |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        g = lambda k: f"{r.get(k, 0.0):.1f}"  # noqa: E731
+        lines.append(f"| {r['case']} | {r['gpus']} | {g('peak_gib')} ({r['peak_phase']}) | {g('setup_peak_gib')} | "
+                     f"{g('params_gib')} | {r.get('grads_gib', 0.0) + r.get('unsharded_grads_gib', 0.0):.1f} | "
+                     f"{g('optimizer_gib')} | {g('activations_gib')} | {g('reference_gib')} | {g('ema_gib')} | "
+                     f"{g('frozen_gib')} | {'yes' if r['fits_80'] else 'no'} | {'yes' if r['fits_141'] else 'no'} |")
+    return lines
+
+
+def collectives_table(rows: list[dict]) -> list[str]:
+    lines = ["| run | GPUs | rollout collectives (GiB received) | update collectives (GiB) |", "|---|---|---|---|"]
+    for r in rows:
+        if r["gpus"] > 1:
+            lines.append(f"| {r['case']} | {r['gpus']} | {r['rollout_collectives']:,} ({r['rollout_collective_gib']:,.0f}) "
+                         f"| {r['update_collectives']:,} ({r['update_collective_gib']:,.0f}) |")
+    return lines
+
+
+def sentences(rows: list[dict]) -> list[str]:
+    """What the rows show, each sentence computed from them."""
+    out = []
+    for case in dict.fromkeys(r["case"] for r in rows):
+        fits = [r["gpus"] for r in rows if r["case"] == case and r["fits_80"]]
+        out.append(f"- {case}: " + (f"fits 80 GiB per GPU from {min(fits)} GPU(s) on (of {', '.join(map(str, GPUS))})"
+                                    if fits else "fits 80 GiB per GPU at none of the simulated GPU counts") + ".")
+    setup_above = [f"{r['case']} on {r['gpus']}" for r in rows if r["setup_peak_gib"] > r["peak_gib"]]
+    out.append("- Setup's peak is above the iteration's in: " + (", ".join(setup_above) if setup_above else "no row") + ".")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    standard_args(ap, "FLUX.1-dev LoRA and full fine-tuning on 8 GPUs only")
+    args = ap.parse_args(argv)
+    cases = [c for c in CASES if c[1].startswith("configs/flux") and "checkpointing" not in c[0]] if args.quick else CASES
+    gpus = (8,) if args.quick else GPUS
+    rows = []
+    for name, config, overrides, numerator in cases:
+        for n in gpus:
+            print(f"bench_plan: {name} on {n} GPU(s) ...", flush=True)
+            rows.append(run_case(name, config, overrides, numerator, n))
+    lines = ["Simulated on this CPU by `difrl plan` (fake tensors, a fake process group of N ranks, the trainer's own "
+             "setup and iteration phases), never measured on a GPU. Per GPU, GiB; the categories are those of the "
+             "peak phase. Not simulated: reward models, evaluation, checkpoint writes, CUDA allocator and context, "
+             "NCCL buffers; a plan fits when its peak is at most 90% of the GPU.", "", *table(rows), "",
+             "Collectives per iteration on the simulated rank (FSDP2: every unit all-gathered at every forward and "
+             "backward; the rollout's forward batches and the update's micro-steps beyond the simulated ones counted "
+             "as repeats of them):", "", *collectives_table(rows), "", *sentences(rows)]
+    publish(args, BEGIN, END, "Real size, simulated: difrl plan", "benchmarks/bench_plan.py", argv, lines, rows)
+
+
+if __name__ == "__main__":
+    main()
