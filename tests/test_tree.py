@@ -320,7 +320,7 @@ def test_forest_advantages_are_per_prompt_and_depth():
     s = math.sqrt(sum((x - 3.25) ** 2 for x in (1, 2, 4, 6)) / 3)
     assert adv[t.nodes_at(2)][:4].tolist() == pytest.approx([(x - 3.25) / s for x in (1, 2, 4, 6)], abs=1e-6)
     assert torch.all(depthwise_advantages(t, fuse_rewards(t, r))[t.nodes_at(1)] == 0)  # roots=1: a trunk, no signal
-    with pytest.raises(ValueError, match="roots=3 must divide"):
+    with pytest.raises(ValueError, match=r"roots=3 \(tree.roots, trees per prompt\) must divide"):
         depthwise_advantages(t, fuse_rewards(t, r), roots=3)
 
 

@@ -246,32 +246,42 @@ def _device_metrics():
 
 
 def plain_tracker(net: nn.Module | None = None):
-    """torch's MemTracker for an unsharded run (one GPU): it installs a gradient hook on every parameter of every module
-    it sees run, which torch refuses for a frozen one (the text encoders); a frozen parameter gets no hook here (it
-    has no gradient to track); per-module statistics restart at every call, as in peak_tracker. Given `net`, only
-    the modules of `net` have their parameters counted as the tracker's: the reference and the frozen encoders are
-    counted on the objects (Memory's `resident`), as under FSDP; everything else is MemTracker's."""
+    """torch's MemTracker for an unsharded run (one GPU), reading global peaks only. MemTracker snapshots every module
+    at every call (thousands per forward of a 12-billion-parameter model: slow here) and installs gradient hooks on the
+    parameters of every module it sees run, which torch refuses for frozen ones (the text encoders). Here only `net`
+    (the trained network, given) is registered, once, at its first call: its parameters count as parameters and its
+    gradients as gradients; the reference and the frozen encoders are counted on the objects (Memory's `resident`), as
+    under FSDP; every other tensor made inside is MemTracker's (activations, temporaries, optimizer state)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    class NoHook:
-        def remove(self) -> None:
+    class PlainTracker(MemTracker):
+        _registered = False
+
+        def _pre_fw_hook(self, module, inputs):
+            if net is None or module is not net or self._registered:
+                return
+            self._registered = True
+            from torch.distributed._tools.mem_tracker import _MemRefType
+
+            for p in net.parameters():  # MemTracker's registration, with hooks only where there is a gradient (LoRA)
+                self._update_and_maybe_create_winfos(p, _MemRefType.PARAM)
+                if p.requires_grad:
+                    def hook(g, tracker=self):  # returns None: the gradient is not replaced
+                        tracker._update_and_maybe_create_winfos(g, _MemRefType.GRAD)
+
+                    self._param_to_grad_hook_handles[p] = (
+                        p.register_hook(hook), p.register_post_accumulate_grad_hook(lambda q, h=hook: h(q.grad)))
+            for b in net.buffers():
+                self._update_and_maybe_create_winfos(b, _MemRefType.BUFFER)
+
+        def _post_fw_hook(self, module, inputs, outputs):
             pass
 
-    net_modules = {id(m) for m in net.modules()} if net is not None else set()
+        def _pre_bw_hook(self, module, args):
+            pass
 
-    class PlainTracker(MemTracker):
-        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
-            if net is not None and id(module) not in net_modules:
-                return 0, 0
-            for p in module.parameters():
-                if not p.requires_grad and self._param_to_grad_hook_handles.get(p, None) is None:
-                    self._param_to_grad_hook_handles[p] = (NoHook(), NoHook())
-            return super()._track_module_params_and_buffers(module, install_grad_hooks)
-
-        def _pre_fw_hook(self, module, inputs):  # global peaks only: see peak_tracker
-            if not self._mod_tracker.is_bw:
-                self.memory_tracking.pop(module, None)
-            return super()._pre_fw_hook(module, inputs)
+        def _post_bw_hook(self, module, args):
+            pass
 
     return PlainTracker()
 
