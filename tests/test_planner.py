@@ -97,9 +97,9 @@ from difrl.rollout import rollout
 from difrl.train.flow import policy_update, setup_training
 from difrl.train.flow_plan import plan, step_masks
 from difrl.train.metrics import Metrics
-from difrl.train.planner import module_bytes, steady_optimizer_state, tensor_bytes
+from difrl.train.simulation import module_bytes, steady_optimizer_state, tensor_bytes
 from difrl.train.recipes import load_train_config
-from difrl.train.sharding import take_fsdp_branches
+from difrl.train.sharded_step import take_fsdp_branches
 from difrl.worlds import build_world
 
 path, over, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
@@ -207,7 +207,7 @@ def test_fsdp_setup_holds_no_whole_second_copy():
     import diffusers
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from difrl.train.planner import Memory, simulated_device, simulated_processes
+    from difrl.train.simulation import Memory, simulated_device, simulated_processes
     from difrl.train.precision import trained_network
     from difrl.train.sharding import fsdp_settings
 
@@ -249,7 +249,7 @@ def test_sharded_clip_equals_torch_clip():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from difrl.train.sharding import clip_sharded_grad_norm_
+    from difrl.train.sharded_step import clip_sharded_grad_norm_
 
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(7, 5, generator=g) * 3, torch.randn(11, generator=g)]

@@ -45,7 +45,8 @@ from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, claim_run_d
                                   cores_available, fmt_eval, make_optimizer, progress, record_eval, reference_policy,
                                   save_policy)
 from difrl.train.rollout_copy import RolloutCopy, build_rollout_copy, sync_rollout_copy  # noqa: F401
-from difrl.train.sharding import clip_sharded_grad_norm_, fsdp_settings, gathered, grad_sync, process_group_kwargs, take_fsdp_branches
+from difrl.train.sharded_step import clip_sharded_grad_norm_, grad_sync, take_fsdp_branches
+from difrl.train.sharding import fsdp_settings, gathered, process_group_kwargs
 from difrl.train.state import EMA, trainable_params
 from difrl.tree_rollout import tree_rollout
 from difrl.utils.collectives import gather, process_max, reduce, split_rows

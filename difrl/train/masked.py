@@ -60,7 +60,8 @@ from difrl.train.precision import refuse_fp16, trained_network
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, check_ratio, claim_run_dir,  # noqa: F401
                                   clip_and_step, cores_available, fmt_eval, make_optimizer, progress, record_eval,
                                   reference_policy, save_policy)
-from difrl.train.sharding import clip_sharded_grad_norm_, gathered, grad_sync
+from difrl.train.sharded_step import clip_sharded_grad_norm_, grad_sync
+from difrl.train.sharding import gathered
 from difrl.train.state import trainable_params
 from difrl.utils.modules import use_module
 from difrl.utils.rng import mix_seed

@@ -71,7 +71,8 @@ def processes(policy):
     text world's LM goes to a GPU when there is one)."""
     from accelerate import Accelerator
 
-    from difrl.train.sharding import fsdp_settings, process_group_kwargs, take_fsdp_branches
+    from difrl.train.sharded_step import take_fsdp_branches
+    from difrl.train.sharding import fsdp_settings, process_group_kwargs
 
     on_cpu = next(policy.module.parameters()).device.type == "cpu"
     cpu = on_cpu or not torch.cuda.is_available()

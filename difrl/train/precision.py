@@ -1,9 +1,9 @@
 """Full fine-tuning of a half-precision model: fp32 master weights, gradients and AdamW state, bf16 compute.
 
     refuse_fp16(cfg.model.dtype)                         # first thing in a trainer: fp16 training is refused
-    net, reference = wrap_policy(policy, ...)
-    masters = upcast_masters(policy, net)               # before sharding, the optimizer and every EMA
-    fsdp = masters.fsdp(fsdp_settings(accelerator))      # FSDP2 gathers the parameters in the compute dtype
+    net, reference, masters, fsdp = trained_network(policy, cfg.train.lora, cfg.seed, need_reference,
+                                                    fsdp_settings(accelerator), accelerator.device)
+    # = wrap_policy, upcast_masters (before the optimizer and every EMA), masters.fsdp, shard_policy
     with masters.as_loaded(net): net.save_pretrained(d)  # written in the dtypes the model was loaded in
 
 Why. A model loaded in bf16 (model.dtype=bf16; hf_masked's dtype=auto on a GPU) and fully fine-tuned as loaded
@@ -19,9 +19,11 @@ moments, the EMA, DiffusionNFT's old policy and the stale rollout copy's source 
 parameters), gradient all-reduce under DDP and the training checkpoints (exact resume). The adapter runs its forward
 under torch.autocast(model.dtype) (its ``autocast_dtype``, difrl.models.base.autocast_to): every rollout and every
 training forward go through the same adapter call, so they compute identically and the first on-policy
-micro-step's ratio is exactly 1 (train.ratio_check). Under FSDP2 the parameters are upcast before sharding and
-sharded with MixedPrecisionPolicy(param_dtype=model.dtype, reduce_dtype=fp32) (`fsdp`): the all-gather moves
-half-precision weights, gradients are reduced in fp32, and the same autocast wraps the forward.
+micro-step's ratio is exactly 1 (train.ratio_check). Under FSDP2 each block is upcast just before it is sharded
+(`trained_network`: the whole model's fp32 masters never exist on one GPU, nor a whole copy of the frozen reference,
+which is filled and sharded one block at a time) and sharded with MixedPrecisionPolicy(param_dtype=model.dtype,
+reduce_dtype=fp32) (`fsdp`): the all-gather moves half-precision weights, gradients are reduced in fp32, and the
+same autocast wraps the forward.
 
 Why autocast rather than a half-precision copy of the parameters swapped in around each forward (FSDP's own way):
 it is what accelerate's mixed_precision does, and it survives what a swap does not: gradient checkpointing
@@ -52,7 +54,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from difrl.train.sharding import MIXED
+from difrl.train.sharding import MIXED, frozen_fill, frozen_skeleton, is_sharded, shard
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -149,7 +151,7 @@ def trained_network(policy, lora, seed: int, need_reference: bool, settings, dev
     upcast one block at a time as each is sharded, so setup holds at most one unsharded fp32 block beyond the shards
     (before: the whole model's fp32 masters and a full reference copy on every GPU before the first shard existed,
     difrl plan's setup_peak_gib)."""
-    from difrl.train.scaffold import shard_policy, wrap_policy
+    from difrl.train.scaffold import wrap_policy
 
     sharded = settings is not None
     net, reference = wrap_policy(policy, lora, seed, need_reference=need_reference and not sharded)
@@ -158,3 +160,37 @@ def trained_network(policy, lora, seed: int, need_reference: bool, settings, dev
     net, reference = shard_policy(policy, net, reference, fsdp, device, masters=masters,
                                   copy_reference=sharded and need_reference and not lora.enabled)
     return net, reference, masters, fsdp
+
+
+def shard_policy(policy, net, reference, settings, device=None, masters=None, copy_reference: bool = False):
+    """Under FSDP (`settings` from difrl.train.sharding.fsdp_settings; None: nothing to do) shard the trained
+    network and the frozen reference of full fine-tuning per transformer block (the adapter's `block_classes`), so
+    no process holds either whole: `copy_reference` makes the reference from `net` one block at a time as it shards
+    it (frozen_skeleton), and `masters` (a deferred upcast_masters) upcasts each block of `net` as it shards it
+    (precision.trained_network). Call before make_optimizer: the optimizer must see the sharded parameters. The
+    policy computes on `device` from here on, even if offloaded. Returns (net, reference)."""
+    if settings is None:
+        return net, reference
+    from torch.distributed.fsdp import FSDPModule
+
+    getattr(policy, "set_compute_device", lambda _: None)(device)  # not the parameters' (offload: cpu); models/base.py
+    blocks, fp32 = policy.block_classes, getattr(policy, "fsdp_fp32_inputs", ())  # e.g. SD3's timestep
+    if copy_reference:  # first, while net's blocks still hold their values as loaded
+        reference, source = frozen_skeleton(net)
+        reference = shard(reference, blocks, settings, device, fp32, prepare=frozen_fill(source))
+        del source  # emptied by the fill: no full tensor of net is held from here while net is sharded
+    elif reference is not None:
+        reference = shard(reference, blocks, settings, device, fp32)
+    net = shard(net, blocks, settings, device, fp32, prepare=None if masters is None else masters.upcast)
+    if torch.distributed.get_rank() == 0:
+        units = [m for m in net.modules() if isinstance(m, FSDPModule) and m is not net]
+        names = sorted({type(m).__mro__[2].__name__ for m in units})  # FSDP<Block> -> (FSDP<Block>, FSDPModule, Block)
+        local = sum(p.to_local().numel() for p in net.parameters() if is_sharded(p))
+        total = sum(p.numel() for p in net.parameters())
+        print(f"difrl: FSDP2 over {torch.distributed.get_world_size()} processes: {len(units) + 1} units ({len(units)} blocks of "
+              f"{', '.join(names)} + the root), mixed precision {settings.mixed_precision}"
+              f"{'' if settings.reshard_after_forward else ', kept gathered after forward'}"
+              f"{', offloaded to the CPU' if settings.offload_params else ''}; "
+              f"this process holds {local:,} of the network's {total:,} parameters"
+              f"{' (the frozen reference sharded the same way)' if reference is not None else ''}")
+    return net, reference

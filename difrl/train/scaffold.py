@@ -1,7 +1,6 @@
 """The scaffold every trainer shares (difrl/train/flow.py, difrl/train/masked.py): what is not the method.
 
     net, reference = wrap_policy(policy, cfg.train.lora, cfg.seed, need_reference=cfg.train.kl_beta > 0)
-    net, reference = shard_policy(policy, net, reference, fsdp_settings(accelerator))  # FSDP2, or as they were
     optimizer = make_optimizer(trainable_params(net), cfg.train)
     run_dir = claim_run_dir(cfg, out_dir, overwrite, "runs/flow")         # first: refused before anything loads
     run = Run.open(cfg, run_dir, net, optimizer, ema, extras, accelerator)   # resume, config.yaml, metrics cut back
@@ -32,7 +31,7 @@ from difrl.config import save_config
 from difrl.train import interrupt
 from difrl.train.rundir import check_resume, claim_run_dir, clear_run, saved_config, show  # noqa: F401  (re-exported)
 from difrl.utils.modules import use_module
-from difrl.train.sharding import frozen_fill, frozen_skeleton, is_sharded, plain_copy, reshard, shard
+from difrl.train.sharding import is_sharded, plain_copy, reshard
 from difrl.train.sharded_state import checkpoint_format
 from difrl.train.state import latest_checkpoint, restore_checkpoint, save_sharded, snapshot, write_checkpoint
 from difrl.utils.io import atomic_write_json, json_safe, save_safetensors
@@ -68,40 +67,6 @@ def wrap_policy(policy, lora, seed: int, need_reference: bool):
                                               target_modules=lora.targets or policy.lora_target_modules))
         return net, None
     return base, copy.deepcopy(base).requires_grad_(False) if need_reference else None
-
-
-def shard_policy(policy, net, reference, settings, device=None, masters=None, copy_reference: bool = False):
-    """Under FSDP (`settings` from difrl.train.sharding.fsdp_settings; None: nothing to do) shard the trained
-    network and the frozen reference of full fine-tuning per transformer block (the adapter's `block_classes`), so
-    no process holds either whole: `copy_reference` makes the reference from `net` one block at a time as it shards
-    it (frozen_skeleton), and `masters` (a deferred upcast_masters) upcasts each block of `net` as it shards it
-    (precision.trained_network). Call before make_optimizer: the optimizer must see the sharded parameters. The
-    policy computes on `device` from here on, even if offloaded. Returns (net, reference)."""
-    if settings is None:
-        return net, reference
-    from torch.distributed.fsdp import FSDPModule
-
-    getattr(policy, "set_compute_device", lambda _: None)(device)  # not the parameters' (offload: cpu); models/base.py
-    blocks, fp32 = policy.block_classes, getattr(policy, "fsdp_fp32_inputs", ())  # e.g. SD3's timestep
-    if copy_reference:  # first, while net's blocks still hold their values as loaded
-        reference, source = frozen_skeleton(net)
-        reference = shard(reference, blocks, settings, device, fp32, prepare=frozen_fill(source))
-        del source  # emptied by the fill: no full tensor of net is held from here while net is sharded
-    elif reference is not None:
-        reference = shard(reference, blocks, settings, device, fp32)
-    net = shard(net, blocks, settings, device, fp32, prepare=None if masters is None else masters.upcast)
-    if torch.distributed.get_rank() == 0:
-        units = [m for m in net.modules() if isinstance(m, FSDPModule) and m is not net]
-        names = sorted({type(m).__mro__[2].__name__ for m in units})  # FSDP<Block> -> (FSDP<Block>, FSDPModule, Block)
-        local = sum(p.to_local().numel() for p in net.parameters() if is_sharded(p))
-        total = sum(p.numel() for p in net.parameters())
-        print(f"difrl: FSDP2 over {torch.distributed.get_world_size()} processes: {len(units) + 1} units ({len(units)} blocks of "
-              f"{', '.join(names)} + the root), mixed precision {settings.mixed_precision}"
-              f"{'' if settings.reshard_after_forward else ', kept gathered after forward'}"
-              f"{', offloaded to the CPU' if settings.offload_params else ''}; "
-              f"this process holds {local:,} of the network's {total:,} parameters"
-              f"{' (the frozen reference sharded the same way)' if reference is not None else ''}")
-    return net, reference
 
 
 def make_optimizer(params: dict, train) -> torch.optim.Optimizer:
