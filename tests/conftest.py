@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -26,3 +28,15 @@ def weights_reproduced(shipped: dict, rebuilt: dict, what: str, rtol: float = 1e
         warnings.warn(f"{what}: the rebuilt weights differ from the shipped ones by up to {worst:.3g} (this CPU's "
                       "float kernels round differently); checking that the rebuilt model behaves the same instead")
     return close
+
+
+@pytest.fixture
+def one_process_group():
+    """A one-process gloo group in the test process (FSDP2 and DCP on one rank), destroyed after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -33,17 +33,6 @@ from test_fsdp import ROOT, Net, assert_lora_loads, assert_same_runs, flux_args,
 # ---------------------------------------------------------------------------------- fast checks (one process)
 
 
-@pytest.fixture
-def one_process_group():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def build(sharded: bool = True):
     from difrl.train.sharding import FSDPSettings, shard
     from difrl.train.state import EMA, trainable_params

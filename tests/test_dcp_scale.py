@@ -27,24 +27,12 @@ b. One torchrun job of 2 CPU processes (gloo), a network sharded per block (test
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from test_fsdp import ROOT, Net, env  # noqa: F401
-
-
-@pytest.fixture
-def one_process_group():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+from test_fsdp import ROOT, Net, env, run_driver  # noqa: F401
 
 
 def loop_update(shadow: dict, params: dict, d: float) -> None:
@@ -254,12 +242,7 @@ def two_process_worker(out: str) -> None:
 
 
 def test_two_processes_hash_verify_and_gather_only_their_share(tmp_path):
-    driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER.format(tests=str(ROOT / "tests")))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(driver),
-           str(tmp_path)]
-    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_driver(DRIVER, tmp_path)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
 
     # save: each process hashed what it wrote, the manifest lists everything

@@ -109,6 +109,17 @@ def run_killed_after(nproc: int, target: list[str], args: list[str], out: Path, 
     assert not (out / "summary.json").exists(), "the kill came after the run had finished"
 
 
+def run_driver(source: str, tmp_path: Path, timeout: int = 600) -> None:
+    """`source` (its {tests} filled in) as a script under torchrun with 2 processes (gloo), given tmp_path; it must
+    exit 0 (its output's tail otherwise)."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(source.format(tests=str(ROOT / "tests")))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(driver),
+           str(tmp_path)]
+    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
 def rows(run_dir: Path) -> list[dict]:
     out = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in out]
@@ -572,12 +583,7 @@ def test_a_forward_after_a_swap_or_a_restore_uses_the_written_weights(tmp_path):
     # fsdp_reshard_after_forward: false on 2 processes: each forward computes what one plain process computes with
     # the weights last written (live, EMA, live again, restored), also with CPU offload; the checkpoint written
     # while the units were gathered holds the trained weights; LoRA's reference switch leaves the shards trainable
-    driver = tmp_path / "driver.py"
-    driver.write_text(SWAP_DRIVER.format(tests=str(ROOT / "tests")))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(driver),
-           str(tmp_path)]
-    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_driver(SWAP_DRIVER, tmp_path, timeout=300)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
     plain = Net()
     for rank in (0, 1):

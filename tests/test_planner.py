@@ -163,11 +163,10 @@ def test_fsdp_accumulation_keeps_gradients_sharded(tiny_flux, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["flux", "sd3", "wan"])
-def test_fsdp_blocks_take_inputs_in_the_dtype_the_model_computed(kind):
+def test_fsdp_blocks_take_inputs_in_the_dtype_the_model_computed(kind, one_process_group):
     """Item 2: the dtype of every floating input of every transformer block (tuples too: FLUX's rotary (cos, sin)),
     sharded with bf16 mixed precision (model.dtype=bf16: fp32 masters, autocast) and unsharded: the same. Before the
     fix FSDP2 cast every block's inputs to bf16 (cast_forward_inputs on every unit)."""
-    import torch.distributed as dist
     from torch.utils import _pytree as pytree
 
     from difrl.models.adapters import ADAPTERS, build_tiny_pipeline
@@ -191,11 +190,7 @@ def test_fsdp_blocks_take_inputs_in_the_dtype_the_model_computed(kind):
             pol.velocity(torch.randn(lat), torch.tensor([0.7]), pol.encode(["a red cube"]), 1.0)
         return seen
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        plain, sharded = block_dtypes(None, False), block_dtypes(None, True)
-    finally:
-        dist.destroy_process_group()
+    plain, sharded = block_dtypes(None, False), block_dtypes(None, True)
     assert len(plain) == len(sharded) > 0
     assert sharded == plain, (kind, plain, sharded)
 
@@ -242,10 +237,9 @@ def test_fsdp_setup_holds_no_whole_second_copy():
     assert total <= loaded + 1.5 * block + 6 / 2 / 8 * loaded + 2**20, (total / loaded, block / loaded)
 
 
-def test_sharded_clip_equals_torch_clip():
+def test_sharded_clip_equals_torch_clip(one_process_group):
     """One all-reduce of the shards' sums of squares: the same norm and clipped gradients as torch's clip_grad_norm_ on
     the full gradients (a one-process group: the shard is the whole tensor). fp32 sums in another order: rtol 1e-6."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -253,19 +247,15 @@ def test_sharded_clip_equals_torch_clip():
 
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(7, 5, generator=g) * 3, torch.randn(11, generator=g)]
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        params = [torch.nn.Parameter(distribute_tensor(torch.zeros_like(x), mesh, [Shard(0)])) for x in grads]
-        for p, x in zip(params, grads):
-            p.grad = distribute_tensor(x.clone(), mesh, [Shard(0)])
-        ref = [torch.nn.Parameter(torch.zeros_like(x)) for x in grads]
-        for p, x in zip(ref, grads):
-            p.grad = x.clone()
-        norm = clip_sharded_grad_norm_(params, 1.0)
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (1,))
+    params = [torch.nn.Parameter(distribute_tensor(torch.zeros_like(x), mesh, [Shard(0)])) for x in grads]
+    for p, x in zip(params, grads):
+        p.grad = distribute_tensor(x.clone(), mesh, [Shard(0)])
+    ref = [torch.nn.Parameter(torch.zeros_like(x)) for x in grads]
+    for p, x in zip(ref, grads):
+        p.grad = x.clone()
+    norm = clip_sharded_grad_norm_(params, 1.0)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
     torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
     for p, r in zip(params, ref):
         torch.testing.assert_close(p.grad.to_local(), r.grad, rtol=1e-6, atol=1e-7)
