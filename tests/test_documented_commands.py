@@ -50,6 +50,9 @@ PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]{2,}$")  # RUN_DIR, CONFIG, PATH, DIR
 GPU_MODEL = "needs a real model directory and GPUs (placeholder paths); its config and batch plan are checked here"
 SKIP = {
     # real models, GPUs, downloads
+    "difrl plan configs/flux_flow_grpo.yaml train.lora.enabled=false train.grad_accum=24 train.kl_beta=0.04 --gpus 8 "
+    "--gpu-memory 80 --json plan.json": "simulates FLUX.1-dev at real size (about 2 minutes of CPU); tests/test_planner.py "
+    "runs difrl plan on the tiny FLUX pipeline and benchmarks/bench_plan.py this config at real size",
     "accelerate launch --config_file configs/accelerate/ddp.yaml --num_processes 8 scripts/train_flux.py "
     "configs/flux_flow_grpo.yaml model.path=/models/FLUX.1-dev model.prompt_file=prompts.txt train.grad_accum=24": GPU_MODEL,
     "accelerate launch --config_file configs/accelerate/ddp.yaml scripts/train_sd3.py configs/sd3_flow_grpo.yaml "

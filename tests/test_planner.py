@@ -278,3 +278,16 @@ def test_plan_command_writes_the_rows(tiny_flux, tmp_path):
         assert r["fits"] is True and r["gpu_memory_gib"] == 80
     assert rows[1]["params_gib"] == pytest.approx(rows[0]["params_gib"] / 2, rel=0.05)  # sharded over 2 (padding)
     assert "fits 80 GiB" in proc.stdout and "not simulated" in proc.stdout
+
+
+def test_plan_of_lora_counts_only_the_adapters_as_trained(tiny_flux):
+    """LoRA under FSDP2 (2 simulated GPUs) and on one GPU: AdamW's state and the EMA follow the adapters alone, a
+    small fraction of the (frozen, sharded) network's parameters; no reference copy (the base is the reference)."""
+    from difrl.train.planner import plan_flow
+
+    cfg = tiny_cfg(tiny_flux, ["train.lora.enabled=true", "train.lora.rank=2"])
+    for gpus in (1, 2):
+        update = plan_flow(cfg, gpus, None)["phases"]["update"]
+        assert update.get("reference_gib", 0.0) == 0.0
+        assert 0 < update["optimizer_gib"] < 0.5 * update["params_gib"], (gpus, update)
+        assert update["ema_gib"] == pytest.approx(update["optimizer_gib"] / 2, rel=0.05)  # fp32 adapters; AdamW: 2 moments + step
