@@ -48,15 +48,17 @@ def run_case(name: str, config: str, overrides: list[str], numerator: int, gpus:
     over = [*overrides, f"train.grad_accum={numerator // gpus}"]
     cfg = load_train_config(ROOT / config, over)
     row = plan_flow(cfg, gpus, None, config_name=config)
-    row.update({"case": name, "overrides": over})
+    from difrl.train.planner import FIT_MARGIN
+
+    row.update({"case": name, "overrides": over, "verdicts_gib": list(VERDICTS), "fit_margin_percent": 100 * FIT_MARGIN})
     for v in VERDICTS:
-        row[f"fits_{v}"] = max(row["peak_gib"], row["setup_peak_gib"]) <= 0.9 * v
+        row[f"fits_{v}"] = max(row["peak_gib"], row["setup_peak_gib"]) <= FIT_MARGIN * v
     return row
 
 
 def table(rows: list[dict]) -> list[str]:
     lines = ["| run | GPUs | peak GiB (phase) | setup peak | params | grads | optimizer | activations | reference | "
-             "EMA | text enc. + VAE | fits 80 | fits 141 |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"EMA | text enc. + VAE | fits {VERDICTS[0]} GiB | fits {VERDICTS[1]} GiB |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         g = lambda k: f"{r.get(k, 0.0):.1f}"  # noqa: E731
         lines.append(f"| {r['case']} | {r['gpus']} | {g('peak_gib')} ({r['peak_phase']}) | {g('setup_peak_gib')} | "
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     lines = ["Simulated on this CPU by `difrl plan` (fake tensors, a fake process group of N ranks, the trainer's own "
              "setup and iteration phases), never measured on a GPU. Per GPU, GiB; the categories are those of the "
              "peak phase. Not simulated: reward models, evaluation, checkpoint writes, CUDA allocator and context, "
-             "NCCL buffers; a plan fits when its peak is at most 90% of the GPU.", "", *table(rows), "",
+             f"NCCL buffers; a plan fits when its peak is at most {rows[0]['fit_margin_percent']:.0f}% of the GPU.", "", *table(rows), "",
              "Collectives per iteration on the simulated rank (FSDP2: every unit all-gathered at every forward and "
              "backward; the rollout's forward batches and the update's micro-steps beyond the simulated ones counted "
              "as repeats of them):", "", *collectives_table(rows), "", *sentences(rows)]

@@ -698,3 +698,20 @@ def test_bench_correct_quick_rows(tmp_path):
                                           .read_text().splitlines())]
     assert tis["kl_k3_mean"] == pytest.approx(sum(k3) / len(k3)) and tis["kl_k3_mean"] > 0  # NVFP4 rollouts differ
     assert 0 < tis["ess_frac_mean"] <= 1
+
+
+def test_bench_plan_table_and_sentences_come_from_the_rows():
+    """bench_plan's block (its rows are difrl plan's at real size, minutes each: tests/test_planner.py runs the planner
+    on the tiny pipeline): every table cell and sentence is computed from the rows."""
+    bench = _load("bench_plan")
+    base = {"peak_phase": "update", "params_gib": 5.5, "grads_gib": 5.5, "optimizer_gib": 11.1, "activations_gib": 3.0,
+            "reference_gib": 2.8, "ema_gib": 5.5, "frozen_gib": 9.3, "rollout_collectives": 10, "rollout_collective_gib": 2.0,
+            "update_collectives": 4, "update_collective_gib": 1.0}
+    rows = [{**base, "case": "A", "gpus": g, "peak_gib": p, "setup_peak_gib": s, "fits_80": p <= 72, "fits_141": p <= 126.9}
+            for g, p, s in ((1, 300.0, 50.0), (8, 60.0, 35.0), (16, 40.0, 45.0))]
+    table = bench.table(rows)
+    assert len(table) == 2 + 3 and "| A | 8 | 60.0 (update) | 35.0 |" in table[3] and table[3].endswith("| yes | yes |")
+    said = bench.sentences(rows)
+    assert said[0] == "- A: fits 80 GiB per GPU from 8 GPU(s) on (of 1, 8, 16)."
+    assert said[1] == "- Setup's peak is above the iteration's in: A on 16."
+    assert len(bench.collectives_table(rows)) == 2 + 2  # the one-GPU row has no collectives
