@@ -63,6 +63,7 @@ def test_shipped_architectures_have_the_published_sizes():
         assert {p.dtype for p in policy.pipe.transformer.parameters()} == {torch.bfloat16}
 
 
+@pytest.mark.slow  # a torchrun job of 2 processes and a plan, about 40 s on 2 cores
 def test_plan_counts_what_two_real_processes_hold(tiny_flux, tmp_path):
     """Parameters, AdamW state, EMA and reference bytes per process: the planner (fake tensors, 2 simulated
     ranks) and a real torchrun job of 2 gloo processes running the same setup and update. Exact: the same shapes."""
@@ -261,6 +262,7 @@ def test_sharded_clip_equals_torch_clip(one_process_group):
         torch.testing.assert_close(p.grad.to_local(), r.grad, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow  # the command in a subprocess, two plans, about 25 s
 def test_plan_command_writes_the_rows(tiny_flux, tmp_path):
     """`difrl plan CONFIG key=value --gpus N --gpu-memory GiB --json PATH` on the tiny FLUX pipeline: a row per GPU
     count with the keys the issue names and one <category>_gib per category."""
