@@ -2,7 +2,7 @@
 
     accelerate launch --config_file configs/accelerate/fsdp.yaml scripts/train_wan.py configs/wan_dance_grpo.yaml model.path=/models/Wan2.1-T2V-1.3B-Diffusers model.prompt_file=prompts.txt train.grad_accum=24
     python scripts/train_wan.py configs/wan_dance_grpo.yaml model.path=... train.grad_accum=192          # one process
-    python scripts/make_tiny_pipeline.py wan runs/tiny_wan && python scripts/train_wan.py configs/flux_tiny.yaml model.kind=wan model.path=runs/tiny_wan model.num_frames=5 sampler.guidance=1
+    python scripts/make_tiny_pipeline.py wan runs/tiny_wan && python scripts/train_wan.py configs/flux_tiny.yaml model.kind=wan model.path=runs/tiny_wan model.num_frames=5 sampler.guidance=1 out=runs/wan_tiny_run
 
 Videos are written as GIF grids in the run directory's samples/. Everything else is the config (configs/wan_dance_grpo.yaml
 is sized for 16 GPUs: on P, train.grad_accum = 192 / P keeps its one update per rollout; the start-up error says so).

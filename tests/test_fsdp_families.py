@@ -109,8 +109,8 @@ def test_fsdp_equals_one_process(runs, pipes, kind, mode):
         assert x.keys() == y.keys()
         assert max(x["first_step_max_abs_log_ratio"], y["first_step_max_abs_log_ratio"]) <= RATIO_FLOOR, x
         assert x["kl"] > 0 or x["iteration"] == 1, x  # the reference is in the loss (zero before the first update)
-        for k, v in x.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
+        for k, v in x.items():  # the ratio's float noise is checked against its floor above, not against each other
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "first_step_max_abs_log_ratio":
                 assert v == pytest.approx(y[k], rel=1e-5, abs=1e-7), (x["iteration"], k)
     ea, eb = (json.loads((d / "summary.json").read_text())["eval_after"] for d in (one, two))
     assert ea.keys() == eb.keys() and ea["reward"] == pytest.approx(eb["reward"], rel=1e-5, abs=1e-7)

@@ -195,12 +195,12 @@ def test_the_compute_device_is_the_one_the_trainer_fixed_not_the_parameters(name
 def test_shard_policy_fixes_the_compute_device(monkeypatch):
     # the one place both trainers shard the policy: the accelerator's device becomes the compute device, also under
     # CPU offload where the shards it leaves stay on the host
-    from difrl.train import scaffold
+    from difrl.train import precision
 
     policy = masked_policy("tiny", 16)
-    monkeypatch.setattr(scaffold, "shard", lambda net, *a, **k: net)  # one process: no process group to shard over
+    monkeypatch.setattr(precision, "shard", lambda net, *a, **k: net)  # one process: no process group to shard over
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)  # the summary line is rank 0's
-    scaffold.shard_policy(policy, policy.module, None, SimpleNamespace(), torch.device("meta"))
+    precision.shard_policy(policy, policy.module, None, SimpleNamespace(), torch.device("meta"))
     assert policy.device == torch.device("meta") and next(policy.module.parameters()).device.type == "cpu"
 
 
