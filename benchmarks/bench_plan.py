@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
              "Collectives per iteration on the simulated rank (FSDP2: every unit all-gathered at every forward and "
              "backward; the rollout's forward batches and the update's micro-steps beyond the simulated ones counted "
              "as repeats of them):", "", *collectives_table(rows), "", *sentences(rows)]
-    publish(args, BEGIN, END, "Real size, simulated: difrl plan", "benchmarks/bench_plan.py", argv, lines, rows)
+    publish(args, BEGIN, END, "Real size, simulated: difrl plan", "bench_plan.py", argv, lines, rows)
 
 
 if __name__ == "__main__":
