@@ -9,7 +9,7 @@ return at once with correctly shaped outputs) and FakeTensorMode (tensors carry 
 so a 12-billion-parameter pipeline is built from its architecture configs (difrl.models.arch: the shipped reference
 checkpoint of the family when model.path is not a local directory, or `--arch`) in seconds and no memory. An
 Accelerator is made as `accelerate launch --config_file configs/accelerate/fsdp.yaml` would make it, with accelerate's
-FSDP branches taken as on GPUs (difrl.train.sharding.take_fsdp_branches). Then the functions `difrl train` calls run
+FSDP branches taken as on GPUs (difrl.train.sharded_step.take_fsdp_branches). Then the functions `difrl train` calls run
 on it, not a replica of them:
 
 - setup: the world around the adapter (difrl.worlds.diffusers.flow_world), difrl.train.flow_plan.plan (the split and
