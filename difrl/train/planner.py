@@ -47,9 +47,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from difrl.train.simulation import (Collectives, Memory, device_metrics, module_bytes, peak_tracker,
-                                    plain_tracker, simulated_device, simulated_processes, steady_optimizer_state,
-                                    tensor_bytes)
+from difrl.train.simulation import (Collectives, Memory, device_metrics, fake_parameter_swaps, module_bytes,
+                                    peak_tracker, plain_tracker, simulated_device, simulated_processes,
+                                    steady_optimizer_state, tensor_bytes)
 
 MICRO_STEPS = 2  # micro-steps of the update that run: the first (accumulating) and the update's last (optimizer step)
 FIT_MARGIN = 0.9  # a plan fits when its peak is at most this fraction of the GPU (allocator fragmentation, NCCL, CUDA context)
@@ -109,7 +109,7 @@ def plan_flow(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str | N
     DeviceMetrics = device_metrics()
     t0 = time.perf_counter()
     memory, collectives = Memory(), Collectives()
-    with simulated_processes(gpus) as accelerator, collectives, simulated_device():
+    with simulated_processes(gpus) as accelerator, collectives, fake_parameter_swaps(), simulated_device():
         # ================================================================ setup
         setup_tracker = plain_tracker()
         with setup_tracker:

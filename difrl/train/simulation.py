@@ -27,6 +27,33 @@ FUNCOL_COLLECTIVES = ("all_gather_tensor", "reduce_scatter_tensor", "all_reduce"
 # ---------------------------------------------------------------------------------- the simulated processes
 
 
+@contextlib.contextmanager
+def fake_parameter_swaps():
+    """Module.to / peft's adapter placement on fake parameters: torch swaps every fake parameter for its converted copy
+    (Module._apply) and refuses while anything holds a weak reference to it, which FakeTensorMode's own bookkeeping
+    does. Inside this block a refused swap of two fake tensors sets the data instead (what _apply does for ordinary
+    tensors; fake tensors have no storage to copy); any other swap is torch's. Restored on exit."""
+    import torch.utils as tu
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    original = tu.swap_tensors
+
+    def swap(t1, t2):
+        try:
+            return original(t1, t2)
+        except RuntimeError:
+            if not (isinstance(t1, FakeTensor) and isinstance(t2, FakeTensor)):
+                raise
+            with torch.no_grad():
+                t1.data = t2.data
+
+    tu.swap_tensors = swap
+    try:
+        yield
+    finally:
+        tu.swap_tensors = original
+
+
 def simulated_device():
     """FakeTensorMode for the simulated GPU, with the host's own numbers left real.
 
@@ -50,36 +77,7 @@ def simulated_device():
                     return func(*args, **(kwargs or {}))
             return super().__torch_dispatch__(func, types, args, kwargs)
 
-    class SimulatedDevice(HostAwareFakeMode):
-        """Module.to / peft's adapter placement on fake parameters: torch swaps every fake parameter for its converted
-        copy (Module._apply), and refuses while anything holds a weak reference to it, which FakeTensorMode's own
-        bookkeeping does. Inside this mode a refused swap of two fake tensors sets the data instead (what _apply does
-        for ordinary tensors); nothing is copied either way (fake tensors have no storage)."""
-
-        def __enter__(self):
-            import torch.utils as tu
-
-            self._swap = tu.swap_tensors
-
-            def swap(t1, t2):
-                try:
-                    return self._swap(t1, t2)
-                except RuntimeError:
-                    if not (isinstance(t1, FakeTensor) and isinstance(t2, FakeTensor)):
-                        raise
-                    with torch.no_grad():
-                        t1.data = t2.data
-
-            tu.swap_tensors = swap
-            return super().__enter__()
-
-        def __exit__(self, *exc):
-            import torch.utils as tu
-
-            tu.swap_tensors = self._swap
-            return super().__exit__(*exc)
-
-    return SimulatedDevice(allow_non_fake_inputs=True)
+    return HostAwareFakeMode(allow_non_fake_inputs=True)
 
 
 
