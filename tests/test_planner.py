@@ -293,3 +293,48 @@ def test_plan_of_lora_counts_only_the_adapters_as_trained(tiny_flux):
         assert update.get("reference_gib", 0.0) == 0.0
         assert 0 < update["optimizer_gib"] < 0.5 * update["params_gib"], (gpus, update)
         assert update["ema_gib"] == pytest.approx(update["optimizer_gib"] / 2, rel=0.05)  # fp32 adapters; AdamW: 2 moments + step
+
+
+def fsdp_unit_count(tiny: Path) -> int:
+    """FSDP units of the tiny FLUX transformer as the trainer shards it: every block, then the root."""
+    from difrl.models.adapters import load_flow_policy
+
+    policy = load_flow_policy("flux", tiny, device="cpu")
+    blocks = [m for m in policy.module.modules() if type(m).__name__ in policy.block_classes]
+    return len(blocks) + 1
+
+
+def test_rollout_gathers_every_unit_once_when_asked_or_when_it_fits(tiny_flux):
+    """9a: under FSDP2 (2 simulated GPUs) a rollout of 3 sampler steps all-gathers every unit before each forward
+    (per_forward, FSDP's schedule: 3 all-gathers per unit) or once for the whole rollout (once: 1 per unit, the whole
+    network gathered in the rollout's peak). auto chooses once when the gathered network fits half of the simulated
+    GPU's free memory, per_forward when it does not."""
+    from difrl.train.planner import plan_flow
+
+    units = fsdp_unit_count(tiny_flux)
+    rows = {mode: plan_flow(tiny_cfg(tiny_flux, [f"rollout.fsdp_gather={mode}"]), 2, None)
+            for mode in ("per_forward", "once")}
+    gathers = {m: r["collectives_by_kind"]["rollout"]["dist.all_gather_single"]["count"] for m, r in rows.items()}
+    assert gathers == {"per_forward": 3 * units, "once": units}, gathers  # 1 batch of 2 samples, guidance embedded
+    assert rows["once"]["rollout_gather"] == "once" and rows["per_forward"]["rollout_gather"] == "per_forward"
+    once, per = rows["once"]["phases"]["rollout"], rows["per_forward"]["phases"]["rollout"]
+    assert once.get("unsharded_params_gib", 0) > per.get("unsharded_params_gib", 0)  # the whole network, gathered
+    big, small = (plan_flow(tiny_cfg(tiny_flux, ["rollout.fsdp_gather=auto"]), 2, gib) for gib in (80, 0.0001))
+    assert (big["rollout_gather"], small["rollout_gather"]) == ("once", "per_forward")
+
+
+def test_copy_sync_gathers_each_unit_once_in_the_copy_dtype(tiny_flux):
+    """9b: the fp8 rollout copy of a bf16 full fine-tune (fp32 masters) under FSDP2 (2 simulated GPUs): each sync reads
+    the trained weights with one all-gather per FSDP unit, of the weights cast to bf16 (the dtype the copy is made
+    from), where it used to all-gather every parameter on its own in fp32 (twice the bytes)."""
+    from difrl.models.adapters import load_flow_policy
+    from difrl.train.planner import plan_flow
+
+    row = plan_flow(tiny_cfg(tiny_flux, ["model.dtype=bf16", "rollout.precision=fp8"]), 2, None)
+    sync = row["collectives_by_kind"]["sync"]
+    assert list(sync) == ["dist.all_gather_into_tensor"]
+    assert sync["dist.all_gather_into_tensor"]["count"] == fsdp_unit_count(tiny_flux)
+    params = sum(p.numel() for p in load_flow_policy("flux", tiny_flux, device="cpu").module.parameters())
+    # the bytes counted are each gathered buffer's (world x padded shards): bf16, the padding at most 1 row a tensor
+    assert params * 2 <= sync["dist.all_gather_into_tensor"]["gib"] * GIB < params * 2 * 1.1
+    assert row["sync_peak_gib"] > 0 and "sync" in row["phases"]

@@ -75,10 +75,17 @@ def merged_state_dict(module: nn.Module, exclude: tuple[str, ...] = ()) -> dict[
     return out
 
 
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a float's bits read as the integer of its width
+
+
 def _fingerprint(sd: dict[str, torch.Tensor]) -> torch.Tensor:
-    """A cheap summary that changes when any floating weight changes (sum and sum of squares per tensor)."""
-    parts = [torch.stack([t.double().sum(), (t.double() ** 2).sum()]) for t in sd.values() if t.is_floating_point()]
-    return torch.stack(parts) if parts else torch.zeros(0)
+    """A cheap summary that changes when any floating weight changes: per tensor, the sum (in int64) of its elements'
+    bit patterns read as integers. Exact (no rounding: a change of one element always shows) and read in place (no
+    fp64 copy of every weight, as a float sum and sum of squares would make). Changes of several elements could
+    cancel in the sum; then the no-op check below does not raise (it can miss a no-op sync, never raise falsely)."""
+    parts = [t.detach().contiguous().view(_BITS[t.element_size()]).sum(dtype=torch.int64).reshape(1)
+             for t in sd.values() if t.is_floating_point() and t.element_size() in _BITS]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
 class RolloutCopy:

@@ -272,6 +272,11 @@ class RolloutConfig:
                                     "log-probs); solrl: the stage-1 candidates do. fp32 = no copy")
     sync_every: int = cfg_field(1, ge=1, help="refresh the rollout copy from the policy every this many iterations; > 1 "
                                               "rolls out from a stale copy (asynchronous RL; any rollout.precision)")
+    fsdp_gather: str = cfg_field("auto", choices=("auto", "once", "per_forward"),
+                                 help="under FSDP2, the trained rollouts' all-gathers: once = every block gathered once "
+                                      "per rollout (least communication; the model in bf16 on each GPU while it "
+                                      "samples), per_forward = before each forward (least memory), auto = once when "
+                                      "that fits half the GPU's free memory (difrl/train/unit_gather.py)")
     quant_skip: list[str] | None = cfg_field(None, help="linear layers kept exact (name substrings); None = the model's preset")
     quant_min_dim: int | None = cfg_field(None, ge=0, help="keep layers with max(in, out) <= this exact; None = preset")
     quant_backend: str = cfg_field("auto", choices=QUANT_BACKENDS,

@@ -48,6 +48,7 @@ from difrl.train.rollout_copy import RolloutCopy, build_rollout_copy, sync_rollo
 from difrl.train.sharded_step import clip_sharded_grad_norm_, grad_sync, take_fsdp_branches
 from difrl.train.sharding import fsdp_settings, gathered, process_group_kwargs
 from difrl.train.state import EMA, trainable_params
+from difrl.train.unit_gather import device_free_bytes, rollout_gather, units_gathered
 from difrl.tree_rollout import tree_rollout
 from difrl.utils.collectives import gather, process_max, reduce, split_rows
 from difrl.utils.rng import mix_seed
@@ -125,7 +126,13 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
             # the trained rollouts: Sol-RL stage 2 (full precision, the chosen seeds), flat, or trees
             t_r = time.perf_counter()
             on_copy = rollout_copy is not None and not solrl
-            with rollout_copy.active(policy) if on_copy else nullcontext():
+            # FSDP: the trained network's blocks gathered once for the whole rollout, or before each forward
+            gather_once = rollout_gather(cfg.rollout.fsdp_gather, unwrapped, trainee.fsdp,
+                                         device_free_bytes(accelerator.device, optimizer)) == "once"
+            if it == run.start and trainee.fsdp is not None:
+                when = "once per rollout" if gather_once else "before each forward"
+                accelerator.print(f"difrl: FSDP rollouts gather every block {when} (rollout.fsdp_gather={cfg.rollout.fsdp_gather})")
+            with rollout_copy.active(policy) if on_copy else units_gathered(unwrapped, trainee.fsdp, gather_once):
                 if tree_mode:  # tree.roots trees per group, root seed = its first leaf's flat seed; leaves = the group
                     R, L = cfg.tree.roots, G // cfg.tree.roots  # trees per group, leaves per tree
                     trees = torch.arange(rank * per_proc // L, (rank + 1) * per_proc // L)
@@ -151,8 +158,9 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
             stage["seconds_regenerate" if solrl else "seconds_sampling"] = time.perf_counter() - t_r
         correction = None
         if on_copy and not nft:  # mu != pi_old: PPO's ratio against the recomputed proximal policy, IS weights
-            batch, correction = proximal_correction(policy, batch, cfg, micro.transitions,  # over all processes
-                                                    lambda t: gather(accelerator, t), rank)
+            with units_gathered(unwrapped, trainee.fsdp, gather_once):  # no-grad forwards too
+                batch, correction = proximal_correction(policy, batch, cfg, micro.transitions,  # all processes
+                                                        lambda t: gather(accelerator, t), rank)
             stage["nfe_full"] += len(batch) * world_size * T * nfe
         t_reward = time.perf_counter()
 

@@ -38,13 +38,13 @@ forwards on every process.
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
 
 from difrl.config import ConfigError
 from difrl.train.flow_plan import _divisors, _either, _nearest
+from difrl.train.unit_gather import units_gathered as rollout_forwards  # noqa: F401 (the masked trainer's name)
 from difrl.utils.collectives import gather, process_max, reduce
 
 
@@ -174,25 +174,3 @@ def external_correction(accelerator, corrector, options: dict, lp_pi: torch.Tens
     weight, keep = torch.ones(len(all_ext), L), torch.ones(len(all_ext), L, dtype=torch.bool)
     weight[all_ext], keep[all_ext] = correction.weights.float(), correction.keep
     return weight[rows], keep[rows], correction
-
-
-@contextmanager
-def rollout_forwards(net, fsdp):
-    """Inside the block the FSDP units of `net` stay gathered (all-gathered once on entry, every process in the same
-    order; resharded on exit), so no-grad forwards make no collective and processes may run different numbers of
-    them (module docstring). Nothing to do without FSDP. No backward and no in-place weight write inside."""
-    if fsdp is None:
-        yield
-        return
-    from torch.distributed.fsdp import FSDPModule
-
-    units = [m for m in net.modules() if isinstance(m, FSDPModule)]
-    for m in units:
-        m.set_reshard_after_forward(False, recurse=False)
-        m.unshard()
-    try:
-        yield
-    finally:
-        for m in units:
-            m.reshard()
-            m.set_reshard_after_forward(fsdp.reshard_after_forward, recurse=False)

@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from difrl.train.simulation import (Collectives, Memory, device_metrics, fake_parameter_swaps, module_bytes,
+from difrl.train.simulation import (GIB, Collectives, Memory, device_metrics, fake_parameter_swaps, module_bytes,
                                     peak_tracker, plain_tracker, simulated_device, simulated_processes,
                                     steady_optimizer_state, tensor_bytes)
 
@@ -96,6 +96,8 @@ def plan_flow(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str | N
     from difrl.models.adapters import arch_flow_policy
     from difrl.rollout import cat_rollouts, rollout
     from difrl.train.flow import policy_update, setup_training
+    from difrl.train.rollout_copy import sync_rollout_copy
+    from difrl.train.unit_gather import rollout_gather, units_gathered
     from difrl.train.flow_plan import plan, step_masks
     from difrl.train.objectives import nft_sigmas
     from difrl.utils.rng import mix_seed
@@ -109,7 +111,7 @@ def plan_flow(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str | N
     DeviceMetrics = device_metrics()
     t0 = time.perf_counter()
     memory, collectives = Memory(), Collectives()
-    with simulated_processes(gpus) as accelerator, collectives, fake_parameter_swaps(), simulated_device():
+    with simulated_processes(gpus) as accelerator, collectives, fake_parameter_swaps(), simulated_device() as fake:
         # ================================================================ setup
         setup_tracker = plain_tracker()
         with setup_tracker:
@@ -119,7 +121,8 @@ def plan_flow(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str | N
             with tempfile.TemporaryDirectory() as tmp, unset_fake_temporarily():
                 n_total, per_proc, T, _, micro = plan(cfg, world, gpus, Path(tmp), lambda *a: None)
                 sigmas = world.sigmas(cfg.sampler.num_steps, cfg.sampler.shift)
-            trainee = setup_training(cfg, policy, accelerator)
+            with fake.zero_reads():  # the rollout copy's first sync reads its flags
+                trainee = setup_training(cfg, policy, accelerator)
         memory.record("setup", setup_tracker, Memory.PLAIN, {})
         steady_optimizer_state(trainee.optimizer, trainee.params)
         frozen = [c for n, c in policy.pipe.components.items() if isinstance(c, nn.Module) and n != "transformer"]
@@ -134,7 +137,7 @@ def plan_flow(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str | N
             tracker, names = plain_tracker(trainee.net), Memory.PLAIN
             tracker.track_external(trainee.net, trainee.optimizer)
 
-        # ================================================================ rollout
+        # the iteration's host numbers
         with unset_fake_temporarily():  # the iteration's indices and masks are real: the sampler reads them as numbers
             B = min(cfg.sampler.rollout_batch or per_proc, per_proc)  # one forward batch
             k = torch.arange(B)
@@ -142,15 +145,33 @@ def plan_flow(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str | N
             sde_mask, train_mask, _ = step_masks(cfg, 0, n_total)
             prompt_ids, group_ids = k // cfg.rollout.group_size, k // cfg.rollout.group_size
         prompts = [world.prompts[int(i) % len(world.prompts)] for i in prompt_ids]
+        on_copy = trainee.rollout_copy is not None and cfg.rollout.kind != "solrl"
         with tracker:
+            # ============================================================ sync
+            # the rollout copy refreshed from the trained weights, as before every rollout (rollout_copy.py); its
+            # checks read flags from the device, which read as zeros here (none fires)
+            if trainee.rollout_copy is not None:
+                collectives.current = "sync"
+                Memory.restart_peak(tracker)
+                with fake.zero_reads():
+                    sync_rollout_copy(trainee.rollout_copy, trainee.copy_source, trainee.unwrapped, 1, 0, 1)
+                memory.record("sync", tracker, names, resident)
+
+            # ============================================================ rollout
             collectives.current = "rollout"
             Memory.restart_peak(tracker)
             trainee.unwrapped.eval()
-            part = rollout(policy, prompts, seeds, sigmas, cfg.sampler.kind, cfg.sampler.kernel_kwargs(), sde_mask,
-                           train_mask[:B], prompt_ids, group_ids, seeds, cfg.sampler.guidance, batch_size=B)
+            # FSDP: gather once per rollout or per forward, chosen as the trainer chooses with the GPU's free memory
+            held = sum(tracker._peak_mem.values()) + sum(resident.values())  # restart_peak: the current total
+            free = None if gpu_memory_gib is None else int(gpu_memory_gib * GIB) - held
+            gather = rollout_gather(cfg.rollout.fsdp_gather, trainee.unwrapped, trainee.fsdp, free)
+            with trainee.rollout_copy.active(policy) if on_copy else units_gathered(trainee.unwrapped, trainee.fsdp,
+                                                                                   gather == "once"):
+                part = rollout(policy, prompts, seeds, sigmas, cfg.sampler.kind, cfg.sampler.kernel_kwargs(), sde_mask,
+                               train_mask[:B], prompt_ids, group_ids, seeds, cfg.sampler.guidance, batch_size=B)
             batch = cat_rollouts([part] * -(-per_proc // B)) if per_proc > B else part
             memory.record("rollout", tracker, names, resident)
-            collectives.scale("rollout", per_proc / B)
+            collectives.scale("rollout", per_proc / B)  # gathered once: once per batch, as the trainer's chunks
 
             # ============================================================ update
             collectives.current = "update"
@@ -166,28 +187,36 @@ def plan_flow(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str | N
             total_micro = cfg.train.inner_epochs * -(-len(batch) // micro.records)
             collectives.scale("update", total_micro / ran)
     seconds = time.perf_counter() - t0
-    return plan_row(cfg, config_name, arch_name, gpus, gpu_memory_gib, memory, collectives, micro, per_proc, seconds)
+    row = plan_row(cfg, config_name, arch_name, gpus, gpu_memory_gib, memory, collectives, micro, per_proc, seconds)
+    row["rollout_gather"] = "copy" if on_copy else gather
+    if on_copy:
+        row["not_simulated"].append("the proximal recompute of copy rollouts (no-grad forwards of the trained network)")
+    return row
 
 
 def plan_row(cfg, config_name: str, arch_name: str, gpus: int, gpu_memory_gib, memory: Memory, collectives: Collectives, micro,
              per_proc: int, seconds: float) -> dict:
     """The JSON row: identity of the run, the peak phase's categories at top level, every phase's peak."""
     phases = memory.phases
-    worst = max(("rollout", "update"), key=lambda p: phases[p]["peak_gib"])
+    loop = [p for p in ("sync", "rollout", "update") if p in phases]  # the iteration's phases (sync: a rollout copy)
+    worst = max(loop, key=lambda p: phases[p]["peak_gib"])
     row = {"config": config_name, "arch": arch_name, "gpus": gpus, "gpu_memory_gib": gpu_memory_gib,
            "method": "full" if not cfg.train.lora.enabled else f"lora r{cfg.train.lora.rank}",
            "model_dtype": cfg.model.dtype, "grad_accum": cfg.train.grad_accum, "micro_batch": micro.transitions,
            "samples_per_gpu": per_proc, "kl_reference": cfg.train.kl_beta > 0, "ema": cfg.train.ema_decay > 0,
+           "rollout_precision": cfg.rollout.precision,
            "peak_phase": worst, "peak_gib": phases[worst]["peak_gib"], "setup_peak_gib": phases["setup"]["peak_gib"],
-           "rollout_peak_gib": phases["rollout"]["peak_gib"], "update_peak_gib": phases["update"]["peak_gib"]}
+           **{f"{p}_peak_gib": phases[p]["peak_gib"] for p in loop}}
     row.update({k: v for k, v in phases[worst].items() if k != "peak_gib"})
     row["phases"] = phases  # every phase's peak and its categories
     overall = max(row["peak_gib"], row["setup_peak_gib"])
     row["fits"] = None if gpu_memory_gib is None else bool(overall <= FIT_MARGIN * gpu_memory_gib)
-    for phase in ("setup", "rollout", "update"):
+    for phase in ("setup", *loop):
         s = collectives.summary(phase)
         row[f"{phase}_collectives"], row[f"{phase}_collective_gib"] = s["count"], s["gib"]
-    row["collectives_by_kind"] = {p: collectives.summary(p)["by_kind"] for p in ("setup", "rollout", "update")}
+    row["iteration_collectives"] = sum(row[f"{p}_collectives"] for p in loop)  # sync + rollout + update
+    row["iteration_collective_gib"] = sum(row[f"{p}_collective_gib"] for p in loop)
+    row["collectives_by_kind"] = {p: collectives.summary(p)["by_kind"] for p in ("setup", *loop)}
     row["not_simulated"] = list(NOT_SIMULATED)
     row["simulation_seconds"] = seconds
     return row

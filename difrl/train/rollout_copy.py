@@ -15,20 +15,24 @@ copy per process:
 - its forwards need no collective: it is a plain module with no FSDP hooks, so a rollout on it may run any number
   of forwards on any process (fix (c) of specs/scale.md §2 "Uneven forward counts"; what torchtitan RL, verl and
   Sol-RL's DDP replicas do) and it is as fast as the DDP copy;
-- it is built exactly as one process builds it: every weight is quantized whole (`full_tensor` of each parameter
-  of one unit), so per-tensor scales (fp8's amax) need no extra all-reduce and the copy is bit-for-bit the
-  one-process copy (row-wise formats could quantize a shard alone; a per-tensor amax could not);
-- memory is bounded: `sharded_weights` gathers one FSDP unit (a transformer block, then the root's rest) in
-  fp32, yields its LoRA-merged tensors and frees them before the next; the copy is built from a meta-tensor
-  skeleton (`sharded_skeleton`) filled and quantized unit by unit. Never is the whole fp32 model gathered, nor
-  the whole model held in high precision: the peak is the copy so far + one unit gathered (fp32) + its
+- it is built exactly as one process builds it: every weight is quantized whole (each unit's parameters gathered
+  in full, one all-gather per unit and dtype: difrl/train/unit_gather.py), so per-tensor scales (fp8's amax) need
+  no extra all-reduce and the copy is bit-for-bit the one-process copy (row-wise formats could quantize a shard
+  alone; a per-tensor amax could not);
+- memory is bounded: `sharded_weights` gathers one FSDP unit (a transformer block, then the root's rest) in the
+  dtypes the copy keeps (the loaded dtype: a bf16 model's fp32 masters are cast to bf16 before they travel), yields
+  its LoRA-merged tensors and frees them before the next; the copy is built from a meta-tensor skeleton
+  (`sharded_skeleton`) filled and quantized unit by unit. Never is the whole model gathered, nor held in high
+  precision: the peak is the copy so far + one unit gathered (twice: the flat buffer, then its tensors) + its
   high-precision copy before quantization. The price is the copy's full size on every process (fp8: a byte per
   quantized weight; benchmarks/bench_fsdp_memory.py measures it against DDP's copy).
+Both paths, sharded and not, fill the copy from the weights in the dtypes the model was loaded in (one process:
+`loaded_weights`, MasterWeights.as_loaded), at build and at every sync alike.
 The sync after each update (the no-op check and `verify`) reads the same unit-wise parts. Every process gathers
-the same units in the same order (`full_tensor` is a collective) and computes the same checks from the same full
-tensors, so a failed check stops every process together. Collectives: FSDP's all-gather of the shards, which live
-on the mesh's device (the accelerator's; with fsdp_offload_params on the CPU, through the group's CPU backend);
-the gathered tensors are then moved to `device`, where the copy runs.
+the same units in the same order (a collective) and computes the same checks from the same full tensors, so a
+failed check stops every process together. Collectives: one all-gather of the packed shards per unit and dtype,
+on the shards' device (the accelerator's; with fsdp_offload_params the CPU, through the group's CPU backend); the
+gathered tensors are then moved to `device`, where the copy runs.
 Tested on 2 CPU processes (gloo, tests/test_fsdp_methods.py): equal to one process. Not run on GPUs / NCCL.
 """
 
@@ -44,6 +48,7 @@ from difrl.quant.sync import merged_state_dict
 from difrl.train.precision import MasterWeights
 from difrl.train.sharding import is_sharded, plain_copy, reshard
 from difrl.train.state import EMA, trainable_params
+from difrl.train.unit_gather import gather_full
 
 
 def build_rollout_copy(cfg, policy, unwrapped, masters: MasterWeights, say, device=None,
@@ -60,11 +65,11 @@ def build_rollout_copy(cfg, policy, unwrapped, masters: MasterWeights, say, devi
              preset["min_dim"] if cfg.rollout.quant_min_dim is None else cfg.rollout.quant_min_dim,
              cfg.rollout.quant_backend)
     if sharded:
-        copy = RolloutCopy(unwrapped, *quant, weights=sharded_weights(device), device=device,
+        copy = RolloutCopy(unwrapped, *quant, weights=sharded_weights(device, masters.loaded), device=device,
                            skeleton=sharded_skeleton(unwrapped, masters.loaded))
     else:
         with masters.as_loaded(unwrapped):
-            copy = RolloutCopy(unwrapped, *quant)
+            copy = RolloutCopy(unwrapped, *quant, weights=loaded_weights(masters))
     say(f"difrl: rollout copy ({'stage-1 candidates' if cfg.rollout.kind == 'solrl' else 'rollouts'}, synced every "
         f"{cfg.rollout.sync_every} iteration(s){'; a full copy per process, built one FSDP unit at a time' if sharded else ''}): "
         + copy.report.summary())
@@ -98,39 +103,60 @@ def fsdp_units(net: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 @contextmanager
-def _full(modules, device):
+def _full(modules, device, dtype_of: dict[int, torch.dtype]):
     """Inside the block the sharded parameters of `modules` (their own, not their children's) are replaced by their
-    full fp32 values on `device` (an all-gather each: every process, same order); the shards are put back after."""
-    swapped, full_of = [], {}
+    full values in the dtypes the copy keeps (`dtype_of`: by id, default the parameter's own) on `device`: one
+    all-gather per dtype for all of them (unit_gather.gather_full; every process, same order); the shards are put
+    back after."""
+    owners, params = [], {}
     for mod in modules:
         for name, p in list(mod._parameters.items()):
             if p is not None and is_sharded(p):
-                if id(p) not in full_of:
-                    full = p.detach().full_tensor()
-                    full_of[id(p)] = nn.Parameter(full.to(device) if device is not None else full, requires_grad=False)
-                swapped.append((mod, name, p))
-                mod._parameters[name] = full_of[id(p)]
+                owners.append((mod, name, p))
+                params.setdefault(id(p), p)  # tied parameters: gathered once
+    fulls = gather_full(list(params.values()), [dtype_of.get(i, p.dtype) for i, p in params.items()])
+    full_of = {i: nn.Parameter(f.to(device) if device is not None else f, requires_grad=False)
+               for i, f in zip(params, fulls)}
+    del fulls
+    for mod, name, p in owners:
+        mod._parameters[name] = full_of[id(p)]
     try:
         yield
     finally:
-        for mod, name, p in swapped:
+        for mod, name, p in owners:
             mod._parameters[name] = p
 
 
-def sharded_weights(device=None):
+def sharded_weights(device=None, loaded: dict[str, torch.dtype] | None = None):
     """`weights` for RolloutCopy of an FSDP2-sharded network: its LoRA-merged state dict in parts, one FSDP unit
-    (a block, then the root's own tensors) gathered at a time and freed before the next (module docstring)."""
+    (a block, then the root's own tensors) gathered at a time, in one collective per dtype, and freed before the
+    next (module docstring). `loaded`: MasterWeights.loaded, the dtype each upcast parameter was loaded in: the
+    copy's dtype, which the shards are cast to before they travel (half the bytes of the fp32 masters)."""
+    loaded = loaded or {}
+
     def parts(source: nn.Module):
         reshard(source)  # the shards registered, not what a forward left gathered (reshard_after_forward=False)
+        dtype_of = {id(p): loaded[n] for n, p in source.named_parameters() if n in loaded}
         units = fsdp_units(source)
         for name, unit in units:
-            with _full(list(unit.modules()), device):
+            with _full(list(unit.modules()), device, dtype_of):
                 part = {f"{name}.{k}": v for k, v in merged_state_dict(unit).items()}
             yield part
         inside = {id(m) for _, unit in units for m in unit.modules()}
-        with _full([m for m in source.modules() if id(m) not in inside], device):
+        with _full([m for m in source.modules() if id(m) not in inside], device, dtype_of):
             part = merged_state_dict(source, exclude=tuple(n for n, _ in units))
         yield part
+    return parts
+
+
+def loaded_weights(masters: MasterWeights):
+    """`weights` for RolloutCopy of an unsharded network: its LoRA-merged state dict with the upcast parameters in
+    the dtypes they were loaded in (MasterWeights.as_loaded), as the copy was built from them and as the sharded
+    path gathers them: the copy is always the loaded-dtype model quantized (a bf16 model's bf16 weights, what
+    Transformer Engine's bf16 te.Linear holds too), not the fp32 masters quantized at one sync and bf16 at another."""
+    def parts(source: nn.Module):
+        with masters.as_loaded(source):
+            yield merged_state_dict(source)
     return parts
 
 

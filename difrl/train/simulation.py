@@ -21,7 +21,8 @@ GIB = 1024 ** 3
 DIST_COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "all_gather", "reduce_scatter_single",
                     "reduce_scatter_tensor", "reduce_scatter", "all_reduce", "broadcast", "all_to_all_single",
                     "gather", "scatter", "barrier", "all_gather_object", "broadcast_object_list", "gather_object")
-FUNCOL_COLLECTIVES = ("all_gather_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single", "broadcast")
+FUNCOL_COLLECTIVES = ("all_gather_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
+                      "all_reduce", "all_to_all_single", "broadcast")  # DTensor's full_tensor: all_gather_single
 
 
 # ---------------------------------------------------------------------------------- the simulated processes
@@ -63,12 +64,28 @@ def simulated_device():
     does a draw from a seeded torch.Generator (the update's permutations, the samples' noise: counted as memory all
     the same), and everything that touches a fake tensor, or makes a new one from nothing (parameters,
     activations), is fake. A value the trainer reads from the simulated device itself (a loss, a norm) still raises
-    DataDependentOutputException: the simulation keeps such reads out (plan_config turns off the ratio check)."""
+    DataDependentOutputException: the simulation keeps such reads out (plan_config turns off the ratio check), or
+    reads zeros where a check only reads flags (`zero_reads`: the rollout copy's sync)."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
     from torch.utils import _pytree as pytree
 
     class HostAwareFakeMode(FakeTensorMode):
+        reads_zero = False  # inside `zero_reads()`: a value read from the simulated device reads as 0 / False
+
+        @contextlib.contextmanager
+        def zero_reads(self):
+            """Inside the block reading a simulated-device value (item, tolist, bool) gives 0 / False instead of
+            raising: for checks that read flags (the rollout copy's sync and verify), which then never fire."""
+            self.reads_zero = True
+            try:
+                yield
+            finally:
+                self.reads_zero = False
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if self.reads_zero and func is torch.ops.aten._local_scalar_dense.default:
+                dtype = args[0].dtype
+                return False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0
             flat = [a for a in pytree.tree_leaves((args, kwargs or {})) if isinstance(a, torch.Tensor)]
             host_random = not flat and (kwargs or {}).get("generator") is not None  # seeded host draws: permutations
             if host_random or (flat and not any(isinstance(a, FakeTensor) for a in flat)
@@ -114,6 +131,10 @@ def simulated_processes(gpus: int, fsdp: bool = True):
         # device_placement off: the simulated model is built on the simulated device already, and moving fake
         # parameters (Module.to swaps them) is refused while a memory tracker holds weak references to them
         accelerator = Accelerator(cpu=True, device_placement=False)
+        # accelerate names a CPU process's device cpu:<local rank>; fake tensors tell cpu:0 from the cpu the model is
+        # built on (a real run cannot), so the simulated device is plain cpu
+        for state in (PartialState, AcceleratorState):
+            state._shared_state["device"] = torch.device("cpu")
         take_fsdp_branches(accelerator)
         yield accelerator
     finally:
