@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -252,3 +255,42 @@ def latest_weights_or_base(run_dir: Path):
     """(initial LoRA weights: B = 0, the trained ones) of the run's final checkpoint."""
     w = latest_weights(run_dir)
     return {k: torch.zeros_like(v) if k.endswith("lora_B.default.weight") else v for k, v in w.items()}, w
+
+
+# ------------------------------------------------------------------------- two processes
+
+
+def _launch(out: Path, nproc: int, method: str, *overrides: str) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    launch = [sys.executable, "-m", "difrl"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "difrl"]
+    cmd = [*launch, "train", str(ROOT / "configs" / f"digits_{method}.yaml"), *overrides, "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.slow  # two launches of two processes, tens of seconds: left out by `make test-fast`
+@pytest.mark.parametrize("method", ["dgpo", "awm"])
+def test_two_processes_equal_one(tmp_path, method):
+    # one group of 8 split over the two processes: DGPO's group weight needs the other process's deltas (the
+    # pre-pass gathers them); AWM's loss is per sample. One process accumulates 4 micro-batches of 2 samples x 2
+    # sigmas, two processes 2 each and DDP averages: the same update up to float summation order.
+    common = ["seed=3", "threads=1", "sampler.num_steps=4", "rollout.prompts_per_iter=1", "rollout.group_size=8",
+              "train.micro_batch=4", "train.iterations=2", "train.adam_eps=1.0", "train.lr=1.0", "train.weight_decay=0",
+              "train.kl_beta=0.1", "train.updates_per_epoch=null", "eval.every=0", "eval.per_digit=3", "eval.num_steps=3"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    _launch(one, 1, method, *common, "train.grad_accum=4")
+    _launch(two, 2, method, *common, "train.grad_accum=2")
+    r1, r2 = metrics(one), metrics(two)
+    assert len(r1) == len(r2) == 2
+    own = {"dgpo": "dgpo_group_weight", "awm": "ema_kl"}[method]
+    for a, b in zip(r1, r2):
+        for k in ("reward_mean", "adv_std", "trained_samples"):  # gathered: the same values
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
+        for k in ("policy_loss", "kl", "grad_norm", "matching_error", own):  # means over processes: summation order
+            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-7), k
+    w1, w2 = latest_weights(one), latest_weights(two)
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], rtol=1e-3, atol=1e-6, msg=k)  # fp32 sums in another order
+    assert any(float(w.abs().max()) > 1e-3 for k, w in w1.items() if "lora_B" in k)  # training moved B
