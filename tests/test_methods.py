@@ -249,6 +249,33 @@ def test_trains_on_digits_by_config_alone(tmp_path, method):
         assert any(r["trust_kl"] > 0 for r in rows)  # the second update of a rollout is off its old policy
     if method == "awm":
         assert all(r["ema_kl"] > 0 for r in rows)  # the EMA anchor lags the trained weights (from the 2nd update on)
+    if method in ("dpo", "dgpo"):  # the first pre-pass sees the policy equal to the reference: every delta 0
+        assert rows[0]["policy_loss"] == pytest.approx(math.log(2), rel=1e-6)  # softplus(0)
+        assert rows[1]["policy_loss"] != pytest.approx(math.log(2), rel=1e-6)
+
+
+def test_matching_rollouts_are_ode_unless_sde_is_asked_for():
+    from difrl.samplers import step_masks as sampler_step_masks
+    from difrl.train.flow_plan import step_masks
+
+    for method in ("awm", "dpo", "dgpo"):
+        sde, trained, _ = step_masks(load_flow_config(None, [f"train.objective={method}"]), 0, 3)
+        assert not sde.any() and not trained.any()  # deterministic rollouts storing no transition
+        cfg = load_flow_config(None, [f"train.objective={method}", "matching.rollout=sde", "steps.mode=fixed_window",
+                                      "steps.window_size=2", "steps.window_start=1"])
+        sde, trained, _ = step_masks(cfg, 0, 3)
+        assert torch.equal(sde, sampler_step_masks(cfg.steps, cfg.sampler.num_steps, cfg.seed, 0, 1)[0])
+        assert sde.sum() == 2 and not trained.any()  # SDE exploration on the window, still nothing stored
+
+
+def test_awm_resumes_exactly(tmp_path):
+    # the EMA anchor (the "old" shadow) is in the checkpoint: 2 + 2 iterations equal 4
+    extra = ["train.objective=awm", "train.lr=1e-2", "train.micro_batch=auto", "train.grad_accum=2"]
+    train(load_flow_config(None, [*TINY, *extra, "train.iterations=4"]), out_dir=tmp_path / "full")
+    train(load_flow_config(None, [*TINY, *extra, "train.iterations=2"]), out_dir=tmp_path / "part")
+    train(load_flow_config(None, [*TINY, *extra, "train.iterations=4", f"resume={tmp_path / 'part'}"]))
+    full, part = metrics(tmp_path / "full"), metrics(tmp_path / "part")
+    assert full == part and full[-1]["ema_kl"] > 0
 
 
 def latest_weights_or_base(run_dir: Path):
