@@ -9,9 +9,10 @@ log -> checkpoint) per iteration. Everything random is derived from (seed, itera
 so a resumed run continues exactly as if it had never stopped (Ctrl-C / SIGTERM stop it at an iteration
 boundary with a checkpoint: difrl/train/interrupt.py). The methods are calls into their
 modules: Sol-RL's candidate pool (difrl.solrl), BranchGRPO's tree rollout and trained edges
-(difrl.tree_rollout, difrl.algos.tree), the GRPO and DiffusionNFT losses and the proximal
-recompute of copy rollouts (difrl.train.objectives); run directory, resume, LoRA and reference,
-metrics and plots are the scaffold's (difrl.train.scaffold).
+(difrl.tree_rollout, difrl.algos.tree), the GRPO, Flow-DPPO and DiffusionNFT losses and the proximal
+recompute of copy rollouts (difrl.train.objectives), AWM, DPO and DGPO (difrl.train.matching_objectives; the
+objectives are docs/methods.md); run directory, resume, LoRA and reference, metrics and plots are the scaffold's
+(difrl.train.scaffold).
 
 Groups may span processes: the sample list of an iteration is global (sample k belongs to group
 k // group_size), each process rolls out a contiguous slice, rewards are gathered before the
@@ -338,7 +339,8 @@ def policy_update(cfg: FlowConfig, policy, tr: Trainee, accelerator, batch, adva
                   max_micro_steps: int | None = None) -> None:
     """train.inner_epochs passes over this process's records `batch` (advantages, keep: [records]) in micro-batches of
     micro.records, train.grad_accum of them per optimizer step (gradient clipping, EMA update). Each micro-step's
-    loss is divided by its update's transitions, so 1x8 accumulation == 8x1. `max_micro_steps`: difrl plan's
+    loss is divided by its update's transitions, so 1x8 accumulation == 8x1 (DPO / DGPO first compute their records'
+    coefficients over whole groups: matching_objectives.prepare_update). `max_micro_steps`: difrl plan's
     simulation stops after that many (the first ones and the last, which steps)."""
     objective = cfg.train.objective
     device = batch.x_final.device  # the rollout's (the policy's) device: the losses' operands go there once
