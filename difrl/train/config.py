@@ -14,7 +14,8 @@ from the typed ``model.kind`` (``difrl.train.recipes.load_train_config``): the f
 Flow defaults follow Flow-GRPO (flow-grpo-family.md §2.8, §8.7) where they carry over to a model
 of this size; the digits YAML sets what the bundled demo needs. The masked sections are in
 difrl/train/masked_config.py, the evaluation sections (``eval``, ``stop``) in difrl/train/eval_config.py, the flow
-methods' sections (``solrl``, ``tree``, ``nft``) in difrl/train/method_config.py.
+methods' sections (``solrl``, ``tree``, ``nft``, ``matching``, ``awm``, ``dpo``, ``dgpo``, ``dppo``) in
+difrl/train/method_config.py.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from difrl.config import cfg_field, config_error, load_config
 from difrl.correct import METHODS, POLICY_LOSSES, option_problems
 from difrl.quant.formats import FORMATS as QUANT_FORMATS
 from difrl.quant.linear import BACKENDS as QUANT_BACKENDS
-from difrl.train.method_config import NFTConfig, SolRLConfig, TreeConfig  # noqa: F401  (re-exported)
+from difrl.train.method_config import (LOG_PROB_OBJECTIVES, MATCHING_OBJECTIVES, AWMConfig, DGPOConfig,  # noqa: F401
+                                       DPOConfig, DPPOConfig, MatchingConfig, NFTConfig, SolRLConfig, TreeConfig,
+                                       check_objective)
 from difrl.train.eval_config import EvalConfig, FidConfig, FlowEvalConfig, StopConfig  # noqa: F401  (re-exported)
 from difrl.worlds import FLOW_KINDS, MASKED_KINDS, check_world_config
 
@@ -307,9 +310,10 @@ class FlowTrainConfig(TrainConfig):
                                       "VESPO (phi(W) kernel; with a rollout copy W includes pi_old / mu)")
     policy_loss_options: dict[str, float] = cfg_field(default_factory=dict, help="keyword options of policy_loss, e.g. "
                                                                                  "{eps_low: 3e-4, eps_high: 4e-4}")
-    objective: str = cfg_field("grpo", choices=("grpo", "nft"),
+    objective: str = cfg_field("grpo", choices=("grpo", "nft") + MATCHING_OBJECTIVES + ("dppo",),
                                help="grpo: PPO-clip on the SDE transitions' log-probs; nft: DiffusionNFT on clean samples "
-                                    "(likelihood-free, deterministic rollouts; section nft)")
+                                    "(likelihood-free, deterministic rollouts; section nft); awm / dpo / dgpo / dppo: "
+                                    "docs/methods.md (sections matching, awm, dpo, dgpo, dppo)")
 
 
 @dataclass
@@ -324,6 +328,11 @@ class FlowConfig(TrainerConfig):
     solrl: SolRLConfig = field(default_factory=SolRLConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
     nft: NFTConfig = field(default_factory=NFTConfig)
+    matching: MatchingConfig = field(default_factory=MatchingConfig)
+    awm: AWMConfig = field(default_factory=AWMConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    dgpo: DGPOConfig = field(default_factory=DGPOConfig)
+    dppo: DPPOConfig = field(default_factory=DPPOConfig)
     eval: FlowEvalConfig = field(default_factory=FlowEvalConfig)
     stop: StopConfig = field(default_factory=StopConfig)
 
@@ -348,8 +357,9 @@ class FlowConfig(TrainerConfig):
                                                      f"trained rollouts come from the trained policy itself (rollout.kind="
                                                      f"{r.kind}, rollout.precision={r.precision}, rollout.sync_every="
                                                      f"{r.sync_every}): every weight would be 1")
-            if self.train.objective != "grpo":
-                raise config_error("correct.method", "importance correction needs log-probs; train.objective=nft has none")
+            if self.train.objective not in LOG_PROB_OBJECTIVES:
+                raise config_error("correct.method", f"importance correction needs log-probs; train.objective="
+                                                     f"{self.train.objective} has none")
         if r.kind == "solrl":
             if self.solrl.candidates < r.group_size:
                 raise config_error("solrl.candidates", f"{self.solrl.candidates} candidates cannot give "
@@ -367,7 +377,8 @@ class FlowConfig(TrainerConfig):
                                                          f"have {sched.leaves * self.tree.roots} leaves, but rollout."
                                                          f"group_size={r.group_size}: they must be equal")
             if self.train.objective != "grpo":
-                raise config_error("rollout.kind", "tree rollouts train their SDE edges' log-probs (train.objective=grpo)")
+                raise config_error("rollout.kind", f"tree rollouts train their SDE edges' log-probs with PPO-clip "
+                                                   f"(train.objective=grpo), not train.objective={self.train.objective}")
             if s.mode == "random_subset":
                 raise config_error("steps.mode", "a tree trains every SDE edge; random_subset (per-sample steps) does "
                                                  "not apply; use all_but_last (BranchGRPO) or a window (BranchGRPO-Mix)")
@@ -384,9 +395,10 @@ class FlowConfig(TrainerConfig):
         if fn is not None and (t.objective != "grpo" or t.ratio_norm):
             raise config_error("train.policy_loss", f"{t.policy_loss} replaces PPO-clip on the log-prob ratio; it needs "
                                                     "train.objective=grpo and train.ratio_norm=false")
-        if self.train.objective == "nft" and (self.train.ratio_norm or self.train.step_weight != "none"):
-            raise config_error("train.objective", "GRPO-Guard options (train.ratio_norm, train.step_weight) act on "
-                                                  "log-prob ratios; DiffusionNFT has none")
+        if self.train.objective != "grpo" and (self.train.ratio_norm or self.train.step_weight != "none"):
+            raise config_error("train.objective", f"GRPO-Guard options (train.ratio_norm, train.step_weight) act on "
+                                                  f"PPO-clip's log-prob ratios; train.objective={self.train.objective} "
+                                                  "has none to clip")
         if t.objective == "nft":
             refuse_ignored(t, "train", ("kl_beta", "clip_low", "clip_high", "kl_form"), "train.objective=nft has no "
                            "log-prob ratio to clip and no per-step Gaussian KL (DiffusionNFT's pull to the reference is "
@@ -406,6 +418,7 @@ class FlowConfig(TrainerConfig):
             raise config_error("rollout.chunks", f"= {r.chunks} would be ignored: a tree rollout samples each "
                                                  "process's trees in one pass (chunks apply to flat and solrl "
                                                  "rollouts); set rollout.chunks=1")
+        check_objective(self, refuse_ignored)  # awm / dpo / dgpo / dppo (difrl/train/method_config.py)
         check_world_config(self)  # the world's own needs (difrl/worlds/<its file>.check_config)
 
 

@@ -9,9 +9,10 @@ log -> checkpoint) per iteration. Everything random is derived from (seed, itera
 so a resumed run continues exactly as if it had never stopped (Ctrl-C / SIGTERM stop it at an iteration
 boundary with a checkpoint: difrl/train/interrupt.py). The methods are calls into their
 modules: Sol-RL's candidate pool (difrl.solrl), BranchGRPO's tree rollout and trained edges
-(difrl.tree_rollout, difrl.algos.tree), the GRPO and DiffusionNFT losses and the proximal
-recompute of copy rollouts (difrl.train.objectives); run directory, resume, LoRA and reference,
-metrics and plots are the scaffold's (difrl.train.scaffold).
+(difrl.tree_rollout, difrl.algos.tree), the GRPO, Flow-DPPO and DiffusionNFT losses and the proximal
+recompute of copy rollouts (difrl.train.objectives), AWM, DPO and DGPO (difrl.train.matching_objectives; the
+objectives are docs/methods.md); run directory, resume, LoRA and reference, metrics and plots are the scaffold's
+(difrl.train.scaffold).
 
 Groups may span processes: the sample list of an iteration is global (sample k belongs to group
 k // group_size), each process rolls out a contiguous slice, rewards are gathered before the
@@ -36,7 +37,9 @@ from difrl.rollout import cat_rollouts, chunk_slices, per_transition, rollout
 from difrl.solrl import candidate_pool, rank_agreement
 from difrl.train.config import FlowConfig
 from difrl.train.flow_plan import plan, step_masks
-from difrl.train.objectives import grpo_micro_loss, nft_micro_loss, nft_sigmas, proximal_correction
+from difrl.train.matching_objectives import (MATCHING_OBJECTIVES, matching_micro_loss, needs_old, needs_reference,
+                                             old_decay, prepare_update, trained_sigmas)
+from difrl.train.objectives import dppo_micro_loss, grpo_micro_loss, nft_micro_loss, proximal_correction
 from difrl.train.reward_stage import (across_processes, build_rewards, probe_batch, reward_stats, score_rewards,
                                      track_reward_failures, valid_group_advantages)
 from difrl.train.metrics import Metrics, pooled_std
@@ -81,7 +84,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
     unwrapped, optimizer, ema, old = trainee.unwrapped, trainee.optimizer, trainee.ema, trainee.old
     masters, rollout_copy, copy_source = trainee.masters, trainee.rollout_copy, trainee.copy_source
     extras = {k: v for k, v in (("old", old), ("rollout_source", copy_source)) if v is not None}
-    train_sigmas = nft_sigmas(cfg, sigmas) if nft else None  # DiffusionNFT's trained sigmas [T]
+    train_sigmas = trained_sigmas(cfg, sigmas)  # NFT's / AWM's / DPO's / DGPO's re-noising sigmas [T], else None
 
     run = Run.open(cfg, run_dir, unwrapped, optimizer, ema, extras, accelerator, state={"best_fd": None, "bad_evals": 0},
                    overwrite=overwrite)
@@ -214,8 +217,8 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
                                         correction.diagnostics)
         policy_update(cfg, policy, trainee, accelerator, batch, advantages, keep, correction, T_rec, micro, it, m,
                       train_sigmas)
-        if old is not None:  # Sol-RL/DiffusionNFT: old <- d old + (1 - d) new, d = min(rate * iteration, max)
-            old.update(min(cfg.nft.old_decay_rate * it, cfg.nft.old_decay_max))
+        if old is not None:  # DiffusionNFT / AWM's EMA: old <- d old + (1 - d) new, d = min(rate * iteration, max)
+            old.update(old_decay(cfg, it))
         unwrapped.eval()
         t_log = time.perf_counter()
 
@@ -316,13 +319,11 @@ def setup_training(cfg: FlowConfig, policy, accelerator) -> Trainee:
     precision and sharding right: LoRA or the frozen reference (wrap_policy), fp32 master weights of a bf16 full
     fine-tune (upcast_masters), FSDP2 (shard_policy, when the launch asks for it), the optimizer, EMA / NFT old policy,
     the rollout copy. Installs the network in `policy` (policy.module)."""
-    nft = cfg.train.objective == "nft"
     # LoRA or the frozen reference; full fine-tuning of a bf16 model: fp32 master weights (so fp32 gradients, AdamW
     # state, EMA / NFT / copy-source shadows and checkpoints), bf16 compute under autocast; FSDP2 (accelerate launch
     # --config_file configs/accelerate/fsdp.yaml) or None, gathering in the compute dtype, the masters and reference
     # made one block at a time as they are sharded
-    net, reference, masters, fsdp = trained_network(policy, cfg.train.lora, cfg.seed,
-                                                    cfg.train.kl_beta > 0 or (nft and cfg.nft.ref_beta > 0),
+    net, reference, masters, fsdp = trained_network(policy, cfg.train.lora, cfg.seed, needs_reference(cfg),
                                                     fsdp_settings(accelerator), accelerator.device)
     params = trainable_params(net)
     optimizer = make_optimizer(params, cfg.train)
@@ -331,8 +332,8 @@ def setup_training(cfg: FlowConfig, policy, accelerator) -> Trainee:
     policy.module = net
     unwrapped = accelerator.unwrap_model(net)
     ema = EMA(trainable_params(unwrapped), cfg.train.ema_decay, unwrapped) if cfg.train.ema_decay > 0 else None
-    # DiffusionNFT's old policy (the sampler and v_old): an EMA of the trained weights with its own schedule
-    old = EMA(trainable_params(unwrapped), 0.0, unwrapped) if nft else None
+    # DiffusionNFT's old policy (the sampler and v_old), AWM's EMA anchor: an EMA of the trained weights, own schedule
+    old = EMA(trainable_params(unwrapped), 0.0, unwrapped) if needs_old(cfg) else None
     # under FSDP a full low-precision copy per process, built one gathered block at a time (train/rollout_copy.py)
     rollout_copy, copy_source = build_rollout_copy(cfg, policy, unwrapped, masters, accelerator.print,
                                                    accelerator.device, sharded=fsdp is not None)
@@ -346,9 +347,10 @@ def policy_update(cfg: FlowConfig, policy, tr: Trainee, accelerator, batch, adva
                   max_micro_steps: int | None = None) -> None:
     """train.inner_epochs passes over this process's records `batch` (advantages, keep: [records]) in micro-batches of
     micro.records, train.grad_accum of them per optimizer step (gradient clipping, EMA update). Each micro-step's
-    loss is divided by its update's transitions, so 1x8 accumulation == 8x1. `max_micro_steps`: difrl plan's
+    loss is divided by its update's transitions, so 1x8 accumulation == 8x1 (DPO / DGPO first compute their records'
+    coefficients over whole groups: matching_objectives.prepare_update). `max_micro_steps`: difrl plan's
     simulation stops after that many (the first ones and the last, which steps)."""
-    nft = cfg.train.objective == "nft"
+    objective = cfg.train.objective
     device = batch.x_final.device  # the rollout's (the policy's) device: the losses' operands go there once
     advantages, keep = advantages.to(device), keep.to(device)
     n_rec, mbs, ga = len(batch), micro.records, cfg.train.grad_accum  # records per forward/backward
@@ -357,6 +359,8 @@ def policy_update(cfg: FlowConfig, policy, tr: Trainee, accelerator, batch, adva
     if max_micro_steps is not None and len(steps) > max_micro_steps:  # the first ones, then the last (it steps)
         steps = steps[:max_micro_steps - 1] + steps[-1:]
     first, perm, perm_epoch = True, None, None
+    prepare_update(policy, batch, advantages, keep, cfg, train_sigmas, tr.reference_ctx,  # DPO / DGPO's group pre-pass
+                   lambda t: gather(accelerator, t), accelerator.process_index, mbs, m)
     for epoch, mb in steps:
         if perm_epoch != epoch:
             perm_epoch = epoch
@@ -368,14 +372,18 @@ def policy_update(cfg: FlowConfig, policy, tr: Trainee, accelerator, batch, adva
         denom = (min(n_rec, first_of_update + mbs * ga) - first_of_update) * T_rec  # the update's transitions,
         sync = (mb + 1) % ga == 0 or mb == micro_per_epoch - 1                 # so 1x8 accumulation == 8x1
         with grad_sync(accelerator, tr.net, tr.fsdp is not None, sync):  # FSDP2: sharded accumulation
-            if nft:
+            if objective == "nft":
                 loss = nft_micro_loss(policy, sub, advantages[idx], keep[idx].float(), m, denom, cfg,
                                       train_sigmas, tr.old, tr.reference_ctx)
-            else:
-                loss = grpo_micro_loss(policy, sub, advantages[idx], keep[idx].float(),
-                                       None if correction is None else (correction.weights[idx], correction.keep[idx]),
-                                       m, first and cfg.train.ratio_check, denom, cfg, tr.reference_ctx,
-                                       lambda x: process_max(accelerator, x))  # all processes stop together
+            elif objective in MATCHING_OBJECTIVES:  # AWM / DPO / DGPO
+                loss = matching_micro_loss(policy, sub, advantages[idx], keep[idx].float(), m, denom, cfg,
+                                           train_sigmas, tr.old, tr.reference_ctx)
+            else:  # GRPO / Flow-DPPO on the stored transitions
+                loss = {"grpo": grpo_micro_loss, "dppo": dppo_micro_loss}[objective](
+                    policy, sub, advantages[idx], keep[idx].float(),
+                    None if correction is None else (correction.weights[idx], correction.keep[idx]),
+                    m, first and cfg.train.ratio_check, denom, cfg, tr.reference_ctx,
+                    lambda x: process_max(accelerator, x))  # all processes stop together
             first = False
             accelerator.backward(loss)
         if sync:

@@ -46,7 +46,7 @@ from difrl.branching import build_tree, effective_sde_mask, num_trained_edges
 from difrl.config import ConfigError
 from difrl.samplers import step_masks as sampler_step_masks
 from difrl.train.config import FlowConfig
-from difrl.train.objectives import nft_sigmas
+from difrl.train.matching_objectives import trained_sigmas
 
 
 class MicroBatching(NamedTuple):
@@ -92,7 +92,7 @@ def micro_batching(cfg: FlowConfig, T: int, tree_mode: bool, n_records: int) -> 
 
 def _splits(cfg: FlowConfig) -> bool:
     """May a flat sample's T transitions go into different micro-batches? (PPO-clip's loss is per step.)"""
-    return cfg.train.objective == "grpo" and cfg.train.policy_loss == "ppo_clip"
+    return cfg.train.objective in ("grpo", "dppo") and cfg.train.policy_loss == "ppo_clip"
 
 
 def _divisors(n: int) -> list[int]:
@@ -128,7 +128,8 @@ def _explicit_problem(cfg: FlowConfig, T: int, n_samples: int) -> str:
                f"{_either('grad_accum', _nearest(gas, ga))} (with train.micro_batch={mb})" if gas else "",
                _auto_choice(n_samples, T, want or 1, ga)]
     if mb % T and whole:
-        what = "DiffusionNFT's loss" if cfg.train.objective == "nft" else f"train.policy_loss={cfg.train.policy_loss}"
+        what = ("DiffusionNFT's loss" if cfg.train.objective == "nft" else f"train.policy_loss={cfg.train.policy_loss}"
+                if cfg.train.objective in ("grpo", "dppo") else f"train.objective={cfg.train.objective}'s loss")
         head = (f"train.micro_batch={mb} transitions is not a multiple of the {T} trained step(s) per sample, and "
                 f"{what} needs each sample's steps in one micro-batch")
     else:
@@ -197,12 +198,13 @@ def plan(cfg: FlowConfig, world, world_size: int, run_dir: Path, say) -> tuple[i
     refuse_uneven_forwards(cfg, world_size, cfg.tree.schedule(cfg.sampler.num_steps) if tree_mode else None, sde_mask0)
     if tree_mode:
         refuse_split_forests(cfg, world_size)
-    T = int(train_mask0.sum())  # trained transitions per sample (GRPO) ...
-    if cfg.train.objective == "nft":  # ... or sigmas (NFT)
-        T = len(nft_sigmas(cfg, world.sigmas(cfg.sampler.num_steps, cfg.sampler.shift)))
+    T = int(train_mask0.sum())  # trained transitions per sample (GRPO, DPPO) ...
+    noised = trained_sigmas(cfg, world.sigmas(cfg.sampler.num_steps, cfg.sampler.shift))
+    if noised is not None:  # ... or sigmas of the re-noised clean sample (NFT, AWM, DPO, DGPO)
+        T = len(noised)
     schedule, what, n_records = None, f"step(s) of {cfg.sampler.num_steps} per sample ({cfg.steps.mode}); ", per_proc
-    if cfg.train.objective == "nft":
-        what = f"sigma(s) of {cfg.sampler.num_steps} per sample (DiffusionNFT); "
+    if noised is not None:
+        what = f"sigma(s) of {cfg.sampler.num_steps} per sample (train.objective={cfg.train.objective}); "
     if tree_mode:  # ... or one per tree edge (a record of its own)
         schedule, T = cfg.tree.schedule(cfg.sampler.num_steps), 1
         edges = num_trained_edges(schedule, cfg.sampler.num_steps, sde_mask0)
@@ -340,7 +342,9 @@ def refuse_split_forests(cfg: FlowConfig, world_size: int) -> None:
 def step_masks(cfg: FlowConfig, iteration: int, num_samples: int) -> tuple[torch.Tensor, torch.Tensor, int | None]:
     """(sde_mask [N], train_mask [B, N], window start or None) for one iteration (difrl.samplers.step_masks)."""
     n = cfg.sampler.num_steps
-    if cfg.train.objective == "nft":  # DiffusionNFT: deterministic rollouts, nothing stored but the clean sample
+    if cfg.train.objective in ("nft", "awm", "dpo", "dgpo"):  # likelihood-free: nothing stored but the clean sample
         none = torch.zeros(n, dtype=torch.bool)
+        if cfg.train.objective != "nft" and cfg.matching.rollout == "sde":  # SDE exploration, no trained transition
+            return sampler_step_masks(cfg.steps, n, cfg.seed, iteration, 1)[0], none.expand(num_samples, n), None
         return none, none.expand(num_samples, n), None
     return sampler_step_masks(cfg.steps, n, cfg.seed, iteration, num_samples)

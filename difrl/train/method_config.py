@@ -1,5 +1,7 @@
-"""The flow config's method sections: Sol-RL's candidate pool (`solrl`), BranchGRPO's trees (`tree`) and
-DiffusionNFT (`nft`). FlowConfig (difrl/train/config.py) holds them and checks them against the rest.
+"""The flow config's method sections: Sol-RL's candidate pool (`solrl`), BranchGRPO's trees (`tree`),
+DiffusionNFT (`nft`), and the objectives of docs/methods.md: the re-noised matching losses' shared keys (`matching`),
+AWM (`awm`), online Diffusion-DPO (`dpo`), DGPO (`dgpo`) and Flow-DPPO (`dppo`). FlowConfig (difrl/train/config.py)
+holds them and checks them against the rest (check_objective here for the objectives of docs/methods.md).
 
     cfg = load_flow_config("configs/digits_branch.yaml")
     cfg.tree.schedule(cfg.sampler.num_steps)      # the BranchSchedule of the config's split steps
@@ -9,8 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from difrl.config import cfg_field
+from dataclasses import fields
+
+from difrl.algos.matching import AWM_WEIGHTINGS
+from difrl.config import cfg_field, config_error
 from difrl.solrl import SELECT_RULES
+
+MATCHING_OBJECTIVES = ("awm", "dpo", "dgpo")  # likelihood-free, on re-noised clean samples (difrl.algos.matching)
+LOG_PROB_OBJECTIVES = ("grpo", "dppo")  # on the stored SDE transitions' log-probs
 
 
 @dataclass
@@ -79,3 +87,76 @@ class NFTConfig:
     timestep_fraction: float = cfg_field(0.6, gt=0.0, le=1.0, help="trained sigmas: the first fraction of the schedule")
     old_decay_rate: float = cfg_field(0.001, ge=0.0)
     old_decay_max: float = cfg_field(0.5, ge=0.0, lt=1.0)
+
+
+@dataclass
+class MatchingConfig:
+    """What AWM, DPO and DGPO share (difrl/train/matching_objectives.py): each rollout's clean sample is noised afresh
+    at the first `timestep_fraction` of the rollout's sigmas (noise from the sample's seed; DPO / DGPO: from its
+    group's, so a group's samples share it) and the velocity is compared with the flow-matching target."""
+    timestep_fraction: float = cfg_field(0.6, gt=0.0, le=1.0, help="trained sigmas: the first fraction of the rollout "
+                                                                    "schedule (AWM's recipe: 0.9, DGPO's: 0.99)")
+    rollout: str = cfg_field("ode", choices=("ode", "sde"),
+                             help="ode: deterministic rollouts (the references'); sde: the sampler.kind kernel on the "
+                                  "steps.mode steps, for exploration (nothing but the clean sample is trained)")
+
+
+@dataclass
+class AWMConfig:
+    """Advantage-weighted matching (docs/methods.md "AWM"; arXiv 2509.25050): loss A' w(l, sigma) with
+    A' = clip(A, -adv_clip, adv_clip) * adv_max / adv_clip, plus train.kl_beta * mean((v - v_ref)^2) and
+    ema_beta * mean((v - v_ema)^2) toward an EMA of the policy, ema <- d ema + (1 - d) new after every iteration,
+    d = min(ema_decay_rate * iteration, ema_decay_max)."""
+    weighting: str = cfg_field("ghuber", choices=AWM_WEIGHTINGS, help="w(l, sigma): l, sigma l, or the generalised "
+                                                                      "Huber sigma ((l + e)^p - e^p) / p (reference)")
+    ghuber_power: float = cfg_field(0.25, gt=0.0, le=1.0, help="p of weighting=ghuber")
+    adv_clip: float = cfg_field(5.0, gt=0.0, help="advantages clipped to +-adv_clip ...")
+    adv_max: float = cfg_field(1.0, gt=0.0, help="... then scaled so that +-adv_clip becomes +-adv_max")
+    ema_beta: float = cfg_field(1.0, ge=0.0, help="weight of the velocity KL to the EMA policy (0: no EMA is kept)")
+    ema_decay_rate: float = cfg_field(0.001, ge=0.0)
+    ema_decay_max: float = cfg_field(0.3, ge=0.0, lt=1.0)
+
+
+@dataclass
+class DPOConfig:
+    """Online Diffusion-DPO (docs/methods.md "DPO"): each group's best and worst sample form a pair;
+    loss softplus(beta ((l_w - l_w,ref) - (l_l - l_l,ref))) per trained sigma, the reference frozen."""
+    beta: float = cfg_field(2000.0, gt=0.0, help="implicit-reward scale (Flow-Factory's online DPO: 2000)")
+
+
+@dataclass
+class DGPOConfig:
+    """DGPO (docs/methods.md "DGPO"; arXiv 2510.08425): group weight sigmoid((beta / G) sum_i A_i (l_i - l_i,ref))
+    on each sample's A_i l_i, the reference frozen."""
+    beta: float = cfg_field(100.0, gt=0.0, help="beta_dpo (reference recipes: 100; 10 ~ 100)")
+    adv_clip: float = cfg_field(5.0, gt=0.0, help="advantages clipped to +-adv_clip")
+
+
+@dataclass
+class DPPOConfig:
+    """Flow-DPPO (docs/methods.md "Flow-DPPO"; difrl/algos/dppo.py): -A rho per SDE transition, dropped where the
+    exact Gaussian KL(old || new), per latent element, reaches kl_threshold and the step pushes further."""
+    kl_threshold: float = cfg_field(1e-5, gt=0.0, help="trust region on the per-element transition KL (UniRL: 1e-5)")
+
+
+def check_objective(cfg, refuse_ignored) -> None:
+    """The objectives of docs/methods.md against the rest of a FlowConfig: a located ConfigError for a setting they
+    cannot honour, and for a method section set while another objective is trained (refuse_ignored: config.py's)."""
+    t, r, obj = cfg.train, cfg.rollout, cfg.train.objective
+    owners = {"matching": MATCHING_OBJECTIVES, "awm": ("awm",), "dpo": ("dpo",), "dgpo": ("dgpo",), "dppo": ("dppo",)}
+    for name, users in owners.items():
+        if obj not in users:
+            section = getattr(cfg, name)
+            refuse_ignored(section, name, [f.name for f in fields(section)], f"train.objective={obj}: the {name} "
+                           f"section configures train.objective={' / '.join(users)}")
+    if obj in MATCHING_OBJECTIVES:
+        refuse_ignored(t, "train", ("clip_low", "clip_high", "kl_form"), f"train.objective={obj} has no log-prob ratio "
+                       "to clip and no Gaussian step KL (its train.kl_beta weighs mean((v - v_ref)^2))")
+        if r.precision != "fp32" or r.sync_every != 1:
+            key = "rollout.precision" if r.precision != "fp32" else "rollout.sync_every"
+            raise config_error(key, f"train.objective={obj} trains on the policy's own rollouts; rollouts from a "
+                                    "copy (rollout.precision, rollout.sync_every) go through the log-prob recompute "
+                                    "it does not have (use train.objective=nft or grpo with a copy)")
+    if obj == "dppo":
+        refuse_ignored(t, "train", ("clip_low", "clip_high"), "train.objective=dppo replaces PPO's ratio clip by the "
+                       "trust region dppo.kl_threshold")

@@ -1,6 +1,8 @@
-"""The flow trainer's per-micro-batch losses: GRPO on stored SDE transitions, DiffusionNFT on clean samples.
+"""The flow trainer's per-micro-batch losses: GRPO and Flow-DPPO on stored SDE transitions, DiffusionNFT on clean
+samples (AWM, DPO, DGPO: difrl/train/matching_objectives.py).
 
     loss = grpo_micro_loss(policy, sub, adv, keep, correction, m, check, denom, cfg, reference_ctx, agree)
+    loss = dppo_micro_loss(policy, sub, adv, keep, correction, m, check, denom, cfg, reference_ctx, agree)
     loss = nft_micro_loss(policy, sub, adv, keep, m, denom, cfg, nft_sigmas, old, reference_ctx)
     batch, correction = proximal_correction(policy, batch, cfg, micro.transitions)  # copy rollouts: pi_old, IS weights
     err = policy_ratio_check(policy, sub, cfg, agree)                # copy rollouts: the on-policy check that can fail
@@ -19,6 +21,7 @@ from dataclasses import replace
 import torch
 
 from difrl.algos import gaussian_step_kl, ppo_clip_loss, ratio_norm_log_ratio, step_weights
+from difrl.algos.dppo import dppo_loss
 from difrl.algos.nft import nft_loss, nft_noised, velocity_kl
 from difrl.correct import METHODS as CORRECTORS
 from difrl.correct import POLICY_LOSSES
@@ -45,10 +48,7 @@ def grpo_micro_loss(policy, sub: Rollout, adv: torch.Tensor, keep: torch.Tensor,
     over processes through `agree` (module docstring; every process passes the same `check`)."""
     log_prob, mean, std = transition_log_prob(policy, sub, cfg)
     if check:
-        m.add("first_step_max_abs_log_ratio",
-              torch.tensor(check_ratio(log_prob, sub.log_prob_old, cfg.train.ratio_tol, agree)))
-        if correction is not None:  # a rollout copy: log_prob_old is itself a recompute, so check against the engine
-            m.add("first_step_policy_max_abs_log_ratio", torch.tensor(policy_ratio_check(policy, sub, cfg, agree)))
+        first_step_checks(policy, sub, log_prob, correction, m, cfg, agree)
     elem_keep = keep[:, None].expand_as(log_prob)
     is_weight = 1.0
     if correction is not None:  # detached IS weights and rejections
@@ -74,12 +74,50 @@ def grpo_micro_loss(policy, sub: Rollout, adv: torch.Tensor, keep: torch.Tensor,
         pg = pg if weight is None else pg * weight
     loss = (pg * is_weight * elem_keep).sum() / denom
     if cfg.train.kl_beta > 0:
-        with torch.no_grad(), reference_ctx():
-            _, mean_ref, _ = transition_log_prob(policy, sub, cfg)
-        h = (sub.sigma - sub.sigma_next).reshape(-1)
-        kl = gaussian_step_kl(mean, mean_ref, std, h, cfg.train.kl_form).view_as(log_prob)
-        loss = loss + cfg.train.kl_beta * (kl * elem_keep).sum() / denom
-        m.add("kl", kl, mask)
+        loss = loss + reference_kl(policy, sub, mean, std, elem_keep, m, denom, cfg, reference_ctx)
+    m.add("policy_loss", pg, mask)
+    for name, value in pm.items():
+        m.add(name, value, mask)
+    m.add_ratio(pm["ratio"], sub.step, mask)
+    return loss
+
+
+def first_step_checks(policy, sub: Rollout, log_prob, correction, m, cfg, agree) -> None:
+    """The first on-policy micro-step: ratio 1 against the stored log-probs, and with a rollout copy (whose
+    log_prob_old is itself a recompute) against the sampler kernel's own evaluation (policy_ratio_check)."""
+    m.add("first_step_max_abs_log_ratio", torch.tensor(check_ratio(log_prob, sub.log_prob_old, cfg.train.ratio_tol, agree)))
+    if correction is not None:
+        m.add("first_step_policy_max_abs_log_ratio", torch.tensor(policy_ratio_check(policy, sub, cfg, agree)))
+
+
+def reference_kl(policy, sub: Rollout, mean, std, elem_keep, m, denom: int, cfg, reference_ctx) -> torch.Tensor:
+    """train.kl_beta * the Gaussian step KL to the reference policy (train.kl_form) over `sub`'s transitions."""
+    with torch.no_grad(), reference_ctx():
+        _, mean_ref, _ = transition_log_prob(policy, sub, cfg)
+    h = (sub.sigma - sub.sigma_next).reshape(-1)
+    kl = gaussian_step_kl(mean, mean_ref, std, h, cfg.train.kl_form).view_as(elem_keep)
+    m.add("kl", kl, elem_keep.bool())
+    return cfg.train.kl_beta * (kl * elem_keep).sum() / denom
+
+
+def dppo_micro_loss(policy, sub: Rollout, adv: torch.Tensor, keep: torch.Tensor, correction, m, check: bool,
+                    denom: int, cfg, reference_ctx, agree=None) -> torch.Tensor:
+    """Flow-DPPO (difrl.algos.dppo): -A rho on `sub`'s recomputed transitions, a transition dropped where the exact
+    Gaussian KL(old || new) of its step reaches dppo.kl_threshold and the step pushes further; IS weights from a
+    rollout copy and the reference KL as in grpo_micro_loss. adv, keep: [b]."""
+    log_prob, mean, std = transition_log_prob(policy, sub, cfg)
+    if check:
+        first_step_checks(policy, sub, log_prob, correction, m, cfg, agree)
+    elem_keep = keep[:, None].expand_as(log_prob)
+    is_weight = 1.0
+    if correction is not None:
+        is_weight, correct_keep = correction
+        elem_keep = elem_keep * correct_keep.float()
+    mask = elem_keep.bool()
+    pg, pm = dppo_loss(log_prob, sub.log_prob_old, mean, sub.mean_old, std.view_as(log_prob), adv, cfg.dppo.kl_threshold)
+    loss = (pg * is_weight * elem_keep).sum() / denom
+    if cfg.train.kl_beta > 0:
+        loss = loss + reference_kl(policy, sub, mean, std, elem_keep, m, denom, cfg, reference_ctx)
     m.add("policy_loss", pg, mask)
     for name, value in pm.items():
         m.add(name, value, mask)
