@@ -26,7 +26,9 @@ from difrl.config import cfg_field, config_error, load_config
 from difrl.correct import METHODS, POLICY_LOSSES, option_problems
 from difrl.quant.formats import FORMATS as QUANT_FORMATS
 from difrl.quant.linear import BACKENDS as QUANT_BACKENDS
-from difrl.train.method_config import NFTConfig, SolRLConfig, TreeConfig  # noqa: F401  (re-exported)
+from difrl.train.method_config import (DraftConfig, GardoConfig, NFTConfig, PrefConfig, ReflConfig,  # noqa: F401
+                                       SolRLConfig, TreeConfig)
+from difrl.train.method_checks import check_methods
 from difrl.train.eval_config import EvalConfig, FidConfig, FlowEvalConfig, StopConfig  # noqa: F401  (re-exported)
 from difrl.worlds import FLOW_KINDS, MASKED_KINDS, check_world_config
 
@@ -302,9 +304,11 @@ class FlowTrainConfig(TrainConfig):
                                       "VESPO (phi(W) kernel; with a rollout copy W includes pi_old / mu)")
     policy_loss_options: dict[str, float] = cfg_field(default_factory=dict, help="keyword options of policy_loss, e.g. "
                                                                                  "{eps_low: 3e-4, eps_high: 4e-4}")
-    objective: str = cfg_field("grpo", choices=("grpo", "nft"),
+    objective: str = cfg_field("grpo", choices=("grpo", "nft", "draft", "refl"),
                                help="grpo: PPO-clip on the SDE transitions' log-probs; nft: DiffusionNFT on clean samples "
-                                    "(likelihood-free, deterministic rollouts; section nft)")
+                                    "(likelihood-free, deterministic rollouts; section nft); draft / refl: reward "
+                                    "backpropagation through the last sampler steps / a one-step prediction (sections "
+                                    "draft, refl; a differentiable reward)")
 
 
 @dataclass
@@ -319,6 +323,10 @@ class FlowConfig(TrainerConfig):
     solrl: SolRLConfig = field(default_factory=SolRLConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
     nft: NFTConfig = field(default_factory=NFTConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    refl: ReflConfig = field(default_factory=ReflConfig)
+    gardo: GardoConfig = field(default_factory=GardoConfig)
+    pref: PrefConfig = field(default_factory=PrefConfig)
     eval: FlowEvalConfig = field(default_factory=FlowEvalConfig)
     stop: StopConfig = field(default_factory=StopConfig)
 
@@ -401,6 +409,7 @@ class FlowConfig(TrainerConfig):
             raise config_error("rollout.chunks", f"= {r.chunks} would be ignored: a tree rollout samples each "
                                                  "process's trees in one pass (chunks apply to flat and solrl "
                                                  "rollouts); set rollout.chunks=1")
+        check_methods(self)  # DRaFT / ReFL, GARDO, Pref-GRPO against the rest (difrl/train/method_checks.py)
         check_world_config(self)  # the world's own needs (difrl/worlds/<its file>.check_config)
 
 

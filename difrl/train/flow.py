@@ -37,8 +37,9 @@ from difrl.solrl import candidate_pool, rank_agreement
 from difrl.train.config import FlowConfig
 from difrl.train.flow_plan import plan, step_masks
 from difrl.train.objectives import grpo_micro_loss, nft_micro_loss, nft_sigmas, proximal_correction
-from difrl.train.reward_stage import (across_processes, build_rewards, probe_batch, reward_stats, score_rewards,
-                                     track_reward_failures, valid_group_advantages)
+from difrl.train.method_stage import Gardo, advantage_function
+from difrl.train.reward_backprop import BACKPROP_OBJECTIVES, reward_backprop_loop
+from difrl.train.reward_stage import across_processes, build_rewards, probe_batch, reward_stats, score_rewards, track_reward_failures
 from difrl.train.metrics import Metrics, pooled_std
 from difrl.train.precision import refuse_fp16, trained_network
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, claim_run_dir, clip_and_step,  # noqa: F401
@@ -79,11 +80,16 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
     trainee = setup_training(cfg, policy, accelerator)  # LoRA / masters / reference / FSDP / optimizer / EMA / copy
     unwrapped, optimizer, ema, old = trainee.unwrapped, trainee.optimizer, trainee.ema, trainee.old
     masters, rollout_copy, copy_source = trainee.masters, trainee.rollout_copy, trainee.copy_source
-    extras = {k: v for k, v in (("old", old), ("rollout_source", copy_source)) if v is not None}
+    gardo = Gardo(cfg, policy, unwrapped, {}) if cfg.gardo.enabled else None  # its reference and controller
+    if gardo is not None:
+        trainee.reference_ctx = gardo.reference_ctx  # the KL against GARDO's adaptive reference
+    extras = {k: v for k, v in (("old", old), ("rollout_source", copy_source)) if v is not None} | (gardo.extras() if gardo else {})
     train_sigmas = nft_sigmas(cfg, sigmas) if nft else None  # DiffusionNFT's trained sigmas [T]
 
-    run = Run.open(cfg, run_dir, unwrapped, optimizer, ema, extras, accelerator, state={"best_fd": None, "bad_evals": 0},
-                   overwrite=overwrite)
+    run = Run.open(cfg, run_dir, unwrapped, optimizer, ema, extras, accelerator, overwrite=overwrite,
+                   state={"best_fd": None, "bad_evals": 0, **({"gardo": gardo.state} if gardo else {})})
+    if gardo is not None:
+        gardo.state = run.state["gardo"]  # resumed: the checkpoint's controller and last refresh
     if run.state["eval_before"] is None:
         run.state["eval_before"] = run.state["last_eval"] = evaluate(world, policy, ema, cfg, run, "before", 0)
         accelerator.print("eval before: " + fmt_eval(run.state["eval_before"], world.headline))
@@ -91,7 +97,10 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
     bar = tqdm(range(run.start, cfg.train.iterations), initial=run.start, total=cfg.train.iterations, desc="train",
                disable=not accelerator.is_main_process, dynamic_ncols=True)
     stopped, done = None, run.start  # iterations completed
-    for it in bar:
+    if cfg.train.objective in BACKPROP_OBJECTIVES:  # DRaFT / ReFL: their own loop phase (train/reward_backprop.py)
+        done, stopped = reward_backprop_loop(cfg, world, policy, trainee, accelerator, run, bar, rewards, weights, sigmas,
+                                             per_proc, evaluate, should_stop)
+    for it in bar if cfg.train.objective not in BACKPROP_OBJECTIVES else ():
         t_iter = time.perf_counter()
         # ==================================================================== rollout
         gen = torch.Generator().manual_seed(mix_seed(cfg.seed, it, 1))
@@ -170,7 +179,10 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
         all_groups, all_bad = gather(accelerator, group_ids), gather(accelerator, bad.long()).bool()
         failed_frac = track_reward_failures(run.state, int(all_bad.sum()), len(all_bad), cfg.reward.max_failed_frac,
                                             f"iteration {it + 1}", lambda: run.checkpoint(it), run_dir)
-        adv, failed = valid_group_advantages(all_scores, weights, all_groups, all_bad, cfg.advantage, cfg.reward.aggregate)
+        adv, failed = advantage_function(cfg)(all_scores, weights, all_groups, all_bad, cfg.advantage, cfg.reward.aggregate)
+        if gardo is not None:  # GARDO: diversity-shaped advantages, the samples whose KL applies (train/method_stage.py)
+            adv, kl_flags = gardo.shape(adv, all_scores, weights, all_groups, failed, gather(accelerator, batch.x_final.flatten(1)))
+            batch.extras["kl_keep"] = kl_flags[rank * per_proc:(rank + 1) * per_proc].to(batch.x_final.device)
         bad_groups = all_groups[failed].unique()
         keep_all = ~failed
         if cfg.advantage.drop_zero_spread:
@@ -213,6 +225,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
 
         # ==================================================================== log
         upd = m.result(accelerator)
+        stage.update(gardo.after_update(it, upd.get("kl")) if gardo is not None else {})
         row = {
             "iteration": it + 1,
             **reward_stats(adv.reward, all_scores, weights, all_groups, cfg.advantage),

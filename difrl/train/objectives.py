@@ -78,8 +78,10 @@ def grpo_micro_loss(policy, sub: Rollout, adv: torch.Tensor, keep: torch.Tensor,
             _, mean_ref, _ = transition_log_prob(policy, sub, cfg)
         h = (sub.sigma - sub.sigma_next).reshape(-1)
         kl = gaussian_step_kl(mean, mean_ref, std, h, cfg.train.kl_form).view_as(log_prob)
-        loss = loss + cfg.train.kl_beta * (kl * elem_keep).sum() / denom
-        m.add("kl", kl, mask)
+        kl_keep = sub.extras.get("kl_keep")  # GARDO: the KL on its flagged samples only, [b] (train/method_stage.py)
+        kl_elem = elem_keep if kl_keep is None else elem_keep * kl_keep.to(elem_keep)[:, None]
+        loss = loss + cfg.train.kl_beta * (kl * kl_elem).sum() / denom
+        m.add("kl", kl, kl_elem.bool())
     m.add("policy_loss", pg, mask)
     for name, value in pm.items():
         m.add(name, value, mask)
