@@ -409,7 +409,7 @@ class FlowConfig(TrainerConfig):
             raise config_error("rollout.chunks", f"= {r.chunks} would be ignored: a tree rollout samples each "
                                                  "process's trees in one pass (chunks apply to flat and solrl "
                                                  "rollouts); set rollout.chunks=1")
-        check_methods(self)  # DRaFT / ReFL, GARDO, Pref-GRPO against the rest (difrl/train/method_checks.py)
+        check_methods(self, refuse_ignored)  # DRaFT / ReFL, GARDO, Pref-GRPO against the rest (difrl/train/method_checks.py)
         check_world_config(self)  # the world's own needs (difrl/worlds/<its file>.check_config)
 
 

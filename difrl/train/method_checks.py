@@ -1,7 +1,7 @@
 """FlowConfig's checks of the reward-backpropagation, GARDO and Pref-GRPO sections against the rest of the config
 (FlowConfig.validate calls check_methods): a located ConfigError naming the key, before anything loads.
 
-    check_methods(cfg)   # e.g. train.objective=draft with reward.weights={ocr: 1}: "reward.weights.ocr ... not
+    check_methods(cfg, refuse_ignored)   # e.g. train.objective=draft with reward.weights={ocr: 1}: "reward.weights.ocr ... not
                          # differentiable"
 """
 
@@ -24,9 +24,8 @@ def _differentiable(name: str) -> bool | None:
         return None
 
 
-def check_methods(cfg) -> None:
-    from difrl.train.config import refuse_ignored
-
+def check_methods(cfg, refuse_ignored) -> None:
+    """`refuse_ignored`: difrl.train.config's (passed in: this module is below config.py's)."""
     t, r, obj = cfg.train, cfg.rollout, cfg.train.objective
     backprop = obj in ("draft", "refl")
     for name, section in (("draft", cfg.draft), ("refl", cfg.refl)):
