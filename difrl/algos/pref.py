@@ -12,7 +12,7 @@ G / 2 and their mean is 1/2 whatever the rewards: the advantage that follows com
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

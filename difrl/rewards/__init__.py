@@ -11,7 +11,9 @@ score is the entry named like the reward; its other entries are logged as ``<nam
 other options, ``remote@hps`` and ``remote@ocr``, each with its ``reward.options.<name@alias>``). The
 callable may declare ``modality``, ``device``, ``dtype``, ``batch_size`` (subclass
 ``difrl.rewards.base.RewardModel``); ``build_reward`` wraps it in a ``Reward`` that scores in
-chunks on that device, under inference mode, and checks the shapes. Factories are found, in
+chunks on that device, under inference mode, and checks the shapes. A factory that declares
+``differentiable = True`` can also score with a graph to the samples (reward backpropagation: difrl.rewards.grad,
+``differentiable(name)``). Factories are found, in
 order, in the built-in table, as a ``module:function`` path, or under the ``difrl.rewards``
 entry-point group of installed packages::
 

@@ -14,7 +14,8 @@ from the typed ``model.kind`` (``difrl.train.recipes.load_train_config``): the f
 Flow defaults follow Flow-GRPO (flow-grpo-family.md §2.8, §8.7) where they carry over to a model
 of this size; the digits YAML sets what the bundled demo needs. The masked sections are in
 difrl/train/masked_config.py, the evaluation sections (``eval``, ``stop``) in difrl/train/eval_config.py, the flow
-methods' sections (``solrl``, ``tree``, ``nft``) in difrl/train/method_config.py.
+methods' sections (``solrl``, ``tree``, ``nft``, ``draft``, ``refl``, ``gardo``, ``pref``) in
+difrl/train/method_config.py.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ so a resumed run continues exactly as if it had never stopped (Ctrl-C / SIGTERM 
 boundary with a checkpoint: difrl/train/interrupt.py). The methods are calls into their
 modules: Sol-RL's candidate pool (difrl.solrl), BranchGRPO's tree rollout and trained edges
 (difrl.tree_rollout, difrl.algos.tree), the GRPO and DiffusionNFT losses and the proximal
-recompute of copy rollouts (difrl.train.objectives); run directory, resume, LoRA and reference,
-metrics and plots are the scaffold's (difrl.train.scaffold).
+recompute of copy rollouts (difrl.train.objectives), Pref-GRPO's win rates and GARDO's gated KL and diversity
+(difrl.train.method_stage), DRaFT-K / ReFL's own loop phase (difrl.train.reward_backprop); run directory, resume, LoRA
+and reference, metrics and plots are the scaffold's (difrl.train.scaffold).
 
 Groups may span processes: the sample list of an iteration is global (sample k belongs to group
 k // group_size), each process rolls out a contiguous slice, rewards are gathered before the
@@ -39,7 +40,8 @@ from difrl.train.flow_plan import plan, step_masks
 from difrl.train.objectives import grpo_micro_loss, nft_micro_loss, nft_sigmas, proximal_correction
 from difrl.train.method_stage import Gardo, advantage_function
 from difrl.train.reward_backprop import BACKPROP_OBJECTIVES, reward_backprop_loop
-from difrl.train.reward_stage import across_processes, build_rewards, probe_batch, reward_stats, score_rewards, track_reward_failures
+from difrl.train.reward_stage import (across_processes, build_rewards, probe_batch, reward_stats, score_rewards,
+                                     track_reward_failures)
 from difrl.train.metrics import Metrics, pooled_std
 from difrl.train.precision import refuse_fp16, trained_network
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, claim_run_dir, clip_and_step,  # noqa: F401

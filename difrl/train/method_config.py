@@ -1,5 +1,6 @@
-"""The flow config's method sections: Sol-RL's candidate pool (`solrl`), BranchGRPO's trees (`tree`) and
-DiffusionNFT (`nft`). FlowConfig (difrl/train/config.py) holds them and checks them against the rest.
+"""The flow config's method sections: Sol-RL's candidate pool (`solrl`), BranchGRPO's trees (`tree`),
+DiffusionNFT (`nft`), reward backpropagation (`draft`, `refl`), GARDO (`gardo`) and Pref-GRPO (`pref`). FlowConfig
+(difrl/train/config.py) holds them and checks them against the rest (the last four in difrl/train/method_checks.py).
 
     cfg = load_flow_config("configs/digits_branch.yaml")
     cfg.tree.schedule(cfg.sampler.num_steps)      # the BranchSchedule of the config's split steps

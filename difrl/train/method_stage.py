@@ -15,7 +15,13 @@ from __future__ import annotations
 import torch
 
 from difrl.algos import Advantages
-from difrl.algos.gardo import FracController, diversity_shaped, diversity_weights, gate, proxy_uncertainty
+from difrl.algos.gardo import (
+    FracController,
+    diversity_shaped,
+    diversity_weights,
+    gate,
+    proxy_uncertainty,
+)
 from difrl.algos.pref import group_win_rates, sigmoid_judge
 from difrl.train.reward_stage import valid_group_advantages
 from difrl.train.state import EMA, trainable_params

@@ -15,6 +15,7 @@ its own slice; DDP / FSDP average the gradients.
 from __future__ import annotations
 
 import time
+
 import torch
 
 from difrl.rewards.grad import score_with_grad
@@ -45,7 +46,7 @@ def backprop_micro_loss(cfg, policy, rewards: dict, weights: dict[str, float], p
     x = backprop_sample(cfg, policy, prompts, seeds, sigmas, refl_step)
     samples = policy.decode(x)
     total = 0.0
-    for name, fn in rewards.items():
+    for fn in rewards.values():
         w = weights[fn.key]
         if w == 0:
             continue
