@@ -29,7 +29,7 @@ from difrl.rollout import initial_latents, rollout
 from difrl.rollout_grad import refl_predict, rollout_last_k
 from difrl.samplers import ode_step, sigma_schedule
 from difrl.train.config import load_flow_config
-from difrl.train.flow import train
+from difrl.train.flow import TIMING_KEYS, train
 from difrl.utils.io import load_safetensors_checked
 
 
@@ -134,6 +134,27 @@ def test_pref_win_rates_sum_shift_and_groups():
     hard = group_win_rates({"r": torch.tensor([3.0, 1.0, 2.0])}, torch.zeros(3, dtype=torch.long),
                            sigmoid_judge({"r": 1.0}, 1e-4))
     torch.testing.assert_close(hard, torch.tensor([1.0, 0.0, 0.5]))
+
+
+def first_beats_all(scores, i, j):
+    """A pairwise judge plugged as module:function (pref.judge=test_methods_h3:first_beats_all): the sample of
+    the lower index wins, whatever the scores."""
+    return (i < j).float()
+
+
+def test_pref_judge_hook_and_advantages():
+    from difrl.train.method_stage import advantage_function
+
+    cfg = load_flow_config(None, ["pref.judge=test_methods_h3:first_beats_all"])
+    groups = torch.tensor([7, 7, 7, 9, 9, 9])
+    scores = {"digit_prob": torch.tensor([0.1, 0.9, 0.5, 0.3, 0.2, 0.1])}
+    bad = torch.tensor([False, False, False, False, True, False])  # group 9 failed: dropped, its reward NaN
+    adv, failed = advantage_function(cfg)(scores, {"digit_prob": 1.0}, groups, bad, cfg.advantage, "reward_sum")
+    assert failed.tolist() == [False] * 3 + [True] * 3
+    assert adv.advantages[0] > adv.advantages[1] > adv.advantages[2]  # the judge's order, not the reward's
+    assert adv.advantages[3:].tolist() == [0.0, 0.0, 0.0]
+    torch.testing.assert_close(adv.reward[:3], scores["digit_prob"][:3])  # the log keeps the scalar reward
+    assert adv.reward[3:].isnan().all()
 
 
 # ------------------------------------------------------------------------- GARDO
@@ -276,3 +297,25 @@ def test_accumulation_1x8_equals_8x1(tmp_path, method):
     for k in wa:  # fp32 sums in another order: 1e-4 of the largest move
         torch.testing.assert_close(wa[k] - w0[k], wb[k] - w0[k], rtol=1e-4, atol=1e-4 * moved, msg=k)
     assert ra[0]["reward_mean"] == pytest.approx(rb[0]["reward_mean"], rel=1e-6)
+
+
+@pytest.mark.parametrize("method", ["draft", "gardo"])
+def test_resume_continues_exactly(tmp_path, method):
+    # draft: ReFL-free sampling from (seed, iteration, index); gardo: the controller, the last refresh and the
+    # reference's weights cross the resume boundary (a refresh every 2 iterations: one at the boundary)
+    extra = (*METHODS[method], "train.grad_accum=2", "checkpoint_every=1",
+             *(["train.micro_batch=6", "gardo.reset_every=2"] if method == "gardo" else []))
+    _, full, wf = _run(tmp_path / "full", *extra, "train.iterations=4")
+    _run(tmp_path / "part", *extra, "train.iterations=3")
+    train(load_flow_config(None, [*TINY, *extra, "train.iterations=4", f"resume={tmp_path / 'part'}"]))
+    _, part, wp = _run_rows(tmp_path / "part")
+    drop = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]  # noqa: E731
+    assert drop(full) == drop(part)
+    for k in wf:
+        assert torch.equal(wf[k], wp[k]), k
+
+
+def _run_rows(out: Path):
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    ckpt = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    return None, rows, load_safetensors_checked(ckpt / "trainable.safetensors", "test")[0]

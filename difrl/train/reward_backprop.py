@@ -76,6 +76,11 @@ def reward_backprop_loop(cfg, world, policy, tr, accelerator, run, bar, rewards:
     rank, G = accelerator.process_index, cfg.rollout.group_size
     U, ga = cfg.train.updates_per_epoch or 1, cfg.train.grad_accum
     s = per_proc // (U * ga)  # samples per micro-batch (the config checks that it divides)
+    what = (f"gradient through the last {cfg.draft.k} step(s)" if cfg.train.objective == "draft" else
+            "one-step x0 prediction from a step in [{}, {}]".format(*cfg.refl.steps(cfg.sampler.num_steps)))
+    accelerator.print(f"difrl: train.objective={cfg.train.objective}: {what} of {cfg.sampler.num_steps}; {U} update(s) "
+                      f"per iteration of {ga} micro-batch(es) of {s} fresh sample(s) per process (the banner's trained "
+                      "steps and transitions above do not apply)")
     stopped, done = None, run.start
     for it in bar:
         t_iter = time.perf_counter()
