@@ -319,3 +319,20 @@ def _run_rows(out: Path):
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     ckpt = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
     return None, rows, load_safetensors_checked(ckpt / "trainable.safetensors", "test")[0]
+
+
+@pytest.mark.slow  # torchrun, several seconds: left out by `make test-fast`
+@pytest.mark.parametrize("method", ["draft", "pref_grpo", "gardo"])
+def test_two_processes_equal_one(tmp_path, method):
+    # one group of 8 spans both processes (prompts_per_iter=1): Pref-GRPO's win rates and GARDO's ranks, flags and
+    # diversity need the gathered rewards and latents; DRaFT's samples come from their global indices
+    from test_distributed import _assert_same_runs, _train
+
+    extra = ["rollout.prompts_per_iter=1", "rollout.group_size=8", *METHODS[method]]
+    if method == "draft":
+        extra += ["train.kl_beta=0", "train.clip_low=1e-4", "train.clip_high=1e-4"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    _train(one, 1, *extra, "train.grad_accum=4")
+    _train(two, 2, *extra, "train.grad_accum=2")
+    exact = ("reward_mean",) if method == "draft" else ("reward_mean", "adv_mean", "adv_std", "adv_abs_max")
+    _assert_same_runs(one, two, exact, ("loss", "grad_norm", *(("kl",) if method == "gardo" else ())))
