@@ -309,7 +309,7 @@ def test_resume_continues_exactly(tmp_path, method):
     _run(tmp_path / "part", *extra, "train.iterations=3")
     train(load_flow_config(None, [*TINY, *extra, "train.iterations=4", f"resume={tmp_path / 'part'}"]))
     _, part, wp = _run_rows(tmp_path / "part")
-    drop = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]  # noqa: E731
+    drop = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
     assert drop(full) == drop(part)
     for k in wf:
         assert torch.equal(wf[k], wp[k]), k
