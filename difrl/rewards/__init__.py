@@ -11,7 +11,9 @@ score is the entry named like the reward; its other entries are logged as ``<nam
 other options, ``remote@hps`` and ``remote@ocr``, each with its ``reward.options.<name@alias>``). The
 callable may declare ``modality``, ``device``, ``dtype``, ``batch_size`` (subclass
 ``difrl.rewards.base.RewardModel``); ``build_reward`` wraps it in a ``Reward`` that scores in
-chunks on that device, under inference mode, and checks the shapes. Factories are found, in
+chunks on that device, under inference mode, and checks the shapes. A factory that declares
+``differentiable = True`` can also score with a graph to the samples (reward backpropagation: difrl.rewards.grad,
+``differentiable(name)``). Factories are found, in
 order, in the built-in table, as a ``module:function`` path, or under the ``difrl.rewards``
 entry-point group of installed packages::
 
@@ -107,6 +109,14 @@ def unknown_reward(name: str) -> str | None:
             + f"known rewards: {', '.join(known)} (or give a 'module:function' path)")
 
 
+def differentiable(name: str) -> bool:
+    """Whether the reward `name` (``name@alias``, ``module:function``, an entry point) declares a score that is a
+    differentiable function of the samples (``differentiable = True`` on its factory: a RewardModel class attribute or
+    a function attribute), without building it: reward backpropagation (train.objective=draft / refl) refuses the
+    others when the config is read. Raises ValueError for an unknown reward."""
+    return bool(getattr(find_reward_factory(name), "differentiable", False))
+
+
 def describe_rewards() -> str:
     """One line per known reward (built-ins, then entry points): name, modality, options, summary."""
     import inspect
@@ -141,7 +151,9 @@ def build_reward(name: str, **options) -> "Reward":
         except (TypeError, ValueError):
             accepted = "?"
         raise RewardConfigError(f"reward {name!r}: bad options {sorted(options)} ({e}); it takes: {accepted}") from e
-    return Reward(name, fn)
+    reward = Reward(name, fn)
+    reward.differentiable |= bool(getattr(factory, "differentiable", False))  # a function factory declares it
+    return reward
 
 
 class RewardContractError(ValueError):
@@ -175,6 +187,7 @@ class Reward:
         self.device = getattr(fn, "device", None)
         self.dtype = getattr(fn, "dtype", None)
         self.batch_size = getattr(fn, "batch_size", None)
+        self.differentiable = bool(getattr(fn, "differentiable", False))  # the built callable's own declaration
         if isinstance(fn, torch.nn.Module):
             fn.eval()
 

@@ -65,6 +65,9 @@ class RewardModel:
 
     modality: str = "image"
     version: str = "1"
+    # True when `score` is a differentiable function of the samples (no detach, no PIL / numpy round trip): reward
+    # backpropagation (train.objective=draft / refl) needs one and refuses the others (difrl.rewards.differentiable)
+    differentiable: bool = False
 
     def __init__(self, device: str | torch.device | None = "cpu", dtype: str | torch.dtype | None = "float32",
                  batch_size: int | None = 32):

@@ -61,6 +61,7 @@ class _HFClipReward(RewardModel):
 
     modality = "image"
     name = "clip"
+    differentiable = True  # tensor-side preprocessing (difrl.rewards.vision): the cosine has a graph to the pixels
 
     # scale option -> the `version` string that names its score convention (each subclass has its own table)
     SCALES: dict[str, str] = {"cos": "cos"}
@@ -224,6 +225,7 @@ class Aesthetic(RewardModel):
 
     modality = "image"
     version = "laion-v2-mlp(l2norm clip)"
+    differentiable = True
 
     def __init__(self, clip_dir=None, mlp_path=None, processor_dir=None, device="cpu", dtype="float32",
                  batch_size=32):

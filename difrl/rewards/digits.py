@@ -56,9 +56,10 @@ def digit_prob(classifier_path: str | None = None):
     """p(prompted digit) under the digits classifier (the digits worlds' reward), plus `correct` (argmax = digit)."""
     clf = load_classifier(classifier_path)
 
-    @torch.no_grad()
+    # no torch.no_grad here: difrl.rewards.Reward scores under inference mode, and reward backpropagation
+    # (Reward.score_grad) needs the graph from the images to p(digit); the classifier's weights stay frozen
     def score(images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> dict[str, torch.Tensor]:
-        labels = torch.tensor([parse_digit_prompt(p) for p in prompts])
+        labels = torch.tensor([parse_digit_prompt(p) for p in prompts], device=images.device)
         if (labels == NULL_LABEL).any():
             raise ValueError("digit_prob needs a digit in every prompt")
         probs = torch.softmax(clf(images.float()), dim=-1)
@@ -67,15 +68,17 @@ def digit_prob(classifier_path: str | None = None):
     return score
 
 
+digit_prob.differentiable = True  # a factory's declaration (difrl.rewards.differentiable reads it unbuilt)
+
+
 @register_reward("digit_margin")
 def digit_margin(classifier_path: str | None = None):
     """The classifier's logit margin: logit(prompted digit) - max of the other logits. Unbounded where
     digit_prob saturates at 1, so search and best-of-N keep a measurable difference (benchmarks/bench_dts.py)."""
     clf = load_classifier(classifier_path)
 
-    @torch.no_grad()
     def score(images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> dict[str, torch.Tensor]:
-        labels = torch.tensor([parse_digit_prompt(p) for p in prompts])
+        labels = torch.tensor([parse_digit_prompt(p) for p in prompts], device=images.device)
         if (labels == NULL_LABEL).any():
             raise ValueError("digit_margin needs a digit in every prompt")
         logits = clf(images.float())
@@ -84,3 +87,6 @@ def digit_margin(classifier_path: str | None = None):
         return {"digit_margin": target - others, "correct": (logits.argmax(-1) == labels).float()}
 
     return score
+
+
+digit_margin.differentiable = True

@@ -90,6 +90,7 @@ class HPSv2(RewardModel):
     """HPSv2 / v2.1 score: cos(image, prompt) under the HPS-fine-tuned open_clip model. See the module docstring."""
 
     modality = "image"
+    differentiable = True  # tensor-side resize and pad, open_clip towers: a graph to the pixels
 
     def __init__(self, checkpoint=None, architecture: str | None = None, model_config=None,
                  variant: str | None = None, device="cpu", dtype="float32", batch_size=32,

@@ -27,7 +27,6 @@ def _per_sample_mean(x: torch.Tensor) -> torch.Tensor:
 def brightness(target: float | None = None):
     """Mean pixel value; with `target`, closeness 1 - |mean - target| (a peak reward, not a monotone one)."""
 
-    @torch.no_grad()
     def score(images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> dict[str, torch.Tensor]:
         mean = _per_sample_mean(images)
         if target is None:
@@ -35,6 +34,9 @@ def brightness(target: float | None = None):
         return {"brightness": 1.0 - (mean - float(target)).abs(), "mean": mean}
 
     return score
+
+
+brightness.differentiable = True  # a mean of pixels (difrl.rewards.differentiable)
 
 
 @register_reward("color")

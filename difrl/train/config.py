@@ -14,7 +14,8 @@ from the typed ``model.kind`` (``difrl.train.recipes.load_train_config``): the f
 Flow defaults follow Flow-GRPO (flow-grpo-family.md §2.8, §8.7) where they carry over to a model
 of this size; the digits YAML sets what the bundled demo needs. The masked sections are in
 difrl/train/masked_config.py, the evaluation sections (``eval``, ``stop``) in difrl/train/eval_config.py, the flow
-methods' sections (``solrl``, ``tree``, ``nft``, ``matching``, ``awm``, ``dpo``, ``dgpo``, ``dppo``) in
+methods' sections (``solrl``, ``tree``, ``nft``, ``matching``, ``awm``, ``dpo``, ``dgpo``, ``dppo``, ``draft``,
+``refl``, ``gardo``, ``pref``) in
 difrl/train/method_config.py.
 """
 
@@ -30,6 +31,8 @@ from difrl.quant.linear import BACKENDS as QUANT_BACKENDS
 from difrl.train.method_config import (LOG_PROB_OBJECTIVES, MATCHING_OBJECTIVES, AWMConfig, DGPOConfig,  # noqa: F401
                                        DPOConfig, DPPOConfig, MatchingConfig, NFTConfig, SolRLConfig, TreeConfig,
                                        check_objective)
+from difrl.train.method_config import DraftConfig, GardoConfig, PrefConfig, ReflConfig  # noqa: F401
+from difrl.train.method_checks import check_methods
 from difrl.train.eval_config import EvalConfig, FidConfig, FlowEvalConfig, StopConfig  # noqa: F401  (re-exported)
 from difrl.worlds import FLOW_KINDS, MASKED_KINDS, check_world_config
 
@@ -310,10 +313,10 @@ class FlowTrainConfig(TrainConfig):
                                       "VESPO (phi(W) kernel; with a rollout copy W includes pi_old / mu)")
     policy_loss_options: dict[str, float] = cfg_field(default_factory=dict, help="keyword options of policy_loss, e.g. "
                                                                                  "{eps_low: 3e-4, eps_high: 4e-4}")
-    objective: str = cfg_field("grpo", choices=("grpo", "nft") + MATCHING_OBJECTIVES + ("dppo",),
+    objective: str = cfg_field("grpo", choices=("grpo", "nft") + MATCHING_OBJECTIVES + ("dppo", "draft", "refl"),
                                help="grpo: PPO-clip on the SDE transitions' log-probs; nft: DiffusionNFT on clean samples "
-                                    "(likelihood-free, deterministic rollouts; section nft); awm / dpo / dgpo / dppo: "
-                                    "docs/methods.md (sections matching, awm, dpo, dgpo, dppo)")
+                                    "(likelihood-free, deterministic rollouts; section nft); awm / dpo / dgpo / dppo / "
+                                    "draft / refl: docs/methods.md (their sections)")
 
 
 @dataclass
@@ -333,6 +336,10 @@ class FlowConfig(TrainerConfig):
     dpo: DPOConfig = field(default_factory=DPOConfig)
     dgpo: DGPOConfig = field(default_factory=DGPOConfig)
     dppo: DPPOConfig = field(default_factory=DPPOConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    refl: ReflConfig = field(default_factory=ReflConfig)
+    gardo: GardoConfig = field(default_factory=GardoConfig)
+    pref: PrefConfig = field(default_factory=PrefConfig)
     eval: FlowEvalConfig = field(default_factory=FlowEvalConfig)
     stop: StopConfig = field(default_factory=StopConfig)
 
@@ -419,6 +426,7 @@ class FlowConfig(TrainerConfig):
                                                  "process's trees in one pass (chunks apply to flat and solrl "
                                                  "rollouts); set rollout.chunks=1")
         check_objective(self, refuse_ignored)  # awm / dpo / dgpo / dppo (difrl/train/method_config.py)
+        check_methods(self, refuse_ignored)  # DRaFT / ReFL, GARDO, Pref-GRPO against the rest (difrl/train/method_checks.py)
         check_world_config(self)  # the world's own needs (difrl/worlds/<its file>.check_config)
 
 

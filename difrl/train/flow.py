@@ -10,9 +10,10 @@ so a resumed run continues exactly as if it had never stopped (Ctrl-C / SIGTERM 
 boundary with a checkpoint: difrl/train/interrupt.py). The methods are calls into their
 modules: Sol-RL's candidate pool (difrl.solrl), BranchGRPO's tree rollout and trained edges
 (difrl.tree_rollout, difrl.algos.tree), the GRPO, Flow-DPPO and DiffusionNFT losses and the proximal
-recompute of copy rollouts (difrl.train.objectives), AWM, DPO and DGPO (difrl.train.matching_objectives; the
-objectives are docs/methods.md); run directory, resume, LoRA and reference, metrics and plots are the scaffold's
-(difrl.train.scaffold).
+recompute of copy rollouts (difrl.train.objectives), AWM, DPO and DGPO (difrl.train.matching_objectives),
+Pref-GRPO's win rates and GARDO's gated KL and diversity (difrl.train.method_stage), DRaFT-K / ReFL's own loop
+phase (difrl.train.reward_backprop; the objectives are docs/methods.md); run directory, resume, LoRA and
+reference, metrics and plots are the scaffold's (difrl.train.scaffold).
 
 Groups may span processes: the sample list of an iteration is global (sample k belongs to group
 k // group_size), each process rolls out a contiguous slice, rewards are gathered before the
@@ -32,7 +33,7 @@ from difrl.algos.tree import edge_leaf_weights, tree_train_edges
 from difrl.correct.core import Correction
 from difrl.eval.metrics import change_over_noise
 from difrl.models.base import forwards_per_step
-from difrl.rewards import Scoring, score_all
+from difrl.rewards import Scoring
 from difrl.rollout import cat_rollouts, chunk_slices, per_transition, rollout
 from difrl.solrl import candidate_pool, rank_agreement
 from difrl.train.config import FlowConfig
@@ -40,8 +41,10 @@ from difrl.train.flow_plan import plan, step_masks
 from difrl.train.matching_objectives import (MATCHING_OBJECTIVES, matching_micro_loss, needs_old, needs_reference,
                                              old_decay, prepare_update, trained_sigmas)
 from difrl.train.objectives import dppo_micro_loss, grpo_micro_loss, nft_micro_loss, proximal_correction
+from difrl.train.method_stage import Gardo, advantage_function, candidate_reward, tree_stats
+from difrl.train.reward_backprop import BACKPROP_OBJECTIVES, reward_backprop_loop
 from difrl.train.reward_stage import (across_processes, build_rewards, probe_batch, reward_stats, score_rewards,
-                                     track_reward_failures, valid_group_advantages)
+                                     track_reward_failures)
 from difrl.train.metrics import Metrics, pooled_std
 from difrl.train.precision import refuse_fp16, trained_network
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, claim_run_dir, clip_and_step,  # noqa: F401
@@ -53,7 +56,7 @@ from difrl.train.sharding import fsdp_settings, gathered, process_group_kwargs
 from difrl.train.state import EMA, trainable_params
 from difrl.train.unit_gather import device_free_bytes, rollout_gather, units_gathered
 from difrl.tree_rollout import tree_rollout
-from difrl.utils.collectives import gather, process_max, reduce, split_rows
+from difrl.utils.collectives import gather, process_max, split_rows
 from difrl.utils.rng import mix_seed
 from difrl.worlds import build_world
 
@@ -83,11 +86,16 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
     trainee = setup_training(cfg, policy, accelerator)  # LoRA / masters / reference / FSDP / optimizer / EMA / copy
     unwrapped, optimizer, ema, old = trainee.unwrapped, trainee.optimizer, trainee.ema, trainee.old
     masters, rollout_copy, copy_source = trainee.masters, trainee.rollout_copy, trainee.copy_source
-    extras = {k: v for k, v in (("old", old), ("rollout_source", copy_source)) if v is not None}
+    gardo = Gardo(cfg, policy, unwrapped, {}) if cfg.gardo.enabled else None  # its reference and controller
+    if gardo is not None:
+        trainee.reference_ctx = gardo.reference_ctx  # the KL against GARDO's adaptive reference
+    extras = {k: v for k, v in (("old", old), ("rollout_source", copy_source)) if v is not None} | (gardo.extras() if gardo else {})
     train_sigmas = trained_sigmas(cfg, sigmas)  # NFT's / AWM's / DPO's / DGPO's re-noising sigmas [T], else None
 
-    run = Run.open(cfg, run_dir, unwrapped, optimizer, ema, extras, accelerator, state={"best_fd": None, "bad_evals": 0},
-                   overwrite=overwrite)
+    run = Run.open(cfg, run_dir, unwrapped, optimizer, ema, extras, accelerator, overwrite=overwrite,
+                   state={"best_fd": None, "bad_evals": 0, **({"gardo": gardo.state} if gardo else {})})
+    if gardo is not None:
+        gardo.state = run.state["gardo"]  # resumed: the checkpoint's controller and last refresh
     if run.state["eval_before"] is None:
         run.state["eval_before"] = run.state["last_eval"] = evaluate(world, policy, ema, cfg, run, "before", 0)
         accelerator.print("eval before: " + fmt_eval(run.state["eval_before"], world.headline))
@@ -95,7 +103,12 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
     bar = tqdm(range(run.start, cfg.train.iterations), initial=run.start, total=cfg.train.iterations, desc="train",
                disable=not accelerator.is_main_process, dynamic_ncols=True)
     stopped, done = None, run.start  # iterations completed
-    for it in bar:
+    iterations = bar
+    if cfg.train.objective in BACKPROP_OBJECTIVES:  # DRaFT / ReFL: their own loop phase (train/reward_backprop.py)
+        done, stopped = reward_backprop_loop(cfg, world, policy, trainee, accelerator, run, bar, rewards, weights, sigmas,
+                                             per_proc, evaluate, should_stop)
+        iterations = ()
+    for it in iterations:
         t_iter = time.perf_counter()
         # ==================================================================== rollout
         gen = torch.Generator().manual_seed(mix_seed(cfg.seed, it, 1))
@@ -181,7 +194,10 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
         all_groups, all_bad = gather(accelerator, group_ids), gather(accelerator, bad.long()).bool()
         failed_frac = track_reward_failures(run.state, int(all_bad.sum()), len(all_bad), cfg.reward.max_failed_frac,
                                             f"iteration {it + 1}", lambda: run.checkpoint(it), run_dir)
-        adv, failed = valid_group_advantages(all_scores, weights, all_groups, all_bad, cfg.advantage, cfg.reward.aggregate)
+        adv, failed = advantage_function(cfg)(all_scores, weights, all_groups, all_bad, cfg.advantage, cfg.reward.aggregate)
+        if gardo is not None:  # GARDO: diversity-shaped advantages, the samples whose KL applies (train/method_stage.py)
+            adv, kl_flags = gardo.shape(adv, all_scores, weights, all_groups, failed, gather(accelerator, batch.x_final.flatten(1)))
+            batch.extras["kl_keep"] = kl_flags[rank * per_proc:(rank + 1) * per_proc].to(batch.x_final.device)
         bad_groups = all_groups[failed].unique()
         keep_all = ~failed
         if cfg.advantage.drop_zero_spread:
@@ -224,6 +240,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
 
         # ==================================================================== log
         upd = m.result(accelerator)
+        stage.update(gardo.after_update(it, upd.get("kl")) if gardo is not None else {})
         row = {
             "iteration": it + 1,
             **reward_stats(adv.reward, all_scores, weights, all_groups, cfg.advantage),
@@ -394,25 +411,6 @@ def policy_update(cfg: FlowConfig, policy, tr: Trainee, accelerator, batch, adva
             if tr.ema is not None:
                 tr.ema.update()
 
-
-
-def candidate_reward(cfg: FlowConfig, world, rewards, weights, run: Run, it: int, say, images, prompts, prompt_ids,
-                     seeds) -> torch.Tensor:
-    """Sol-RL stage 1's score: the weighted reward of each candidate; a failed one ranks last (-inf) under
-    reward.on_error=drop_group (stage 2 re-scores and drops what still fails)."""
-    metadata = [world.metadata(int(p)) for p in prompt_ids]
-    scores, bad = score_rewards(lambda: score_all(rewards, images, prompts, metadata, seeds, prompt_ids), len(prompts),
-                                cfg.reward.on_error, lambda: run.checkpoint(it), f"iteration {it + 1}, Sol-RL candidates",
-                                run.dir, say, across_processes(run.accelerator))
-    total = sum(w * scores[n] for n, w in weights.items())
-    return torch.where(bad, -float("inf"), total)
-
-
-def tree_stats(tr, advantages: torch.Tensor, accelerator) -> dict:
-    """Edges trained and sampled (all processes) and the mean |advantage| of the trained ones."""
-    adv_sum = reduce(accelerator, torch.tensor([float(advantages.abs().sum()), float(len(advantages))], dtype=torch.float64))
-    return {"tree/edges_trained": int(adv_sum[1]), "tree/edges_sampled": len(tr.edges) * accelerator.num_processes,
-            "tree/edge_adv_abs_mean": float(adv_sum[0] / max(float(adv_sum[1]), 1.0))}
 
 
 def evaluate(world, policy, ema: EMA | None, cfg: FlowConfig, run: Run, tag: str, iteration: int) -> dict:

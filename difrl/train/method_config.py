@@ -1,7 +1,8 @@
 """The flow config's method sections: Sol-RL's candidate pool (`solrl`), BranchGRPO's trees (`tree`),
 DiffusionNFT (`nft`), and the objectives of docs/methods.md: the re-noised matching losses' shared keys (`matching`),
-AWM (`awm`), online Diffusion-DPO (`dpo`), DGPO (`dgpo`) and Flow-DPPO (`dppo`). FlowConfig (difrl/train/config.py)
-holds them and checks them against the rest (check_objective here for the objectives of docs/methods.md).
+AWM (`awm`), online Diffusion-DPO (`dpo`), DGPO (`dgpo`), Flow-DPPO (`dppo`), reward backpropagation (`draft`,
+`refl`), GARDO (`gardo`) and Pref-GRPO (`pref`). FlowConfig (difrl/train/config.py) holds them and checks them
+against the rest (check_objective here; the last four in difrl/train/method_checks.py).
 
     cfg = load_flow_config("configs/digits_branch.yaml")
     cfg.tree.schedule(cfg.sampler.num_steps)      # the BranchSchedule of the config's split steps
@@ -160,3 +161,60 @@ def check_objective(cfg, refuse_ignored) -> None:
     if obj == "dppo":
         refuse_ignored(t, "train", ("clip_low", "clip_high"), "train.objective=dppo replaces PPO's ratio clip by the "
                        "trust region dppo.kl_threshold")
+
+
+@dataclass
+class DraftConfig:
+    """DRaFT-K (train.objective=draft; docs/methods.md "Reward backpropagation"): each sample runs the schedule with `kernel`, the last
+    `k` steps with gradient, and the loss is minus its differentiable reward (no advantages, no log-probs)."""
+    k: int = cfg_field(1, ge=1, help="sampler steps the reward's gradient flows through (DRaFT-K; the paper's best: 1; "
+                                     "sampler.num_steps = full DRaFT)")
+    kernel: str = cfg_field("ode", choices=("ode", "sampler"),
+                            help="ode: deterministic Euler steps (DRaFT's DDIM with eta 0); sampler: sampler.kind with "
+                                 "each sample's step noise")
+
+
+@dataclass
+class ReflConfig:
+    """ReFL (train.objective=refl; docs/methods.md "Reward backpropagation"): each sample runs to a step t drawn uniformly from
+    [first_step, last_step] without gradient, predicts x0 in one step from x_t with gradient, and the loss is
+    minus the reward of that prediction."""
+    first_step: int | None = cfg_field(None, ge=0, help="earliest stopping step; None = 3/4 of sampler.num_steps "
+                                                        "(ImageReward's ReFL: steps 30..39 of 40)")
+    last_step: int | None = cfg_field(None, ge=0, help="latest stopping step; None = sampler.num_steps - 1")
+    kernel: str = cfg_field("ode", choices=("ode", "sampler"), help="the steps before t: as draft.kernel")
+
+    def steps(self, num_steps: int) -> tuple[int, int]:
+        """[first, last] stopping steps for a schedule of `num_steps`."""
+        first = (3 * num_steps) // 4 if self.first_step is None else self.first_step
+        return first, num_steps - 1 if self.last_step is None else self.last_step
+
+
+@dataclass
+class GardoConfig:
+    """GARDO (docs/methods.md "GARDO"): the KL (train.kl_beta, train.kl_form) only on the samples whose proxy reward
+    its auxiliary rewards disagree with most, against a reference refreshed from the policy, and positive advantages
+    scaled by each sample's distance to its nearest group member."""
+    enabled: bool = cfg_field(False, help="train GRPO with GARDO's gated KL, adaptive reference and diversity shaping")
+    aux_rewards: list[str] | None = cfg_field(None, help="score keys of the auxiliary rewards that judge the proxy; "
+                                                         "None = the rewards of weight 0 in reward.weights")
+    kl_frac: float = cfg_field(0.1, gt=0.0, le=1.0, help="first fraction of the uncertain samples that get the KL")
+    kl_frac_min: float = cfg_field(0.02, gt=0.0, le=1.0)
+    kl_frac_max: float = cfg_field(0.2, gt=0.0, le=1.0)
+    kl_frac_rate: float = cfg_field(0.1, ge=0.0, lt=1.0, help="the fraction grows (shrinks) by this factor when the "
+                                                              "batch's mean uncertainty is above (below) all of the last "
+                                                              "`window` iterations'")
+    window: int = cfg_field(20, ge=1)
+    reset_every: int = cfg_field(15, ge=1, help="iterations after which the reference is refreshed from the policy")
+    reset_kl: float = cfg_field(3e-4, gt=0.0, help="refresh the reference after an update whose KL exceeds this")
+    diversity: bool = cfg_field(True, help="scale positive advantages by the nearest-neighbour distance in the group")
+
+
+@dataclass
+class PrefConfig:
+    """Pref-GRPO (docs/methods.md "Pref-GRPO"): the trained reward of a sample is its win rate against the rest of its
+    group under a pairwise judge."""
+    judge: str | None = cfg_field(None, help="None = off; sigmoid: P(a > b) = sigmoid((r_a - r_b) / tau) from the "
+                                             "weighted scalar reward; or a module:function pairwise judge "
+                                             "(scores_a, scores_b, tau) -> P(a > b)")
+    tau: float = cfg_field(0.05, gt=0.0, help="sigmoid judge's temperature, in reward units")

@@ -96,8 +96,10 @@ def reference_kl(policy, sub: Rollout, mean, std, elem_keep, m, denom: int, cfg,
         _, mean_ref, _ = transition_log_prob(policy, sub, cfg)
     h = (sub.sigma - sub.sigma_next).reshape(-1)
     kl = gaussian_step_kl(mean, mean_ref, std, h, cfg.train.kl_form).view_as(elem_keep)
-    m.add("kl", kl, elem_keep.bool())
-    return cfg.train.kl_beta * (kl * elem_keep).sum() / denom
+    kl_keep = sub.extras.get("kl_keep")  # GARDO: the KL on its flagged samples only, [b] (train/method_stage.py)
+    kl_elem = elem_keep if kl_keep is None else elem_keep * kl_keep.to(elem_keep)[:, None]
+    m.add("kl", kl, kl_elem.bool())
+    return cfg.train.kl_beta * (kl * kl_elem).sum() / denom
 
 
 def dppo_micro_loss(policy, sub: Rollout, adv: torch.Tensor, keep: torch.Tensor, correction, m, check: bool,

@@ -99,13 +99,16 @@ def plan_flow(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str | N
     from difrl.train.rollout_copy import sync_rollout_copy
     from difrl.train.unit_gather import rollout_gather, units_gathered
     from difrl.train.flow_plan import plan, step_masks
-    from difrl.train.objectives import nft_sigmas
+    from difrl.train.matching_objectives import trained_sigmas
     from difrl.utils.rng import mix_seed
     from difrl.worlds import world_file
     from difrl.worlds.diffusers import policy_options
 
     if cfg.rollout.kind != "flat":
         raise ValueError(f"difrl plan simulates flat rollouts; rollout.kind={cfg.rollout.kind} is not simulated yet")
+    if cfg.train.objective in ("draft", "refl") or cfg.gardo.enabled:
+        raise ValueError("difrl plan simulates the rollout -> update iteration; train.objective=draft / refl (reward "
+                         "backpropagation's own phase) and gardo.enabled (its reference copy) are not simulated yet")
     cfg = plan_config(cfg)
     path, arch_name = resolve_arch(cfg, arch)
     DeviceMetrics = device_metrics()
@@ -179,7 +182,7 @@ def plan_flow(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str | N
             trainee.unwrapped.train()
             with unset_fake_temporarily():
                 advantages, keep = torch.zeros(len(batch)), torch.ones(len(batch), dtype=torch.bool)
-            train_sigmas = nft_sigmas(cfg, sigmas) if cfg.train.objective == "nft" else None
+            train_sigmas = trained_sigmas(cfg, sigmas)  # NFT's / AWM's / DPO's / DGPO's re-noising sigmas
             policy_update(cfg, policy, trainee, accelerator, batch, advantages, keep, None, T, micro, 0,
                           DeviceMetrics(cfg.sampler.num_steps), train_sigmas, max_micro_steps=micro_steps)
             memory.record("update", tracker, names, resident)
