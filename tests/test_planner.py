@@ -332,9 +332,9 @@ def test_copy_sync_gathers_each_unit_once_in_the_copy_dtype(tiny_flux):
 
     row = plan_flow(tiny_cfg(tiny_flux, ["model.dtype=bf16", "rollout.precision=fp8"]), 2, None)
     sync = row["collectives_by_kind"]["sync"]
-    assert list(sync) == ["dist.all_gather_into_tensor"]
-    assert sync["dist.all_gather_into_tensor"]["count"] == fsdp_unit_count(tiny_flux)
+    assert list(sync) == ["dist.all_gather_single"]
+    assert sync["dist.all_gather_single"]["count"] == fsdp_unit_count(tiny_flux)
     params = sum(p.numel() for p in load_flow_policy("flux", tiny_flux, device="cpu").module.parameters())
     # the bytes counted are each gathered buffer's (world x padded shards): bf16, the padding at most 1 row a tensor
-    assert params * 2 <= sync["dist.all_gather_into_tensor"]["gib"] * GIB < params * 2 * 1.1
+    assert params * 2 <= sync["dist.all_gather_single"]["gib"] * GIB < params * 2 * 1.1
     assert row["sync_peak_gib"] > 0 and "sync" in row["phases"]

@@ -48,12 +48,12 @@ def _gather_worker(rank: int, store_path: str, out_path: str) -> None:
         params = list(net.parameters())  # rows 7 (3, 3, 1), 7, 1 (1, 0, 0), 1, 10 (4, 4, 2)
         dtypes = [torch.bfloat16, torch.float32, torch.bfloat16, torch.float32, torch.bfloat16]
         calls = []
-        real = dist.all_gather_into_tensor
-        dist.all_gather_into_tensor = lambda out, inp, **kw: calls.append((inp.dtype, inp.numel())) or real(out, inp, **kw)
+        real = dist.all_gather_single
+        dist.all_gather_single = lambda out, inp, **kw: calls.append((inp.dtype, inp.numel())) or real(out, inp, **kw)
         try:
             fulls = ug.gather_full(params, dtypes)
         finally:
-            dist.all_gather_into_tensor = real
+            dist.all_gather_single = real
         want = [p.full_tensor().to(d) for p, d in zip(params, dtypes)]
         ok = [bool(f.dtype == w.dtype and f.shape == w.shape and torch.equal(f, w)) for f, w in zip(fulls, want)]
         if rank == 0:

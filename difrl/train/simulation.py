@@ -162,13 +162,16 @@ class Collectives:
         fn = getattr(module, name)
 
         def counted(*args, **kwargs):
-            tensors = [a for a in (*args, *kwargs.values()) if torch.is_tensor(a)]
+            out = fn(*args, **kwargs)
+            # bytes: the collective's largest buffer (an all-gather's full output, a reduce-scatter's full input), an
+            # argument of torch.distributed's (outputs are passed in) or what a functional collective returns
+            tensors = [a for a in (*args, *kwargs.values(), out) if torch.is_tensor(a)]
             lists = [t for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)) for t in a if torch.is_tensor(t)]
             nbytes = max([t.numel() * t.element_size() for t in tensors + lists] or [0])
             row = self.by_phase.setdefault(self.current, {}).setdefault(f"{kind}.{name}", [0, 0])
             row[0] += 1
             row[1] += nbytes
-            return fn(*args, **kwargs)
+            return out
 
         self._saved.append((module, name, fn))
         setattr(module, name, counted)

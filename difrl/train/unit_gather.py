@@ -134,7 +134,7 @@ def gather_full(params: list, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
         local = torch.cat([_padded_rows(params[i].to_local().detach(), c).to(dtype).reshape(-1)
                            for i, c in zip(idx, rows)])          # [sum c x row size]
         full = torch.empty(world * local.numel(), dtype=dtype, device=local.device)
-        dist.all_gather_into_tensor(full, local, group=mesh.get_group())
+        dist.all_gather_single(full, local, group=mesh.get_group())
         full = full.view(world, local.numel())                   # [world, sum c x row size]
         start = 0
         for i, c, r, n in zip(idx, rows, inner, sizes):
