@@ -12,6 +12,9 @@
 - Item 3: FSDP setup makes the fp32 masters and the frozen reference one block at a time: its peak stays below the
   model as loaded plus a small fraction, where it used to hold the model four times over.
 - The one-all-reduce clip equals torch's clip_grad_norm_.
+- The masked trainer (issue 46, LLaDA-8B): the llada-8b architecture has LLaDA-8B's 8.02 B parameters; a plan of the
+  text world's masked config has every category and fits; its parameter, AdamW and reference bytes per process equal
+  a real 2-process FSDP run of the same masked functions.
 """
 
 from __future__ import annotations

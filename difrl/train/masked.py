@@ -265,7 +265,7 @@ class MaskedTrainee:
     """What setup_training makes of a masked policy: the trained network (`net`: what rollouts, log-probs without
     gradient, evaluation and checkpoints run; `trained`: what the trained forwards run, DDP's wrapper or `net`), the
     frozen reference of full fine-tuning with a KL term, master weights, the FSDP settings (None: DDP or one
-    process), the optimizer over `params`. difrl plan (difrl/train/masked_planner.py) runs the same function."""
+    process), the optimizer over `params`. difrl plan (difrl/train/planner.py, plan_masked) runs the same function."""
     net: nn.Module
     trained: nn.Module
     reference: nn.Module | None
