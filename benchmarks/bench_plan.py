@@ -3,14 +3,16 @@
     python benchmarks/bench_plan.py [--quick] [--json PATH] [--no-write]
 
 Each row is `difrl plan` (difrl/train/planner.py) of a published recipe config at the size of the family's reference
-checkpoint (FLUX.1-dev, SD3.5-Large, Wan 2.1 T2V 14B: difrl/assets/arch/), at 1, 8 and 16 GPUs: the trainer's own
-setup, one rollout forward batch and the update's first and last micro-steps, on fake tensors under a fake process
-group (FSDP2 above one GPU, one plain process at one). The configs' train.grad_accum is set per GPU count to keep
-their published updates per rollout (the configs' headers give the formula). Simulated on a CPU, never measured on a
-GPU; not simulated: reward models, evaluation, checkpoint writes, CUDA allocator fragmentation and context, NCCL
-buffers (every row's `not_simulated`). A plan fits when its peak (setup's or the iteration's) is at most 90% of the
-GPU (`difrl.train.planner.FIT_MARGIN`). Byte counts, no timings: the numbers do not depend on the machine's load.
---quick: FLUX.1-dev LoRA and full fine-tuning on 8 GPUs only.
+checkpoint (FLUX.1-dev, SD3.5-Large, Wan 2.1 T2V 14B, LLaDA-8B: difrl/assets/arch/), at 1, 8 and 16 GPUs: the
+trainer's own setup, one rollout forward batch (the masked trainer: the process's samples, every sampler step) and the
+update's first and last micro-steps, on fake tensors under a fake process group (FSDP2 above one GPU, one plain
+process at one). The flow configs' train.grad_accum is set per GPU count to keep their published updates per rollout
+(the configs' headers give the formula); the masked config keeps them by itself (train.micro_batch=auto). LLaDA-8B
+runs README's command (configs/text_arithmetic.yaml with a 64-token answer in 2 blocks of 32 sampler steps).
+Simulated on a CPU, never measured on a GPU; not simulated: reward models, evaluation, checkpoint writes, CUDA
+allocator fragmentation and context, NCCL buffers (every row's `not_simulated`). A plan fits when its peak (setup's
+or the iteration's) is at most 90% of the GPU (`difrl.train.planner.FIT_MARGIN`). Byte counts, no timings: the numbers do not depend on the machine's load.
+--quick: FLUX.1-dev and LLaDA-8B, LoRA and full fine-tuning, on 8 GPUs only.
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ BEGIN, END = "<!-- bench_plan:begin -->", "<!-- bench_plan:end -->"
 ROOT = Path(__file__).resolve().parent.parent
 GPUS = (1, 8, 16)
 VERDICTS = (80, 141)  # H100 80 GB, H200 141 GB
-# name, config, overrides, the samples-per-update numerator: grad_accum = numerator // gpus (the config header's formula)
+# README's LLaDA-8B command (model.path a placeholder: the planner builds difrl/assets/arch/llada-8b)
+LLADA = ["model.path=/models/LLaDA-8B-Instruct", "model.gen_length=64", "sampler.block_length=32", "sampler.steps=32"]
+# name, config, overrides, the samples-per-update numerator: grad_accum = numerator // gpus (the config header's
+# formula); None: the config keeps its updates on any number of GPUs (masked: train.micro_batch=auto)
 CASES = [
     ("FLUX.1-dev full, EMA + KL ref, micro-batch 15", "configs/flux_flow_grpo.yaml",
      ["train.lora.enabled=false", "train.kl_beta=0.04"], 192),
@@ -38,16 +43,20 @@ CASES = [
     ("Wan 2.1 14B LoRA r32", "configs/wan_dance_grpo.yaml", [], 192),
     ("Wan 2.1 14B full, grad. checkpointing", "configs/wan_dance_grpo.yaml",
      ["train.lora.enabled=false", "model.gradient_checkpointing=true"], 192),
+    ("LLaDA-8B full, 64-token answers, 32 sampler steps", "configs/text_arithmetic.yaml",
+     [*LLADA, "train.lora.enabled=false"], None),
+    ("LLaDA-8B LoRA r16, 64-token answers, 32 sampler steps", "configs/text_arithmetic.yaml",
+     [*LLADA, "train.lora.enabled=true"], None),
 ]
 
 
 def run_case(name: str, config: str, overrides: list[str], numerator: int, gpus: int) -> dict:
-    from difrl.train.planner import plan_flow
+    from difrl.train.planner import plan_run
     from difrl.train.recipes import load_train_config
 
-    over = [*overrides, f"train.grad_accum={numerator // gpus}"]
+    over = [*overrides, *([f"train.grad_accum={numerator // gpus}"] if numerator is not None else [])]
     cfg = load_train_config(ROOT / config, over)
-    row = plan_flow(cfg, gpus, None, config_name=config)
+    row = plan_run(cfg, gpus, None, config_name=config)
     from difrl.train.planner import FIT_MARGIN
 
     row.update({"case": name, "overrides": over, "verdicts_gib": list(VERDICTS), "fit_margin_percent": 100 * FIT_MARGIN})
@@ -61,8 +70,10 @@ def table(rows: list[dict]) -> list[str]:
              f"EMA | text enc. + VAE | fits {VERDICTS[0]} GiB | fits {VERDICTS[1]} GiB |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         g = lambda k: f"{r.get(k, 0.0):.1f}"  # noqa: E731
+        gathered = r.get("unsharded_params_gib", 0.0)  # the masked rollout holds the whole network gathered
+        params = g("params_gib") + (f" + {gathered:.1f} gathered" if gathered >= 0.05 else "")
         lines.append(f"| {r['case']} | {r['gpus']} | {g('peak_gib')} ({r['peak_phase']}) | {g('setup_peak_gib')} | "
-                     f"{g('params_gib')} | {r.get('grads_gib', 0.0) + r.get('unsharded_grads_gib', 0.0):.1f} | "
+                     f"{params} | {r.get('grads_gib', 0.0) + r.get('unsharded_grads_gib', 0.0):.1f} | "
                      f"{g('optimizer_gib')} | {g('activations_gib')} | {g('reference_gib')} | {g('ema_gib')} | "
                      f"{g('frozen_gib')} | {'yes' if r['fits_80'] else 'no'} | {'yes' if r['fits_141'] else 'no'} |")
     return lines
@@ -91,9 +102,10 @@ def sentences(rows: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    standard_args(ap, "FLUX.1-dev LoRA and full fine-tuning on 8 GPUs only")
+    standard_args(ap, "FLUX.1-dev and LLaDA-8B, LoRA and full fine-tuning, on 8 GPUs only")
     args = ap.parse_args(argv)
-    cases = [c for c in CASES if c[1].startswith("configs/flux") and "checkpointing" not in c[0]] if args.quick else CASES
+    cases = ([c for c in CASES if c[0].startswith(("FLUX", "LLaDA")) and "checkpointing" not in c[0]] if args.quick
+             else CASES)
     gpus = (8,) if args.quick else GPUS
     rows = []
     for name, config, overrides, numerator in cases:
@@ -102,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(run_case(name, config, overrides, numerator, n))
     lines = ["Simulated on this CPU by `difrl plan` (fake tensors, a fake process group of N ranks, the trainer's own "
              "setup and iteration phases), never measured on a GPU. Per GPU, GiB; the categories are those of the "
-             "peak phase. Not simulated: reward models, evaluation, checkpoint writes, CUDA allocator and context, "
+             "peak phase (params: this GPU's shards, + those gathered at the peak: FSDP units in a forward or backward, "
+             "the whole network while the masked trainer samples). Not simulated: reward models, evaluation, checkpoint writes, CUDA allocator and context, "
              f"NCCL buffers; a plan fits when its peak is at most {rows[0]['fit_margin_percent']:.0f}% of the GPU.", "", *table(rows), "",
              "Collectives per iteration on the simulated rank (FSDP2: every unit all-gathered at every forward and "
              "backward; the rollout's forward batches and the update's micro-steps beyond the simulated ones counted "

@@ -554,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iteration", type=int, help="the checkpoint of this iteration (default: the newest intact one)")
     p.add_argument("--out", help="where to write them (default: RUN_DIR/export/iter-NNNNNN; must be empty)")
     p.set_defaults(fn=cmd_export)
-    p = sub.add_parser("plan", help="simulate a flow config at real size on N GPUs (fake tensors, a fake process group, "
+    p = sub.add_parser("plan", help="simulate a flow or masked config at real size on N GPUs (fake tensors, a fake process group, "
                                     "the trainer's own code): memory per GPU by phase and category, collectives, a verdict")
     from difrl.train.planner import add_arguments as plan_arguments
 

@@ -12,6 +12,9 @@
 - Item 3: FSDP setup makes the fp32 masters and the frozen reference one block at a time: its peak stays below the
   model as loaded plus a small fraction, where it used to hold the model four times over.
 - The one-all-reduce clip equals torch's clip_grad_norm_.
+- The masked trainer (issue 46, LLaDA-8B): the llada-8b architecture has LLaDA-8B's 8.02 B parameters; a plan of the
+  text world's masked config has every category and fits; its parameter, AdamW and reference bytes per process equal
+  a real 2-process FSDP run of the same masked functions.
 """
 
 from __future__ import annotations
@@ -338,3 +341,130 @@ def test_copy_sync_gathers_each_unit_once_in_the_copy_dtype(tiny_flux):
     # the bytes counted are each gathered buffer's (world x padded shards): bf16, the padding at most 1 row a tensor
     assert params * 2 <= sync["dist.all_gather_single"]["gib"] * GIB < params * 2 * 1.1
     assert row["sync_peak_gib"] > 0 and "sync" in row["phases"]
+
+
+# ---------------------------------------------------------------------------------- the masked trainer (LLaDA-8B)
+
+# the text world's bundled tiny MLM, bf16 (fp32 masters) with a KL reference: 4 samples, 2 per process on 2 processes,
+# 2 inner updates x 1 optimizer update x 2 accumulated micro-batches of 1 sequence each
+TINY_MASKED = ["threads=1", "rollout.prompts_per_iter=2", "rollout.group_size=2", "train.updates_per_epoch=1",
+               "train.grad_accum=2", "train.inner_updates=2", "train.kl_beta=0.1", "model.dtype=bf16"]
+
+
+def test_llada_8b_architecture_has_its_published_size():
+    """difrl/assets/arch/llada-8b: LLaDA-8B's shapes on Llama blocks, 8.02 B parameters (the model card's table) and
+    exactly the count the README derives; bf16, untied head, bidirectional attention in every layer."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from difrl.models.arch import ARCHS, MASKED_ARCHS, arch_dir, build_arch_lm, parameter_count
+
+    assert MASKED_ARCHS == ("llada-8b",) and "llada-8b" not in ARCHS
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model, config = build_arch_lm(arch_dir("llada-8b"), torch.bfloat16)
+        n = parameter_count(model)
+    assert n == 8_015_581_184  # 32 x 218,112,000 + 2 x 126,464 x 4096 + 4096 (difrl/assets/arch/README.md)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
+    assert model.get_output_embeddings().weight.shape == (126_464, 4096) and config["mask_token_id"] == 126_336
+    attention = [m for m in model.modules() if hasattr(m, "is_causal")]
+    assert len(attention) == 32 and not any(m.is_causal for m in attention) and model.config.is_causal is False
+
+
+def test_plan_of_the_masked_trainer_has_every_category_and_fits(tmp_path):
+    """`difrl plan configs/text_arithmetic.yaml ... --gpus 2 --gpu-memory 80 --json PATH` (the command's main, in this
+    process) dispatches a masked config to plan_masked: a row of the planner's schema with every category of a full
+    fine-tune with a KL reference under FSDP2, the sampler's configured forwards and the verdict."""
+    import argparse
+
+    from difrl.cli import _load
+    from difrl.train.planner import main
+
+    out = tmp_path / "plan.json"
+    args = argparse.Namespace(config=str(ROOT / "configs" / "text_arithmetic.yaml"), overrides=TINY_MASKED, gpus=[2],
+                              gpu_memory=80.0, arch=None, json=str(out))
+    assert main(args, _load) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["trainer"] == "masked" and row["gpus"] == 2 and row["arch"] == "text_mlm_base" and row["fits"] is True
+    assert {"config", "gpu_memory_gib", "peak_gib", "setup_peak_gib", "phases", "update_collectives",
+            "rollout_collectives", "not_simulated"} <= row.keys()
+    update, rollout = row["phases"]["update"], row["phases"]["rollout"]
+    for key in ("params", "unsharded_params", "grads", "optimizer", "activations", "reference", "collective_buffers"):
+        assert update[f"{key}_gib"] > 0, key
+    assert update["unsharded_grads_gib"] == 0  # sharded accumulation (grad_sync), as in the flow trainer
+    # sampling: every unit gathered once (rollout_forwards), the bf16 network whole beside the fp32 shards (1/2 of it)
+    assert rollout["unsharded_params_gib"] == pytest.approx(rollout["params_gib"], rel=0.01)
+    assert row["rollout_forwards"] == 4 and row["rollout_collectives"] == 4  # sampler.steps; 3 blocks + the root
+    assert row["micro_steps"] == 4 and row["seq_len"] == 13  # 2 x 1 x 2; "[BOS]<|user|>07+45=<|assistant|>" + 4
+    assert row["update_peak_gib"] > 0 and row["setup_peak_gib"] > 0
+
+
+@pytest.mark.slow  # a torchrun job of 2 processes and a plan, about 40 s on 2 cores
+def test_masked_plan_counts_what_two_real_processes_hold(tmp_path):
+    """The masked trainer's setup and update on the bundled text world: parameters (fp32 master shards), AdamW state
+    and the bf16 reference per process, by the planner (fake tensors, 2 simulated ranks) and by a real torchrun job
+    of 2 gloo processes running masked.setup_training, old_log_probs and policy_update. Exact: the same shapes."""
+    from difrl.train.masked_planner import plan_masked
+    from difrl.train.recipes import load_train_config
+
+    row = plan_masked(load_train_config(ROOT / "configs" / "text_arithmetic.yaml", TINY_MASKED), 2, None)
+    script = tmp_path / "worker.py"
+    script.write_text(MASKED_WORKER)
+    out = tmp_path / "bytes.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "ACCELERATE_USE_FSDP": "true",
+           "FSDP_VERSION": "2", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(script), json.dumps(TINY_MASKED), str(out)], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    real = json.loads(out.read_text())
+    update = row["phases"]["update"]
+    for key in ("params", "optimizer", "reference"):
+        assert update[f"{key}_gib"] * GIB == pytest.approx(real[key], abs=0.5), key  # bytes: exact (float GiB round trip)
+    assert real["grads"] == real["params"] - real["buffers"]  # one fp32 gradient shard per fp32 parameter shard
+    assert real["reference"] > 0 and row["fits"] is None
+
+
+MASKED_WORKER = '''
+import json, sys
+import torch
+from difrl.discrete.samplers import SAMPLERS
+from difrl.train.masked import old_log_probs, policy_update, setup_training
+from difrl.train.masked_plan import plan, processes, rollout_forwards
+from difrl.train.metrics import Metrics
+from difrl.train.recipes import load_train_config
+from difrl.train.simulation import module_bytes, steady_optimizer_state, tensor_bytes
+from difrl.utils.rng import mix_seed
+from difrl.worlds import build_masked_world
+
+over, out = json.loads(sys.argv[1]), sys.argv[2]
+cfg = load_train_config("configs/text_arithmetic.yaml", [*over, "train.ratio_check=false"])
+world = build_masked_world(cfg)
+policy = world.policy
+accelerator, fsdp = processes(policy)
+split = plan(cfg, accelerator.num_processes, accelerator.process_index)
+tr = setup_training(cfg, policy, accelerator, fsdp)
+steady_optimizer_state(tr.optimizer, tr.params)
+P, G = cfg.rollout.prompts_per_iter, cfg.rollout.group_size
+batch = world.prompts(P, mix_seed(cfg.seed, 0, 1)).repeat(G).select(split.rows)
+seeds = torch.tensor([mix_seed(cfg.seed, 0, 0, int(i)) for i in split.rows], dtype=torch.int64)
+tr.net.eval()
+with rollout_forwards(tr.net, tr.fsdp):
+    o = SAMPLERS[cfg.sampler.kind](policy, batch.tokens, batch.cond, seeds=seeds, **cfg.sampler.sampler_kwargs())
+r = old_log_probs(cfg, policy, tr, 0, batch, o.tokens, o.gen_mask, seeds)
+tr.net.train()
+grads = {}
+_step = tr.optimizer.step
+def step(*a, **kw):  # the gradients as the optimizer sees them (zeroed right after)
+    grads["bytes"] = tensor_bytes([p.grad for p in tr.params.values() if p.grad is not None])
+    return _step(*a, **kw)
+tr.optimizer.step = step
+S = split.per_proc
+policy_update(cfg, policy, tr, accelerator, split, r, torch.zeros(S), torch.ones(S, dtype=torch.bool),
+              torch.ones(o.tokens.shape), torch.ones(o.tokens.shape, dtype=torch.bool), 0, Metrics())
+opt = sum(tensor_bytes(v for v in st.values() if torch.is_tensor(v)) for st in tr.optimizer.state.values())  # moments and step
+row = {"params": module_bytes(tr.net), "buffers": sum(b.numel() * b.element_size() for b in tr.net.buffers()),
+       "grads": grads["bytes"], "optimizer": opt, "reference": module_bytes(tr.reference)}
+if accelerator.is_main_process:
+    json.dump(row, open(out, "w"))
+accelerator.wait_for_everyone()
+'''

@@ -3,6 +3,7 @@
     from difrl.models.arch import ARCHS, REFERENCE_ARCH, arch_dir, build_arch_pipeline
     with FakeTensorMode():                                    # torch._subclasses.fake_tensor: shapes, no storage
         pipe = build_arch_pipeline(arch_dir("flux1-dev"), torch.bfloat16)   # a FluxPipeline of FLUX.1-dev's shapes
+        lm, config = build_arch_lm(arch_dir("llada-8b"), torch.bfloat16)   # LLaDA-8B's shapes on Llama blocks
     policy = FluxPolicy(pipe, height=512, width=512)          # the family's own adapter, as load_flow_policy makes it
 
 A directory here is laid out like a diffusers pipeline directory: `model_index.json` and each component's
@@ -13,6 +14,11 @@ mode with the frozen parts' gradients off, as DiffusersFlowPolicy._load_pipeline
 the directory when it has them, else are built in code (difrl/models/tiny.py) with the pipeline's text length, so the
 text encoders see sequences of the real length (the pipelines pad to it); their vocabulary is not the real one, which
 changes no shape.
+
+A masked LM's folder (MASKED_ARCHS: `config.json` alone, as a transformers model directory without weights) is made
+by `build_arch_lm` the same way: its `architectures[0]` class from its config, in `dtype`, eval mode; a config with
+`"is_causal": false` (LLaDA) gets bidirectional attention in every layer (difrl/assets/arch/README.md). The caller
+wraps it in its policy adapter (difrl.discrete.policy.HFMaskedLM, a layer above this one).
 """
 
 from __future__ import annotations
@@ -25,15 +31,19 @@ from torch import nn
 
 ARCH_ROOT = Path(__file__).resolve().parent.parent / "assets" / "arch"
 # the reference checkpoint of each family: what difrl plan simulates when model.path is not a local directory
-REFERENCE_ARCH = {"flux": "flux1-dev", "sd3": "sd3.5-large", "wan": "wan2.1-t2v-14b"}
+REFERENCE_ARCH = {"flux": "flux1-dev", "sd3": "sd3.5-large", "wan": "wan2.1-t2v-14b", "hf_masked": "llada-8b"}
 ARCHS = tuple(sorted(p.name for p in ARCH_ROOT.iterdir() if (p / "model_index.json").is_file())) if ARCH_ROOT.is_dir() else ()
+# masked LMs: a transformers config.json alone (no model_index.json)
+MASKED_ARCHS = tuple(sorted(p.name for p in ARCH_ROOT.iterdir() if (p / "config.json").is_file()
+                            and not (p / "model_index.json").is_file())) if ARCH_ROOT.is_dir() else ()
 CLIP_TEXT_LEN = 77  # CLIP's context (the pipelines pad CLIP prompts to tokenizer.model_max_length)
 
 
 def arch_dir(name: str) -> Path:
-    """The shipped architecture folder `name` (one of ARCHS); ValueError naming the choices otherwise."""
-    if name not in ARCHS:
-        raise ValueError(f"unknown architecture {name!r}: difrl ships {', '.join(ARCHS)} (difrl/assets/arch/)")
+    """The shipped architecture folder `name` (one of ARCHS or MASKED_ARCHS); ValueError naming the choices otherwise."""
+    if name not in ARCHS + MASKED_ARCHS:
+        raise ValueError(f"unknown architecture {name!r}: difrl ships {', '.join(ARCHS + MASKED_ARCHS)} "
+                         "(difrl/assets/arch/)")
     return ARCH_ROOT / name
 
 
@@ -103,6 +113,26 @@ def build_arch_pipeline(path: str | Path, dtype: torch.dtype, component_dtypes: 
     pipe = getattr(diffusers, index["_class_name"])(**parts)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def build_arch_lm(path: str | Path, dtype: torch.dtype) -> tuple[nn.Module, dict]:
+    """(model, config dict) of the transformers directory `path` from its config.json alone (no weight is read): the
+    class `architectures[0]` with freshly initialised parameters in `dtype`, eval mode. `"is_causal": false` in the
+    config: every attention layer attends both ways (the mask transformers builds and the flag its SDPA call reads,
+    which would make a padding-free batch causal). Call it under FakeTensorMode for an 8-billion-parameter model in
+    seconds and no memory."""
+    config = _config(Path(path))
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # made in its loading dtype, as from_pretrained(dtype=...) leaves it
+    try:
+        model = _model("transformers", config["architectures"][0], config)
+    finally:
+        torch.set_default_dtype(before)
+    if config.get("is_causal") is False:
+        for m in model.modules():
+            if getattr(m, "is_causal", None) is True:
+                m.is_causal = False
+    return model.eval(), config
 
 
 def parameter_count(module: nn.Module) -> int:

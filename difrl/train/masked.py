@@ -39,9 +39,11 @@ trained forwards go through DDP's wrapper (its gradient all-reduce).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from difrl.algos import k3_kl, ppo_clip_loss
 from difrl.correct import METHODS as CORRECTORS
@@ -86,7 +88,6 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
     split = plan(cfg, world_size, rank)  # a batch that does not split stops here (ConfigError)
     P, G, mu, ga = cfg.rollout.prompts_per_iter, cfg.rollout.group_size, cfg.train.inner_updates, cfg.train.grad_accum
     N, S, mbs, updates_per_inner = split.n_total, split.per_proc, split.micro, split.updates
-    mask_id = policy.mask_id
     sampler = SAMPLERS[cfg.sampler.kind]
     ext = cfg.external
     K = ext.per_group if ext.source != "none" else 0
@@ -110,15 +111,9 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
         external_sample = lambda tokens, cond, *, seeds: sampler(ext_policy, tokens, cond, seeds=seeds, **ext_kw)  # noqa: E731
     corrector = CORRECTORS[ext.correct.method]
 
-    # LoRA or the reference; a bf16 model fully fine-tuned: fp32 master weights, bf16 compute; FSDP2 or None
-    net, reference, masters, fsdp = trained_network(policy, cfg.train.lora, cfg.seed, cfg.train.kl_beta > 0, fsdp,
-                                                    accelerator.device)
-    params = trainable_params(net)
-    optimizer = make_optimizer(params, cfg.train)
-    trained = net  # what the trained forwards run: DDP's wrapper (its gradient all-reduce), or the (sharded) network
-    if fsdp is None:
-        trained, optimizer = accelerator.prepare(net, optimizer)
-    policy.module = net  # rollouts, log-probs without gradient, evaluation: the plain network, no DDP collective
+    # LoRA or the reference, fp32 masters of a bf16 full fine-tune, FSDP2, the optimizer (setup_training)
+    trainee = setup_training(cfg, policy, accelerator, fsdp)
+    net, masters, fsdp, optimizer = trainee.net, trainee.masters, trainee.fsdp, trainee.optimizer
     run = Run.open(cfg, run_dir, net, optimizer, accelerator=accelerator, overwrite=overwrite)
     if run.state["eval_before"] is None:
         run.state["eval_before"] = run.state["last_eval"] = world.evaluate(policy)
@@ -152,22 +147,13 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
                 ex = batch.select(ext_rows)
                 parts.append((ext_rows, external_sample(ex.tokens, ex.cond, seeds=seeds[ext_rows])))
             out = merge_rollouts(S, parts)
-            tokens, answer, prompt = out.tokens, out.gen_mask, batch.prompt
+            tokens, answer = out.tokens, out.gen_mask
             # pi_old of the external tokens in the context each was committed in
             lp_pi = (trace_logp(policy, tokens[ext_rows], answer[ext_rows], out.step[ext_rows], batch.select(ext_rows).cond)
                      if K and len(ext_rows) else torch.zeros(0, tokens.shape[1]))
         # the inner updates' masks (a function of seeds and n) and, before any update, the old-policy and
         # reference log-probs under exactly those masks
-        coupled_t = [cfg.estimator.t_low + (cfg.estimator.t_high - cfg.estimator.t_low)
-                     * torch.rand((), generator=torch.Generator().manual_seed(mix_seed(cfg.seed, it, 9, n))).item()
-                     for n in range(1, mu + 1)]
-        masks = [remask(cfg, tokens, answer, prompt, seeds, n, coupled_t[n - 1], mask_id) for n in range(1, mu + 1)]
-        with torch.no_grad():
-            logp_old = torch.stack([token_logp(cfg, policy, tokens, rm, batch.cond) for rm in masks])  # [mu, S, L]
-            logp_ref = None
-            if cfg.train.kl_beta > 0:
-                with reference_policy(policy, net, reference):
-                    logp_ref = torch.stack([token_logp(cfg, policy, tokens, rm, batch.cond) for rm in masks])
+        r = old_log_probs(cfg, policy, trainee, it, batch, tokens, answer, seeds)
         # importance weights of the external tokens: pi_old / mu_ext, over every process's external rows
         is_weight, is_keep, correction = torch.ones(tokens.shape), torch.ones(tokens.shape, dtype=torch.bool), None
         if K:
@@ -204,46 +190,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
         # ==================================================================== policy update
         net.train()
         m = Metrics()
-        first = True
-        with use_module(policy, trained):  # the trained forwards through DDP's wrapper (no-op otherwise)
-            for n in range(1, mu + 1):
-                rm_all = masks[n - 1]
-                m.add("mask_frac", rm_all.masked.any(0).float(), answer.bool())
-                m.add("prompt_masked_frac", rm_all.masked.any(0).float(), prompt)
-                perm = torch.randperm(S, generator=torch.Generator().manual_seed(mix_seed(cfg.seed, it, 4, n)))
-                for u in range(updates_per_inner):
-                    rows = perm[u * mbs * ga:(u + 1) * mbs * ga]
-                    loss_tokens = rm_all.loss_mask[rows] & keep[rows, None] & is_keep[rows]
-                    # fixed per optimizer update, over every process's part of it: 1 x 8 == 8 x 1 == 2 processes x 4
-                    denom = update_tokens(accelerator, int(loss_tokens.sum()), world_size)
-                    for a in range(ga):
-                        idx = rows[a * mbs:(a + 1) * mbs]
-                        sub = batch.select(idx)
-                        rm = remask(cfg, tokens[idx], answer[idx], prompt[idx], seeds[idx], n, coupled_t[n - 1], mask_id)
-                        lm = rm.loss_mask & keep[idx, None] & is_keep[idx]
-                        with grad_sync(accelerator, trained, fsdp is not None, a == ga - 1):
-                            logp = token_logp(cfg, policy, tokens[idx], rm, sub.cond)
-                            if first and cfg.train.ratio_check:  # on-policy: same weights, same mask -> ratio 1
-                                on = rm.loss_mask  # [b, L]; 0 - 0 outside it (a micro-batch may have no loss token)
-                                m.add("first_step_max_abs_log_ratio", torch.tensor(check_ratio(  # all stop together
-                                    torch.where(on, logp, 0.0), torch.where(on, logp_old[n - 1, idx], 0.0),
-                                    cfg.train.ratio_tol, lambda x: process_max(accelerator, x))))
-                            first = False
-                            pg, pm = ppo_clip_loss(logp, logp_old[n - 1, idx], advantages[idx], cfg.train.clip_low,
-                                                   cfg.train.clip_high)
-                            loss = (pg * is_weight[idx] * lm).sum() / denom
-                            if logp_ref is not None:
-                                kl = k3_kl(logp, logp_ref[n - 1, idx])
-                                loss = loss + cfg.train.kl_beta * (kl * lm).sum() / denom
-                                m.add("kl", kl, lm)
-                            accelerator.backward(loss)
-                        m.add("policy_loss", pg, lm)
-                        for name in ("ratio", "approx_kl", "clip_high", "clip_low"):
-                            m.add(name, pm[name], lm)
-                    norm = clip_and_step(optimizer, params, cfg.train.max_grad_norm,
-                                         clip_sharded_grad_norm_ if fsdp is not None else None)
-                    if norm is not None:
-                        m.add("grad_norm", norm)
+        policy_update(cfg, policy, trainee, accelerator, split, r, advantages, keep, is_weight, is_keep, it, m)
         net.eval()
         t_log = time.perf_counter()
 
@@ -308,6 +255,128 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
     run.barrier()
     accelerator.end_training()
     return summary
+
+
+# ---------------------------------------------------------------------------------- pieces of the loop
+
+
+@dataclass
+class MaskedTrainee:
+    """What setup_training makes of a masked policy: the trained network (`net`: what rollouts, log-probs without
+    gradient, evaluation and checkpoints run; `trained`: what the trained forwards run, DDP's wrapper or `net`), the
+    frozen reference of full fine-tuning with a KL term, master weights, the FSDP settings (None: DDP or one
+    process), the optimizer over `params`. difrl plan (difrl/train/planner.py, plan_masked) runs the same function."""
+    net: nn.Module
+    trained: nn.Module
+    reference: nn.Module | None
+    masters: object
+    fsdp: object
+    params: dict
+    optimizer: torch.optim.Optimizer
+
+
+def setup_training(cfg: MaskedConfig, policy, accelerator, fsdp) -> MaskedTrainee:
+    """LoRA or the frozen reference, fp32 master weights of a bf16 full fine-tune (bf16 compute), FSDP2 when `fsdp`
+    (masked_plan.processes) asks for it, the optimizer; DDP's wrapper otherwise. Installs the plain network in
+    `policy` (policy.module): only the trained forwards go through the wrapper (policy_update)."""
+    net, reference, masters, fsdp = trained_network(policy, cfg.train.lora, cfg.seed, cfg.train.kl_beta > 0, fsdp,
+                                                    accelerator.device)
+    params = trainable_params(net)
+    optimizer = make_optimizer(params, cfg.train)
+    trained = net  # what the trained forwards run: DDP's wrapper (its gradient all-reduce), or the (sharded) network
+    if fsdp is None:
+        trained, optimizer = accelerator.prepare(net, optimizer)
+    policy.module = net  # rollouts, log-probs without gradient, evaluation: the plain network, no DDP collective
+    return MaskedTrainee(net, trained, reference, masters, fsdp, params, optimizer)
+
+
+@dataclass
+class UpdateBatch:
+    """This process's S rollouts as the inner updates read them."""
+    batch: object  # MaskedPrompts of the S rows (cond, prompt mask)
+    tokens: torch.Tensor  # [S, L] long: the finished sequences
+    answer: torch.Tensor  # [S, L] bool: the generated positions
+    seeds: torch.Tensor  # [S] int64
+    coupled_t: list[float]  # [mu] coupled-GRPO's t of each inner update
+    masks: list  # [mu] Remask: inner update n's re-masked views (a function of seeds and n)
+    logp_old: torch.Tensor  # [mu, S, L] fp32: the old policy's log-probs under those masks
+    logp_ref: torch.Tensor | None  # [mu, S, L] fp32: the reference's (kl_beta > 0)
+
+
+def old_log_probs(cfg: MaskedConfig, policy, tr: MaskedTrainee, it: int, batch, tokens: torch.Tensor,
+                  answer: torch.Tensor, seeds: torch.Tensor) -> UpdateBatch:
+    """The inner updates' masks and, before any update, the old-policy and reference log-probs under exactly those
+    masks (one forward over the S rows per inner update, no gradient)."""
+    mu, prompt = cfg.train.inner_updates, batch.prompt
+    coupled_t = [cfg.estimator.t_low + (cfg.estimator.t_high - cfg.estimator.t_low)
+                 * torch.rand((), generator=torch.Generator().manual_seed(mix_seed(cfg.seed, it, 9, n))).item()
+                 for n in range(1, mu + 1)]
+    masks = [remask(cfg, tokens, answer, prompt, seeds, n, coupled_t[n - 1], policy.mask_id) for n in range(1, mu + 1)]
+    with torch.no_grad():
+        logp_old = torch.stack([token_logp(cfg, policy, tokens, rm, batch.cond) for rm in masks])  # [mu, S, L]
+        logp_ref = None
+        if cfg.train.kl_beta > 0:
+            with reference_policy(policy, tr.net, tr.reference):
+                logp_ref = torch.stack([token_logp(cfg, policy, tokens, rm, batch.cond) for rm in masks])
+    return UpdateBatch(batch, tokens, answer, seeds, coupled_t, masks, logp_old, logp_ref)
+
+
+def policy_update(cfg: MaskedConfig, policy, tr: MaskedTrainee, accelerator, split, r: UpdateBatch,
+                  advantages: torch.Tensor, keep: torch.Tensor, is_weight: torch.Tensor, is_keep: torch.Tensor,
+                  it: int, m: Metrics, max_micro_steps: int | None = None) -> None:
+    """The mu inner updates over this process's rollouts `r` (advantages, keep [S]; the external rows' importance
+    weights is_weight, is_keep [S, L]): each pass shuffles the S rows into split.updates optimizer updates of
+    train.grad_accum micro-batches of split.micro sequences; every token of an update weighs 1 / (the update's loss
+    tokens over all processes). `max_micro_steps`: difrl plan's simulation runs that many micro-steps (the first
+    ones, then the last, which steps the optimizer)."""
+    mu, mbs, ga, world_size = cfg.train.inner_updates, split.micro, cfg.train.grad_accum, accelerator.num_processes
+    batch, tokens, answer, prompt, seeds = r.batch, r.tokens, r.answer, r.batch.prompt, r.seeds
+    steps = [(n, u, a) for n in range(1, mu + 1) for u in range(split.updates) for a in range(ga)]
+    if max_micro_steps is not None and len(steps) > max_micro_steps:
+        steps = steps[:max_micro_steps - 1] + steps[-1:]
+    first, pass_n, update, perm, rows, denom = True, None, None, None, None, None
+    with use_module(policy, tr.trained):  # the trained forwards through DDP's wrapper (no-op otherwise)
+        for n, u, a in steps:
+            rm_all = r.masks[n - 1]
+            if pass_n != n:  # a new inner update: its mask statistics and its shuffle
+                pass_n = n
+                m.add("mask_frac", rm_all.masked.any(0).float(), answer.bool())
+                m.add("prompt_masked_frac", rm_all.masked.any(0).float(), prompt)
+                perm = torch.randperm(len(tokens), generator=torch.Generator().manual_seed(mix_seed(cfg.seed, it, 4, n)))
+            if update != (n, u):  # a new optimizer update
+                update = (n, u)
+                rows = perm[u * mbs * ga:(u + 1) * mbs * ga]
+                loss_tokens = rm_all.loss_mask[rows] & keep[rows, None] & is_keep[rows]
+                # fixed per optimizer update, over every process's part of it: 1 x 8 == 8 x 1 == 2 processes x 4
+                denom = update_tokens(accelerator, int(loss_tokens.sum()), world_size)
+            idx = rows[a * mbs:(a + 1) * mbs]
+            sub = batch.select(idx)
+            rm = remask(cfg, tokens[idx], answer[idx], prompt[idx], seeds[idx], n, r.coupled_t[n - 1], policy.mask_id)
+            lm = rm.loss_mask & keep[idx, None] & is_keep[idx]
+            with grad_sync(accelerator, tr.trained, tr.fsdp is not None, a == ga - 1):
+                logp = token_logp(cfg, policy, tokens[idx], rm, sub.cond)
+                if first and cfg.train.ratio_check:  # on-policy: same weights, same mask -> ratio 1
+                    on = rm.loss_mask  # [b, L]; 0 - 0 outside it (a micro-batch may have no loss token)
+                    m.add("first_step_max_abs_log_ratio", torch.tensor(check_ratio(  # all stop together
+                        torch.where(on, logp, 0.0), torch.where(on, r.logp_old[n - 1, idx], 0.0),
+                        cfg.train.ratio_tol, lambda x: process_max(accelerator, x))))
+                first = False
+                pg, pm = ppo_clip_loss(logp, r.logp_old[n - 1, idx], advantages[idx], cfg.train.clip_low,
+                                       cfg.train.clip_high)
+                loss = (pg * is_weight[idx] * lm).sum() / denom
+                if r.logp_ref is not None:
+                    kl = k3_kl(logp, r.logp_ref[n - 1, idx])
+                    loss = loss + cfg.train.kl_beta * (kl * lm).sum() / denom
+                    m.add("kl", kl, lm)
+                accelerator.backward(loss)
+            m.add("policy_loss", pg, lm)
+            for name in ("ratio", "approx_kl", "clip_high", "clip_low"):
+                m.add(name, pm[name], lm)
+            if a == ga - 1:
+                norm = clip_and_step(tr.optimizer, tr.params, cfg.train.max_grad_norm,
+                                     clip_sharded_grad_norm_ if tr.fsdp is not None else None)
+                if norm is not None:
+                    m.add("grad_norm", norm)
 
 
 def save_samples(world, policy, path: Path, main: bool) -> None:

@@ -3,6 +3,8 @@
     difrl plan configs/flux_flow_grpo.yaml train.lora.enabled=false train.grad_accum=24 train.kl_beta=0.04 \\
         --gpus 8 --gpu-memory 80 --json plan.json          # FLUX.1-dev full fine-tune on 8 x 80 GiB: does it fit?
     difrl plan configs/wan_dance_grpo.yaml --gpus 1 --arch wan2.1-t2v-14b
+    difrl plan configs/text_arithmetic.yaml model.path=/models/LLaDA-8B-Instruct model.gen_length=64 \
+        sampler.block_length=32 sampler.steps=32 --gpus 1 8 16 --gpu-memory 80 --json plan.json   # LLaDA-8B full
 
 How. One process plays rank 0 of N: a fake process group (torch.testing._internal.distributed.fake_pg: collectives
 return at once with correctly shaped outputs) and FakeTensorMode (tensors carry shape, dtype and device, no storage),
@@ -31,8 +33,17 @@ encoders and VAE, the rollout copy. Collectives are counted with their bytes as 
 reward models (run on the same GPU: add their size), the evaluation, the checkpoint writes, CUDA's caching allocator
 and workspaces (fragmentation: keep headroom, `FIT_MARGIN`), NCCL buffers, and kernels' internal scratch.
 
+The masked trainer (difrl.train.masked; a MaskedConfig, model.kind=hf_masked) is planned the same way by
+`plan_masked`: LLaDA-8B's shapes (difrl/assets/arch/llada-8b) when model.path is a placeholder, and its own setup
+(masked.setup_training), rollout (the configured sampler over the process's samples, every step's forward, inside
+masked_plan.rollout_forwards) and update (masked.old_log_probs, masked.policy_update with its first and last
+micro-steps). The sampler's and the update's host bookkeeping runs on the host (simulation's mode.host()); the values
+a sampler draws are zeros there (not simulated: LLaDA's and MDLM's forward counts do not depend on them; EB-Sampler's
+do, and is refused).
+
 The simulated device is the CPU (fake tensors need no driver; FSDP2 on a fake CUDA device would), so everything the
-trainer puts on `accelerator.device` counts as device memory; nothing is on the host in a simulated run.
+trainer puts on `accelerator.device` counts as device memory; nothing is on the host in a simulated run, except the
+masked trainer's host bookkeeping ([B, L] masks, tokens, confidences: kilobytes, counted all the same).
 """
 
 from __future__ import annotations
@@ -190,24 +201,26 @@ def plan_flow(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str | N
             total_micro = cfg.train.inner_epochs * -(-len(batch) // micro.records)
             collectives.scale("update", total_micro / ran)
     seconds = time.perf_counter() - t0
-    row = plan_row(cfg, config_name, arch_name, gpus, gpu_memory_gib, memory, collectives, micro, per_proc, seconds)
+    row = plan_row(cfg, config_name, arch_name, gpus, gpu_memory_gib, memory, collectives, micro.transitions, per_proc,
+                   seconds)
     row["rollout_gather"] = "copy" if on_copy else gather
     if on_copy:
         row["not_simulated"].append("the proximal recompute of copy rollouts (no-grad forwards of the trained network)")
     return row
 
 
-def plan_row(cfg, config_name: str, arch_name: str, gpus: int, gpu_memory_gib, memory: Memory, collectives: Collectives, micro,
-             per_proc: int, seconds: float) -> dict:
+def plan_row(cfg, config_name: str, arch_name: str, gpus: int, gpu_memory_gib, memory: Memory, collectives: Collectives,
+             micro_batch: int, per_proc: int, seconds: float) -> dict:
     """The JSON row: identity of the run, the peak phase's categories at top level, every phase's peak."""
     phases = memory.phases
     loop = [p for p in ("sync", "rollout", "update") if p in phases]  # the iteration's phases (sync: a rollout copy)
     worst = max(loop, key=lambda p: phases[p]["peak_gib"])
     row = {"config": config_name, "arch": arch_name, "gpus": gpus, "gpu_memory_gib": gpu_memory_gib,
            "method": "full" if not cfg.train.lora.enabled else f"lora r{cfg.train.lora.rank}",
-           "model_dtype": cfg.model.dtype, "grad_accum": cfg.train.grad_accum, "micro_batch": micro.transitions,
-           "samples_per_gpu": per_proc, "kl_reference": cfg.train.kl_beta > 0, "ema": cfg.train.ema_decay > 0,
-           "rollout_precision": cfg.rollout.precision,
+           "model_dtype": cfg.model.dtype, "grad_accum": cfg.train.grad_accum, "micro_batch": micro_batch,
+           "samples_per_gpu": per_proc, "kl_reference": cfg.train.kl_beta > 0,
+           "ema": getattr(cfg.train, "ema_decay", 0.0) > 0,
+           "rollout_precision": getattr(cfg.rollout, "precision", "fp32"),
            "peak_phase": worst, "peak_gib": phases[worst]["peak_gib"], "setup_peak_gib": phases["setup"]["peak_gib"],
            **{f"{p}_peak_gib": phases[p]["peak_gib"] for p in loop}}
     row.update({k: v for k, v in phases[worst].items() if k != "peak_gib"})
@@ -242,10 +255,19 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plan_run(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str | None = None, config_name: str = "") -> dict:
+    """The row of the trainer the config's model.kind names: plan_masked for a MaskedConfig, plan_flow otherwise."""
+    from difrl.train.masked_config import MaskedConfig
+    from difrl.train.masked_planner import plan_masked
+
+    run = plan_masked if isinstance(cfg, MaskedConfig) else plan_flow
+    return run(cfg, gpus, gpu_memory_gib, arch, config_name=config_name)
+
+
 def main(args: argparse.Namespace, load_config) -> int:
     """`difrl plan CONFIG [key=value ...] --gpus N [--gpu-memory GiB] [--arch NAME] [--json PATH]`."""
     cfg = load_config(args.config, args.overrides)
-    rows = [plan_flow(cfg, n, args.gpu_memory, args.arch, config_name=args.config) for n in args.gpus]
+    rows = [plan_run(cfg, n, args.gpu_memory, args.arch, config_name=args.config) for n in args.gpus]
     print(format_rows(rows))
     for r in rows:
         if r["fits"] is not None:
@@ -261,13 +283,13 @@ def main(args: argparse.Namespace, load_config) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="a flow config (YAML); model.path may be a placeholder: the family's reference "
-                                  "architecture is simulated")
+    p.add_argument("config", help="a flow or masked (hf_masked) config (YAML); model.path may be a placeholder: the "
+                                  "family's reference architecture is simulated (LLaDA-8B for hf_masked)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, as for difrl train")
     p.add_argument("--gpus", type=int, nargs="+", default=[1], help="processes (GPUs) to simulate; several: one row each")
     p.add_argument("--gpu-memory", type=float, default=None, help="GiB per GPU for the verdict (e.g. 80, 141)")
     p.add_argument("--arch", default=None, help="a shipped architecture (difrl/assets/arch/) instead of the family's "
-                                                "reference checkpoint")
+                                                "reference checkpoint (llada-8b for a masked config)")
     p.add_argument("--json", default=None, help="write the rows to this file as a JSON list")
 
 

@@ -65,9 +65,19 @@ def simulated_device():
     the same), and everything that touches a fake tensor, or makes a new one from nothing (parameters,
     activations), is fake. A value the trainer reads from the simulated device itself (a loss, a norm) still raises
     DataDependentOutputException: the simulation keeps such reads out (plan_config turns off the ratio check), or
-    reads zeros where a check only reads flags (`zero_reads`: the rollout copy's sync)."""
+    reads zeros where a check only reads flags (`zero_reads`: the rollout copy's sync).
+
+    `mode.host()` marks host code whose bookkeeping is made from nothing (the masked samplers' plans, confidences
+    and records, the re-masks: torch.arange / full / zeros of [B, L]); `mode.device()` inside it marks the device
+    code again (a network forward, a backward, an optimizer step). In host code a tensor made from nothing is real;
+    a real tensor written with simulated values (a sampler records the tokens and confidences it drew) gets zeros
+    there, the stand-in for values the simulation does not have; and a real boolean mask indexing a simulated
+    tensor is read on the host (its count is the host's, not the device's). Outside host() nothing changes."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
     from torch.utils import _pytree as pytree
+
+    def real(t):
+        return isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and type(t) in (torch.Tensor, nn.Parameter)
 
     class HostAwareFakeMode(FakeTensorMode):
         reads_zero = False  # inside `zero_reads()`: a value read from the simulated device reads as 0 / False
@@ -81,6 +91,8 @@ def simulated_device():
                 yield
             finally:
                 self.reads_zero = False
+        on_host = False
+        inner = 0  # > 0: inside a simulated op (its decomposition's own factories are the device's)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if self.reads_zero and func is torch.ops.aten._local_scalar_dense.default:
@@ -88,14 +100,41 @@ def simulated_device():
                 return False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0
             flat = [a for a in pytree.tree_leaves((args, kwargs or {})) if isinstance(a, torch.Tensor)]
             host_random = not flat and (kwargs or {}).get("generator") is not None  # seeded host draws: permutations
-            if host_random or (flat and not any(isinstance(a, FakeTensor) for a in flat)
-                               and all(type(a) in (torch.Tensor, nn.Parameter) for a in flat)):
+            if host_random or (flat and not any(isinstance(a, FakeTensor) for a in flat) and all(map(real, flat))) \
+                    or (self.on_host and not flat and not self.inner):  # host code's bookkeeping made from nothing
                 with unset_fake_temporarily():
                     return func(*args, **(kwargs or {}))
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            if self.on_host and func._schema.is_mutable and args and real(args[0]):  # a host record of device values
+                with unset_fake_temporarily():
+                    zeros = lambda t: torch.zeros(t.shape, dtype=t.dtype) if isinstance(t, FakeTensor) else t  # noqa: E731
+                    return func(*pytree.tree_map(zeros, args), **pytree.tree_map(zeros, kwargs or {}))
+            if self.on_host and func is torch.ops.aten.index.Tensor and any(
+                    real(i) and i.dtype == torch.bool for i in args[1] if i is not None):
+                with unset_fake_temporarily():  # a host mask's positions, read on the host
+                    idx = [i for j in args[1] for i in ((j.nonzero(as_tuple=True)) if real(j) and j.dtype == torch.bool
+                                                        else (j,))]
+                args = (args[0], idx)
+            self.inner += 1
+            try:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self.inner -= 1
+
+        @contextlib.contextmanager
+        def _code(self, on_host: bool):
+            saved, self.on_host = self.on_host, on_host
+            try:
+                yield
+            finally:
+                self.on_host = saved
+
+        def host(self):
+            return self._code(True)
+
+        def device(self):
+            return self._code(False)
 
     return HostAwareFakeMode(allow_non_fake_inputs=True)
-
 
 
 @contextlib.contextmanager

@@ -242,8 +242,9 @@ def evaluate_text(policy, layout: TextLayout, problems: list[dict], task: str, s
 
 
 # ----------------------------------------------------------------------------- the world
-def masked_world(cfg) -> MaskedWorld:
-    """The MaskedWorld of model.kind=hf_masked: cfg.model.{path, task, problems, gen_length, ...}."""
+def masked_world(cfg, policy=None) -> MaskedWorld:
+    """The MaskedWorld of model.kind=hf_masked: cfg.model.{path, task, problems, gen_length, ...}; `policy`: this one
+    instead of model.path's (difrl plan: an architecture built on fake tensors)."""
     m = cfg.model
     train = load_problems(m.problems or bundled_problems(m.task, "train"), m.task)
     test = load_problems(cfg.eval.problems or bundled_problems(m.task, "test"), m.task)[: cfg.eval.count]
@@ -252,7 +253,7 @@ def masked_world(cfg) -> MaskedWorld:
         return load_text_policy(path or m.path, base=m.path, trust_remote_code=m.trust_remote_code, dtype=m.dtype,
                                 gradient_checkpointing=m.gradient_checkpointing, mask_id=m.mask_id)
 
-    policy = load_policy(None)
+    policy = load_policy(None) if policy is None else policy
     layout = TextLayout(policy, m.gen_length, prompt_width(policy, train + test, m.chat_template), m.chat_template)
     layout.answer_ids(train + test)  # an answer that cannot fit gen_length stops here, not mid-run
 
