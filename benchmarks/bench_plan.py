@@ -1,6 +1,6 @@
 """Real-size runs simulated by `difrl plan`: per-GPU peak memory by phase and category, collectives, verdicts.
 
-    python benchmarks/bench_plan.py [--quick] [--json PATH] [--no-write]
+    python benchmarks/bench_plan.py [--quick] [--json PATH] [--no-write] [--jobs N]
 
 Each row is `difrl plan` (difrl/train/planner.py) of a published recipe config at the size of the family's reference
 checkpoint (FLUX.1-dev, SD3.5-Large, Wan 2.1 T2V 14B, LLaDA-8B: difrl/assets/arch/), at 1, 8 and 16 GPUs: the
@@ -18,7 +18,9 @@ or the iteration's) is at most 90% of the GPU (`difrl.train.planner.FIT_MARGIN`)
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -31,18 +33,22 @@ VERDICTS = (80, 141)  # H100 80 GB, H200 141 GB
 # README's LLaDA-8B command (model.path a placeholder: the planner builds difrl/assets/arch/llada-8b)
 LLADA = ["model.path=/models/LLaDA-8B-Instruct", "model.gen_length=64", "sampler.block_length=32", "sampler.steps=32"]
 # name, config, overrides, the samples-per-update numerator: grad_accum = numerator // gpus (the config header's
-# formula); None: the config keeps its updates on any number of GPUs (masked: train.micro_batch=auto)
+# formula); None: the config keeps its updates on any number of GPUs (masked: train.micro_batch=auto); a fifth
+# item: the GPU counts of a variant (default GPUS)
 CASES = [
+    ("FLUX.1-dev full, EMA + KL ref, micro-batch 15, no grad. checkpointing", "configs/flux_flow_grpo.yaml",
+     ["train.lora.enabled=false", "train.kl_beta=0.04", "model.gradient_checkpointing=false"], 192),
     ("FLUX.1-dev full, EMA + KL ref, micro-batch 15", "configs/flux_flow_grpo.yaml",
      ["train.lora.enabled=false", "train.kl_beta=0.04"], 192),
-    ("FLUX.1-dev full, EMA + KL ref, micro-batch 15, grad. checkpointing", "configs/flux_flow_grpo.yaml",
-     ["train.lora.enabled=false", "train.kl_beta=0.04", "model.gradient_checkpointing=true"], 192),
+    ("FLUX.1-dev full, EMA + KL ref, micro-batch 15, rollouts gathered per forward", "configs/flux_flow_grpo.yaml",
+     ["train.lora.enabled=false", "train.kl_beta=0.04", "rollout.fsdp_gather=per_forward"], 192, (8,)),
+    ("FLUX.1-dev full, EMA + KL ref, micro-batch 15, fp8 rollout copy", "configs/flux_flow_grpo.yaml",
+     ["train.lora.enabled=false", "train.kl_beta=0.04", "rollout.precision=fp8"], 192, (8,)),
     ("FLUX.1-dev LoRA r32, EMA", "configs/flux_flow_grpo.yaml", [], 192),
-    ("SD3.5-Large full, EMA + KL ref, micro-batch 81, grad. checkpointing", "configs/sd3_flow_grpo.yaml",
-     ["train.lora.enabled=false", "model.gradient_checkpointing=true"], 64),
+    ("SD3.5-Large full, EMA + KL ref, micro-batch 81", "configs/sd3_flow_grpo.yaml", ["train.lora.enabled=false"], 64),
+    ("SD3.5-Large LoRA r32, micro-batch 81", "configs/sd3_flow_grpo.yaml", [], 64),
     ("Wan 2.1 14B LoRA r32", "configs/wan_dance_grpo.yaml", [], 192),
-    ("Wan 2.1 14B full, grad. checkpointing", "configs/wan_dance_grpo.yaml",
-     ["train.lora.enabled=false", "model.gradient_checkpointing=true"], 192),
+    ("Wan 2.1 14B full", "configs/wan_dance_grpo.yaml", ["train.lora.enabled=false"], 192),
     ("LLaDA-8B full, 64-token answers, 32 sampler steps", "configs/text_arithmetic.yaml",
      [*LLADA, "train.lora.enabled=false"], None),
     ("LLaDA-8B LoRA r16, 64-token answers, 32 sampler steps", "configs/text_arithmetic.yaml",
@@ -51,12 +57,12 @@ CASES = [
 
 
 def run_case(name: str, config: str, overrides: list[str], numerator: int, gpus: int) -> dict:
-    from difrl.train.planner import plan_run
+    from difrl.train.plan_command import plan_run
     from difrl.train.recipes import load_train_config
 
     over = [*overrides, *([f"train.grad_accum={numerator // gpus}"] if numerator is not None else [])]
     cfg = load_train_config(ROOT / config, over)
-    row = plan_run(cfg, gpus, None, config_name=config)
+    row = plan_run(cfg, gpus, VERDICTS[0], config_name=config)  # rollout.fsdp_gather=auto decides for an 80 GiB GPU
     from difrl.train.planner import FIT_MARGIN
 
     row.update({"case": name, "overrides": over, "verdicts_gib": list(VERDICTS), "fit_margin_percent": 100 * FIT_MARGIN})
@@ -80,11 +86,14 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def collectives_table(rows: list[dict]) -> list[str]:
-    lines = ["| run | GPUs | rollout collectives (GiB received) | update collectives (GiB) |", "|---|---|---|---|"]
+    lines = ["| run | GPUs | rollout gathers | copy sync (GiB) | rollout (GiB) | update (GiB) | iteration (GiB) |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["gpus"] > 1:
-            lines.append(f"| {r['case']} | {r['gpus']} | {r['rollout_collectives']:,} ({r['rollout_collective_gib']:,.0f}) "
-                         f"| {r['update_collectives']:,} ({r['update_collective_gib']:,.0f}) |")
+            c = lambda p: (f"{r[p + '_collectives']:,} ({r[p + '_collective_gib']:,.1f})"  # noqa: E731
+                           if p + "_collectives" in r else "-")
+            lines.append(f"| {r['case']} | {r['gpus']} | {r.get('rollout_gather', 'once')} | {c('sync')} | {c('rollout')} "
+                         f"| {c('update')} | {c('iteration')} |")
     return lines
 
 
@@ -95,6 +104,16 @@ def sentences(rows: list[dict]) -> list[str]:
         fits = [r["gpus"] for r in rows if r["case"] == case and r["fits_80"]]
         out.append(f"- {case}: " + (f"fits 80 GiB per GPU from {min(fits)} GPU(s) on (of {', '.join(map(str, GPUS))})"
                                     if fits else "fits 80 GiB per GPU at none of the simulated GPU counts") + ".")
+    by = {(r["case"], r["gpus"]): r for r in rows}
+    for n in sorted({r["gpus"] for r in rows if r["gpus"] > 1}):
+        once, per = (by.get((f"FLUX.1-dev full, EMA + KL ref, micro-batch 15{tail}", n))
+                     for tail in ("", ", rollouts gathered per forward"))
+        if once and per and once.get("rollout_gather") == "once":
+            out.append(f"- FLUX.1-dev full fine-tuning on {n} GPUs: gathering every block once per rollout makes "
+                       f"{once['rollout_collectives']:,} rollout all-gathers ({once['rollout_collective_gib']:,.0f} GiB) "
+                       f"where gathering before each forward makes {per['rollout_collectives']:,} "
+                       f"({per['rollout_collective_gib']:,.0f} GiB); rollout peak {once['rollout_peak_gib']:.1f} GiB "
+                       f"against {per['rollout_peak_gib']:.1f}.")
     setup_above = [f"{r['case']} on {r['gpus']}" for r in rows if r["setup_peak_gib"] > r["peak_gib"]]
     out.append("- Setup's peak is above the iteration's in: " + (", ".join(setup_above) if setup_above else "no row") + ".")
     return out
@@ -103,23 +122,31 @@ def sentences(rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     standard_args(ap, "FLUX.1-dev and LLaDA-8B, LoRA and full fine-tuning, on 8 GPUs only")
+    ap.add_argument("--jobs", type=int, default=1, help="plans run at once, each in its own process")
     args = ap.parse_args(argv)
-    cases = ([c for c in CASES if c[0].startswith(("FLUX", "LLaDA")) and "checkpointing" not in c[0]] if args.quick
-             else CASES)
+    quick = ("FLUX.1-dev full, EMA + KL ref, micro-batch 15", "FLUX.1-dev LoRA r32, EMA")
+    cases = [c for c in CASES if c[0] in quick or c[0].startswith("LLaDA")] if args.quick else CASES
     gpus = (8,) if args.quick else GPUS
-    rows = []
-    for name, config, overrides, numerator in cases:
-        for n in gpus:
-            print(f"bench_plan: {name} on {n} GPU(s) ...", flush=True)
-            rows.append(run_case(name, config, overrides, numerator, n))
+    runs = [(name, config, overrides, numerator, n) for name, config, overrides, numerator, *own in cases
+            for n in (gpus if args.quick else (own[0] if own else gpus))]
+    # each plan in a process of its own (a fresh simulated cluster), --jobs at a time: byte counts, no timings
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(run_case, *r) for r in runs]
+        rows = []
+        for r, f in zip(runs, futures):
+            rows.append(f.result())
+            print(f"bench_plan: {r[0]} on {r[4]} GPU(s): peak {rows[-1]['peak_gib']:.1f} GiB", flush=True)
     lines = ["Simulated on this CPU by `difrl plan` (fake tensors, a fake process group of N ranks, the trainer's own "
              "setup and iteration phases), never measured on a GPU. Per GPU, GiB; the categories are those of the "
              "peak phase (params: this GPU's shards, + those gathered at the peak: FSDP units in a forward or backward, "
              "the whole network while the masked trainer samples). Not simulated: reward models, evaluation, checkpoint writes, CUDA allocator and context, "
              f"NCCL buffers; a plan fits when its peak is at most {rows[0]['fit_margin_percent']:.0f}% of the GPU.", "", *table(rows), "",
-             "Collectives per iteration on the simulated rank (FSDP2: every unit all-gathered at every forward and "
-             "backward; the rollout's forward batches and the update's micro-steps beyond the simulated ones counted "
-             "as repeats of them):", "", *collectives_table(rows), "", *sentences(rows)]
+             "Collectives per iteration on the simulated rank, count (GiB of their largest buffers: an all-gather's "
+             "output, a reduce-scatter's input). FSDP2 gathers every unit at every forward and backward of the update; "
+             "the rollout gathers every unit once or before each forward (`rollout.fsdp_gather`, auto: once when the "
+             "gathered network fits half of an 80 GiB GPU's free memory); a rollout copy is synced with one all-gather "
+             "per unit; the rollout's forward batches and the update's micro-steps beyond the simulated ones are "
+             "counted as repeats of them:", "", *collectives_table(rows), "", *sentences(rows)]
     publish(args, BEGIN, END, "Real size, simulated: difrl plan", "bench_plan.py", argv, lines, rows)
 
 

@@ -450,7 +450,7 @@ def cmd_config(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from difrl.train.planner import main as plan_main
+    from difrl.train.plan_command import main as plan_main
 
     return plan_main(args, _load)
 
@@ -556,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_export)
     p = sub.add_parser("plan", help="simulate a flow or masked config at real size on N GPUs (fake tensors, a fake process group, "
                                     "the trainer's own code): memory per GPU by phase and category, collectives, a verdict")
-    from difrl.train.planner import add_arguments as plan_arguments
+    from difrl.train.plan_command import add_arguments as plan_arguments
 
     plan_arguments(p)
     p.set_defaults(fn=cmd_plan)

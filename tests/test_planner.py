@@ -377,7 +377,7 @@ def test_plan_of_the_masked_trainer_has_every_category_and_fits(tmp_path):
     import argparse
 
     from difrl.cli import _load
-    from difrl.train.planner import main
+    from difrl.train.plan_command import main
 
     out = tmp_path / "plan.json"
     args = argparse.Namespace(config=str(ROOT / "configs" / "text_arithmetic.yaml"), overrides=TINY_MASKED, gpus=[2],
