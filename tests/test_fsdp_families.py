@@ -73,8 +73,11 @@ def runs(pipes, tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp_families")
     cases = [(kind, mode) for kind in FAMILIES for mode in MODES]
     out = {c: (root / f"{c[0]}-{c[1]}-one", root / f"{c[0]}-{c[1]}-two") for c in [*cases, ("sd3", "bf16")]}
-    plan = [{"kind": kind, "argv": [*args(kind, mode, pipes[kind]), "train.grad_accum=1", "--out", str(out[kind, mode][1])]}
-            for kind, mode in cases]
+    # the launches' rollouts gather every block once (rollout.fsdp_gather=auto on CPU processes), Wan's full fine-tune
+    # before each forward (FSDP's own schedule): both must equal one process
+    per_forward = {("wan", "full"): ["rollout.fsdp_gather=per_forward"]}
+    plan = [{"kind": kind, "argv": [*args(kind, mode, pipes[kind]), *per_forward.get((kind, mode), []), "train.grad_accum=1",
+                                    "--out", str(out[kind, mode][1])]} for kind, mode in cases]
     plan.append({"kind": "sd3", "argv": [*args("sd3", "full", pipes["sd3"]), "model.dtype=bf16", "train.iterations=2",
                                          "train.grad_accum=1", "--out", str(out["sd3", "bf16"][1])]})
     log = run(2, [str(ROOT / "tests" / "many_runs.py")], [json.dumps(plan)], root / "unused")  # --out: ignored
@@ -185,3 +188,11 @@ def test_the_timestep_reaches_the_embedding_in_fp32_under_fsdp_bf16(pipes):
                     assert seen["t"].dtype == torch.bfloat16 and float(seen["t"]) == 736.0, (kind, seen["t"])
     finally:
         dist.destroy_process_group()
+
+
+def test_the_launch_rolled_out_with_both_gather_schedules(runs):
+    # rollout.fsdp_gather: the equality above holds for rollouts gathered once (auto on CPU processes) and before each
+    # forward (Wan's full fine-tune); the trainer says which at start
+    _, log = runs
+    assert "FSDP rollouts gather every block once per rollout (rollout.fsdp_gather=auto)" in log
+    assert "FSDP rollouts gather every block before each forward (rollout.fsdp_gather=per_forward)" in log
