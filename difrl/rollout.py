@@ -67,6 +67,9 @@ class Rollout:
     log_prob_old: torch.Tensor  # [B, T]
     mean_old: torch.Tensor  # [B, T, *latent]
     extras: dict = field(default_factory=dict)
+    # [B] long or None: row b's conditioning is cond's row cond_rows[b] (per_transition: a sample's T transitions share
+    # its conditioning, which is held once, not T times); select() materialises the selected rows' own
+    cond_rows: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -90,7 +93,9 @@ class Rollout:
         return replace(
             self, prompts=[self.prompts[i] for i in host.tolist()], prompt_ids=pick(self.prompt_ids),
             group_ids=pick(self.group_ids), seeds=pick(self.seeds), init_seeds=pick(self.init_seeds),
-            cond={k: pick(v) for k, v in self.cond.items()}, x_final=pick(self.x_final), step=pick(self.step),
+            cond=(cond_select(self.cond, pick(self.cond_rows)) if self.cond_rows is not None
+                  else {k: pick(v) for k, v in self.cond.items()}), cond_rows=None,
+            x_final=pick(self.x_final), step=pick(self.step),
             x=pick(self.x), x_next=pick(self.x_next), sigma=pick(self.sigma), sigma_next=pick(self.sigma_next),
             log_prob_old=pick(self.log_prob_old), mean_old=pick(self.mean_old), extras=extras,
         )
@@ -99,7 +104,9 @@ class Rollout:
 def per_transition(batch: Rollout) -> Rollout:
     """Each of the B*T stored transitions of `batch` as a record of its own: a Rollout of B*T rows with T = 1,
     sample-major (row b*T + t is sample b's t-th transition). Per-sample fields are repeated, per-transition
-    ``extras`` ([B, T, ...]) reshaped. The trainer uses it when train.micro_batch (transitions per forward /
+    ``extras`` ([B, T, ...]) reshaped; the conditioning is held once per sample (``cond_rows`` maps each row to its
+    sample's: a video model's text embeddings, T times over, were tens of GiB for Wan 14B on one GPU, difrl plan), and
+    a selection of rows (a micro-batch) gets its own. The trainer uses it when train.micro_batch (transitions per forward /
     backward) is not a multiple of a sample's T, so a micro-batch may hold part of a sample (Flow-GRPO's own
     loop trains one timestep of several samples per backward)."""
     B, T = batch.step.shape
@@ -111,9 +118,14 @@ def per_transition(batch: Rollout) -> Rollout:
     return Rollout(
         prompts=[p for p in batch.prompts for _ in range(T)], prompt_ids=rep(batch.prompt_ids),
         group_ids=rep(batch.group_ids), seeds=rep(batch.seeds), init_seeds=rep(batch.init_seeds),
-        cond=cond_repeat(batch.cond, T), x_final=rep(batch.x_final), step=one(batch.step), x=one(batch.x),
+        cond=batch.cond, cond_rows=torch.arange(B, device=_cond_device(batch.cond)).repeat_interleave(T),
+        x_final=rep(batch.x_final), step=one(batch.step), x=one(batch.x),
         x_next=one(batch.x_next), sigma=one(batch.sigma), sigma_next=one(batch.sigma_next),
         log_prob_old=one(batch.log_prob_old), mean_old=one(batch.mean_old), extras=extras)
+
+
+def _cond_device(cond: Cond) -> torch.device:
+    return next((v.device for v in cond.values() if torch.is_tensor(v)), torch.device("cpu"))
 
 
 def chunk_slices(n: int, chunks: int) -> list[slice]:

@@ -115,7 +115,13 @@ def test_per_transition_records_are_the_samples_steps_in_order():
             torch.testing.assert_close(flat.x[r, 0], batch.x[b, t], rtol=0, atol=0)
             torch.testing.assert_close(flat.log_prob_old[r, 0], batch.log_prob_old[b, t], rtol=0, atol=0)
             torch.testing.assert_close(flat.extras["log_prob_rollout"][r, 0], batch.log_prob_old[b, t] + 1, rtol=0, atol=0)
-            torch.testing.assert_close(flat.cond["label"][r], batch.cond["label"][b], rtol=0, atol=0)
+            torch.testing.assert_close(flat.select(torch.tensor([r])).cond["label"][0], batch.cond["label"][b],
+                                       rtol=0, atol=0)
+    # the conditioning is held once per sample (a video model's text embeddings, T times over, were tens of GiB),
+    # and a micro-batch of rows gets its rows' own
+    assert all(flat.cond[k] is batch.cond[k] for k in batch.cond)
+    sub = flat.select(torch.tensor([5, 0, 3]))
+    assert sub.cond_rows is None and torch.equal(sub.cond["label"], batch.cond["label"][torch.tensor([1, 0, 1])])
 
 
 def test_metrics_masked_sums_without_a_sync_equal_the_exact_cpu_path(monkeypatch):
