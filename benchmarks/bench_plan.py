@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 GPUS = (1, 8, 16)
 VERDICTS = (80, 141)  # H100 80 GB, H200 141 GB
 # README's LLaDA-8B command (model.path a placeholder: the planner builds difrl/assets/arch/llada-8b)
+GC = "model.gradient_checkpointing=true"  # configs/flux_flow_grpo.yaml sets it; the SD3 / Wan configs (sized for the
+# smaller SD3.5-Medium and Wan 1.3B) do not
 LLADA = ["model.path=/models/LLaDA-8B-Instruct", "model.gen_length=64", "sampler.block_length=32", "sampler.steps=32"]
 # name, config, overrides, the samples-per-update numerator: grad_accum = numerator // gpus (the config header's
 # formula); None: the config keeps its updates on any number of GPUs (masked: train.micro_batch=auto); a fifth
@@ -45,10 +47,15 @@ CASES = [
     ("FLUX.1-dev full, EMA + KL ref, micro-batch 15, fp8 rollout copy", "configs/flux_flow_grpo.yaml",
      ["train.lora.enabled=false", "train.kl_beta=0.04", "rollout.precision=fp8"], 192, (8,)),
     ("FLUX.1-dev LoRA r32, EMA", "configs/flux_flow_grpo.yaml", [], 192),
-    ("SD3.5-Large full, EMA + KL ref, micro-batch 81", "configs/sd3_flow_grpo.yaml", ["train.lora.enabled=false"], 64),
-    ("SD3.5-Large LoRA r32, micro-batch 81", "configs/sd3_flow_grpo.yaml", [], 64),
-    ("Wan 2.1 14B LoRA r32", "configs/wan_dance_grpo.yaml", [], 192),
-    ("Wan 2.1 14B full", "configs/wan_dance_grpo.yaml", ["train.lora.enabled=false"], 192),
+    ("SD3.5-Large full, EMA + KL ref, micro-batch 81, grad. checkpointing", "configs/sd3_flow_grpo.yaml",
+     ["train.lora.enabled=false", GC], 64),
+    ("SD3.5-Large LoRA r32, micro-batch 81, grad. checkpointing", "configs/sd3_flow_grpo.yaml", [GC], 64),
+    ("SD3.5-Large LoRA r32, micro-batch 27, grad. checkpointing", "configs/sd3_flow_grpo.yaml",
+     [GC, "train.micro_batch=27"], 192),
+    ("Wan 2.1 14B LoRA r32, micro-batch 9, grad. checkpointing", "configs/wan_dance_grpo.yaml", [GC], 192),
+    ("Wan 2.1 14B LoRA r32, micro-batch 3, grad. checkpointing", "configs/wan_dance_grpo.yaml",
+     [GC, "train.micro_batch=3"], 576),
+    ("Wan 2.1 14B full, grad. checkpointing", "configs/wan_dance_grpo.yaml", ["train.lora.enabled=false", GC], 192),
     ("LLaDA-8B full, 64-token answers, 32 sampler steps", "configs/text_arithmetic.yaml",
      [*LLADA, "train.lora.enabled=false"], None),
     ("LLaDA-8B LoRA r16, 64-token answers, 32 sampler steps", "configs/text_arithmetic.yaml",
