@@ -38,6 +38,7 @@ from difrl.rollout import cat_rollouts, chunk_slices, per_transition, rollout
 from difrl.solrl import candidate_pool, rank_agreement
 from difrl.train.config import FlowConfig
 from difrl.train.flow_plan import plan, step_masks
+from difrl.train.iteration import close_iteration
 from difrl.train.matching_objectives import (MATCHING_OBJECTIVES, matching_micro_loss, needs_old, needs_reference,
                                              old_decay, prepare_update, trained_sigmas)
 from difrl.train.objectives import dppo_micro_loss, grpo_micro_loss, nft_micro_loss, proximal_correction
@@ -48,7 +49,7 @@ from difrl.train.reward_stage import (across_processes, build_rewards, probe_bat
 from difrl.train.metrics import Metrics, pooled_std
 from difrl.train.precision import refuse_fp16, trained_network
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, claim_run_dir, clip_and_step,  # noqa: F401
-                                  cores_available, fmt_eval, make_optimizer, progress, record_eval, reference_policy,
+                                  cores_available, fmt_eval, make_optimizer, record_eval, reference_policy,
                                   save_policy)
 from difrl.train.rollout_copy import RolloutCopy, build_rollout_copy, sync_rollout_copy  # noqa: F401
 from difrl.train.sharded_step import clip_sharded_grad_norm_, grad_sync, take_fsdp_branches
@@ -260,24 +261,10 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
         }
         row["ratio_std"] = pooled_std(upd["ratio_per_step"])
         row.pop("ratio", None)
-        if cfg.eval.every and (it + 1) % cfg.eval.every == 0 and it + 1 < cfg.train.iterations:
-            t_eval = time.perf_counter()
-            run.state["last_eval"] = ev = evaluate(world, policy, ema, cfg, run, "eval", it + 1)
-            row.update({f"eval/{k}": v for k, v in ev.items() if isinstance(v, (int, float))})
-            row["seconds_eval"] = time.perf_counter() - t_eval
-            stopped = should_stop(cfg, ev, run.state)
-        row["seconds"] = time.perf_counter() - t_iter
-        run.log(row)
-        done = it + 1
-        progress(bar, row["reward_mean"], run.state["last_eval"], world.headline)
-
-        # ==================================================================== checkpoint
-        if stopped or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
-            run.checkpoint(done)
-        if stopped:
-            accelerator.print(f"difrl: stopping after iteration {done}: {stopped}")
-            break
-        if run.interrupted():  # a signal during the update: stop after this iteration
+        # ==================================================================== checkpoint (and evaluation, stop)
+        done, stopped, stop = close_iteration(cfg, run, row, it, t_iter, bar, world, policy, ema, evaluate, should_stop,
+                                              accelerator.print)
+        if stop:
             break
     bar.close()
 

@@ -21,7 +21,8 @@ import torch
 from difrl.rewards.grad import score_with_grad
 from difrl.rollout_grad import refl_predict, rollout_last_k
 from difrl.train.metrics import Metrics
-from difrl.train.scaffold import clip_and_step, progress
+from difrl.train.iteration import close_iteration
+from difrl.train.scaffold import clip_and_step
 from difrl.train.sharded_step import clip_sharded_grad_norm_, grad_sync
 from difrl.utils.rng import mix_seed
 
@@ -116,20 +117,9 @@ def reward_backprop_loop(cfg, world, policy, tr, accelerator, run, bar, rewards:
         row = {"iteration": it + 1, "reward_mean": upd.pop("reward"), **upd, "loss": upd["policy_loss"],
                "trained_samples": per_proc * accelerator.num_processes, "lr": tr.optimizer.param_groups[0]["lr"]}
         row["seconds_update"] = time.perf_counter() - t_iter
-        if cfg.eval.every and (it + 1) % cfg.eval.every == 0 and it + 1 < cfg.train.iterations:
-            run.state["last_eval"] = ev = evaluate(world, policy, tr.ema, cfg, run, "eval", it + 1)
-            row.update({f"eval/{key}": v for key, v in ev.items() if isinstance(v, (int, float))})
-            stopped = should_stop(cfg, ev, run.state)
-        row["seconds"] = time.perf_counter() - t_iter
-        run.log(row)
-        done = it + 1
-        progress(bar, row["reward_mean"], run.state["last_eval"], world.headline)
-        if stopped or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
-            run.checkpoint(done)
-        if stopped:
-            accelerator.print(f"difrl: stopping after iteration {done}: {stopped}")
-            break
-        if run.interrupted():
+        done, stopped, stop = close_iteration(cfg, run, row, it, t_iter, bar, world, policy, tr.ema, evaluate,
+                                              should_stop, accelerator.print)
+        if stop:
             break
     return done, stopped
 
