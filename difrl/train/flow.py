@@ -225,13 +225,8 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
         m = Metrics(cfg.sampler.num_steps)
         for name, value in (correction.diagnostics.items() if correction is not None else ()):
             m.add(f"correct/{name}", value)
-        T_rec = T  # transitions per record: a sample's T, or 1 (tree edges, and samples split into transitions)
-        if micro.split_samples:  # train.micro_batch is not a multiple of T: every transition is a record of its own
-            batch, T_rec = per_transition(batch), 1
-            advantages, keep = advantages.repeat_interleave(T), keep.repeat_interleave(T)
-            if correction is not None:
-                correction = Correction(correction.weights.reshape(-1, 1), correction.keep.reshape(-1, 1),
-                                        correction.diagnostics)
+        # records: the samples, or each transition one (train.micro_batch not a multiple of T); T_rec transitions each
+        batch, advantages, keep, correction, T_rec = training_records(batch, advantages, keep, correction, micro, T)
         policy_update(cfg, policy, trainee, accelerator, batch, advantages, keep, correction, T_rec, micro, it, m,
                       train_sigmas)
         if old is not None:  # DiffusionNFT / AWM's EMA: old <- d old + (1 - d) new, d = min(rate * iteration, max)
@@ -296,6 +291,18 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
 
 
 # ---------------------------------------------------------------------------------- pieces of the loop
+
+
+def training_records(batch, advantages: torch.Tensor, keep: torch.Tensor, correction, micro, T: int):
+    """The update's records: the samples (T transitions each; tree edges: 1), or, with micro.split_samples
+    (train.micro_batch not a multiple of T), every transition a record of its own (per_transition) with its sample's
+    advantage and keep and its own IS weight. Returns (batch, advantages, keep, correction, T_rec: transitions per
+    record). difrl plan calls it as the trainer does."""
+    if not micro.split_samples:
+        return batch, advantages, keep, correction, T
+    if correction is not None:
+        correction = Correction(correction.weights.reshape(-1, 1), correction.keep.reshape(-1, 1), correction.diagnostics)
+    return per_transition(batch), advantages.repeat_interleave(T), keep.repeat_interleave(T), correction, 1
 
 
 @dataclass

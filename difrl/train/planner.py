@@ -104,7 +104,7 @@ def plan_flow(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str | N
 
     from difrl.models.adapters import arch_flow_policy
     from difrl.rollout import cat_rollouts, rollout
-    from difrl.train.flow import policy_update, setup_training
+    from difrl.train.flow import policy_update, setup_training, training_records
     from difrl.train.rollout_copy import sync_rollout_copy
     from difrl.train.unit_gather import rollout_gather, units_gathered
     from difrl.train.flow_plan import plan, step_masks
@@ -192,7 +192,8 @@ def plan_flow(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str | N
             with unset_fake_temporarily():
                 advantages, keep = torch.zeros(len(batch)), torch.ones(len(batch), dtype=torch.bool)
             train_sigmas = trained_sigmas(cfg, sigmas)  # NFT's / AWM's / DPO's / DGPO's re-noising sigmas
-            policy_update(cfg, policy, trainee, accelerator, batch, advantages, keep, None, T, micro, 0,
+            batch, advantages, keep, _, T_rec = training_records(batch, advantages, keep, None, micro, T)
+            policy_update(cfg, policy, trainee, accelerator, batch, advantages, keep, None, T_rec, micro, 0,
                           DeviceMetrics(cfg.sampler.num_steps), train_sigmas, max_micro_steps=micro_steps)
             memory.record("update", tracker, names, resident)
             ran = min(micro_steps, cfg.train.inner_epochs * -(-len(batch) // micro.records))
