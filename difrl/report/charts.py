@@ -93,9 +93,9 @@ def svg_lines(series: list[Series], name: str, x_label: str = "iteration", width
     ystep, xstep = yt[1] - yt[0] if len(yt) > 1 else 1.0, xt[1] - xt[0] if len(xt) > 1 else 1.0
     over = "iterations" if x_label == "iteration" else x_label
     extra = f' data-x="{esc(x_label)}" data-runs="{len(series)}"' if many else ""
-    parts = [f'<svg class="chart" data-series="{esc(name)}" data-points="{len(xs_all)}"{extra} '
-             f'viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img" '
-             f'aria-label="{esc(name)} over {esc(over)}">', f"<title>{esc(name)}</title>"]
+    parts = [(f'<svg class="chart" data-series="{esc(name)}" data-points="{len(xs_all)}"{extra} '
+              f'viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img" '
+              f'aria-label="{esc(name)} over {esc(over)}">'), f"<title>{esc(name)}</title>"]
     for t in yt:
         parts.append(f'<line class="grid" x1="{L}" x2="{L + pw}" y1="{py(t):.1f}" y2="{py(t):.1f}"/>'
                      f'<text x="{L - 4}" y="{py(t) + 3:.1f}" text-anchor="end">{esc(_tick_label(t, ystep))}</text>')

@@ -245,10 +245,10 @@ def build_report(run_dir: str | Path) -> str:
     return page(f"difrl report: {run_dir.resolve().name}", body)
 
 
-def page(title: str, body: list[str]) -> str:
-    """The self-contained HTML document around `body`'s parts (empty ones skipped): the report's and difrl
-    compare's."""
+def page(title: str, body: list[str], css: str = "") -> str:
+    """The self-contained HTML document around `body`'s parts (empty ones skipped), styled by CSS and `css`:
+    the report's and difrl compare's."""
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-            f"<title>{esc(title)}</title><style>{CSS}</style></head>\n<body>\n"
+            f"<title>{esc(title)}</title><style>{CSS}{css}</style></head>\n<body>\n"
             + "\n".join(b for b in body if b) + "\n</body></html>\n")
