@@ -6,6 +6,7 @@
     difrl eval runs/digits                                         # a finished run's policy (appended to eval.json)
     difrl eval configs/text_arithmetic.yaml --checkpoint runs/text_arithmetic/policy.safetensors
     difrl config [configs/digits.yaml] [key=value ...]            # every key (or the resolved config)
+    difrl compare runs/a runs/b [...] [--out compare.html]        # runs' curves overlaid, final evals + seed spread
     difrl export runs/flux [--iteration N] [--out DIR]            # a (sharded) checkpoint as transformer/, lora/, ...
     difrl sample configs/digits.yaml --search dts-star --budget 160 [--prompt "a handwritten 3"] [--grid g.png]
     difrl sample runs/digits --grid g.png                          # a finished run's policy (any world)
@@ -548,6 +549,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("report", help="write RUN_DIR/report.html: config, curves, eval table, samples (self-contained)")
     p.add_argument("run_dir", help="a run directory")
     p.set_defaults(fn=cmd_report)
+    p = sub.add_parser("compare", help="write one HTML page comparing runs: curves overlaid (iterations and seconds), "
+                                       "final evaluations with each config's seed spread")
+    from difrl.report.compare_page import add_arguments as compare_arguments
+    from difrl.report.compare_page import main as cmd_compare
+
+    compare_arguments(p)
+    p.set_defaults(fn=cmd_compare)
     p = sub.add_parser("export", help="write a run's checkpoint (sharded or gathered) as the plain final weights: "
                                       "transformer/, lora/ or policy.safetensors (one process)")
     p.add_argument("run_dir", help="a run directory")

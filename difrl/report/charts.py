@@ -64,14 +64,23 @@ def _tick_label(v: float, step: float) -> str:
 
 def svg_chart(s: Series, width: int = 420, height: int = 200) -> str:
     """One series as an inline SVG line chart (axes, ticks, optional band and markers with hover titles)."""
+    return svg_lines([s], s.name, "iteration", width, height)
+
+
+def svg_lines(series: list[Series], name: str, x_label: str = "iteration", width: int = 420, height: int = 200) -> str:
+    """Series on shared axes as one inline SVG line chart (`difrl compare` overlays runs; one series is
+    svg_chart). Each line keeps its color, its dash (Series.dash) and, with several series, its name in the
+    hover titles and in the polyline's data-run attribute."""
     L, R, T, B = 58, 12, 10, 28
-    ys_all = list(s.ys) + (list(s.band[0]) + list(s.band[1]) if s.band else [])
+    many = len(series) > 1
+    ys_all = [y for s in series for y in [*s.ys, *(s.band[0] + s.band[1] if s.band else [])]]
+    xs_all = [x for s in series for x in s.xs]
     y0, y1, yt = _ticks(min(ys_all), max(ys_all), 4)
-    xlo, xhi = min(s.xs), max(s.xs)
+    xlo, xhi = min(xs_all), max(xs_all)
     if xhi == xlo:
         xlo, xhi = xlo - 1, xhi + 1
     x0, x1, xt = _ticks(xlo, xhi, 5)
-    if all(float(x).is_integer() for x in s.xs):
+    if all(float(x).is_integer() for x in xs_all):
         xt = [t for t in xt if float(t).is_integer()]
     pw, ph = width - L - R, height - T - B
 
@@ -82,9 +91,11 @@ def svg_chart(s: Series, width: int = 420, height: int = 200) -> str:
         return T + (y1 - y) / (y1 - y0) * ph
 
     ystep, xstep = yt[1] - yt[0] if len(yt) > 1 else 1.0, xt[1] - xt[0] if len(xt) > 1 else 1.0
-    parts = [f'<svg class="chart" data-series="{esc(s.name)}" data-points="{len(s.xs)}" viewBox="0 0 {width} {height}" '
-             f'width="{width}" height="{height}" role="img" aria-label="{esc(s.name)} over iterations">',
-             f"<title>{esc(s.name)}</title>"]
+    over = "iterations" if x_label == "iteration" else x_label
+    extra = f' data-x="{esc(x_label)}" data-runs="{len(series)}"' if many else ""
+    parts = [(f'<svg class="chart" data-series="{esc(name)}" data-points="{len(xs_all)}"{extra} '
+              f'viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img" '
+              f'aria-label="{esc(name)} over {esc(over)}">'), f"<title>{esc(name)}</title>"]
     for t in yt:
         parts.append(f'<line class="grid" x1="{L}" x2="{L + pw}" y1="{py(t):.1f}" y2="{py(t):.1f}"/>'
                      f'<text x="{L - 4}" y="{py(t) + 3:.1f}" text-anchor="end">{esc(_tick_label(t, ystep))}</text>')
@@ -93,18 +104,23 @@ def svg_chart(s: Series, width: int = 420, height: int = 200) -> str:
                      f'<text x="{px(t):.1f}" y="{T + ph + 15}" text-anchor="middle">{esc(_tick_label(t, xstep))}</text>')
     parts.append(f'<line class="axis" x1="{L}" x2="{L + pw}" y1="{T + ph}" y2="{T + ph}"/>'
                  f'<line class="axis" x1="{L}" x2="{L}" y1="{T}" y2="{T + ph}"/>'
-                 f'<text x="{L + pw}" y="{height - 2}" text-anchor="end">iteration</text>')
-    if s.band:
-        up = [f"{px(x):.1f},{py(y):.1f}" for x, y in zip(s.xs, s.band[1])]
-        down = [f"{px(x):.1f},{py(y):.1f}" for x, y in zip(reversed(s.xs), reversed(s.band[0]))]
-        parts.append(f'<polygon class="band" fill="{s.color}" points="{" ".join(up + down)}"/>')
-    pts = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(s.xs, s.ys))
-    parts.append(f'<polyline class="line" stroke="{s.color}" points="{pts}"/>')
-    if s.markers or len(s.xs) <= 60:
-        r = 3.5 if s.markers else 2
-        for x, y in zip(s.xs, s.ys):
-            parts.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="{r}" fill="{s.color}">'
-                         f"<title>iteration {esc(fmt(x))}: {esc(fmt(y))}</title></circle>")
+                 f'<text x="{L + pw}" y="{height - 2}" text-anchor="end">{esc(x_label)}</text>')
+    for s in series:
+        if s.band:
+            up = [f"{px(x):.1f},{py(y):.1f}" for x, y in zip(s.xs, s.band[1])]
+            down = [f"{px(x):.1f},{py(y):.1f}" for x, y in zip(reversed(s.xs), reversed(s.band[0]))]
+            parts.append(f'<polygon class="band" fill="{s.color}" points="{" ".join(up + down)}"/>')
+    for s in series:
+        pts = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(s.xs, s.ys))
+        run = f' data-run="{esc(s.name)}"' if many else ""
+        dash = f' stroke-dasharray="{s.dash}"' if s.dash else ""
+        parts.append(f'<polyline class="line" stroke="{s.color}"{dash}{run} points="{pts}"/>')
+        if s.markers or len(s.xs) <= 60:
+            r = 3.5 if s.markers else 2
+            who = f"{s.name}, " if many else ""
+            for x, y in zip(s.xs, s.ys):
+                parts.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="{r}" fill="{s.color}">'
+                             f"<title>{esc(who)}{esc(x_label)} {esc(fmt(x))}: {esc(fmt(y))}</title></circle>")
     parts.append("</svg>")
     return "".join(parts)
 

@@ -153,6 +153,7 @@ class Series:
     color: str
     band: tuple[list[float], list[float]] | None = None  # (low, high) per point
     markers: bool = False
+    dash: str = ""  # an SVG stroke-dasharray ("" = solid): difrl compare's seeds of one config share a color
 
 
 def reward_series(rows: list[dict]) -> list[Series]:

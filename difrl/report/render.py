@@ -55,7 +55,7 @@ img.pixel{image-rendering:pixelated}
 # ---------------------------------------------------------------------------------- tables
 
 
-def _cell(v, tag: str | None = None) -> str:
+def cell(v, tag: str | None = None) -> str:
     t = f' data-tag="{esc(tag)}"' if tag else ""
     if is_num(v):
         raw = repr(float(v)) if isinstance(v, float) else str(v)
@@ -82,8 +82,8 @@ def before_after_table(data: RunData) -> str:
         if is_num(bv) and is_num(av) and bv != av:
             d = av - bv
             change = f'<td class="num">{"+" if d > 0 else ""}{esc(fmt(d))}</td>'
-        bcell = _cell(bv, "before") if before is not None else "<td></td>"
-        acell = _cell(av, "after") if after is not None else "<td></td>"
+        bcell = cell(bv, "before") if before is not None else "<td></td>"
+        acell = cell(av, "after") if after is not None else "<td></td>"
         out.append(f'<tr data-key="{esc(k)}"{cls}><td>{esc(k)}</td>{bcell}{acell}{change}</tr>')
     out.append("</tbody></table>")
     if after is None:
@@ -106,8 +106,8 @@ def evals_table(data: RunData) -> str:
     for r in rows:
         prov = "; ".join(f"{k}: {r[k] if isinstance(r[k], str) else json.dumps(r[k])}" for k in other if k in r)
         out.append(f'<tr data-tag="{esc(r.get("tag", ""))}" data-iteration="{esc(r.get("iteration", ""))}">'
-                   f"<td>{esc(r.get('tag', ''))}</td>{_cell(r.get('iteration'))}"
-                   + "".join(_cell(r.get(k), k) for k in numeric)
+                   f"<td>{esc(r.get('tag', ''))}</td>{cell(r.get('iteration'))}"
+                   + "".join(cell(r.get(k), k) for k in numeric)
                    + (f'<td class="small">{esc(prov)}</td>' if other else "") + "</tr>")
     out.append("</tbody></table></div>")
     return "".join(out)
@@ -242,7 +242,13 @@ def build_report(run_dir: str | Path) -> str:
         body.insert(2, '<div class="missing" id="missing"><b>Not here:</b><ul>'
                     + "".join(f"<li>{esc(m)}</li>" for m in data.missing) + "</ul></div>")
 
+    return page(f"difrl report: {run_dir.resolve().name}", body)
+
+
+def page(title: str, body: list[str], css: str = "") -> str:
+    """The self-contained HTML document around `body`'s parts (empty ones skipped), styled by CSS and `css`:
+    the report's and difrl compare's."""
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-            f"<title>difrl report: {esc(run_dir.resolve().name)}</title><style>{CSS}</style></head>\n<body>\n"
+            f"<title>{esc(title)}</title><style>{CSS}{css}</style></head>\n<body>\n"
             + "\n".join(b for b in body if b) + "\n</body></html>\n")
