@@ -89,7 +89,8 @@ def check_pipeline_dir(path: str | Path, cls: type[DiffusersFlowPolicy]) -> Path
         raise ValueError(f"{index_file} is not valid JSON: {e}") from None
     found = index.get("_class_name")
     if found not in cls.accepted_classes:
-        hint = next((f"; that is kind {c.kind!r}" for c in _families() if found in c.accepted_classes), "")
+        kinds = [repr(c.kind) for c in _families() if found in c.accepted_classes]
+        hint = f"; that is kind {' or '.join(kinds)}" if kinds else ""
         raise ModelKindError(f"{path} holds a {found} (model_index.json _class_name), not a {cls.pipeline_class} "
                              f"as kind {kind!r} needs{hint}")
     for comp in cls.required_components:
@@ -103,14 +104,10 @@ def check_pipeline_dir(path: str | Path, cls: type[DiffusersFlowPolicy]) -> Path
 
 
 def _families() -> list[type[DiffusersFlowPolicy]]:
-    """Every adapter class defined so far (the family files subclass DiffusersFlowPolicy; difrl.models.adapters
-    imports them all), found without importing the table, which imports this file."""
-    out, todo = [], list(DiffusersFlowPolicy.__subclasses__())
-    while todo:
-        c = todo.pop(0)
-        out.append(c)
-        todo += c.__subclasses__()
-    return [c for c in out if c.kind]
+    """Every adapter class of the table (difrl.models.adapters.ADAPTERS, which imports this file: imported here)."""
+    from difrl.models.adapters import ADAPTERS
+
+    return list(ADAPTERS.values())
 
 
 def present_targets(module: nn.Module, candidates: tuple[str, ...]) -> list[str]:

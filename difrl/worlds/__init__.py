@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from difrl.models.adapters import ADAPTERS, HOW_TO_ADD, model_kinds  # the table only: diffusers loads with a model
+from difrl.models.adapters import BUILTIN_ADAPTERS, HOW_TO_ADD, model_kinds  # the table only: diffusers loads later
 from difrl.samplers.schedules import sigma_schedule
 
 
@@ -71,7 +71,7 @@ def _flow(kind: str) -> Callable[..., World]:
 FLOW_FILES: dict[str, str] = {"digits": "digits", "moving_digits": "moving_digits"}
 # one entry per built-in diffusers adapter (difrl/models/adapters.py); flow_kinds() adds the families registered
 # later (@register_model, the difrl.models entry points), which build_world and the configs accept too
-WORLDS: dict[str, Callable[..., World]] = {kind: _flow(kind) for kind in (*FLOW_FILES, *ADAPTERS)}
+WORLDS: dict[str, Callable[..., World]] = {kind: _flow(kind) for kind in (*FLOW_FILES, *BUILTIN_ADAPTERS)}
 FLOW_KINDS: tuple[str, ...] = tuple(WORLDS)  # the built-in model.kind values the flow trainer runs
 
 
