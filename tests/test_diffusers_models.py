@@ -363,6 +363,18 @@ def test_quant_preset_skips_name_modules_of_the_transformer(kind, policies):
     assert [s for s in preset["skip"] if not any(s in n for n in names)] == []
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_block_classes_are_the_transformers_repeated_unsplittable_blocks(kind, policies):
+    """FSDP2 shards the transformer by `block_classes` (difrl.train.sharding; none found: it raises) and
+    model.compile compiles them: each must name blocks of the transformer, repeated, that diffusers declares
+    unsplittable (_no_split_modules)."""
+    policy = policies(kind)
+    transformer = policy.pipe.transformer
+    assert policy.block_classes and set(policy.block_classes) <= set(type(transformer)._no_split_modules)
+    counts = {c: sum(type(m).__name__ == c for m in transformer.modules()) for c in policy.block_classes}
+    assert sum(counts.values()) >= 2 and all(counts.values()), counts
+
+
 def test_wan_rollout_copy_with_no_layer_skipped(policies, tiny_dirs):
     # rollout.quant_skip=[] quantizes Wan's time embedder too (quant_min_dim=0: at this size every layer is small);
     # diffusers' WanTimeTextImageEmbedding reads its dtype as next(time_embedder.parameters()).dtype, which a
