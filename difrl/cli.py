@@ -192,9 +192,9 @@ def cmd_eval(args) -> int:
 def _diffusers(kind: str) -> bool:
     """A diffusers model kind (its trained weights are a run's lora/ or transformer/), not a bundled world (whose
     trained policy is one policy.safetensors file)."""
-    from difrl.models.adapters import ADAPTERS
+    from difrl.models.adapters import model_kinds
 
-    return kind in ADAPTERS
+    return kind in model_kinds()  # a registered family's too (an entry point's name: nothing imported)
 
 
 def _trained_weights(run: Path | None, checkpoint: str | None, kind: str) -> Path | None:

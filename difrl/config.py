@@ -37,7 +37,7 @@ import os
 import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Union
 
 import yaml
@@ -64,13 +64,15 @@ def config_error(key: str | None, message: str) -> ConfigError:
 
 
 def cfg_field(default: Any = MISSING, *, default_factory: Any = MISSING, help: str = "",
-              choices: Sequence[Any] | None = None, ge: float | None = None,
-              gt: float | None = None, le: float | None = None, lt: float | None = None) -> Any:
-    """A dataclass field carrying help text, allowed choices and numeric bounds."""
+              choices: Sequence[Any] | Callable[[], Sequence[Any]] | None = None, choices_hint: str = "",
+              ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None) -> Any:
+    """A dataclass field carrying help text, allowed choices and numeric bounds. `choices` may be a function returning
+    them, asked each time a value is checked (a table that plug-ins extend: model.kind); `choices_hint` ends the error
+    for a value not among them (how to add one)."""
     if isinstance(default, (list, dict, set)):  # mutable default: copy per instance
         default_factory, default = (lambda d=default: copy.deepcopy(d)), MISSING
-    meta = {"help": help, "choices": tuple(choices) if choices is not None else None,
-            "ge": ge, "gt": gt, "le": le, "lt": lt}
+    meta = {"help": help, "choices": choices if callable(choices) or choices is None else tuple(choices),
+            "choices_hint": choices_hint, "ge": ge, "gt": gt, "le": le, "lt": lt}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=meta)
 
 
@@ -226,6 +228,12 @@ def _convert(tp: Any, value: Any, key: str, ctx: _Ctx, base: Any = None) -> Any:
     raise _type_error(ctx, key, value, tp)
 
 
+def _choices(meta) -> tuple | None:
+    """A field's allowed values now (cfg_field's `choices`, called when it is a function), or None."""
+    choices = meta.get("choices")
+    return tuple(choices()) if callable(choices) else choices
+
+
 def _check_meta(f: dataclasses.Field, value: Any, key: str, ctx: _Ctx) -> None:
     meta = f.metadata
     if isinstance(value, (list, tuple)):
@@ -237,9 +245,10 @@ def _check_meta(f: dataclasses.Field, value: Any, key: str, ctx: _Ctx) -> None:
     for k, v in items:
         if v is None:
             continue
-        if meta.get("choices") is not None and v not in meta["choices"]:
+        choices = _choices(meta)
+        if choices is not None and v not in choices:
             raise _err(ctx, k, f"= {_show(v)} is not an allowed choice; expected one of "
-                               + ", ".join(map(repr, meta["choices"])))
+                               + ", ".join(map(repr, choices)) + (f"; {h}" if (h := meta.get("choices_hint")) else ""))
         for name, sym, ok in (("ge", ">=", lambda a, b: a >= b), ("gt", ">", lambda a, b: a > b),
                               ("le", "<=", lambda a, b: a <= b), ("lt", "<", lambda a, b: a < b)):
             if meta.get(name) is not None and isinstance(v, (int, float)) and not ok(v, meta[name]):
@@ -378,12 +387,12 @@ def load_config(cls: type, path: str | os.PathLike | None, overrides: Sequence[s
 
 
 def load_config_union(classes: Mapping[str, type], key: str, path: str | os.PathLike | None,
-                      overrides: Sequence[str] = ()) -> Any:
+                      overrides: Sequence[str] = (), note: str = "") -> Any:
     """One of several config classes, chosen by the value of the dotted ``key`` (YAML file, then the last
     override of it; absent: the first class's default for it): a discriminated union such as
     ``{"digits": FlowConfig, "sudoku": MaskedConfig}`` keyed by ``model.kind``. An unknown value is a
-    ConfigError naming the key, where it came from and the allowed values; then the chosen class is
-    loaded with :func:`load_config` (which checks every other key)."""
+    ConfigError naming the key, where it came from and the allowed values (then `note`: how to add one); then the
+    chosen class is loaded with :func:`load_config` (which checks every other key)."""
     tree = _read_yaml(path) if path is not None else {}
     parts, value, source = key.split("."), MISSING, f"in {os.fspath(path)}" if path is not None else "no config file"
     node: Any = tree
@@ -401,7 +410,7 @@ def load_config_union(classes: Mapping[str, type], key: str, path: str | os.Path
         close = difflib.get_close_matches(str(value), list(classes), n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ConfigError(f"config key {key!r} ({source}) = {_show(value)} is not an allowed choice; {hint}expected one of "
-                          + ", ".join(map(repr, classes)), key, _located=True)
+                          + ", ".join(map(repr, classes)) + (f"; {note}" if note else ""), key, _located=True)
     return load_config(classes[value], path, overrides)
 
 
@@ -445,8 +454,8 @@ def describe_config(cls: type) -> str:
                 walk(tp, key, dflt if isinstance(dflt, tp) else None)
                 continue
             notes = [f.metadata.get("help") or ""]
-            if f.metadata.get("choices") is not None:
-                notes.append("one of: " + ", ".join(map(str, f.metadata["choices"])))
+            if _choices(f.metadata) is not None:
+                notes.append("one of: " + ", ".join(map(str, _choices(f.metadata))))
             for m, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
                 if f.metadata.get(m) is not None:
                     notes.append(f"{sym} {f.metadata[m]}")

@@ -16,13 +16,12 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from difrl.models.adapters import ADAPTERS  # noqa: E402
-from difrl.models.adapters import make_tiny_pipeline  # noqa: E402
+from difrl.models.adapters import make_tiny_pipeline, model_kinds  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kind", choices=tuple(ADAPTERS))
+    ap.add_argument("kind", choices=model_kinds())  # a registered family's too (an entry point: imported when built)
     ap.add_argument("out_dir")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     args = ap.parse_args(argv)

@@ -1,11 +1,17 @@
-"""The diffusers adapters (FLUX.1, SD3, Wan 2.1) on tiny random pipelines saved to disk and loaded back.
+"""Every diffusers adapter of the table on its tiny random pipeline saved to disk and loaded back.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_diffusers_models.py -q
+    HF_HUB_OFFLINE=1 python -m pytest tests/test_diffusers_models.py -q -k example      # one family
 
-For each model: loading through the path and the errors for bad directories; the ODE rollout
-equals the diffusers pipeline's own output (same seeds, sigmas, guidance); ratio 1 when a
-stored SDE transition is re-scored; LoRA trains only LoRA parameters and round-trips through
-the diffusers LoRA format; a LoRA from another model kind is refused.
+The kinds are difrl.models.adapters.ADAPTERS: the built-in families (FLUX.1, SD3, Wan 2.1) and those registered
+with @register_model, here tests/model_plugins.py's "example" (a family from outside difrl, every check below at
+the cost of the SD3 ones: a few seconds). What a family's checks need is read from its class (pipeline_class,
+model_options); a guidance pair and a latent shape written down here are the built-ins' (a registered family uses
+(1, 4) and its pipeline's own latent shape). For each model: loading through the path and the errors for bad
+directories; the ODE rollout equals the diffusers pipeline's own output (same seeds, sigmas, guidance); ratio 1
+when a stored SDE transition is re-scored; LoRA trains only LoRA parameters and round-trips through the diffusers
+LoRA format; a LoRA from another model kind is refused; bf16 gives fp32 velocities; the quantization preset names
+modules of the transformer; the NFE count is the rows the transformer sees.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 peft = pytest.importorskip("peft")
 
+import model_plugins  # noqa: E402,F401  (tests/ is on sys.path: registers the "example" family)
 from difrl.models.base import FlowPolicy  # noqa: E402
-from difrl.models.adapters import ADAPTERS, load_flow_policy  # noqa: E402
+from difrl.models.adapters import ADAPTERS, BUILTIN_ADAPTERS, load_flow_policy  # noqa: E402
 from difrl.models.diffusers_base import ModelKindError, PipelineDirError, check_pipeline_dir  # noqa: E402
 from difrl.models.lora_io import LORA_MARKER, load_lora, save_lora  # noqa: E402
 from difrl.models.adapters import make_tiny_pipeline  # noqa: E402
@@ -29,21 +36,46 @@ from difrl.rollout import INIT_STEP, rollout, sample_noise  # noqa: E402
 from difrl.samplers.kernels import KERNELS  # noqa: E402
 from difrl.samplers.schedules import fixed_window  # noqa: E402
 
-KINDS = ["flux", "sd3", "wan"]
+KINDS = list(ADAPTERS)  # the built-in families and every registered one
 SIZE = dict(height=32, width=32)
 FRAMES = 5
 TEXT_LEN = 16  # max_sequence_length for T5 / UMT5 (the real defaults, 256-512, only cost time here)
 PROMPTS = ["a photo of a cat", "a red dog"]
 SEEDS = torch.tensor([11, 12])
 N_STEPS = 3
-# guidance off / on for each model; Flux's value is the embedded distilled guidance (one forward)
-GUIDANCE = {"flux": [1.0, 3.5], "sd3": [1.0, 4.0], "wan": [1.0, 4.0]}
-PIPELINE_CLASS = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline", "wan": "WanPipeline"}
+# guidance off / on for each model (default: true CFG's 1 and 4); Flux's value is the embedded distilled guidance
+GUIDANCE = {"flux": [1.0, 3.5]}
+# one sample's latent at 32x32 (Wan: 5 frames), see the family files' docstrings; another family: its pipeline's own
+LATENT_SHAPE = {"flux": (64, 16), "sd3": (4, 16, 16), "wan": (16, 2, 4, 4)}
 ATOL = 1e-5
 
 
+def guidances(kind: str) -> list[float]:
+    return GUIDANCE.get(kind, [1.0, 4.0])
+
+
+def video(kind: str) -> bool:
+    return "num_frames" in ADAPTERS[kind].model_options
+
+
 def policy_options(kind: str) -> dict:
-    return dict(SIZE, max_sequence_length=TEXT_LEN, **({"num_frames": FRAMES} if kind == "wan" else {}))
+    return dict(SIZE, max_sequence_length=TEXT_LEN, **({"num_frames": FRAMES} if video(kind) else {}))
+
+
+def dead_lora(policy) -> set[str]:
+    """LoRA targets that cannot train: an SD3-type MMDiT's last block is context-pre-only, so its context query
+    (attn.add_q_proj) feeds an output that is discarded and its LoRA has no gradient (true of the real SD3 / SD3.5
+    too); every other one trains."""
+    cfg = policy.transformer_config
+    if type(policy.pipe.transformer).__name__ == "SD3Transformer2DModel":
+        return {f"transformer_blocks.{cfg.num_layers - 1}.attn.add_q_proj"}
+    return set()
+
+
+def other_kind(kind: str) -> str:
+    """The next kind of the table whose pipeline class differs (its directories and LoRAs are another model's)."""
+    order = KINDS[KINDS.index(kind) + 1:] + KINDS[:KINDS.index(kind)]
+    return next(k for k in order if ADAPTERS[k].pipeline_class != ADAPTERS[kind].pipeline_class)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +106,7 @@ def policies(tiny_dirs):
 
 
 def fresh_pipe(kind, path):
-    pipe = getattr(diffusers, PIPELINE_CLASS[kind]).from_pretrained(str(path), local_files_only=True)
+    pipe = getattr(diffusers, ADAPTERS[kind].pipeline_class).from_pretrained(str(path), local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -83,9 +115,8 @@ def pipe_output(kind, pipe, latents, guidance, output_type, **extra):
     """The pipeline's own call on the same prompts, initial latents and number of steps."""
     kw = dict(SIZE, num_inference_steps=N_STEPS, guidance_scale=guidance, latents=latents.clone(),
               output_type=output_type, max_sequence_length=TEXT_LEN, **extra)
-    if kind == "wan":
-        out = pipe(PROMPTS, num_frames=FRAMES, **kw).frames
-        return out  # [B, F, C, H, W]: difrl's video layout too
+    if video(kind):
+        return pipe(PROMPTS, num_frames=FRAMES, **kw).frames  # [B, F, C, H, W]: difrl's video layout too
     return pipe(PROMPTS, **kw).images
 
 
@@ -95,17 +126,17 @@ def pipe_output(kind, pipe, latents, guidance, output_type, **extra):
 def test_loads_from_path_with_protocol_shapes(kind, policies):
     policy = policies(kind)
     assert isinstance(policy, FlowPolicy) and policy.kind == kind
-    expected = {"flux": (64, 16), "sd3": (4, 16, 16), "wan": (16, 2, 4, 4)}[kind]  # see the module docstring
-    assert tuple(policy.latent_shape) == expected
+    if kind in LATENT_SHAPE:  # a registered family's: test_ode_rollout_equals_pipeline checks it against the pipeline
+        assert tuple(policy.latent_shape) == LATENT_SHAPE[kind]
     assert policy.lora_target_modules and all(isinstance(t, str) for t in policy.lora_target_modules)
     cond = policy.encode(PROMPTS)
     assert all(v.shape[0] == 2 for v in cond.values())
     x = torch.randn(2, *policy.latent_shape)
-    v = policy.velocity(x, torch.tensor([0.9, 0.4]), cond, guidance=GUIDANCE[kind][1])
+    v = policy.velocity(x, torch.tensor([0.9, 0.4]), cond, guidance=guidances(kind)[1])
     assert v.dtype == torch.float32 and v.shape == x.shape and torch.isfinite(v).all()
     img = policy.decode(x)
     assert img.dtype == torch.float32 and 0 <= img.min() and img.max() <= 1
-    assert img.shape == ((2, FRAMES, 3, 32, 32) if kind == "wan" else (2, 3, 32, 32))
+    assert img.shape == ((2, FRAMES, 3, 32, 32) if video(kind) else (2, 3, 32, 32))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -128,13 +159,14 @@ def test_bad_directories_name_the_problem(kind, tiny_dirs, tmp_path):
         load_flow_policy(kind, no_transformer)
 
     # a directory of another model kind: model_index.json names another pipeline class
-    other = next(k for k in KINDS if k != kind)
+    other = other_kind(kind)
+    other_class = ADAPTERS[other].pipeline_class
     wrong = tmp_path / "wrong_kind"
     shutil.copytree(good, wrong)
     index = json.loads((wrong / "model_index.json").read_text())
-    index["_class_name"] = PIPELINE_CLASS[other]
+    index["_class_name"] = other_class
     (wrong / "model_index.json").write_text(json.dumps(index))
-    with pytest.raises(ModelKindError, match=rf"wrong_kind holds a {PIPELINE_CLASS[other]}.*kind '{other}'"):
+    with pytest.raises(ModelKindError, match=rf"wrong_kind holds a {other_class}.*that is kind .*'{other}'"):
         load_flow_policy(kind, wrong)
     assert check_pipeline_dir(good, ADAPTERS[kind]) == good
 
@@ -149,9 +181,10 @@ def test_ode_rollout_equals_pipeline(kind, policies):
     policy = policies(kind)
     sigmas = policy.sigma_schedule(N_STEPS)
     latents0 = sample_noise(SEEDS, INIT_STEP, tuple(policy.latent_shape))  # the rollout's initial noise
-    for guidance in GUIDANCE[kind]:
+    for guidance in guidances(kind):
         batch = rollout(policy, PROMPTS, SEEDS, sigmas, kernel="ode", guidance=guidance)
         lat = pipe_output(kind, policy.pipe, latents0, guidance, "latent")
+        assert lat.shape == batch.x_final.shape, (kind, lat.shape)  # latent_shape is the pipeline's latent
         # the helper gives the pipeline's schedule (Flux: dynamic shift mu from the sequence length)
         torch.testing.assert_close(policy.pipe.scheduler.sigmas.float().cpu(), sigmas, rtol=0, atol=0)
         assert (lat - batch.x_final).abs().max() < ATOL, (kind, guidance)
@@ -178,7 +211,7 @@ def test_bf16_model_returns_fp32_velocity(kind, tiny_dirs, policies):
     assert low.module.dtype == torch.bfloat16 and low.pipe.text_encoder.dtype == torch.bfloat16
     full = policies(kind)
     x = sample_noise(SEEDS, 0, tuple(full.latent_shape))
-    sigma, guidance = torch.tensor([0.9, 0.3]), GUIDANCE[kind][-1]
+    sigma, guidance = torch.tensor([0.9, 0.3]), guidances(kind)[-1]
     v_low = low.velocity(x, sigma, low.encode(PROMPTS), guidance)
     v_full = full.velocity(x, sigma, full.encode(PROMPTS), guidance)
     assert v_low.dtype == torch.float32
@@ -212,7 +245,7 @@ def test_rescored_sde_transitions_have_ratio_one(kind, policies):
     policy = policies(kind)
     sigmas = policy.sigma_schedule(N_STEPS)
     window = fixed_window(N_STEPS, 0, 2)
-    for guidance in GUIDANCE[kind]:
+    for guidance in guidances(kind):
         batch = rollout(policy, PROMPTS, SEEDS, sigmas, kernel="flow_sde", kernel_kwargs={"noise_level": 0.7},
                         sde_mask=window, train_mask=window, guidance=guidance)
         assert batch.log_prob_old.shape == (2, 2) and (batch.log_prob_old != 0).all()
@@ -249,7 +282,7 @@ def test_lora_trains_only_lora_and_round_trips(kind, tiny_dirs, policies, tmp_pa
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
     cond = policy.encode(PROMPTS)
     x = sample_noise(SEEDS, 0, tuple(policy.latent_shape))
-    guidance = GUIDANCE[kind][-1]
+    guidance = guidances(kind)[-1]
     for _ in range(2):  # B starts at 0, so A gets its first gradient in the second step
         loss = policy.velocity(x, torch.tensor([0.8, 0.5]), cond, guidance).pow(2).mean()
         opt.zero_grad()
@@ -258,9 +291,7 @@ def test_lora_trains_only_lora_and_round_trips(kind, tiny_dirs, policies, tmp_pa
     after = dict(net.named_parameters())
     unchanged = {k.split(".lora_")[0].removeprefix("base_model.model.") for k, v in lora.items()
                  if torch.equal(after[k], v)}
-    # SD3's last block is context-pre-only: its context query (attn.add_q_proj) feeds an output that is
-    # discarded, so its LoRA has no gradient (true of the real SD3 / SD3.5 too); every other one trains
-    assert unchanged == ({"transformer_blocks.1.attn.add_q_proj"} if kind == "sd3" else set()), unchanged
+    assert unchanged == dead_lora(policy), unchanged  # every LoRA trains but the structurally dead ones
     assert all(torch.equal(after[k], v) for k, v in base.items()), "a base parameter changed"
 
     lora_dir = save_lora(policy, tmp_path / "lora")
@@ -291,7 +322,7 @@ def test_lora_trains_only_lora_and_round_trips(kind, tiny_dirs, policies, tmp_pa
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_lora_from_another_kind_is_refused(kind, tiny_dirs, policies, tmp_path):
-    other = {"flux": "sd3", "sd3": "wan", "wan": "flux"}[kind]
+    other = other_kind(kind)
     source = load_flow_policy(other, tiny_dirs(other), **policy_options(other))
     _lora_wrap(source)
     lora_dir = save_lora(source, tmp_path / f"{other}_lora")
@@ -308,16 +339,18 @@ def test_lora_from_another_kind_is_refused(kind, tiny_dirs, policies, tmp_path):
         load_lora(target, tmp_path / "none")
 
 
-def test_adapter_table_is_plain_dict():
-    assert set(ADAPTERS) == set(KINDS)
+def test_the_kinds_are_the_table_with_the_registered_family():
+    assert {"flux", "sd3", "wan"} <= set(BUILTIN_ADAPTERS) and "example" not in BUILTIN_ADAPTERS
+    assert KINDS == list(ADAPTERS) and set(KINDS) >= set(BUILTIN_ADAPTERS) | {"example"}
 
 
 def test_every_adapter_is_a_flow_world():
-    from difrl.worlds import FLOW_KINDS, WORLDS
+    from difrl.worlds import FLOW_KINDS, WORLDS, flow_kinds
 
-    # the bundled worlds (digits, moving digits) and one world per diffusers adapter
+    # the bundled worlds (digits, moving digits) and one world per diffusers adapter, the registered ones too
     assert FLOW_KINDS == tuple(WORLDS) and FLOW_KINDS[0] == "digits"
-    assert set(FLOW_KINDS) == {"digits", "moving_digits"} | set(ADAPTERS)
+    assert set(FLOW_KINDS) == {"digits", "moving_digits"} | set(BUILTIN_ADAPTERS)
+    assert flow_kinds()[:2] == ("digits", "moving_digits") and set(flow_kinds()) >= set(FLOW_KINDS) | set(ADAPTERS)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -328,6 +361,18 @@ def test_quant_preset_skips_name_modules_of_the_transformer(kind, policies):
     assert set(preset) == {"skip", "min_dim"} and preset["skip"]
     names = [n for n, _ in policies(kind).module.named_modules()]
     assert [s for s in preset["skip"] if not any(s in n for n in names)] == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_block_classes_are_the_transformers_repeated_unsplittable_blocks(kind, policies):
+    """FSDP2 shards the transformer by `block_classes` (difrl.train.sharding; none found: it raises) and
+    model.compile compiles them: each must name blocks of the transformer, repeated, that diffusers declares
+    unsplittable (_no_split_modules)."""
+    policy = policies(kind)
+    transformer = policy.pipe.transformer
+    assert policy.block_classes and set(policy.block_classes) <= set(type(transformer)._no_split_modules)
+    counts = {c: sum(type(m).__name__ == c for m in transformer.modules()) for c in policy.block_classes}
+    assert sum(counts.values()) >= 2 and all(counts.values()), counts
 
 
 def test_wan_rollout_copy_with_no_layer_skipped(policies, tiny_dirs):
@@ -376,7 +421,8 @@ def test_forwards_per_step_counts_the_rows_the_transformer_sees(kind, tiny_dirs,
     policy = policies(kind)
     for guidance in (1.0, 3.5):
         assert forwards_per_step(policy, guidance) == rows_seen(policy, guidance), (kind, guidance)
-    assert forwards_per_step(policy, 3.5) == (1 if kind == "flux" else 2)
+    if kind in BUILTIN_ADAPTERS:
+        assert forwards_per_step(policy, 3.5) == (1 if kind == "flux" else 2)
     if kind == "flux":
         cfg = load_flow_policy("flux", tiny_dirs("flux"), true_cfg_scale=2.5, **policy_options("flux"))
         assert forwards_per_step(cfg, 3.5) == rows_seen(cfg, 3.5) == 2

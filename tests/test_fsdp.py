@@ -361,12 +361,14 @@ def test_settings_come_from_the_accelerate_config(monkeypatch):
 def test_block_classes_and_tied_weights():
     from torch import nn
 
-    from difrl.models.adapters import ADAPTERS
+    from difrl.models.adapters import BUILTIN_ADAPTERS
     from difrl.train.sharding import block_modules
 
     import diffusers
 
-    for kind, cls in ADAPTERS.items():  # each adapter names block classes its transformer declares as unsplittable
+    # each built-in adapter names block classes its transformer declares as unsplittable (every kind of the table,
+    # registered ones too: tests/test_diffusers_models.py::test_block_classes_are_the_transformers_repeated_...)
+    for kind, cls in BUILTIN_ADAPTERS.items():
         model_cls = {"flux": "FluxTransformer2DModel", "sd3": "SD3Transformer2DModel", "wan": "WanTransformer3DModel"}[kind]
         assert set(cls.block_classes) <= set(getattr(diffusers, model_cls)._no_split_modules), kind
 

@@ -89,7 +89,8 @@ def check_pipeline_dir(path: str | Path, cls: type[DiffusersFlowPolicy]) -> Path
         raise ValueError(f"{index_file} is not valid JSON: {e}") from None
     found = index.get("_class_name")
     if found not in cls.accepted_classes:
-        hint = next((f"; that is kind {c.kind!r}" for c in _families() if found in c.accepted_classes), "")
+        kinds = list(dict.fromkeys(repr(c.kind) for c in _families() if found in c.accepted_classes))
+        hint = f"; that is kind {' or '.join(kinds)}" if kinds else ""
         raise ModelKindError(f"{path} holds a {found} (model_index.json _class_name), not a {cls.pipeline_class} "
                              f"as kind {kind!r} needs{hint}")
     for comp in cls.required_components:
@@ -104,7 +105,8 @@ def check_pipeline_dir(path: str | Path, cls: type[DiffusersFlowPolicy]) -> Path
 
 def _families() -> list[type[DiffusersFlowPolicy]]:
     """Every adapter class defined so far (the family files subclass DiffusersFlowPolicy; difrl.models.adapters
-    imports them all), found without importing the table, which imports this file."""
+    imports the built-in ones, a registered family's module is imported by then), found without importing the
+    table, which imports this file."""
     out, todo = [], list(DiffusersFlowPolicy.__subclasses__())
     while todo:
         c = todo.pop(0)
@@ -334,7 +336,8 @@ class DiffusersFlowPolicy(ComputeDevice):
         raise NotImplementedError
 
     # subclasses: _encode_batch(prompts) -> Cond, _forward(x, sigma, cond, guidance) -> raw model output,
-    # _vae_latents(latents) -> what vae.decode takes, latent_shape, from_pretrained(path, dtype, ...)
+    # _vae_latents(latents) -> what vae.decode takes, latent_shape, from_pretrained(path, dtype, ...), tiny_pipeline,
+    # block_classes (difrl.models.adapters.register_model checks them; docs/adding-a-model.md has each, with shapes)
 
 
 def vae_scale(pipe) -> int:

@@ -1,6 +1,6 @@
 """SD3 / SD3.5 (`StableDiffusion3Pipeline`): two CLIPs + T5, pooled projections, true classifier-free guidance.
 
-    policy = load_flow_policy("sd3", "/models/sd3.5-medium", dtype="fp16", height=512, width=512)
+    policy = load_flow_policy("sd3", "/models/sd3.5-medium", dtype="bf16", height=512, width=512)
 
 Guidance: the base class's true CFG when `guidance > 1` (difrl/models/diffusers_base.py).
 Latent shape (one sample; vsf = the VAE's spatial scale factor, 8 for the real models):

@@ -9,7 +9,7 @@ resume, resume_override, resume_unverified, checkpoint_every, log_with, history)
 (``kind``, ``path``). A trainer's config sets its own defaults through the section's default
 instance (``MaskedConfig.train`` starts from lr 1e-4, clip 0.2, LoRA off). The trainer is chosen
 from the typed ``model.kind`` (``difrl.train.recipes.load_train_config``): the flow kinds come from the world table
-(difrl.worlds.WORLDS), the masked ones from difrl.worlds.MASKED_WORLDS.
+(difrl.worlds.flow_kinds(): plug-in model families too), the masked ones from difrl.worlds.MASKED_WORLDS.
 
 Flow defaults follow Flow-GRPO (flow-grpo-family.md §2.8, §8.7) where they carry over to a model
 of this size; the digits YAML sets what the bundled demo needs. The masked sections are in
@@ -34,7 +34,8 @@ from difrl.train.method_config import (LOG_PROB_OBJECTIVES, MATCHING_OBJECTIVES,
 from difrl.train.method_config import DraftConfig, GardoConfig, PrefConfig, ReflConfig  # noqa: F401
 from difrl.train.method_checks import check_methods
 from difrl.train.eval_config import EvalConfig, FidConfig, FlowEvalConfig, StopConfig  # noqa: F401  (re-exported)
-from difrl.worlds import FLOW_KINDS, MASKED_KINDS, check_world_config
+from difrl.models.adapters import HOW_TO_ADD
+from difrl.worlds import check_world_config, flow_kinds, train_kinds
 
 
 # ---------------------------------------------------------------------------------- every trainer
@@ -42,8 +43,8 @@ from difrl.worlds import FLOW_KINDS, MASKED_KINDS, check_world_config
 
 @dataclass
 class ModelConfig:
-    """The policy's world; its kind also picks the trainer (flow: FLOW_KINDS, masked: MASKED_KINDS)."""
-    kind: str = cfg_field("digits", choices=FLOW_KINDS + MASKED_KINDS,
+    """The policy's world; its kind also picks the trainer (flow: difrl.worlds.flow_kinds(), masked: MASKED_KINDS)."""
+    kind: str = cfg_field("digits", choices=train_kinds, choices_hint=HOW_TO_ADD,
                           help="a flow world (digits, or a diffusers pipeline at model.path) or a masked one")
     path: str | None = cfg_field(None, help="checkpoint / pipeline directory; None = the world's bundled base")
 
@@ -200,8 +201,9 @@ def refuse_ignored(section, prefix: str, names, why: str) -> None:
 @dataclass
 class FlowModelConfig(ModelConfig):
     """The policy: the bundled digits world, or a diffusers pipeline directory (flux, sd3, wan; difrl/worlds/diffusers.py)."""
-    kind: str = cfg_field("digits", choices=FLOW_KINDS,
-                          help="digits world, or a diffusers FLUX.1 / SD3 / Wan 2.1 pipeline at model.path")
+    kind: str = cfg_field("digits", choices=flow_kinds, choices_hint=HOW_TO_ADD,
+                          help="digits world, or a diffusers pipeline at model.path (FLUX.1 / SD3 / Wan 2.1, or a "
+                               "registered family)")
     prompts: list[str] | None = cfg_field(None, help="diffusers models: training prompts (or model.prompt_file)")
     prompt_file: str | None = cfg_field(None, help="diffusers models: training prompts, one per line, or a .jsonl "
                                                                   "file of {\"prompt\": ..., <metadata>} objects (GenEval, OCR sets)")

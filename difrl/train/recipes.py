@@ -3,7 +3,7 @@
     cfg = load_train_config("configs/digits.yaml", ["train.lr=1e-4"])   # FlowConfig or MaskedConfig, by model.kind
     summary = train_function(cfg)(cfg, out_dir=None)                    # difrl.train.flow.train or .masked.train
 
-The flow kinds come from the world table (difrl.worlds.WORLDS), the masked ones from
+The flow kinds come from the world table (difrl.worlds.flow_kinds(): plug-in model families too), the masked ones from
 difrl.worlds.MASKED_WORLDS. This sits above both configs and both recipes, so neither config module
 imports a recipe (difrl/train/config.py is the common base that difrl/train/masked_config.py extends).
 """
@@ -13,7 +13,8 @@ from __future__ import annotations
 from difrl.config import load_config_union
 from difrl.train.config import FlowConfig, TrainerConfig
 from difrl.train.masked_config import MaskedConfig
-from difrl.worlds import FLOW_KINDS, MASKED_KINDS
+from difrl.models.adapters import HOW_TO_ADD
+from difrl.worlds import MASKED_KINDS, train_kinds
 
 
 def config_class(kind: str) -> type:
@@ -24,7 +25,7 @@ def config_class(kind: str) -> type:
 def load_train_config(path, overrides=()) -> TrainerConfig:
     """The typed config of the trainer that model.kind (YAML, then overrides) names: a FlowConfig or a
     MaskedConfig. model.kind is checked against every known kind first, with the usual located error."""
-    return load_config_union({k: config_class(k) for k in FLOW_KINDS + MASKED_KINDS}, "model.kind", path, overrides)
+    return load_config_union({k: config_class(k) for k in train_kinds()}, "model.kind", path, overrides, HOW_TO_ADD)
 
 
 def train_function(cfg: TrainerConfig):

@@ -9,11 +9,11 @@
 
 Two plain dicts map the config's ``model.kind`` to the file in difrl/worlds/ that builds its world:
 ``FLOW_FILES`` (a flow world's file defines ``flow_world(kind, model_path, cfg) -> World`` and
-``check_config(cfg)``; every diffusers adapter kind in ``difrl.models.adapters.ADAPTERS`` is built by
+``check_config(cfg)``; every diffusers model kind, ``difrl.models.adapters.model_kinds()``, is built by
 ``difrl/worlds/diffusers.py``) and ``MASKED_FILES`` (``masked_world(cfg) -> MaskedWorld``, optionally
 ``check_config`` and ``OWN_KEYS``). A new world is its file plus one entry; the trainers read the kinds
-(``FLOW_KINDS``, ``MASKED_KINDS``) and each world's config checks from here, and name no world themselves
-(docs/architecture.md).
+(``flow_kinds()``: the bundled worlds and every model family, those registered by plug-ins included;
+``MASKED_KINDS``) and each world's config checks from here, and name no world themselves (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from difrl.models.adapters import ADAPTERS  # the adapter classes only: diffusers is imported when a model loads
+from difrl.models.adapters import BUILTIN_ADAPTERS, HOW_TO_ADD, model_kinds  # the table only: diffusers loads later
 from difrl.samplers.schedules import sigma_schedule
 
 
@@ -69,9 +69,21 @@ def _flow(kind: str) -> Callable[..., World]:
 # model.kind -> its world's file in difrl/worlds/, which defines flow_world(kind, model_path, cfg) -> World and
 # check_config(cfg) (what that world refuses of a FlowConfig); a new bundled flow world is its file plus one entry
 FLOW_FILES: dict[str, str] = {"digits": "digits", "moving_digits": "moving_digits"}
-# one entry per diffusers adapter: a new model kind in difrl/models/adapters.py is a world (and a flow-config choice)
-WORLDS: dict[str, Callable[..., World]] = {kind: _flow(kind) for kind in (*FLOW_FILES, *ADAPTERS)}
-FLOW_KINDS: tuple[str, ...] = tuple(WORLDS)  # the model.kind values the flow trainer runs (difrl/train/config.py)
+# one entry per built-in diffusers adapter (difrl/models/adapters.py); flow_kinds() adds the families registered
+# later (@register_model, the difrl.models entry points), which build_world and the configs accept too
+WORLDS: dict[str, Callable[..., World]] = {kind: _flow(kind) for kind in (*FLOW_FILES, *BUILTIN_ADAPTERS)}
+FLOW_KINDS: tuple[str, ...] = tuple(WORLDS)  # the built-in model.kind values the flow trainer runs
+
+
+def flow_kinds() -> tuple[str, ...]:
+    """Every model.kind the flow trainer runs, asked now: the bundled worlds, then every model family
+    (difrl.models.adapters.model_kinds: an entry point's name without importing its package)."""
+    return (*FLOW_FILES, *(k for k in model_kinds() if k not in FLOW_FILES))
+
+
+def train_kinds() -> tuple[str, ...]:
+    """Every model.kind of either trainer (difrl/train/config.py's ModelConfig.kind choices)."""
+    return flow_kinds() + MASKED_KINDS
 
 
 def check_world_config(cfg) -> None:
@@ -81,9 +93,9 @@ def check_world_config(cfg) -> None:
 
 def build_world(kind: str, model_path: str | None = None, cfg=None) -> World:
     """The world for `kind`; `cfg` (a FlowConfig) gives the diffusers worlds their prompts, size, dtype and rewards."""
-    if kind not in WORLDS:
-        raise ValueError(f"unknown model.kind {kind!r}; known: {', '.join(WORLDS)}")
-    return WORLDS[kind](model_path, cfg)
+    if kind not in flow_kinds():
+        raise ValueError(f"unknown model.kind {kind!r}; known: {', '.join(flow_kinds())}; {HOW_TO_ADD}")
+    return _flow(kind)(model_path, cfg)
 
 
 # ---- masked (discrete) worlds: model.kind -> the builder in the world's own file (types: difrl/worlds/masked.py)
@@ -100,9 +112,9 @@ def world_file(kind: str):
     kind), imported when asked for: the tables above import no world."""
     from importlib import import_module
 
-    name = FLOW_FILES.get(kind) or MASKED_FILES.get(kind) or ("diffusers" if kind in ADAPTERS else None)
+    name = FLOW_FILES.get(kind) or MASKED_FILES.get(kind) or ("diffusers" if kind in model_kinds() else None)
     if name is None:
-        raise ValueError(f"unknown model.kind {kind!r}; known: {', '.join(FLOW_KINDS + MASKED_KINDS)}")
+        raise ValueError(f"unknown model.kind {kind!r}; known: {', '.join(train_kinds())}; {HOW_TO_ADD}")
     return import_module(f"difrl.worlds.{name}")
 
 

@@ -90,13 +90,13 @@ def policy_device() -> str | None:
 def policy_options(kind: str, cfg) -> dict:
     """The adapter options of `cfg.model` (size, dtype, text length, the family's own model_options) for
     load_flow_policy / arch_flow_policy, on this process's GPU when there is one."""
-    from difrl.models.adapters import ADAPTERS
+    from difrl.models.adapters import adapter_class, model_kinds
 
     mc = cfg.model
     options = dict(dtype=mc.dtype, height=mc.height, width=mc.width, device=policy_device(),
                    max_sequence_length=mc.max_sequence_length, negative_prompt=mc.negative_prompt,
                    cache_prompts=mc.cache_prompts)
-    extra = ADAPTERS[kind].model_options if kind in ADAPTERS else ()  # an unknown kind: load_flow_policy says so
+    extra = adapter_class(kind).model_options if kind in model_kinds() else ()  # unknown: load_flow_policy says so
     options.update({name: getattr(mc, name) for name in extra})
     return options
 
