@@ -108,9 +108,11 @@ def sentences(rows: list[dict]) -> list[str]:
     """What the rows show, each sentence computed from them."""
     out = []
     for case in dict.fromkeys(r["case"] for r in rows):
+        counts = [r["gpus"] for r in rows if r["case"] == case]
         fits = [r["gpus"] for r in rows if r["case"] == case and r["fits_80"]]
-        out.append(f"- {case}: " + (f"fits 80 GiB per GPU from {min(fits)} GPU(s) on (of {', '.join(map(str, GPUS))})"
-                                    if fits else "fits 80 GiB per GPU at none of the simulated GPU counts") + ".")
+        of = ", ".join(map(str, counts))
+        out.append(f"- {case}: " + (f"fits 80 GiB per GPU from {min(fits)} GPU(s) on (of {of} simulated)"
+                                    if fits else f"fits 80 GiB per GPU at none of the simulated GPU counts ({of})") + ".")
     by = {(r["case"], r["gpus"]): r for r in rows}
     for n in sorted({r["gpus"] for r in rows if r["gpus"] > 1}):
         once, per = (by.get((f"FLUX.1-dev full, EMA + KL ref, micro-batch 15{tail}", n))

@@ -712,6 +712,6 @@ def test_bench_plan_table_and_sentences_come_from_the_rows():
     table = bench.table(rows)
     assert len(table) == 2 + 3 and "| A | 8 | 60.0 (update) | 35.0 |" in table[3] and table[3].endswith("| yes | yes |")
     said = bench.sentences(rows)
-    assert said[0] == "- A: fits 80 GiB per GPU from 8 GPU(s) on (of 1, 8, 16)."
+    assert said[0] == "- A: fits 80 GiB per GPU from 8 GPU(s) on (of 1, 8, 16 simulated)."
     assert said[1] == "- Setup's peak is above the iteration's in: A on 16."
     assert len(bench.collectives_table(rows)) == 2 + 2  # the one-GPU row has no collectives

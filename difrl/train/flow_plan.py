@@ -46,7 +46,7 @@ from difrl.branching import build_tree, effective_sde_mask, num_trained_edges
 from difrl.config import ConfigError
 from difrl.samplers import step_masks as sampler_step_masks
 from difrl.train.config import FlowConfig
-from difrl.train.matching_objectives import trained_sigmas
+from difrl.train.matching_objectives import MATCHING_OBJECTIVES, trained_sigmas
 
 
 class MicroBatching(NamedTuple):
@@ -199,7 +199,8 @@ def plan(cfg: FlowConfig, world, world_size: int, run_dir: Path, say) -> tuple[i
     if tree_mode:
         refuse_split_forests(cfg, world_size)
     T = int(train_mask0.sum())  # trained transitions per sample (GRPO, DPPO) ...
-    noised = trained_sigmas(cfg, world.sigmas(cfg.sampler.num_steps, cfg.sampler.shift))
+    noised = (trained_sigmas(cfg, world.sigmas(cfg.sampler.num_steps, cfg.sampler.shift))  # the world only if needed:
+              if cfg.train.objective in ("nft", *MATCHING_OBJECTIVES) else None)      # refusals come before it
     if noised is not None:  # ... or sigmas of the re-noised clean sample (NFT, AWM, DPO, DGPO)
         T = len(noised)
     schedule, what, n_records = None, f"step(s) of {cfg.sampler.num_steps} per sample ({cfg.steps.mode}); ", per_proc
