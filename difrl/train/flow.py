@@ -38,7 +38,7 @@ from difrl.rollout import cat_rollouts, chunk_slices, per_transition, rollout
 from difrl.solrl import candidate_pool, rank_agreement
 from difrl.train.config import FlowConfig
 from difrl.train.flow_plan import plan, step_masks
-from difrl.train.iteration import close_iteration
+from difrl.train.iteration import close_iteration, optimizer_step
 from difrl.train.matching_objectives import (MATCHING_OBJECTIVES, matching_micro_loss, needs_old, needs_reference,
                                              old_decay, prepare_update, trained_sigmas)
 from difrl.train.objectives import dppo_micro_loss, grpo_micro_loss, nft_micro_loss, proximal_correction
@@ -48,11 +48,11 @@ from difrl.train.reward_stage import (across_processes, build_rewards, probe_bat
                                      track_reward_failures)
 from difrl.train.metrics import Metrics, pooled_std
 from difrl.train.precision import refuse_fp16, trained_network
-from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, claim_run_dir, clip_and_step,  # noqa: F401
+from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, claim_run_dir,  # noqa: F401
                                   cores_available, fmt_eval, make_optimizer, record_eval, reference_policy,
                                   save_policy)
 from difrl.train.rollout_copy import RolloutCopy, build_rollout_copy, sync_rollout_copy  # noqa: F401
-from difrl.train.sharded_step import clip_sharded_grad_norm_, grad_sync, take_fsdp_branches
+from difrl.train.sharded_step import grad_sync, take_fsdp_branches
 from difrl.train.sharding import fsdp_settings, gathered, process_group_kwargs
 from difrl.train.state import EMA, trainable_params
 from difrl.train.unit_gather import device_free_bytes, rollout_gather, units_gathered
@@ -398,12 +398,7 @@ def policy_update(cfg: FlowConfig, policy, tr: Trainee, accelerator, batch, adva
             first = False
             accelerator.backward(loss)
         if sync:
-            norm = clip_and_step(tr.optimizer, tr.params, cfg.train.max_grad_norm,
-                                 clip_sharded_grad_norm_ if tr.fsdp else accelerator.clip_grad_norm_)
-            if norm is not None:
-                m.add("grad_norm", norm)
-            if tr.ema is not None:
-                tr.ema.update()
+            optimizer_step(cfg, tr, accelerator, m)  # clip, step, EMA
 
 
 

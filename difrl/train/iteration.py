@@ -11,7 +11,19 @@ from __future__ import annotations
 
 import time
 
-from difrl.train.scaffold import progress
+from difrl.train.scaffold import clip_and_step, progress
+from difrl.train.sharded_step import clip_sharded_grad_norm_
+
+
+def optimizer_step(cfg, tr, accelerator, m) -> None:
+    """An update's end: gradient clipping (train.max_grad_norm; under FSDP2 one all-reduce of the shards' squares),
+    the optimizer step, the EMA update; the norm into the metrics `m`. `tr`: flow.Trainee."""
+    norm = clip_and_step(tr.optimizer, tr.params, cfg.train.max_grad_norm,
+                         clip_sharded_grad_norm_ if tr.fsdp else accelerator.clip_grad_norm_)
+    if norm is not None:
+        m.add("grad_norm", norm)
+    if tr.ema is not None:
+        tr.ema.update()
 
 
 def close_iteration(cfg, run, row: dict, it: int, t_iter: float, bar, world, policy, ema, evaluate, should_stop,

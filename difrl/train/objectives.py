@@ -72,6 +72,13 @@ def grpo_micro_loss(policy, sub: Rollout, adv: torch.Tensor, keep: torch.Tensor,
         pg, pm = policy_loss(lp_new, lp_old, adv, mask, cfg.train.policy_loss, cfg.train.policy_loss_options,
                              sub.extras.get("log_prob_rollout"))
         pg = pg if weight is None else pg * weight
+    return policy_loss_terms(policy, sub, pg, pm, is_weight, elem_keep, mask, mean, std, m, denom, cfg, reference_ctx)
+
+
+def policy_loss_terms(policy, sub: Rollout, pg, pm: dict, is_weight, elem_keep, mask, mean, std, m, denom: int, cfg,
+                      reference_ctx) -> torch.Tensor:
+    """The micro-step's loss from per-transition policy-gradient terms pg [b, T] (GRPO's, Flow-DPPO's): IS-weighted,
+    kept, summed over the update's transitions (denom), plus the reference KL; their metrics into `m`."""
     loss = (pg * is_weight * elem_keep).sum() / denom
     if cfg.train.kl_beta > 0:
         loss = loss + reference_kl(policy, sub, mean, std, elem_keep, m, denom, cfg, reference_ctx)
@@ -117,14 +124,7 @@ def dppo_micro_loss(policy, sub: Rollout, adv: torch.Tensor, keep: torch.Tensor,
         elem_keep = elem_keep * correct_keep.float()
     mask = elem_keep.bool()
     pg, pm = dppo_loss(log_prob, sub.log_prob_old, mean, sub.mean_old, std.view_as(log_prob), adv, cfg.dppo.kl_threshold)
-    loss = (pg * is_weight * elem_keep).sum() / denom
-    if cfg.train.kl_beta > 0:
-        loss = loss + reference_kl(policy, sub, mean, std, elem_keep, m, denom, cfg, reference_ctx)
-    m.add("policy_loss", pg, mask)
-    for name, value in pm.items():
-        m.add(name, value, mask)
-    m.add_ratio(pm["ratio"], sub.step, mask)
-    return loss
+    return policy_loss_terms(policy, sub, pg, pm, is_weight, elem_keep, mask, mean, std, m, denom, cfg, reference_ctx)
 
 
 def policy_loss(log_prob, log_prob_old, adv, mask, name: str, options: dict, log_prob_rollout=None):

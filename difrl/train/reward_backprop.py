@@ -21,9 +21,8 @@ import torch
 from difrl.rewards.grad import score_with_grad
 from difrl.rollout_grad import refl_predict, rollout_last_k
 from difrl.train.metrics import Metrics
-from difrl.train.iteration import close_iteration
-from difrl.train.scaffold import clip_and_step
-from difrl.train.sharded_step import clip_sharded_grad_norm_, grad_sync
+from difrl.train.iteration import close_iteration, optimizer_step
+from difrl.train.sharded_step import grad_sync
 from difrl.utils.rng import mix_seed
 
 BACKPROP_OBJECTIVES = ("draft", "refl")
@@ -106,12 +105,7 @@ def reward_backprop_loop(cfg, world, policy, tr, accelerator, run, bar, rewards:
                     loss = backprop_micro_loss(cfg, policy, rewards, weights, prompts, metadata, seeds, sigmas,
                                                refl_step, s * ga, m)
                     accelerator.backward(loss)
-            norm = clip_and_step(tr.optimizer, tr.params, cfg.train.max_grad_norm,
-                                 clip_sharded_grad_norm_ if tr.fsdp else accelerator.clip_grad_norm_)
-            if norm is not None:
-                m.add("grad_norm", norm)
-            if tr.ema is not None:
-                tr.ema.update()
+            optimizer_step(cfg, tr, accelerator, m)  # clip, step, EMA
         tr.unwrapped.eval()
         upd = m.result(accelerator)
         row = {"iteration": it + 1, "reward_mean": upd.pop("reward"), **upd, "loss": upd["policy_loss"],
