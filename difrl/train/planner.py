@@ -16,10 +16,14 @@ on it, not a replica of them:
 
 - setup: the world around the adapter (difrl.worlds.diffusers.flow_world), difrl.train.flow_plan.plan (the split and
   micro-batching), difrl.train.flow.setup_training (LoRA or masters and reference, FSDP2, optimizer, EMA, copy);
+- sync (with a rollout copy): difrl.train.rollout_copy.sync_rollout_copy, the copy's refresh before a rollout (one
+  all-gather per FSDP unit; its checks' flags read as zeros);
 - rollout: difrl.rollout.rollout of one forward batch (sampler.rollout_batch samples, every sampler step, prompts
-  encoded); the process's other batches are the same computation, so their stored trajectories are that batch's
+  encoded), on the copy if there is one, else with the units gathered as rollout.fsdp_gather chooses for
+  `--gpu-memory` (difrl.train.unit_gather); the process's other batches are the same computation, so their stored trajectories are that batch's
   repeated (cat_rollouts) to the process's sample count and their forwards are counted, not run;
-- update: difrl.train.flow.policy_update over those samples, with the configured micro-batch and accumulation: its
+- update: difrl.train.flow.training_records (samples, or transitions when the micro-batch splits them), then
+  difrl.train.flow.policy_update over them, with the configured micro-batch and accumulation: its
   first micro-step and the update's last one (which clips, steps AdamW and updates the EMA) run (`MICRO_STEPS`);
   the ones between repeat the first exactly (same shapes, same collectives, gradients already allocated), so their
   collectives are counted, not run. AdamW's moments exist as from the first update on (steady_optimizer_state).
