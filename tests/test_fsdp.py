@@ -109,12 +109,12 @@ def run_killed_after(nproc: int, target: list[str], args: list[str], out: Path, 
     assert not (out / "summary.json").exists(), "the kill came after the run had finished"
 
 
-def run_driver(source: str, tmp_path: Path, timeout: int = 600) -> None:
-    """`source` (its {tests} filled in) as a script under torchrun with 2 processes (gloo), given tmp_path; it must
-    exit 0 (its output's tail otherwise)."""
+def run_driver(source: str, tmp_path: Path, timeout: int = 600, nproc: int = 2) -> None:
+    """`source` (its {tests} filled in) as a script under torchrun with `nproc` processes (gloo, torchrun's TCP
+    store), given tmp_path; it must exit 0 (its output's tail otherwise)."""
     driver = tmp_path / "driver.py"
     driver.write_text(source.format(tests=str(ROOT / "tests")))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(driver),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(driver),
            str(tmp_path)]
     proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

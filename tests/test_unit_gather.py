@@ -2,7 +2,7 @@
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_unit_gather.py -q
 
-- gather_full on 3 real gloo processes: uneven row counts (a rank with fewer rows, a rank with none), two dtypes,
+- gather_full on 3 real gloo processes (one torchrun job, as the other multi-process tests launch): uneven row counts (a rank with fewer rows, a rank with none), two dtypes,
   every full tensor equals DTensor.full_tensor() cast to its dtype, exactly, with one all-gather
   per dtype (before: one per parameter, in the shards' dtype).
 - the rollout copy of an unsharded bf16 full fine-tune is synced from the loaded-dtype weights, as it was built and
@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from pathlib import Path
 
-import pytest
 import torch
 from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_fsdp import run_driver  # noqa: E402
 
 WORLD = 3
 
@@ -32,14 +36,32 @@ class Three(nn.Module):
         return x
 
 
-def _gather_worker(rank: int, store_path: str, out_path: str) -> None:
+# The driver leaves without Python's finalization once the worker returned (results written, group destroyed): gloo's
+# worker thread may still be freeing the last collectives' work objects, which hold Python-owned tensors, and a thread
+# that needs the GIL while the interpreter finalizes is ended by a forced unwind, std::terminate, SIGABRT (a core dump
+# of 1 in ~15 runs of 3 processes on 2 cores: ~AsyncAllgatherWork -> decref_pyobject -> PyThread_exit_thread).
+GATHER_DRIVER = """import os, sys
+sys.path.insert(0, {tests!r})
+from test_unit_gather import gather_worker
+gather_worker(sys.argv[1])
+sys.stdout.flush(); sys.stderr.flush()
+os._exit(0)
+"""
+
+
+def gather_worker(out_dir: str) -> None:
+    """One process of the torchrun job of test_gather_full_equals_full_tensor_with_one_all_gather_per_dtype; rank 0
+    writes OUT/out.json."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import difrl.train.unit_gather as ug
 
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    assert dist.get_world_size() == WORLD
     try:
         torch.manual_seed(0)  # the same module on every rank
         net = Three()
@@ -57,18 +79,15 @@ def _gather_worker(rank: int, store_path: str, out_path: str) -> None:
         want = [p.full_tensor().to(d) for p, d in zip(params, dtypes)]
         ok = [bool(f.dtype == w.dtype and f.shape == w.shape and torch.equal(f, w)) for f, w in zip(fulls, want)]
         if rank == 0:
-            with open(out_path, "w") as f:
+            with open(Path(out_dir) / "out.json", "w") as f:
                 json.dump({"ok": ok, "calls": [[str(d), n] for d, n in calls]}, f)
     finally:
         dist.destroy_process_group()
 
 
 def test_gather_full_equals_full_tensor_with_one_all_gather_per_dtype(tmp_path):
-    import torch.multiprocessing as mp
-
-    out = tmp_path / "out.json"
-    mp.spawn(_gather_worker, args=(str(tmp_path / "store"), str(out)), nprocs=WORLD, join=True)
-    got = json.loads(out.read_text())
+    run_driver(GATHER_DRIVER, tmp_path, timeout=300, nproc=WORLD)
+    got = json.loads((tmp_path / "out.json").read_text())
     assert got["ok"] == [True] * 5  # exact: a cast commutes with a gather; padding rows cut
     # one all-gather per dtype: bf16 [a.weight 3x5, b.weight 1x3, c.weight 4x4] padded rows; fp32 [a.bias 3, b.bias 1]
     assert sorted(got["calls"]) == sorted([["torch.bfloat16", 3 * 5 + 1 * 3 + 4 * 4], ["torch.float32", 3 + 1]])
