@@ -174,6 +174,41 @@ def test_gardo_uncertainty_gate_and_controller():
     assert ctl.update(u * 0.1) == pytest.approx(0.099)
 
 
+@pytest.mark.parametrize("flag", ["overrated", "underrated"])
+def test_gardo_flag_picks_the_proxy_overrated_or_as_the_reference_code_the_underrated(flag):
+    # the reference code ranks each reward in descending order (rank 1 = best), takes the proxy's rank minus the mean
+    # auxiliary rank and flags the top fraction of the non-negative differences (numpy's percentile); without ties
+    # that difference is (N - 1) * -u. gardo.flag=underrated must flag exactly that rule's samples, the default the
+    # opposite disagreement. Exact: integer ranks and win rates of 6 distinct rewards.
+    from torch import nn
+
+    from difrl.algos.advantages import Advantages
+    from difrl.train.method_stage import Gardo
+
+    proxy = torch.tensor([6.0, 5.0, 4.0, 3.0, 2.0, 1.0])
+    aux = [torch.tensor([1.0, 5.0, 4.0, 3.0, 2.0, 6.0]), torch.tensor([2.0, 6.0, 4.0, 3.0, 1.0, 5.0])]
+    cfg = load_flow_config(None, ["train.kl_beta=0.1", "gardo.enabled=true", "gardo.diversity=false",
+                                  "gardo.kl_frac=0.2", f"gardo.flag={flag}",
+                                  "reward.weights={digit_prob: 1.0, digit_margin: 0.0}"])
+    gardo = Gardo(cfg, None, nn.Linear(2, 2), {})
+    scores = {"proxy": proxy, "a": aux[0], "b": aux[1]}
+    adv = Advantages(torch.zeros(6), torch.zeros(6, dtype=torch.bool), proxy)
+    _, flags = gardo.shape(adv, scores, {"proxy": 1.0, "a": 0.0, "b": 0.0}, torch.zeros(6, dtype=torch.long),
+                           torch.zeros(6, dtype=torch.bool), None)
+
+    def descending_rank(r):
+        rank = torch.empty(len(r))
+        rank[torch.argsort(r, descending=True)] = torch.arange(1.0, len(r) + 1)
+        return rank
+
+    diff = descending_rank(proxy) - (descending_rank(aux[0]) + descending_rank(aux[1])) / 2
+    nonneg = diff[diff >= 0]
+    reference = diff > torch.quantile(nonneg, 1 - 0.2)
+    assert reference.tolist() == [False] * 5 + [True]  # sample 5: the proxy's worst, the auxiliaries' best
+    want = reference if flag == "underrated" else torch.tensor([True] + [False] * 5)  # sample 0: the proxy's best
+    assert flags.tolist() == want.tolist()
+
+
 def test_gardo_diversity_ranks_a_duplicate_lower():
     f = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.9, 0.3]])
     groups = torch.zeros(4, dtype=torch.long)

@@ -208,6 +208,10 @@ class GardoConfig:
     reset_every: int = cfg_field(15, ge=1, help="iterations after which the reference is refreshed from the policy")
     reset_kl: float = cfg_field(3e-4, gt=0.0, help="refresh the reference after an update whose KL exceeds this")
     diversity: bool = cfg_field(True, help="scale positive advantages by the nearest-neighbour distance in the group")
+    flag: str = cfg_field("overrated", choices=("overrated", "underrated"),
+                          help="which disagreement gets the KL: overrated = the samples the proxy ranks above the "
+                               "auxiliaries (the paper's reward-hacking pattern); underrated = those it ranks below, "
+                               "what the reference code's rank difference selects (docs/methods.md GARDO)")
 
 
 @dataclass

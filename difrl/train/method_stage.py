@@ -100,7 +100,8 @@ class Gardo:
 
     def shape(self, adv: Advantages, scores: dict, weights: dict[str, float], group_ids: torch.Tensor,
               failed: torch.Tensor, features: torch.Tensor | None) -> tuple[Advantages, torch.Tensor]:
-        """The gated-KL flags [N] bool (the samples the proxy overrates most; none among failed groups) and, with
+        """The gated-KL flags [N] bool (the samples the proxy overrates most, or with gardo.flag=underrated those it
+        underrates most, as the reference code; none among failed groups) and, with
         gardo.diversity, the advantages shaped by the nearest-neighbour distance in the features [N, D]."""
         self.ctl.load(self.state["controller"])  # a resumed run's controller
         ok = ~failed
@@ -108,6 +109,8 @@ class Gardo:
         if ok.any():
             proxy = sum(w * scores[k][ok] for k, w in weights.items() if w != 0)
             u = proxy_uncertainty(proxy, [scores[k][ok] for k in self.aux_keys(weights)])
+            if self.g.flag == "underrated":  # the reference code's sign: its ranks count 1 = best, so its proxy rank
+                u = -u                       # minus the auxiliaries' is (N - 1) * -u (without ties)
             flags[ok] = gate(u, self.ctl.frac)  # this batch's flags use the fraction set by the batches before it
             self.ctl.update(u)
             self.state["controller"] = self.ctl.state()
