@@ -34,17 +34,13 @@ regenerated at full precision, 16 per prompt like flat GRPO's; the pool is low p
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import publish, standard_args  # noqa: E402
-
-from difrl.train.config import load_flow_config  # noqa: E402
-from difrl.train.flow import train  # noqa: E402
+from common import at_budget as common_at_budget  # noqa: E402
+from common import beyond_spread, budget_run, publish, standard_args, train_seconds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- bench_video:start -->", "<!-- bench_video:end -->"
@@ -62,10 +58,6 @@ METHODS = {
 METRICS = ("accuracy", "motion_accuracy", "fd", "judge_accuracy", "judge_motion_accuracy")
 
 
-def train_seconds(r: dict) -> float:
-    return r["seconds"] - r.get("seconds_eval", 0.0)
-
-
 def nfe(r: dict) -> int:
     return r.get("nfe_full", 0) + r.get("nfe_lowprec", 0) + r["nfe_train"]
 
@@ -73,41 +65,16 @@ def nfe(r: dict) -> int:
 def one_run(name: str, seed: int, iterations: int, every: int, out: Path, extra: list[str],
             budget: float | None = None) -> dict:
     """`iterations` of method `name`; then, if `budget` (flat GRPO's training seconds) is not spent, the same run
-    resumed (resume=, exact: iteration k is the same whatever the total) to the first evaluation past it, so a
-    cheaper method gets flat GRPO's wall-clock. Returns its metric rows, the summary at `iterations` and every
-    evaluation as (cumulative training seconds, iteration, metrics)."""
+    resumed to the first evaluation past it (common.budget_run), so a cheaper method gets flat GRPO's wall-clock."""
     overrides = [*METHODS[name], f"seed={seed}", f"train.iterations={iterations}", f"eval.every={every}", "threads=1",
                  *extra]
-    d = out / name.replace(" ", "_") / f"seed{seed}"
-    summary = train(load_flow_config(CONFIG, overrides), out_dir=d, overwrite=True)
-    ends = {iterations: summary["eval_after"]}  # the last iteration's evaluation is the summary's, not a row's
-    rows = read_rows(d)
-    spent = sum(train_seconds(r) for r in rows)
-    if budget is not None and spent < budget:
-        per_iter = statistics.median(train_seconds(r) for r in rows)
-        longer = iterations + every * (math.ceil((budget - spent) / per_iter / every) + 1)  # one evaluation to spare
-        longer_summary = train(load_flow_config(CONFIG, [*overrides, f"train.iterations={longer}", f"resume={d}"]),
-                               out_dir=d)
-        ends[longer_summary["iterations"]] = longer_summary["eval_after"]
-        rows = read_rows(d)
-    t, evals = 0.0, [(0.0, 0, summary["eval_before"])]
-    for r in rows:
-        t += train_seconds(r)
-        if "eval/accuracy" in r:
-            evals.append((t, r["iteration"], {k: r[f"eval/{k}"] for k in METRICS}))
-        elif r["iteration"] in ends:
-            evals.append((t, r["iteration"], ends[r["iteration"]]))
-    return {"rows": rows, "summary": summary, "evals": evals, "iterations": rows[-1]["iteration"]}
-
-
-def read_rows(d: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    return budget_run(CONFIG, overrides, out / name.replace(" ", "_") / f"seed{seed}", iterations, every, METRICS,
+                      budget)
 
 
 def at_budget(run: dict, budget: float) -> dict:
     """The last evaluation (before, every `every`, at the end) within `budget` cumulative training seconds."""
-    t, it, ev = [e for e in run["evals"] if e[0] <= budget * 1.0001][-1]
-    return {"seconds": t, "iteration": it, **{k: ev[k] for k in METRICS}}
+    return common_at_budget(run, budget, METRICS)
 
 
 def spread_sentence(name: str, key: str, rows: dict, higher_is_better: bool) -> str:
@@ -118,7 +85,7 @@ def spread_sentence(name: str, key: str, rows: dict, higher_is_better: bool) -> 
     if len(a["seeds"]) < 2:
         return (f"- {name}: {key} at equal wall-clock {ma:.3f} vs flat GRPO's {mb:.3f} (one seed: no spread over "
                 "seeds, so no better / worse claim)")
-    if abs(ma - mb) <= sa + sb:
+    if not beyond_spread(ma, sa, mb, sb):
         verdict = f"within the spread over seeds of flat GRPO's ({ma:.3f} ± {sa:.3f} vs {mb:.3f} ± {sb:.3f})"
     else:
         verdict = (f"{'better' if gap > 0 else 'worse'} than flat GRPO's beyond the spread over seeds "
@@ -132,7 +99,7 @@ def final_sentence(name: str, key: str, rows: dict) -> str:
     ma, sa, mb, sb = a[f"{key}_final"], a[f"{key}_final_std"], b[f"{key}_final"], b[f"{key}_final_std"]
     if len(a["seeds"]) < 2:
         return f"- {name}: {key} after {a['iterations']} iterations {ma:.3f} vs flat GRPO's {mb:.3f} (one seed: no claim)"
-    how = ("within the spread over seeds of" if abs(ma - mb) <= sa + sb else
+    how = ("within the spread over seeds of" if not beyond_spread(ma, sa, mb, sb) else
            f"{'better' if ma > mb else 'worse'} beyond the spread over seeds than")
     return (f"- {name}: {key} after the same {a['iterations']} iterations is {how} flat GRPO's ({ma:.3f} ± {sa:.3f} vs "
             f"{mb:.3f} ± {sb:.3f}).")

@@ -1,10 +1,15 @@
-"""Shared by the benchmark scripts: the machine line and the BENCHMARKS.md block writer."""
+"""Shared by the benchmark scripts: the machine line, the BENCHMARKS.md block writer, and the equal-wall-clock
+bookkeeping of bench_video.py and bench_methods.py (budget_run, at_budget, beyond_spread).
+
+    from common import publish, standard_args     # benchmarks/ on sys.path, as the scripts put it
+"""
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import statistics
@@ -121,3 +126,60 @@ def same_config(cfg, run_dir: Path) -> bool:
 def mean_std(xs: list[float]) -> tuple[float, float]:
     """(mean, population std) over seeds: the "m ± s" of the benchmark tables."""
     return statistics.mean(xs), statistics.pstdev(xs)
+
+
+# ---------------------------------------------------------------------------------- equal wall-clock (bench_video,
+# bench_methods): runs of the flow trainer read at a budget of training seconds, the cheaper ones resumed to it
+
+
+def train_seconds(r: dict) -> float:
+    """A metrics row's training seconds: the iteration's, its evaluation excluded."""
+    return r["seconds"] - r.get("seconds_eval", 0.0)
+
+
+def read_rows(d: Path) -> list[dict]:
+    """A run directory's metrics.jsonl rows."""
+    return [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+
+
+def budget_run(config: Path, overrides: list[str], d: Path, iterations: int, every: int, metrics: tuple[str, ...],
+               budget: float | None = None) -> dict:
+    """`iterations` of the flow trainer (`config` + `overrides`) in `d`; then, if `budget` training seconds are not
+    spent, the same run resumed (resume=, exact: iteration k is the same whatever the total) to the first evaluation
+    past it, so a cheaper method gets the budget's wall-clock. Returns its metric rows, the summary at `iterations`
+    and every evaluation as (cumulative training seconds, iteration, {metric: value} for `metrics`)."""
+    from difrl.train.config import load_flow_config
+    from difrl.train.flow import train
+
+    summary = train(load_flow_config(config, overrides), out_dir=d, overwrite=True)
+    ends = {iterations: summary["eval_after"]}  # the last iteration's evaluation is the summary's, not a row's
+    rows = read_rows(d)
+    spent = sum(train_seconds(r) for r in rows)
+    if budget is not None and spent < budget:
+        per_iter = statistics.median(train_seconds(r) for r in rows)
+        longer = iterations + every * (math.ceil((budget - spent) / per_iter / every) + 1)  # one evaluation to spare
+        longer_summary = train(load_flow_config(config, [*overrides, f"train.iterations={longer}", f"resume={d}"]),
+                               out_dir=d)
+        ends[longer_summary["iterations"]] = longer_summary["eval_after"]
+        rows = read_rows(d)
+    t, evals = 0.0, [(0.0, 0, {k: summary["eval_before"][k] for k in metrics})]
+    for r in rows:
+        t += train_seconds(r)
+        if "eval/accuracy" in r:
+            evals.append((t, r["iteration"], {k: r[f"eval/{k}"] for k in metrics}))
+        elif r["iteration"] in ends:
+            evals.append((t, r["iteration"], {k: ends[r["iteration"]][k] for k in metrics}))
+    return {"rows": rows, "summary": summary, "evals": evals, "iterations": rows[-1]["iteration"]}
+
+
+def at_budget(run: dict, budget: float, metrics: tuple[str, ...]) -> dict:
+    """The last evaluation (before, every `every`, at the end) of `run` (budget_run's) within `budget` cumulative
+    training seconds (1e-4 relative slack: the budget's own run, summed in another order, reads its last one)."""
+    t, it, ev = [e for e in run["evals"] if e[0] <= budget * 1.0001][-1]
+    return {"seconds": t, "iteration": it, **{k: ev[k] for k in metrics}}
+
+
+def beyond_spread(ma: float, sa: float, mb: float, sb: float) -> bool:
+    """Two means over seeds differ beyond their spreads (|ma - mb| > sa + sb): the only difference a benchmark calls
+    better or worse."""
+    return abs(ma - mb) > sa + sb

@@ -715,3 +715,107 @@ def test_bench_plan_table_and_sentences_come_from_the_rows():
     assert said[0] == "- A: fits 80 GiB per GPU from 8 GPU(s) on (of 1, 8, 16 simulated)."
     assert said[1] == "- Setup's peak is above the iteration's in: A on 16."
     assert len(bench.collectives_table(rows)) == 2 + 2  # the one-GPU row has no collectives
+
+
+# ---- benchmarks/bench_methods.py ---------------------------------------------------------------------------------
+
+def _nfe_clock(r: dict) -> float:
+    """A deterministic stand-in for a row's training seconds: its network evaluations / 1000 (rollout + update), so
+    the equal-wall-clock bookkeeping is checked without a clock (a cheaper method is the one with fewer NFEs)."""
+    return 1e-3 * (r.get("nfe_full", 0) + r.get("nfe_lowprec", 0) + r["nfe_train"])
+
+
+@pytest.mark.slow  # three short digits runs (~30 s on 2 cores)
+def test_bench_methods_quick_rows_and_equal_wall_clock(tmp_path, monkeypatch):
+    """--quick's rows: every method a row (the refused ones "not applicable" with the refusal's words), the budget
+    Flow-GRPO's training seconds, every run read at its last evaluation inside the budget, the cheaper tree resumed
+    past it, and the resumed run's iterations those of one run of the same length without a resume."""
+    from difrl.train.config import load_flow_config
+    from difrl.train.flow import train
+
+    bench = _load("bench_methods")
+    monkeypatch.setattr(bench.common, "train_seconds", _nfe_clock)  # budget_run / at_budget read it at call time
+    md = (ROOT / "BENCHMARKS.md").read_text()
+    out = tmp_path / "runs"
+    rows = bench.main(["--quick", "--iterations", "2", "--every", "1", "--methods", "best tree",
+                       "--out", str(out), "--json", str(tmp_path / "m.json")])
+    assert (ROOT / "BENCHMARKS.md").read_text() == md  # --quick never publishes
+    assert json.loads((tmp_path / "m.json").read_text()) == json.loads(json.dumps(rows))
+    by = {r["method"]: r for r in rows}
+    assert list(by) == ["Flow-GRPO", "best tree"] and {r["world"] for r in rows} == {"digits"}
+    assert all(r["applicable"] and r["n_seeds"] == 1 and r["seeds"] == [0] for r in rows)
+    for r in rows:
+        assert set(bench.WORLDS["digits"]["metrics"]) <= {k[:-5] for k in r if k.endswith("_mean")}
+        assert r["accuracy_std"] is None  # one seed: no sample std (n - 1 needs two)
+    flow = by["Flow-GRPO"]
+    flow_rows = bench.common.read_rows(out / "digits" / "Flow-GRPO" / "seed0")
+    assert flow["budget_seconds"] == pytest.approx(sum(_nfe_clock(r) for r in flow_rows), rel=1e-12)  # float sums
+    assert flow["iterations_run"] == [2] and flow["iterations_at_budget"] == [2] and flow["resumed"] == [False]
+    # the tree (Mix: 385 + 160 NFE per iteration vs flat's 800 + 720) is cheaper: resumed to the first evaluation past
+    # the budget, and read at the last one inside it
+    tree = by["best tree"]
+    assert tree["resumed"] == [True] and tree["iterations_run"][0] > 2
+    tree_rows = bench.common.read_rows(out / "digits" / "best_tree" / "seed0")
+    cum = [sum(_nfe_clock(r) for r in tree_rows[:i]) for i in range(len(tree_rows) + 1)]  # seconds after i iterations
+    it = tree["iterations_at_budget"][0]
+    budget = flow["budget_seconds"]
+    assert tree["seconds_at_budget"][0] == pytest.approx(cum[it], rel=1e-12) and cum[it] <= budget < cum[it + 1]
+    assert cum[-1] > budget  # it ran past the budget (one evaluation to spare), so the read-out is the last inside
+    for r in rows:
+        assert r["seconds_at_budget"][0] <= budget * (1 + 1e-4)  # at_budget's slack for summation order
+    # resume is exact: the resumed run's iterations equal one run of the same length without a resume (same ops on
+    # one thread, the same counter-based draws: bitwise)
+    fresh = tmp_path / "fresh"
+    train(load_flow_config(*bench.run_overrides("digits", "best tree", 0, tree["iterations_run"][0], 1, True)),
+          out_dir=fresh)
+    keys = ("reward_mean", "reward_std", "loss", "nfe_full", "nfe_train")
+    assert [{k: r[k] for k in keys} for r in bench.common.read_rows(fresh)] == [{k: r[k] for k in keys}
+                                                                                for r in tree_rows]
+
+
+def test_bench_methods_refusals_are_not_applicable_rows():
+    """A method a world refuses is a row saying why, in the config's words (no run needed)."""
+    bench = _load("bench_methods")
+    draft = bench.refusal("moving_digits", "DRaFT-K")
+    assert "'frame_digit' is not differentiable" in draft and str(ROOT) not in draft
+    assert "auxiliary rewards, and there are none" in bench.refusal("moving_digits", "GARDO")
+    assert all(bench.refusal("digits", m) is None for m in bench.METHODS)  # digits takes every method
+    row = {"world": "moving_digits", "method": "ReFL", "variant": None, "applicable": False,
+           "reason": bench.refusal("moving_digits", "ReFL")}
+    assert bench.method_sentence(row, {}) == ("- ReFL: not applicable on moving_digits: reward 'frame_digit' is not "
+                                              "differentiable (it declares no differentiable score: text recognition, "
+                                              "detection and verifiable rewards pass through non-differentiable "
+                                              "steps), so train.objective=refl cannot backpropagate it.")
+
+
+def test_bench_methods_calls_a_difference_only_beyond_the_seed_spread():
+    """The sentences and the "Which method when" summary come from the rows: better / worse only where the means
+    differ by more than the two sample standard deviations together; FD lower is better; one seed: no claim."""
+    bench = _load("bench_methods")
+
+    def row(method, acc, fd, div=2.2, judge=0.9, n=3):
+        r = {"world": "digits", "method": method, "variant": None, "applicable": True, "n_seeds": n, "seeds": list(range(n)),
+             "budget_seconds": 56.0, "real_diversity": 2.3}
+        for k, (m, s) in {"accuracy": acc, "fd": fd, "diversity": (div, 0.01), "judge_accuracy": (judge, 0.01)}.items():
+            r[f"{k}_mean"], r[f"{k}_std"] = m, (s if n > 1 else None)
+        return r
+
+    base = row("Flow-GRPO", (0.90, 0.01), (30.0, 1.0))
+    awm = row("AWM", (0.95, 0.01), (35.0, 1.0))        # accuracy +0.05 > 0.02: better; FD +5 > 2: worse
+    dpo = row("DPO", (0.91, 0.01), (29.0, 1.0), div=2.0)  # +0.01 <= 0.02 and -1 <= 2: level; diversity 2.0 < 0.95 x 2.3
+    assert bench.method_sentence(awm, base) == (
+        "- AWM: against Flow-GRPO at equal wall-clock, better on accuracy (0.950 ± 0.010 vs 0.900 ± 0.010); worse on "
+        "FD (35.0 ± 1.0 vs 30.0 ± 1.0); within the spread over seeds on diversity, judge accuracy.")
+    assert "lower on diversity (2.000 ± 0.010 vs 2.200 ± 0.010)" in bench.method_sentence(dpo, base)
+    assert "within the spread over seeds on accuracy, FD, judge accuracy" in bench.method_sentence(dpo, base)
+    one = row("GARDO", (0.99, 0.0), (10.0, 0.0), n=1)
+    assert bench.method_sentence(one, base).endswith("(one seed: no spread over seeds, so no better / worse claim).")
+    summary = bench.which_method_when([base, awm, dpo])
+    assert summary[0].startswith("- **digits** (budget 56 s of training, 3 seeds): best accuracy: AWM (0.950 ± 0.010, "
+                                 "beyond the spread of every other); best FD: DPO (29.0 ± 1.0, level within the spread "
+                                 "with Flow-GRPO)")
+    assert summary[1] == "  - better than Flow-GRPO beyond the spread over seeds: AWM (accuracy)."
+    assert summary[2] == "  - worse than Flow-GRPO beyond the spread over seeds: AWM (FD)."
+    assert summary[3] == "  - diversity below 0.95x the real data's (2.30): DPO."
+    assert summary[4].startswith("  - the demo's goal (accuracy >= 0.99, FD <= 20, diversity >= 0.95x real) at this "
+                                 "budget: none")
