@@ -1,8 +1,8 @@
 """Every flow method of difrl at equal wall-clock on the digits world and the moving-digits world, several seeds
 (issue 48): Flow-GRPO, DiffusionNFT, the best tree, AWM, DPO, DGPO, Flow-DPPO, DRaFT-K, ReFL, GARDO, Pref-GRPO, Sol-RL.
 
-    .venv/bin/python benchmarks/bench_methods.py --json benchmarks/results/bench_methods.json  # full: ~3 h on 2 cores
-    .venv/bin/python benchmarks/bench_methods.py --quick                                       # ~1.5 min, never writes
+    .venv/bin/python benchmarks/bench_methods.py --json benchmarks/results/bench_methods.json  # full: ~2.5 h on 2 cores
+    .venv/bin/python benchmarks/bench_methods.py --quick                                       # ~1 min, never writes
 
 Each method is its digits config (configs/digits*.yaml) on digits, and the same method's settings as overrides of
 configs/moving_digits.yaml on moving digits (METHODS below; the values the digits configs use, scaled where the world
@@ -21,11 +21,14 @@ the real data's) and the held-out judge (moving digits: also motion accuracy and
 sample standard deviation (n - 1) over the seeds, the seed count printed; a method is called better or worse than
 Flow-GRPO only where the means differ by more than the two standard deviations together (common.beyond_spread).
 
-Duration (measured with --quick on the shared 2-core machine, 10 iterations: ~0.25 s per digits iteration, ~1.5 s
-per moving-digits iteration, an evaluation ~1 s / ~1 s at the full sizes): digits, 300 iterations = the ~60 s
-budget + ~12 evaluations, ~1.5 min per run x 12 methods x 3 seeds ~ 55 min; moving digits, 100 iterations = the
-~150 s budget + 10 evaluations, ~3.5 min per run x 10 applicable methods x 3 seeds ~ 1 h 45 min (a method dearer
-than Flow-GRPO runs all its iterations, past the budget): ~2 h 40 min in all, best on a quiet machine.
+Duration, estimated from 3-iteration runs of every method at the full settings on the shared 2-core machine (load
+~10, so only the ratios to Flow-GRPO are used) scaled to Flow-GRPO's quiet-machine seconds per iteration (digits
+0.17 s, BENCHMARKS.md bench_branch; moving digits 1.40 s, bench_video): every run lasts at least the budget (digits
+300 x 0.17 ~ 52 s, moving digits 100 x 1.40 ~ 140 s), a dearer method its own iterations (digits: GARDO ~1.5x,
+Pref-GRPO ~1.5x, Sol-RL ~4x; moving digits: Sol-RL ~2x), a resumed one an evaluation more, plus the evaluations
+(~0.5 s / ~1 s each). Digits: ~16 budgets per seed ~ 16 min; moving digits (9 applicable methods): ~10 budgets + 100
+evaluations per seed ~ 28 min; with 3 seeds ~2 h 15 min in all (plan 2.5 h), on a quiet machine. --quick: ~1 min
+idle (70 s measured at load ~10).
 """
 
 from __future__ import annotations
@@ -154,11 +157,15 @@ def world_rows(world: str, methods: list[str], seeds: list[int], iterations: int
                "iterations": iterations, "every": every, "budget_seconds": budget}
         why = refusal(world, method)
         if why is not None:
-            rows.append({**row, "applicable": False, "reason": why})
+            rows.append({**row, "applicable": False, "reason": why, "error": None})
             continue
-        rs = flow if method == "Flow-GRPO" else runs(method, budget)
+        try:  # one method's failure is its row's, not the end of a run of hours (Flow-GRPO's is: no budget without it)
+            rs = flow if method == "Flow-GRPO" else runs(method, budget)
+        except Exception as e:  # noqa: BLE001  (recorded in the row and the block, never dropped)
+            rows.append({**row, "applicable": True, "reason": None, "error": f"{type(e).__name__}: {e}"})
+            continue
         eq = [common.at_budget(run, budget, metrics) for run in rs]
-        row |= {"applicable": True, "reason": None,
+        row |= {"applicable": True, "reason": None, "error": None,
                 "seconds_per_iter": statistics.median(common.train_seconds(r) for run in rs for r in run["rows"]),
                 "iterations_run": [run["iterations"] for run in rs],
                 "resumed": [run["iterations"] > iterations for run in rs],
@@ -170,12 +177,17 @@ def world_rows(world: str, methods: list[str], seeds: list[int], iterations: int
             row[f"{k}_before"] = rs[0]["summary"]["eval_before"][k]
         rows.append(row)
     for row in rows:
-        if row["applicable"]:
+        if measured(row):
             row["seconds_ratio"] = row["seconds_per_iter"] / rows[0]["seconds_per_iter"]
     return rows
 
 
 # ---------------------------------------------------------------------------------- sentences, all from the rows
+
+
+def measured(row: dict) -> bool:
+    """The row has measurements: the world takes the method and its runs finished."""
+    return row["applicable"] and not row.get("error")
 
 
 def ms(row: dict, k: str) -> str:
@@ -203,6 +215,8 @@ def method_sentence(row: dict, base: dict) -> str:
     name = f"{row['method']} ({row['variant']})" if row["variant"] else row["method"]
     if not row["applicable"]:
         return f"- {name}: not applicable on {row['world']}: {short(row['reason'])}."
+    if row.get("error"):
+        return f"- {name}: FAILED on {row['world']} (no measurement): {row['error']}."
     ks = WORLDS[row["world"]]["metrics"]
     if row["n_seeds"] < 2:
         vals = ", ".join(f"{LABEL[k]} {ms(row, k)} vs {ms(base, k)}" for k in ks)
@@ -230,12 +244,12 @@ def which_method_when(rows: list[dict]) -> list[str]:
     out = []
     for world in dict.fromkeys(r["world"] for r in rows):
         wr = [r for r in rows if r["world"] == world]
-        ok, base = [r for r in wr if r["applicable"]], wr[0]
+        ok, base = [r for r in wr if measured(r)], wr[0]
         n = base["n_seeds"]
         head = (f"**{world}** (budget {base['budget_seconds']:.0f} s of training, {n} seed{'s' if n > 1 else ''}"
                 f"{'' if n > 1 else ': ranks only, no claim'}):")
-        parts = []
-        for k in WORLDS[world]["metrics"]:
+        parts = [] if len(ok) > 1 else [f"only {', '.join(r['method'] for r in ok)} measured, nothing to rank"]
+        for k in WORLDS[world]["metrics"] if len(ok) > 1 else ():
             if k == "diversity":
                 continue
             best = max(ok, key=lambda r: r[f"{k}_mean"] if HIGHER[k] else -r[f"{k}_mean"])
@@ -263,6 +277,20 @@ def which_method_when(rows: list[dict]) -> list[str]:
         na = [f"{r['method']} ({short(r['reason'])})" for r in wr if not r["applicable"]]
         if na:
             out.append(f"  - not applicable: {'; '.join(na)}.")
+        failed = [r["method"] for r in wr if r["applicable"] and r.get("error")]
+        if failed:
+            out.append(f"  - FAILED (no measurement; the error in its row): {', '.join(failed)}.")
+    worlds = list(dict.fromkeys(r["world"] for r in rows))
+    if len(worlds) > 1 and rows[0]["n_seeds"] > 1:  # what holds on every world run
+        verdicts = {}
+        for r in rows:
+            if measured(r) and r["method"] != "Flow-GRPO":
+                base = next(b for b in rows if b["world"] == r["world"])
+                verdicts.setdefault(r["method"], []).append({compare(r, base, k) for k in WORLDS[r["world"]]["metrics"]})
+        for c in ("better", "worse"):
+            every = [m for m, vs in verdicts.items() if len(vs) == len(worlds) and all(c in v for v in vs)]
+            out.append(f"- on every world: {c} than Flow-GRPO beyond the spread on at least one metric: "
+                       f"{', '.join(every) or 'none'}.")
     return out
 
 
@@ -273,8 +301,9 @@ def table(rows: list[dict]) -> list[str]:
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for r in rows:
         name = f"{r['method']} ({r['variant']})" if r["variant"] else r["method"]
-        if not r["applicable"]:
-            lines.append(f"| {name} | not applicable: {short(r['reason'])} |" + " |" * (len(head) - 2))
+        if not measured(r):
+            why = f"not applicable: {short(r['reason'])}" if not r["applicable"] else "FAILED (see below)"
+            lines.append(f"| {name} | {why} |" + " |" * (len(head) - 2))
             continue
         lines.append(f"| {name} | {r['seconds_per_iter']:.2f} | {r['seconds_ratio']:.2f}× | "
                      f"{', '.join(map(str, r['iterations_at_budget']))} | " + " | ".join(ms(r, k) for k in ks) + " |")
@@ -284,7 +313,7 @@ def table(rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     standard_args(ap, "digits only, Flow-GRPO / the best tree / AWM, one seed, 10 iterations, small evaluations "
-                      "(~1.5 min)")
+                      "(~1 min)")
     ap.add_argument("--worlds", nargs="+", choices=list(WORLDS), help="default both; --quick digits")
     ap.add_argument("--methods", nargs="+", choices=list(METHODS),
                     help="default all; --quick the best tree and AWM (Flow-GRPO always runs: it sets the budget)")

@@ -819,3 +819,14 @@ def test_bench_methods_calls_a_difference_only_beyond_the_seed_spread():
     assert summary[3] == "  - diversity below 0.95x the real data's (2.30): DPO."
     assert summary[4].startswith("  - the demo's goal (accuracy >= 0.99, FD <= 20, diversity >= 0.95x real) at this "
                                  "budget: none")
+    failed = {**row("DGPO", (0.0, 0.0), (0.0, 0.0)), "error": "RuntimeError: nan loss"}
+    assert bench.method_sentence(failed, base) == "- DGPO: FAILED on digits (no measurement): RuntimeError: nan loss."
+    assert "  - FAILED (no measurement; the error in its row): DGPO." in bench.which_method_when([base, awm, failed])
+    na = {"world": "digits", "method": "ReFL", "variant": None, "applicable": False, "reason": "x is invalid: why; fix"}
+    for r in (base, awm):
+        r["seconds_per_iter"], r["seconds_ratio"], r["iterations_at_budget"] = 0.2, 1.0, [300, 300, 300]
+    t = bench.table([base, awm, na, failed])
+    assert len(t) == 2 + 4 and t[4] == "| ReFL | not applicable: why |" + " |" * 6 and "FAILED" in t[5]
+    assert t[3].startswith("| AWM | 0.20 | 1.00× | 300, 300, 300 | 0.950 ± 0.010 | 35.0 ± 1.0 |")
+    assert bench.which_method_when([base, na])[0] == ("- **digits** (budget 56 s of training, 3 seeds): only Flow-GRPO "
+                                                      "measured, nothing to rank.")
