@@ -8,11 +8,11 @@ rollout copy, and the README's family table names a test or benchmark row for ev
 A family added to the table gets these checks for free. Each training case is ONE iteration on the family's tiny
 pipeline (tests/test_train_diffusers.py's SMALL settings: 2 prompts x 4 samples, 3 steps) with the rollout copy built
 from the family's own `quant_preset` skip list, emulated on CPU (min_dim 0: at tiny widths every layer is below the
-real models' size threshold, so the skip list alone decides). It checks:
+real models' size threshold, so the skip list alone decides; 2-4 s a case on 2 cores). It checks:
 a. trees (nvfp4 copy): the copy quantized exactly the transformer's linear layers the preset does not skip; the tree's
    trained edges and the NFE split (tree on the copy, proximal log-probs at full precision) are the closed-form
    counts (difrl.branching); the copy is another policy (a log-prob gap) and the first micro-step's ratio against the
-   recomputed proximal policy is 1; every LoRA B moved, no base weight did.
+   recomputed proximal policy is 1; every LoRA B moved, no base weight is trainable.
 b. Sol-RL (fp8 copy): the same quantized set; the candidates came from the quantized copy (deterministic, preview
    steps), the regenerated ones are a subset of their seeds sampled at full precision; the NFE counts and the trained
    samples are the configured ones; ratio 1 on the first micro-step; every LoRA B moved.
@@ -71,8 +71,10 @@ def _check_copy(copy, policy, fmt: str) -> None:
     """The copy quantized exactly the transformer's linear layers that no skip entry of the family's preset names,
     and kept every named one in high precision (by name: min_dim 0 skips nothing by size)."""
     skip = policy.quant_preset["skip"]
-    linears = [n for n, m in policy.pipe.transformer.named_modules() if isinstance(m, torch.nn.Linear)]
-    linears = [n.replace(".base_layer", "") for n in linears if not n.endswith(("lora_A.default", "lora_B.default"))]
+    net = policy.module.get_base_model() if hasattr(policy.module, "get_base_model") else policy.module  # what the
+    # copy copies: the trained network without peft's wrapper (its LoRA layers folded back into their base linears)
+    linears = [n.replace(".base_layer", "") for n, m in net.named_modules()
+               if isinstance(m, torch.nn.Linear) and ".lora_" not in n]
     kept = {n for n in linears if any(s in n for s in skip)}
     assert copy.fmt == fmt and len(copy.report.rows) == len(linears)
     assert set(copy.report.quantized) == set(linears) - kept and copy.report.quantized
@@ -81,8 +83,8 @@ def _check_copy(copy, policy, fmt: str) -> None:
 
 
 def _check_lora_trained(seen) -> None:
-    """One update from LoRA B = 0: every LoRA B moved (its gradient is A's input projection, nonzero), no base
-    weight did (A's gradient is zero at B = 0, so only B is asserted)."""
+    """One update from LoRA B = 0: every LoRA B moved (its gradient is A's input projection, nonzero; A's is zero at
+    B = 0, so only B is asserted) but the structurally dead one, and no base weight is trainable."""
     policy = seen["world"].policy
     after = dict(policy.module.named_parameters())
     b_init = {n: v for n, v in seen["init"].items() if "lora_B" in n}
