@@ -60,6 +60,11 @@ CASES = [
      [*LLADA, "train.lora.enabled=false"], None),
     ("LLaDA-8B LoRA r16, 64-token answers, 32 sampler steps", "configs/text_arithmetic.yaml",
      [*LLADA, "train.lora.enabled=true"], None),
+    # Sol-RL's candidate stage is not simulated (difrl plan: flat rollouts): the regeneration rollout and NFT's update
+    ("SANA-1.6B LoRA r32, Sol-RL's rollout + NFT update, micro-batch 96, grad. checkpointing", "configs/sana_sol_rl.yaml",
+     ["rollout.kind=flat"], 72),
+    ("SANA-1.6B full, Sol-RL's rollout + NFT update, micro-batch 96, grad. checkpointing", "configs/sana_sol_rl.yaml",
+     ["rollout.kind=flat", "train.lora.enabled=false"], 72),
 ]
 
 

@@ -1,12 +1,12 @@
-"""SD3 and Wan 2.1 (tiny diffusers pipelines) under FSDP2 on 2 CPU processes (gloo) equal one unsharded process.
+"""SD3, Wan 2.1 and SANA (tiny diffusers pipelines) under FSDP2 on 2 CPU processes (gloo) equal one unsharded process.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_fsdp_families.py -q           # the launch's tests are slow: one launch, ~2 min
 
 tests/test_fsdp.py does FLUX (and the masked LM); this file gives the other diffusers families the same proof, with
 as few launches as the check allows: ONE `accelerate launch --config_file configs/accelerate/fsdp.yaml
---num_processes 2` runs the four trainings (SD3 full fine-tuning, SD3 LoRA, Wan full fine-tuning, Wan LoRA) one after
-another through the entry scripts' own main (tests/many_runs.py: what scripts/train_sd3.py and train_wan.py run),
-and the four one-process references run in this test process (train(cfg)). Each run is as small as the check allows:
+--num_processes 2` runs the six trainings (SD3, Wan and SANA, each full fine-tuning and LoRA) one after another
+through the entry scripts' own main (tests/many_runs.py: what scripts/train_sd3.py, train_wan.py and train_sana.py
+run), and the six one-process references run in this test process (train(cfg)). Each run is as small as the check allows:
 2 prompts x 2 samples (4 per iteration: 1 process accumulates 2 micro-batches of 2 samples, 2 processes take 1 each),
 2 denoising steps (1 trained), 3 iterations, the KL to the reference on (full fine-tuning: the frozen copy, sharded
 the same way; LoRA: the adapter switched off), SD3 with true CFG (the batched [uncond; cond] forward). Rollouts run in
@@ -20,8 +20,8 @@ training checkpoints take under FSDP. transformer/ loads with the diffusers clas
 pipeline's load_lora_weights.
 
 The same launch runs SD3 full fine-tuning with model.dtype=bf16 (fp32 masters gathered in bf16): ratio 1 on the first
-micro-step, transformer/ in bf16. Fast, in this process: under FSDP's bf16 the timestep reaches SD3's and Wan's
-timestep embedding in fp32 (the adapters' fsdp_fp32_inputs; FSDP's input cast alone rounds it).
+micro-step, transformer/ in bf16. Fast, in this process: under FSDP's bf16 the timestep reaches SD3's, Wan's and
+SANA's timestep embedding in fp32 (the adapters' fsdp_fp32_inputs; FSDP's input cast alone rounds it).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ FAMILIES = {  # kind -> (config, diffusers transformer class, pipeline class, bl
     "sd3": ("sd3_tiny.yaml", "SD3Transformer2DModel", "StableDiffusion3Pipeline", "JointTransformerBlock",
             ["sampler.guidance=4.0"]),  # true CFG: one batched [uncond; cond] forward per step
     "wan": ("wan_tiny.yaml", "WanTransformer3DModel", "WanPipeline", "WanTransformerBlock", []),
+    "sana": ("sana_tiny.yaml", "SanaTransformer2DModel", "SanaPipeline", "SanaTransformerBlock", []),
 }
 MODES = {"full": ["train.lora.enabled=false"], "lora": []}
 SMALL = ["threads=1", "rollout.prompts_per_iter=2", "rollout.group_size=2", "sampler.num_steps=2",
@@ -96,7 +97,7 @@ def weights(run_dir: Path, mode: str) -> dict[str, torch.Tensor]:
     return load_safetensors_checked(run_dir / WEIGHTS[mode], mode)[0]
 
 
-@pytest.mark.slow  # shares the module's runs: one 2-process launch (4 trainings) and 4 one-process trainings, ~1-2 min
+@pytest.mark.slow  # shares the module's runs: one 2-process launch (6 trainings) and 6 one-process trainings, ~2-3 min
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("kind", list(FAMILIES))
 def test_fsdp_equals_one_process(runs, pipes, kind, mode):
@@ -169,7 +170,9 @@ def test_the_timestep_reaches_the_embedding_in_fp32_under_fsdp_bf16(pipes):
     sigma = torch.tensor([0.7379])
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        for kind, embedder in (("sd3", "time_text_embed"), ("wan", "condition_embedder")):
+        # kind, its timestep embedder, the module whose first input is the prompt's (None: the embedder's second)
+        for kind, embedder, text in (("sd3", "time_text_embed", None), ("wan", "condition_embedder", None),
+                                     ("sana", "time_embed", "caption_projection")):
             for keep in (False, True):
                 policy = load_flow_policy(kind, pipes[kind], height=32, width=32, max_sequence_length=16,
                                           **({"num_frames": 5} if kind == "wan" else {}))
@@ -178,7 +181,10 @@ def test_the_timestep_reaches_the_embedding_in_fp32_under_fsdp_bf16(pipes):
                                       fp32_inputs=policy.fsdp_fp32_inputs if keep else ())
                 seen = {}  # the embedder's (timestep, pooled projections | prompt embeddings) as it is called
                 getattr(policy.module, embedder).register_forward_pre_hook(
-                    lambda m, a, k: seen.update(t=a[0].clone(), cond=a[1].dtype), with_kwargs=True)
+                    lambda m, a, k: seen.update(t=a[0].clone(), **({} if text else {"cond": a[1].dtype})),
+                    with_kwargs=True)
+                if text:
+                    getattr(policy.module, text).register_forward_pre_hook(lambda m, a: seen.update(cond=a[0].dtype))
                 x = torch.randn(1, *policy.latent_shape, generator=torch.Generator().manual_seed(0))
                 v = policy.velocity(x, sigma, policy.encode(["a red dog"]))
                 assert v.shape == x.shape and bool(v.isfinite().all()) and seen["cond"] == torch.bfloat16

@@ -86,3 +86,17 @@ def tiny_image_vae():
                          up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(4, 8), layers_per_block=1,
                          latent_channels=4, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
                          shift_factor=0.0609, scaling_factor=1.5035)
+
+
+def tiny_gemma_tokenizer():
+    """Character-level GemmaTokenizer (BPE with no merges, byte fallback): pad 0, eos 1, bos 2, unk 3, mask 4, the 256
+    byte tokens <0x00>..<0xFF>, then the word marker and the printable ASCII characters, so any prompt tokenizes."""
+    from transformers import GemmaTokenizer
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for sym in ["\u2581"] + [c for c in string.printable if c not in " \t\n\r\x0b\x0c"]:
+        vocab.setdefault(sym, len(vocab))
+    # <bos> first and right padding, as the real Gemma-2 tokenizer (SanaPipeline sets padding_side = "right" itself)
+    return GemmaTokenizer(vocab=vocab, merges=[], add_bos_token=True, add_eos_token=False, padding_side="right")

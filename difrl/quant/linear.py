@@ -37,8 +37,16 @@ from difrl.quant import torch_fp8
 QUANT_PRESETS: dict[str, dict] = {
     "flux": {"skip": ("x_embedder", "context_embedder", "time_text_embed", "norm_out"), "min_dim": 1000},
     "sd3": {"skip": ("pos_embed", "context_embedder", "time_text_embed", "norm_out", "norm1", "ff_context"), "min_dim": 2432},
-    "sana": {"skip": ("t_embedder", "t_block", "cfg_embedder", "y_embedder", "x_embedder", "final_layer", "logvar_linear",
-                      "attn.qkv"), "min_dim": 2240},
+    # SANA: Sol-RL's list (t_embedder, t_block, cfg_embedder, y_embedder, x_embedder, final_layer, logvar_linear, attn.qkv;
+    # min_dim 2240, NVlabs/Sana configs/sol_rl/sana.py) names its native model, where it quantizes exactly the layers
+    # wider than 2240: cross_attn.kv_linear (2240 -> 4480) and the LinearFFN's. In diffusers' names
+    # (scripts/convert_sana_to_diffusers.py) time_embed holds t_embedder / t_block / cfg_embedder, caption_projection is
+    # y_embedder, patch_embed x_embedder, proj_out final_layer; kv_linear is split into attn2.to_k / to_v (2240 -> 2240
+    # each, which min_dim 2240 would keep exact), so the same layers are chosen by name with min_dim 0: every other
+    # projection (attn1.* = attn.qkv and attn.proj, attn2.to_q = q_linear, attn2.to_out = proj) stays exact. The
+    # diffusers checkpoint's FFN is convolutions (GLUMBConv), which no preset quantizes (Linear layers only).
+    "sana": {"skip": ("time_embed", "caption_projection", "patch_embed", "proj_out", "attn1.", "attn2.to_q",
+                      "attn2.to_out"), "min_dim": 0},
     "wan": {"skip": ("patch_embedding", "condition_embedder", "proj_out", "norm_out"), "min_dim": 1000},
     "digits": {"skip": ("x_in", "t_mlp", "x_out"), "min_dim": 0},
 }
