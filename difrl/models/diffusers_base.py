@@ -225,6 +225,7 @@ class DiffusersFlowPolicy(ComputeDevice):
             tok = getattr(self.pipe, name, None)
             if tok is None:
                 continue
+            tok = getattr(tok, "tokenizer", tok)  # a processor (FLUX.2 [dev]'s PixtralProcessor) wraps its tokenizer
             limit = tok.model_max_length if type(tok).__name__.startswith("CLIP") else self.max_sequence_length
             lengths = [len(ids) for ids in tok(prompts, verbose=False)["input_ids"]]
             over = {p for p, n in zip(prompts, lengths) if n > limit}
