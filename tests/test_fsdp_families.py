@@ -1,4 +1,4 @@
-"""SD3 and Wan 2.1 (tiny diffusers pipelines) under FSDP2 on 2 CPU processes (gloo) equal one unsharded process.
+"""SD3, Wan 2.1, FLUX.2 [dev] and [klein] (tiny diffusers pipelines) under FSDP2 on 2 CPU processes (gloo) equal one unsharded process.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_fsdp_families.py -q           # the launch's tests are slow: one launch, ~2 min
 
@@ -42,6 +42,11 @@ FAMILIES = {  # kind -> (config, diffusers transformer class, pipeline class, bl
     "sd3": ("sd3_tiny.yaml", "SD3Transformer2DModel", "StableDiffusion3Pipeline", "JointTransformerBlock",
             ["sampler.guidance=4.0"]),  # true CFG: one batched [uncond; cond] forward per step
     "wan": ("wan_tiny.yaml", "WanTransformer3DModel", "WanPipeline", "WanTransformerBlock", []),
+    # FLUX.2: embedded guidance ([dev]) and true CFG ([klein] base); one double- and one single-stream block
+    "flux2": ("flux2_tiny.yaml", "Flux2Transformer2DModel", "Flux2Pipeline",
+              "Flux2SingleTransformerBlock, Flux2TransformerBlock", []),
+    "flux2_klein": ("flux2_klein_tiny.yaml", "Flux2Transformer2DModel", "Flux2KleinPipeline",
+                    "Flux2SingleTransformerBlock, Flux2TransformerBlock", ["sampler.guidance=4.0"]),
 }
 MODES = {"full": ["train.lora.enabled=false"], "lora": []}
 SMALL = ["threads=1", "rollout.prompts_per_iter=2", "rollout.group_size=2", "sampler.num_steps=2",
