@@ -182,11 +182,11 @@ SKIP = {
     "accelerate launch --config_file configs/accelerate/ddp.yaml scripts/train_flux2.py configs/flux2_flow_grpo.yaml "
     "model.path=/models/FLUX.2-dev model.prompt_file=prompts.txt": GPU_MODEL,
     "python scripts/train_flux2.py configs/flux2_flow_grpo.yaml model.path=/models/FLUX.2-dev "
-    "model.prompt_file=prompts.txt": GPU_MODEL,
+    "model.prompt_file=prompts.txt train.grad_accum=384": GPU_MODEL,
     "accelerate launch --config_file configs/accelerate/ddp.yaml scripts/train_flux2_klein.py "
     "configs/flux2_klein_flow_grpo.yaml model.path=/models/FLUX.2-klein-base-9B model.prompt_file=prompts.txt": GPU_MODEL,
     "python scripts/train_flux2_klein.py configs/flux2_klein_flow_grpo.yaml model.path=/models/FLUX.2-klein-base-9B "
-    "model.prompt_file=prompts.txt": GPU_MODEL,
+    "model.prompt_file=prompts.txt train.grad_accum=384": GPU_MODEL,
     "accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no "
     "scripts/train_flux2.py configs/flux2_tiny.yaml train.grad_accum=2": "as the sd3_tiny line, for FLUX.2 [dev] "
         "(tests/test_fsdp_families.py launches it on 2 processes under FSDP)",

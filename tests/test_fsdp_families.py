@@ -42,10 +42,9 @@ FAMILIES = {  # kind -> (config, diffusers transformer class, pipeline class, bl
     "sd3": ("sd3_tiny.yaml", "SD3Transformer2DModel", "StableDiffusion3Pipeline", "JointTransformerBlock",
             ["sampler.guidance=4.0"]),  # true CFG: one batched [uncond; cond] forward per step
     "wan": ("wan_tiny.yaml", "WanTransformer3DModel", "WanPipeline", "WanTransformerBlock", []),
-    # FLUX.2: embedded guidance 4 ([dev]); one double- and one single-stream block. [klein] runs without CFG: with true CFG
-    # its full fine-tuning drifted between 1 and 2 processes by 2e-5 relative by the 3rd iteration (adv_std; the first
-    # two equal), above the rtol below (CFG under FSDP: SD3's case). Their tiny LoRAs get ~10x smaller gradients than
-    # SD3's here (B moved ~1e-4 in the 3 iterations): LoRA scale alpha / r = 64 moves B past the 1e-3 check below
+    # FLUX.2: embedded guidance 4 ([dev]), no CFG ([klein]: true CFG under FSDP is SD3's case); one double- and one
+    # single-stream block. Their tiny LoRAs get ~10x smaller gradients than SD3's here (B moved ~1e-4 in the 3
+    # iterations): LoRA scale alpha / r = 64 moves B past the 1e-3 check below
     "flux2": ("flux2_tiny.yaml", "Flux2Transformer2DModel", "Flux2Pipeline",
               "Flux2SingleTransformerBlock, Flux2TransformerBlock", ["train.lora.alpha=256"]),
     "flux2_klein": ("flux2_klein_tiny.yaml", "Flux2Transformer2DModel", "Flux2KleinPipeline",

@@ -149,7 +149,7 @@ class Flux2Policy(DiffusersFlowPolicy):
         tok = processor.tokenizer
         encoder = Mistral3ForConditionalGeneration(Mistral3Config(**tiny_mistral3_kwargs(
             len(tok), tok.convert_tokens_to_ids("[IMG]"))))
-        return diffusers.Flux2Pipeline(transformer=_tiny_transformer(48, 16, guidance_embeds=True), vae=_tiny_vae(),
+        return diffusers.Flux2Pipeline(transformer=_tiny_transformer(48, 2.0, guidance_embeds=True), vae=_tiny_vae(),
                                        text_encoder=encoder, tokenizer=processor, scheduler=_scheduler())
 
 
@@ -180,20 +180,20 @@ class Flux2KleinPolicy(Flux2Policy):
 
         tok = tiny_qwen_tokenizer()
         return diffusers.Flux2KleinPipeline(
-            transformer=_tiny_transformer(48, 8, guidance_embeds=False), vae=_tiny_vae(),
+            transformer=_tiny_transformer(48, 3.0, guidance_embeds=False), vae=_tiny_vae(),
             text_encoder=Qwen3ForCausalLM(Qwen3Config(**tiny_qwen3_kwargs(len(tok)))), tokenizer=tok,
             scheduler=_scheduler(), is_distilled=False)
 
 
-def _tiny_transformer(text_dim: int, head_dim: int, guidance_embeds: bool):
+def _tiny_transformer(text_dim: int, mlp_ratio: float, guidance_embeds: bool):
     import diffusers
 
-    # in_channels = 4 x 4 VAE channels; the 4 rope axes (t, h, w, l) sum to the head dim. [dev] and [klein] get other
-    # widths, so that one's LoRA does not fit the other (as for the real 6144- and 4096-wide models)
+    # in_channels = 4 x 4 VAE channels; the 4 rope axes (t, h, w, l) sum to the head dim 16. [dev] and [klein] get other
+    # MLP widths, so that one's LoRA does not fit the other (the real ones differ in width: 6144 and 4096)
     return diffusers.Flux2Transformer2DModel(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=head_dim,
-        num_attention_heads=2, joint_attention_dim=text_dim, timestep_guidance_channels=32, mlp_ratio=2.0,
-        axes_dims_rope=(head_dim // 4,) * 4, guidance_embeds=guidance_embeds)
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=text_dim, timestep_guidance_channels=32, mlp_ratio=mlp_ratio, axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=guidance_embeds)
 
 
 def _tiny_vae():
