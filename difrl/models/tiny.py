@@ -10,9 +10,11 @@ loading, encoding, timestep scaling, packing and decoding run exactly as on the 
 the sizes are tiny (1-2 layers, hidden size 16-32). Tokenizers are built from in-memory
 vocabularies (ecosystem.md §1.2): a character-level CLIP BPE (the 256 byte-level symbols, each also
 with the end-of-word marker, and no merges) and a character-level T5 unigram vocabulary, so any
-prompt tokenizes and nothing is read from a hub.
+prompt tokenizes and nothing is read from a hub. The chat-template encoders of FLUX.2 (Qwen3, Mistral3) get
+byte-level BPE tokenizers with their templates' markers as single tokens, and 28 / 31 layers of width 16 (the
+pipelines read hidden states 9, 18, 27 / 10, 20, 30).
 
-Each family's sizes and scheduler are in its `tiny_pipeline` (difrl/models/flux.py, sd3.py, wan.py):
+Each family's sizes and scheduler are in its `tiny_pipeline` (difrl/models/flux.py, sd3.py, wan.py, flux2.py):
 a new model kind in difrl/models/adapters.py gets a tiny pipeline by defining that method (the family files
 import these parts; this file imports none of them).
 """
