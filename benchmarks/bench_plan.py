@@ -3,11 +3,11 @@
     python benchmarks/bench_plan.py [--quick] [--json PATH] [--no-write] [--jobs N]
 
 Each row is `difrl plan` (difrl/train/planner.py) of a published recipe config at the size of the family's reference
-checkpoint (FLUX.1-dev, SD3.5-Large, Wan 2.1 T2V 14B, LLaDA-8B: difrl/assets/arch/), at 1, 8 and 16 GPUs: the
-trainer's own setup, one rollout forward batch (the masked trainer: the process's samples, every sampler step) and the
-update's first and last micro-steps, on fake tensors under a fake process group (FSDP2 above one GPU, one plain
-process at one). The flow configs' train.grad_accum is set per GPU count to keep their published updates per rollout
-(the configs' headers give the formula); the masked config keeps them by itself (train.micro_batch=auto). LLaDA-8B
+checkpoint (FLUX.1-dev, SD3.5-Large, Wan 2.1 T2V 14B, LLaDA-8B, FLUX.2-dev, FLUX.2-klein-base-9B:
+difrl/assets/arch/), at 1, 8 and 16 GPUs: the trainer's own setup, one rollout forward batch (the masked trainer:
+the process's samples, every sampler step) and the update's first and last micro-steps, on fake tensors under a fake
+process group (FSDP2 above one GPU, one plain process at one). The flow configs' train.grad_accum is set per GPU
+count to keep their published updates per rollout (the configs' headers give the formula); the masked config keeps them by itself (train.micro_batch=auto). LLaDA-8B
 runs README's command (configs/text_arithmetic.yaml with a 64-token answer in 2 blocks of 32 sampler steps).
 Simulated on a CPU, never measured on a GPU; not simulated: reward models, evaluation, checkpoint writes, CUDA
 allocator fragmentation and context, NCCL buffers (every row's `not_simulated`). A plan fits when its peak (setup's
@@ -65,6 +65,12 @@ CASES = [
      ["rollout.kind=flat"], 72),
     ("SANA-1.6B full, Sol-RL's rollout + NFT update, micro-batch 96, grad. checkpointing", "configs/sana_sol_rl.yaml",
      ["rollout.kind=flat", "train.lora.enabled=false"], 72),
+    # FLUX.2 (Flow-Factory's recipes): 768 samples per rollout in 2 updates of 1-transition micro-batches
+    ("FLUX.2-dev LoRA r64, EMA + KL ref, grad. checkpointing", "configs/flux2_flow_grpo.yaml", [], 384),
+    ("FLUX.2-dev full, EMA + KL ref, grad. checkpointing", "configs/flux2_flow_grpo.yaml",
+     ["train.lora.enabled=false"], 384),
+    ("FLUX.2-klein-base-9B LoRA r64, EMA, true CFG", "configs/flux2_klein_flow_grpo.yaml", [], 384),
+    ("FLUX.2-klein-base-9B full, EMA, true CFG", "configs/flux2_klein_flow_grpo.yaml", ["train.lora.enabled=false"], 384),
 ]
 
 

@@ -44,9 +44,14 @@ PROMPTS = ["a photo of a cat", "a red dog"]
 SEEDS = torch.tensor([11, 12])
 N_STEPS = 3
 # guidance off / on for each model (default: true CFG's 1 and 4); Flux's value is the embedded distilled guidance
-GUIDANCE = {"flux": [1.0, 3.5]}
+GUIDANCE = {"flux": [1.0, 3.5], "flux2": [1.0, 4.0]}
 # one sample's latent at 32x32 (Wan: 5 frames), see the family files' docstrings; another family: its pipeline's own
-LATENT_SHAPE = {"flux": (64, 16), "sd3": (4, 16, 16), "wan": (16, 2, 4, 4), "sana": (4, 16, 16)}
+LATENT_SHAPE = {"flux": (64, 16), "sd3": (4, 16, 16), "wan": (16, 2, 4, 4), "sana": (4, 16, 16),
+                "flux2": (16, 8, 8),
+                "flux2_klein": (16, 8, 8)}
+# a policy latent as its pipeline returns it for output_type="latent" (default: the same tensor): FLUX.2 [dev] returns
+# its tokens [B, h w, 4C], [klein] the VAE latent (batch norm undone, patches unfolded) [B, C, 2h, 2w]
+PIPELINE_LATENT = {"flux2": lambda policy, x: policy.pack(x), "flux2_klein": lambda policy, x: policy._vae_latents(x)}
 ATOL = 1e-5
 
 
@@ -116,8 +121,8 @@ def pipe_output(kind, pipe, latents, guidance, output_type, **extra):
     kw = dict(SIZE, num_inference_steps=N_STEPS, guidance_scale=guidance, latents=latents.clone(),
               output_type=output_type, max_sequence_length=TEXT_LEN, **extra)
     if video(kind):
-        return pipe(PROMPTS, num_frames=FRAMES, **kw).frames  # [B, F, C, H, W]: difrl's video layout too
-    return pipe(PROMPTS, **kw).images
+        return pipe(prompt=PROMPTS, num_frames=FRAMES, **kw).frames  # [B, F, C, H, W]: difrl's video layout too
+    return pipe(prompt=PROMPTS, **kw).images  # by name: FLUX.2's first argument is a conditioning image
 
 
 # ---- a. loading and bad directories ----------------------------------------------------------------
@@ -184,10 +189,11 @@ def test_ode_rollout_equals_pipeline(kind, policies):
     for guidance in guidances(kind):
         batch = rollout(policy, PROMPTS, SEEDS, sigmas, kernel="ode", guidance=guidance)
         lat = pipe_output(kind, policy.pipe, latents0, guidance, "latent")
-        assert lat.shape == batch.x_final.shape, (kind, lat.shape)  # latent_shape is the pipeline's latent
+        final = PIPELINE_LATENT.get(kind, lambda policy, x: x)(policy, batch.x_final)
+        assert lat.shape == final.shape, (kind, lat.shape)  # latent_shape is the pipeline's latent
         # the helper gives the pipeline's schedule (Flux: dynamic shift mu from the sequence length)
         torch.testing.assert_close(policy.pipe.scheduler.sigmas.float().cpu(), sigmas, rtol=0, atol=0)
-        assert (lat - batch.x_final).abs().max() < ATOL, (kind, guidance)
+        assert (lat - final).abs().max() < ATOL, (kind, guidance)
         images = pipe_output(kind, policy.pipe, latents0, guidance, "pt")
         assert (images - policy.decode(batch.x_final)).abs().max() < ATOL, (kind, guidance)
 
@@ -422,7 +428,7 @@ def test_forwards_per_step_counts_the_rows_the_transformer_sees(kind, tiny_dirs,
     for guidance in (1.0, 3.5):
         assert forwards_per_step(policy, guidance) == rows_seen(policy, guidance), (kind, guidance)
     if kind in BUILTIN_ADAPTERS:
-        assert forwards_per_step(policy, 3.5) == (1 if kind == "flux" else 2)
+        assert forwards_per_step(policy, 3.5) == (1 if kind in ("flux", "flux2") else 2)  # embedded guidance: 1
     if kind == "flux":
         cfg = load_flow_policy("flux", tiny_dirs("flux"), true_cfg_scale=2.5, **policy_options("flux"))
         assert forwards_per_step(cfg, 3.5) == rows_seen(cfg, 3.5) == 2

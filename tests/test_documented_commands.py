@@ -176,6 +176,26 @@ SKIP = {
     "accelerate launch --config_file configs/accelerate/ddp.yaml --num_processes 2 -m difrl train configs/sudoku.yaml":
         "2 gloo processes: tests/test_masked_dp.py runs this launch (with DDP and FSDP, Sudoku and the text task) and "
         "checks that it equals one process; the 2-process plan is checked here",
+    # FLUX.2 [dev] and [klein]: the real models' commands, and the tiny configs' 2-process launches
+    "accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes 8 scripts/train_flux2.py "
+    "configs/flux2_flow_grpo.yaml model.path=/models/FLUX.2-dev model.prompt_file=/data/prompts.txt": GPU_MODEL,
+    "accelerate launch --config_file configs/accelerate/ddp.yaml --num_processes 8 scripts/train_flux2_klein.py "
+    "configs/flux2_klein_flow_grpo.yaml model.path=/models/FLUX.2-klein-base-9B model.prompt_file=/data/prompts.txt":
+        GPU_MODEL,
+    "accelerate launch --config_file configs/accelerate/ddp.yaml scripts/train_flux2.py configs/flux2_flow_grpo.yaml "
+    "model.path=/models/FLUX.2-dev model.prompt_file=prompts.txt": GPU_MODEL,
+    "python scripts/train_flux2.py configs/flux2_flow_grpo.yaml model.path=/models/FLUX.2-dev "
+    "model.prompt_file=prompts.txt train.grad_accum=384": GPU_MODEL,
+    "accelerate launch --config_file configs/accelerate/ddp.yaml scripts/train_flux2_klein.py "
+    "configs/flux2_klein_flow_grpo.yaml model.path=/models/FLUX.2-klein-base-9B model.prompt_file=prompts.txt": GPU_MODEL,
+    "python scripts/train_flux2_klein.py configs/flux2_klein_flow_grpo.yaml model.path=/models/FLUX.2-klein-base-9B "
+    "model.prompt_file=prompts.txt train.grad_accum=384": GPU_MODEL,
+    "accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no "
+    "scripts/train_flux2.py configs/flux2_tiny.yaml train.grad_accum=2": "as the sd3_tiny line, for FLUX.2 [dev] "
+        "(tests/test_fsdp_families.py launches it on 2 processes under FSDP)",
+    "accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no "
+    "scripts/train_flux2_klein.py configs/flux2_klein_tiny.yaml train.grad_accum=2": "as the sd3_tiny line, for FLUX.2 "
+        "[klein] (tests/test_fsdp_families.py launches it on 2 processes under FSDP)",
 }
 # appended to every run of a world's training / evaluation: short, one thread, small evaluations
 SMALL = {

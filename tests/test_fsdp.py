@@ -370,7 +370,8 @@ def test_block_classes_and_tied_weights():
     # registered ones too: tests/test_diffusers_models.py::test_block_classes_are_the_transformers_repeated_...)
     for kind, cls in BUILTIN_ADAPTERS.items():
         model_cls = {"flux": "FluxTransformer2DModel", "sd3": "SD3Transformer2DModel", "wan": "WanTransformer3DModel",
-                     "sana": "SanaTransformer2DModel"}[kind]
+                     "sana": "SanaTransformer2DModel", "flux2": "Flux2Transformer2DModel",
+                     "flux2_klein": "Flux2Transformer2DModel"}[kind]
         assert set(cls.block_classes) <= set(getattr(diffusers, model_cls)._no_split_modules), kind
 
     class Block(nn.Module):

@@ -1,4 +1,4 @@
-"""SD3, Wan 2.1 and SANA (tiny diffusers pipelines) under FSDP2 on 2 CPU processes (gloo) equal one unsharded process.
+"""SD3, Wan 2.1, SANA, FLUX.2 [dev] and [klein] (tiny diffusers pipelines) under FSDP2 on 2 CPU processes (gloo) equal one unsharded process.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_fsdp_families.py -q           # the launch's tests are slow: one launch, ~2 min
 
@@ -43,6 +43,13 @@ FAMILIES = {  # kind -> (config, diffusers transformer class, pipeline class, bl
             ["sampler.guidance=4.0"]),  # true CFG: one batched [uncond; cond] forward per step
     "wan": ("wan_tiny.yaml", "WanTransformer3DModel", "WanPipeline", "WanTransformerBlock", []),
     "sana": ("sana_tiny.yaml", "SanaTransformer2DModel", "SanaPipeline", "SanaTransformerBlock", []),
+    # FLUX.2: embedded guidance 4 ([dev]), true CFG 4 ([klein] base: [uncond; cond]); one double- and one single-stream
+    # block. Their tiny LoRAs get ~10x smaller gradients than SD3's here (B moved ~1e-4 in the 3 iterations): LoRA
+    # scale alpha / r = 64 moves B past the 1e-3 check below
+    "flux2": ("flux2_tiny.yaml", "Flux2Transformer2DModel", "Flux2Pipeline",
+              "Flux2SingleTransformerBlock, Flux2TransformerBlock", ["train.lora.alpha=256"]),
+    "flux2_klein": ("flux2_klein_tiny.yaml", "Flux2Transformer2DModel", "Flux2KleinPipeline",
+                    "Flux2SingleTransformerBlock, Flux2TransformerBlock", ["sampler.guidance=4.0", "train.lora.alpha=256"]),
 }
 MODES = {"full": ["train.lora.enabled=false"], "lora": []}
 SMALL = ["threads=1", "rollout.prompts_per_iter=2", "rollout.group_size=2", "sampler.num_steps=2",

@@ -56,8 +56,10 @@ def test_shipped_architectures_have_the_published_sizes():
     from difrl.models.arch import ARCHS, arch_dir, parameter_count
 
     published = {"flux1-dev": 11.90e9, "sd3.5-large": 8.06e9, "wan2.1-t2v-14b": 14.29e9,  # difrl/assets/arch/README.md
-                 "sana-1.6b": 1.604e9}  # the SANA paper's 1604M
-    kinds = {"flux1-dev": "flux", "sd3.5-large": "sd3", "wan2.1-t2v-14b": "wan", "sana-1.6b": "sana"}
+                 "sana-1.6b": 1.604e9,  # the SANA paper's 1604M
+                 "flux2-dev": 32.22e9, "flux2-klein-base-9b": 9.08e9}
+    kinds = {"flux1-dev": "flux", "sd3.5-large": "sd3", "wan2.1-t2v-14b": "wan", "sana-1.6b": "sana",
+             "flux2-dev": "flux2", "flux2-klein-base-9b": "flux2_klein"}
     assert set(ARCHS) == set(published)
     for name, size in published.items():
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -167,7 +169,7 @@ def test_fsdp_accumulation_keeps_gradients_sharded(tiny_flux, monkeypatch):
     assert old["unsharded_grads_gib"] >= 1.9 * row["grads_gib"]
 
 
-@pytest.mark.parametrize("kind", ["flux", "sd3", "wan"])
+@pytest.mark.parametrize("kind", ["flux", "sd3", "wan", "flux2", "flux2_klein"])
 def test_fsdp_blocks_take_inputs_in_the_dtype_the_model_computed(kind, one_process_group):
     """Item 2: the dtype of every floating input of every transformer block (tuples too: FLUX's rotary (cos, sin)),
     sharded with bf16 mixed precision (model.dtype=bf16: fp32 masters, autocast) and unsharded: the same. Before the

@@ -32,7 +32,7 @@ from torch import nn
 ARCH_ROOT = Path(__file__).resolve().parent.parent / "assets" / "arch"
 # the reference checkpoint of each family: what difrl plan simulates when model.path is not a local directory
 REFERENCE_ARCH = {"flux": "flux1-dev", "sd3": "sd3.5-large", "wan": "wan2.1-t2v-14b", "hf_masked": "llada-8b",
-                  "sana": "sana-1.6b"}
+                  "sana": "sana-1.6b", "flux2": "flux2-dev", "flux2_klein": "flux2-klein-base-9b"}
 ARCHS = tuple(sorted(p.name for p in ARCH_ROOT.iterdir() if (p / "model_index.json").is_file())) if ARCH_ROOT.is_dir() else ()
 # masked LMs: a transformers config.json alone (no model_index.json)
 MASKED_ARCHS = tuple(sorted(p.name for p in ARCH_ROOT.iterdir() if (p / "config.json").is_file()
@@ -56,15 +56,23 @@ def _config(folder: Path) -> dict:
 
 
 def _tokenizer(folder: Path, cls_name: str):
-    """The directory's tokenizer when it has one, else a code-built one of the family (CLIP, Gemma or T5-like)."""
+    """The directory's tokenizer (or processor) when it has one, else a code-built one of the family (CLIP, Gemma,
+    T5-like, a Qwen chat tokenizer, FLUX.2 [dev]'s Pixtral processor)."""
     import transformers
 
-    from difrl.models.tiny import tiny_clip_tokenizer, tiny_gemma_tokenizer, tiny_t5_tokenizer
+    from difrl.models.tiny import (tiny_clip_tokenizer, tiny_gemma_tokenizer, tiny_pixtral_processor, tiny_qwen_tokenizer,
+                                   tiny_t5_tokenizer)
 
     if folder.is_dir() and any(folder.iterdir()):
         return getattr(transformers, cls_name).from_pretrained(str(folder), local_files_only=True)
     if "Gemma" in cls_name:  # SANA: <bos> and right padding, as its pipeline expects
         return tiny_gemma_tokenizer()
+    if "Qwen" in cls_name:
+        return tiny_qwen_tokenizer()
+    if "Processor" in cls_name:
+        from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+        return tiny_pixtral_processor(SYSTEM_MESSAGE)
     return tiny_clip_tokenizer(CLIP_TEXT_LEN) if "CLIP" in cls_name else tiny_t5_tokenizer()
 
 
@@ -93,11 +101,11 @@ def build_arch_pipeline(path: str | Path, dtype: torch.dtype, component_dtypes: 
         if name.startswith("_") or not isinstance(entry, list) or entry[0] is None:
             continue
         library, cls_name = entry
-        if "Tokenizer" in cls_name or "Scheduler" in cls_name:
+        if "Tokenizer" in cls_name or "Processor" in cls_name or "Scheduler" in cls_name:
             # real objects even under FakeTensorMode: a scheduler's sigmas are read as numbers (.item()), which a fake
             # tensor refuses; their tensors are a few hundred floats
             with unset_fake_temporarily():
-                parts[name] = (_tokenizer(path / name, cls_name) if "Tokenizer" in cls_name
+                parts[name] = (_tokenizer(path / name, cls_name) if "Scheduler" not in cls_name
                                else getattr(diffusers, cls_name).from_config(_config(path / name)))
             continue
         config = _config(path / name)

@@ -1,6 +1,7 @@
 """The shared part of the diffusers flow adapters: the base class `DiffusersFlowPolicy`, pipeline-directory
 checks, dtype names and the errors. One file per model family holds the rest (diffusers' single-file policy):
-FLUX.1 in `flux.py`, SD3 / SD3.5 in `sd3.py`, Wan 2.1 text-to-video in `wan.py`; `adapters.py` lists them.
+FLUX.1 in `flux.py`, SD3 / SD3.5 in `sd3.py`, Wan 2.1 text-to-video in `wan.py`, FLUX.2 [dev] and [klein] in
+`flux2.py`; `adapters.py` lists them.
 
     from difrl.models.adapters import load_flow_policy
     from difrl.models.lora_io import load_lora, save_lora
@@ -225,6 +226,7 @@ class DiffusersFlowPolicy(ComputeDevice):
             tok = getattr(self.pipe, name, None)
             if tok is None:
                 continue
+            tok = getattr(tok, "tokenizer", tok)  # a processor (FLUX.2 [dev]'s PixtralProcessor) wraps its tokenizer
             limit = tok.model_max_length if type(tok).__name__.startswith("CLIP") else self.max_sequence_length
             lengths = [len(ids) for ids in tok(prompts, verbose=False)["input_ids"]]
             over = {p for p, n in zip(prompts, lengths) if n > limit}

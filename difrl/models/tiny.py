@@ -10,9 +10,11 @@ loading, encoding, timestep scaling, packing and decoding run exactly as on the 
 the sizes are tiny (1-2 layers, hidden size 16-32). Tokenizers are built from in-memory
 vocabularies (ecosystem.md §1.2): a character-level CLIP BPE (the 256 byte-level symbols, each also
 with the end-of-word marker, and no merges) and a character-level T5 unigram vocabulary, so any
-prompt tokenizes and nothing is read from a hub.
+prompt tokenizes and nothing is read from a hub. The chat-template encoders of FLUX.2 (Qwen3, Mistral3) get
+byte-level BPE tokenizers with their templates' markers as single tokens, and 28 / 31 layers of width 16 (the
+pipelines read hidden states 9, 18, 27 / 10, 20, 30).
 
-Each family's sizes and scheduler are in its `tiny_pipeline` (difrl/models/flux.py, sd3.py, wan.py):
+Each family's sizes and scheduler are in its `tiny_pipeline` (difrl/models/flux.py, sd3.py, wan.py, flux2.py):
 a new model kind in difrl/models/adapters.py gets a tiny pipeline by defining that method (the family files
 import these parts; this file imports none of them).
 """
@@ -100,3 +102,81 @@ def tiny_gemma_tokenizer():
         vocab.setdefault(sym, len(vocab))
     # <bos> first and right padding, as the real Gemma-2 tokenizer (SanaPipeline sets padding_side = "right" itself)
     return GemmaTokenizer(vocab=vocab, merges=[], add_bos_token=True, add_eos_token=False, padding_side="right")
+
+
+# the markers of the Qwen chat template: each one token, as in the real vocabulary
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
+# Qwen3's chat template, reduced to what text-only prompts use: one turn per message, then the generation prompt with
+# an empty think block when enable_thinking is false (as Flux2KleinPipeline asks for it)
+QWEN3_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def tiny_byte_bpe_tokenizer(specials: tuple[str, ...], chat_template: str, **tokens):
+    """Byte-level BPE tokenizer (the Qwen2Tokenizer class) with no merges, so every byte is one token and any prompt
+    tokenizes, and `specials` (the chat template's markers) one token each; `tokens`: pad_token=, eos_token=, ..."""
+    from transformers import Qwen2Tokenizer
+
+    vocab = {sym: i for i, sym in enumerate(_byte_symbols())}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, model_max_length=4096, **tokens)
+    tok.add_special_tokens({"additional_special_tokens": [s for s in specials if s not in tokens.values()]})
+    tok.chat_template = chat_template
+    return tok
+
+
+def tiny_qwen_tokenizer():
+    """Qwen3's chat template with its markers as single tokens, bytes otherwise (FLUX.2 [klein])."""
+    return tiny_byte_bpe_tokenizer(QWEN_SPECIALS, QWEN3_CHAT_TEMPLATE, pad_token="<|endoftext|>",
+                                   eos_token="<|im_end|>")
+
+
+# Mistral Small 3.x's (tekken) control tokens and its chat template reduced to text turns: [SYSTEM_PROMPT] ...
+# [/SYSTEM_PROMPT] [INST] ... [/INST]; message contents are lists of {"type": "text", "text": ...} parts
+MISTRAL_SPECIALS = ("<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
+                    "[IMG]", "[IMG_BREAK]", "[IMG_END]")
+MISTRAL3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['content'] is string %}{% set text = message['content'] %}"
+    "{% else %}{% set text = message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') "
+    "| join('') %}{% endif %}"
+    "{% if message['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
+    "{% elif message['role'] == 'user' %}[INST]{{ text }}[/INST]{% else %}{{ text }}{{ eos_token }}{% endif %}"
+    "{% endfor %}")
+
+
+def tiny_pixtral_processor(system_message: str = ""):
+    """A PixtralProcessor (what FLUX.2 [dev] loads as its `tokenizer`: Mistral3's AutoProcessor) over a byte-level
+    stand-in for the tekken tokenizer with Mistral's control tokens and chat template. `system_message` (the
+    pipeline's fixed one) is one added token, so that a short max_sequence_length still reaches the prompt."""
+    from transformers import PixtralImageProcessor, PixtralProcessor
+
+    tok = tiny_byte_bpe_tokenizer(MISTRAL_SPECIALS, MISTRAL3_CHAT_TEMPLATE, bos_token="<s>", eos_token="</s>",
+                                  pad_token="<pad>")
+    if system_message:
+        tok.add_tokens([system_message])
+    images = PixtralImageProcessor(patch_size=16, size={"longest_edge": 32})
+    return PixtralProcessor(image_processor=images, tokenizer=tok, patch_size=16, spatial_merge_size=1,
+                            chat_template=MISTRAL3_CHAT_TEMPLATE)
+
+
+def tiny_mistral3_kwargs(vocab_size: int, image_token_index: int, layers: int = 31) -> dict:
+    """Mistral3Config fields: a text model of width 16 with 31 layers by default, so FLUX.2 [dev]'s hidden-state
+    layers 10, 20, 30 exist; a 1-layer Pixtral vision tower (text-only prompts never run it)."""
+    from transformers import MistralConfig, PixtralVisionConfig
+
+    text = MistralConfig(vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=256,
+                         attention_dropout=0.0)
+    vision = PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 head_dim=8, image_size=32, patch_size=16)
+    return dict(text_config=text, vision_config=vision, image_token_index=image_token_index, spatial_merge_size=1)
+
+
+def tiny_qwen3_kwargs(vocab_size: int, layers: int = 28) -> dict:
+    """Qwen3Config fields: width 16; 28 layers by default, so FLUX.2 [klein]'s hidden-state layers 9, 18, 27 exist
+    (each layer is ~2k parameters)."""
+    return dict(vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=256,
+                tie_word_embeddings=True, attention_dropout=0.0)

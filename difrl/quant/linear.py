@@ -49,6 +49,11 @@ QUANT_PRESETS: dict[str, dict] = {
                       "attn2.to_out"), "min_dim": 0},
     "wan": {"skip": ("patch_embedding", "condition_embedder", "proj_out", "norm_out"), "min_dim": 1000},
     "digits": {"skip": ("x_in", "t_mlp", "x_out"), "min_dim": 0},
+    # FLUX.2 [dev] / [klein] (Sol-RL has no FLUX.2 list): FLUX.1's skips under their FLUX.2 names (input projections,
+    # timestep / guidance embedding, output norm) plus the global AdaLN modulation linears, which FLUX.2 shares across
+    # all blocks (one layer's quantization error would shift every block's scale / shift / gate)
+    "flux2": {"skip": ("x_embedder", "context_embedder", "time_guidance_embed", "stream_modulation", "norm_out"),
+              "min_dim": 1000},
 }
 
 BACKENDS = ("auto", "te", "torch", "emulate")
