@@ -1,4 +1,4 @@
-"""SD3 and Wan 2.1 (tiny diffusers pipelines) under FSDP2 on 2 CPU processes (gloo) equal one unsharded process.
+"""SD3 (SD3.5-Medium's shape) and Wan 2.1 (tiny diffusers pipelines) under FSDP2 on 2 CPU processes (gloo) equal one unsharded process.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_fsdp_families.py -q           # the launch's tests are slow: one launch, ~2 min
 
@@ -43,6 +43,9 @@ FAMILIES = {  # kind -> (config, diffusers transformer class, pipeline class, bl
             ["sampler.guidance=4.0"]),  # true CFG: one batched [uncond; cond] forward per step
     "wan": ("wan_tiny.yaml", "WanTransformer3DModel", "WanPipeline", "WanTransformerBlock", []),
 }
+# a family's tiny_pipeline options: SD3 runs SD3.5-Medium's shape (RMS qk-norm, a dual-attention block), which holds
+# every module of the plain SD3 one
+TINY_OPTIONS = {"sd3": {"variant": "sd3.5-medium"}}
 MODES = {"full": ["train.lora.enabled=false"], "lora": []}
 SMALL = ["threads=1", "rollout.prompts_per_iter=2", "rollout.group_size=2", "sampler.num_steps=2",
          "sampler.rollout_batch=2", "eval.num_steps=2", "eval.per_digit=1", "train.iterations=3", "train.micro_batch=2",
@@ -60,7 +63,7 @@ def pipes(tmp_path_factory):
     from difrl.models.adapters import make_tiny_pipeline
 
     root = tmp_path_factory.mktemp("tiny_pipelines")
-    return {kind: make_tiny_pipeline(kind, root / kind, seed=0) for kind in FAMILIES}
+    return {kind: make_tiny_pipeline(kind, root / kind, seed=0, **TINY_OPTIONS.get(kind, {})) for kind in FAMILIES}
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ CONFIG = ROOT / "configs" / "flux_tiny.yaml"
 KINDS = list(ADAPTERS)  # the built-in families and every registered one
 # FLUX: embedded guidance (one forward); SD3 (and by default a registered family): true CFG (the [uncond; cond]
 # forward in rollout and training); Wan: off
-GUIDANCE = {"flux": 3.5, "sd3": 4.0, "wan": 1.0}
+GUIDANCE = {"flux": 3.5, "sd3": 4.0, "wan": 1.0, "zimage": 4.0}
 N_STEPS = 3
 
 
@@ -95,8 +95,8 @@ def pipe_images(kind: str, pipe, prompts, latents, guidance, cfg) -> torch.Tenso
     kw = dict(height=cfg.model.height, width=cfg.model.width, num_inference_steps=N_STEPS, guidance_scale=guidance,
               latents=latents.clone(), output_type="pt", max_sequence_length=cfg.model.max_sequence_length)
     if video(kind):
-        return pipe(prompts, num_frames=cfg.model.num_frames, **kw).frames
-    return pipe(prompts, **kw).images
+        return pipe(list(prompts), num_frames=cfg.model.num_frames, **kw).frames
+    return pipe(list(prompts), **kw).images  # a copy: ZImagePipeline rewrites the prompt list it is given in place
 
 
 def _record(monkeypatch) -> dict:

@@ -86,3 +86,25 @@ def tiny_image_vae():
                          up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(4, 8), layers_per_block=1,
                          latent_channels=4, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
                          shift_factor=0.0609, scaling_factor=1.5035)
+
+
+# Qwen's chat markers, and the Qwen3 template's rendering of one user turn with the generation prompt (the
+# ZImagePipeline encodes `apply_chat_template([{"role": "user", ...}], add_generation_prompt=True)`)
+QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+QWEN_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_qwen_tokenizer():
+    """Byte-level Qwen2Tokenizer (the class Qwen3 text encoders use) with no merges: ids 0-255 the byte symbols, then
+    <|endoftext|> (also pad) and the chat markers, and a chat template, so any prompt tokenizes and apply_chat_template
+    works with nothing read from a hub."""
+    from transformers import Qwen2Tokenizer
+
+    vocab = {sym: i for i, sym in enumerate(_byte_symbols())}
+    for tok in QWEN_SPECIAL:
+        vocab[tok] = len(vocab)
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                         additional_special_tokens=list(QWEN_SPECIAL[1:]))
+    tok.chat_template = QWEN_CHAT_TEMPLATE
+    return tok

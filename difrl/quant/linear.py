@@ -41,6 +41,10 @@ QUANT_PRESETS: dict[str, dict] = {
                       "attn.qkv"), "min_dim": 2240},
     "wan": {"skip": ("patch_embedding", "condition_embedder", "proj_out", "norm_out"), "min_dim": 1000},
     "digits": {"skip": ("x_in", "t_mlp", "x_out"), "min_dim": 0},
+    # Z-Image (ours: Sol-RL has no Z-Image run): its SD3.5-L rule carried over, the embedders (time, caption, patch),
+    # the adaLN modulation and the final layer exact, min_dim = the hidden width (3840): the FFN w1/w2/w3 quantized
+    "zimage": {"skip": ("t_embedder", "cap_embedder", "all_x_embedder", "adaLN_modulation", "all_final_layer"),
+               "min_dim": 3840},
 }
 
 BACKENDS = ("auto", "te", "torch", "emulate")
