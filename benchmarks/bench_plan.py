@@ -3,7 +3,7 @@
     python benchmarks/bench_plan.py [--quick] [--json PATH] [--no-write] [--jobs N]
 
 Each row is `difrl plan` (difrl/train/planner.py) of a published recipe config at the size of the family's reference
-checkpoint (FLUX.1-dev, SD3.5-Large, Wan 2.1 T2V 14B, LLaDA-8B: difrl/assets/arch/) or of the case's own architecture
+checkpoint (FLUX.1-dev, SD3.5-Large, Wan 2.1 T2V 14B, LLaDA-8B, Z-Image: difrl/assets/arch/) or of the case's own architecture
 (CASE_ARCH: SD3.5-Medium, the size configs/sd3_flow_grpo.yaml is written for), at 1, 8 and 16 GPUs: the
 trainer's own setup, one rollout forward batch (the masked trainer: the process's samples, every sampler step) and the
 update's first and last micro-steps, on fake tensors under a fake process group (FSDP2 above one GPU, one plain
@@ -65,6 +65,9 @@ CASES = [
     ("SD3.5-Medium LoRA r32, micro-batch 81, grad. checkpointing", "configs/sd3_flow_grpo.yaml", [GC], 64),
     ("SD3.5-Medium full, EMA + KL ref, micro-batch 81, grad. checkpointing", "configs/sd3_flow_grpo.yaml",
      ["train.lora.enabled=false", GC], 64),
+    ("Z-Image full, EMA, micro-batch 1", "configs/zimage_flow_grpo.yaml", [], 384),
+    ("Z-Image LoRA r32, micro-batch 1", "configs/zimage_flow_grpo.yaml",
+     ["train.lora.enabled=true", "train.lora.rank=32", "train.lora.alpha=64"], 384),
 ]
 # the architecture a case simulates when it is not its model kind's reference (difrl.models.arch.REFERENCE_ARCH)
 CASE_ARCH = {name: "sd3.5-medium" for name, *_ in CASES if name.startswith("SD3.5-Medium")}

@@ -27,6 +27,7 @@ timestep embedding in fp32 (the adapters' fsdp_fp32_inputs; FSDP's input cast al
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,8 @@ FAMILIES = {  # kind -> (config, diffusers transformer class, pipeline class, bl
     "sd3": ("sd3_tiny.yaml", "SD3Transformer2DModel", "StableDiffusion3Pipeline", "JointTransformerBlock",
             ["sampler.guidance=4.0"]),  # true CFG: one batched [uncond; cond] forward per step
     "wan": ("wan_tiny.yaml", "WanTransformer3DModel", "WanPipeline", "WanTransformerBlock", []),
+    "zimage": ("zimage_tiny.yaml", "ZImageTransformer2DModel", "ZImagePipeline", "ZImageTransformerBlock",
+               ["sampler.guidance=4.0"]),  # CFG; 3 blocks: a noise refiner, a context refiner, one main layer
 }
 # a family's tiny_pipeline options: SD3 runs SD3.5-Medium's shape (RMS qk-norm, a dual-attention block), which holds
 # every module of the plain SD3 one
@@ -106,7 +109,8 @@ def test_fsdp_equals_one_process(runs, pipes, kind, mode):
     out, log = runs
     one, two = out[kind, mode]
     block = FAMILIES[kind][3]
-    assert f"difrl: FSDP2 over 2 processes: 3 units (2 blocks of {block} + the root)" in log
+    units = re.search(rf"difrl: FSDP2 over 2 processes: (\d+) units \((\d+) blocks of {block} \+ the root\)", log)
+    assert units and int(units[1]) == int(units[2]) + 1 >= 3, block  # every block a unit, and the root
     ra, rb = rows(one), rows(two)
     assert [r["iteration"] for r in ra] == [r["iteration"] for r in rb] == [1, 2, 3]
     for x, y in zip(ra, rb):
@@ -199,3 +203,33 @@ def test_the_launch_rolled_out_with_both_gather_schedules(runs):
     _, log = runs
     assert "FSDP rollouts gather every block once per rollout (rollout.fsdp_gather=auto)" in log
     assert "FSDP rollouts gather every block before each forward (rollout.fsdp_gather=per_forward)" in log
+
+
+def test_zimage_timestep_reaches_the_embedding_in_fp32_under_fsdp_bf16(pipes):
+    # as the test above, for Z-Image: its timestep is t = 1 - sigma (kwarg `t`), embedded as t * 1000 in fp32 by the
+    # pipeline; FSDP's bf16 cast alone would round 0.2621 to 0.2617 before the embedding
+    import torch.distributed as dist
+
+    from difrl.models.adapters import load_flow_policy
+    from difrl.train.sharding import FSDPSettings, shard
+
+    sigma = torch.tensor([0.7379])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for keep in (False, True):
+            policy = load_flow_policy("zimage", pipes["zimage"], height=32, width=32, max_sequence_length=32)
+            assert policy.fsdp_fp32_inputs == ("t",)
+            policy.module = shard(policy.module, policy.block_classes, FSDPSettings(mixed_precision="bf16"),
+                                  fp32_inputs=policy.fsdp_fp32_inputs if keep else ())
+            seen = {}
+            policy.module.t_embedder.register_forward_pre_hook(lambda m, a: seen.update(t=a[0].clone()))
+            x = torch.randn(1, *policy.latent_shape, generator=torch.Generator().manual_seed(0))
+            v = policy.velocity(x, sigma, policy.encode(["a red dog"]), guidance=0.0)
+            assert v.shape == x.shape and bool(v.isfinite().all())
+            t = (1000 - sigma * 1000) / 1000 * 1000  # the pipeline's (1000 - t) / 1000, times the model's t_scale
+            if keep:
+                assert seen["t"].dtype == torch.float32 and torch.equal(seen["t"], t), seen["t"]
+            else:  # the bf16-rounded t, times 1000 (in bf16)
+                assert seen["t"].dtype == torch.bfloat16 and not torch.equal(seen["t"].float(), t), seen["t"]
+    finally:
+        dist.destroy_process_group()

@@ -56,8 +56,9 @@ def test_shipped_architectures_have_the_published_sizes():
     from difrl.models.arch import ARCHS, arch_dir, parameter_count
 
     published = {"flux1-dev": 11.90e9, "sd3.5-large": 8.06e9, "wan2.1-t2v-14b": 14.29e9,
-                 "sd3.5-medium": 2.2432e9}  # difrl/assets/arch/README.md (2,243,171,520)
-    kinds = {"flux1-dev": "flux", "sd3.5-large": "sd3", "wan2.1-t2v-14b": "wan", "sd3.5-medium": "sd3"}
+                 "sd3.5-medium": 2.2432e9,  # difrl/assets/arch/README.md (2,243,171,520)
+                 "z-image": 6.155e9}  # 6,154,908,736
+    kinds = {"flux1-dev": "flux", "sd3.5-large": "sd3", "wan2.1-t2v-14b": "wan", "sd3.5-medium": "sd3", "z-image": "zimage"}
     assert set(ARCHS) == set(published)
     for name, size in published.items():
         with FakeTensorMode(allow_non_fake_inputs=True):
