@@ -482,3 +482,33 @@ def test_plan_splits_samples_into_transitions_as_the_trainer_does(tiny_flux):
     one, two = (plan_flow(tiny_cfg(tiny_flux, [f"train.micro_batch={n}"]), 1, None)["phases"]["update"]
                 for n in (1, 2))
     assert one["activations_gib"] < 0.75 * two["activations_gib"], (one, two)
+
+
+
+def test_plan_of_zimage_sees_each_captions_own_tokens(tmp_path, monkeypatch):
+    """Z-Image's transformer attends to each caption's unpadded tokens, which the tokenizer's mask picks: the plan of
+    its tiny pipeline runs (a simulated mask could not pick them: aten.nonzero raised DynamicOutputShapeException)
+    and every transformer call of the plan sees the prompt's own tokens, not the 64 it is padded to."""
+    import diffusers
+
+    from difrl.models.adapters import make_tiny_pipeline
+    from difrl.models.tiny import tiny_qwen_tokenizer
+    from difrl.train.planner import plan_flow
+    from difrl.train.recipes import load_train_config
+
+    tok = tiny_qwen_tokenizer()
+    tokens = len(tok(tok.apply_chat_template([{"role": "user", "content": "a"}], tokenize=False,
+                                             add_generation_prompt=True))["input_ids"])  # 20: the chat template's 19
+    seen = []
+    forward = diffusers.ZImageTransformer2DModel.forward
+
+    def spy(self, x, t, cap_feats, *args, **kwargs):
+        seen.append({c.shape[0] for c in cap_feats})
+        return forward(self, x, t, cap_feats, *args, **kwargs)
+
+    monkeypatch.setattr(diffusers.ZImageTransformer2DModel, "forward", spy)
+    path = make_tiny_pipeline("zimage", tmp_path / "zimage")
+    cfg = load_train_config(ROOT / "configs" / "zimage_tiny.yaml", [f"model.path={path}", *TINY, "model.prompts=[a]",
+                                                                   "model.max_sequence_length=64"])
+    row = plan_flow(cfg, 1, None)
+    assert row["phases"]["update"]["activations_gib"] > 0 and seen and all(s == {tokens} for s in seen), seen

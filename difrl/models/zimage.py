@@ -61,12 +61,17 @@ class ZImagePolicy(DiffusersFlowPolicy):
 
     def _encode_batch(self, prompts: list[str]) -> Cond:
         # ZImagePipeline._encode_prompt, kept padded: the chat template, max_length padding, hidden_states[-2]
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
         tok = self.pipe.tokenizer
         texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True,
                                          enable_thinking=True) for p in prompts]
-        inputs = tok(texts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
-                     return_tensors="pt")
-        mask = inputs.attention_mask.to(self.device).bool()
+        # token ids and mask are host data made from the prompts: real tensors also under difrl plan's fake-tensor
+        # simulation, where a fake mask could not say which rows each caption keeps (no-op otherwise)
+        with unset_fake_temporarily():
+            inputs = tok(texts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
+                         return_tensors="pt")
+            mask = inputs.attention_mask.to(self.device).bool()
         embeds = self.pipe.text_encoder(input_ids=inputs.input_ids.to(self.device), attention_mask=mask,
                                         output_hidden_states=True).hidden_states[-2]
         return {"prompt_embeds": embeds, "prompt_mask": mask}  # [B, L, D], [B, L]
@@ -90,7 +95,8 @@ class ZImagePolicy(DiffusersFlowPolicy):
         embeds, mask = cond["prompt_embeds"].to(dt), cond["prompt_mask"].bool()
         t = sigma * 1000  # the scheduler's timestep, then the pipeline's (1000 - t) / 1000 in fp32
         out = self.module(x=list(x.to(dt).unsqueeze(2).unbind(0)), t=(1000 - t) / 1000,
-                          cap_feats=[e[m] for e, m in zip(embeds, mask)], return_dict=False)[0]
+                          cap_feats=[e.index_select(0, m.nonzero().squeeze(1)) for e, m in zip(embeds, mask)],
+                          return_dict=False)[0]  # each caption's unpadded rows, e[m] (the mask's positions: host)
         return -torch.stack(out).squeeze(2)  # [B, C, h, w]; the model predicts x0 - eps
 
     def _vae_latents(self, latents):
