@@ -3,7 +3,7 @@
     HF_HUB_OFFLINE=1 python -m pytest tests/test_diffusers_models.py -q
     HF_HUB_OFFLINE=1 python -m pytest tests/test_diffusers_models.py -q -k example      # one family
 
-The kinds are difrl.models.adapters.ADAPTERS: the built-in families (FLUX.1, SD3, Wan 2.1) and those registered
+The kinds are difrl.models.adapters.ADAPTERS: the built-in families (FLUX.1, SD3, Wan 2.1, Z-Image) and those registered
 with @register_model, here tests/model_plugins.py's "example" (a family from outside difrl, every check below at
 the cost of the SD3 ones: a few seconds). What a family's checks need is read from its class (pipeline_class,
 model_options); a guidance pair and a latent shape written down here are the built-ins' (a registered family uses

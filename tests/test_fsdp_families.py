@@ -1,15 +1,15 @@
-"""SD3 (SD3.5-Medium's shape) and Wan 2.1 (tiny diffusers pipelines) under FSDP2 on 2 CPU processes (gloo) equal one unsharded process.
+"""SD3 (SD3.5-Medium's shape), Wan 2.1 and Z-Image (tiny diffusers pipelines) under FSDP2 on 2 CPU processes (gloo) equal one unsharded process.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_fsdp_families.py -q           # the launch's tests are slow: one launch, ~2 min
 
 tests/test_fsdp.py does FLUX (and the masked LM); this file gives the other diffusers families the same proof, with
 as few launches as the check allows: ONE `accelerate launch --config_file configs/accelerate/fsdp.yaml
---num_processes 2` runs the four trainings (SD3 full fine-tuning, SD3 LoRA, Wan full fine-tuning, Wan LoRA) one after
+--num_processes 2` runs the six trainings (SD3, Wan and Z-Image, each full fine-tuning and LoRA) one after
 another through the entry scripts' own main (tests/many_runs.py: what scripts/train_sd3.py and train_wan.py run),
-and the four one-process references run in this test process (train(cfg)). Each run is as small as the check allows:
+and the six one-process references run in this test process (train(cfg)). Each run is as small as the check allows:
 2 prompts x 2 samples (4 per iteration: 1 process accumulates 2 micro-batches of 2 samples, 2 processes take 1 each),
 2 denoising steps (1 trained), 3 iterations, the KL to the reference on (full fine-tuning: the frozen copy, sharded
-the same way; LoRA: the adapter switched off), SD3 with true CFG (the batched [uncond; cond] forward). Rollouts run in
+the same way; LoRA: the adapter switched off), SD3 and Z-Image with CFG (the batched [uncond; cond] forward). Rollouts run in
 forward batches of 2 samples (sampler.rollout_batch) so that both runs compute every forward on the same shapes (the
 first micro-step's ratio is then exactly 1 in both). Adam's eps = 1 as in tests/test_fsdp.py.
 

@@ -1,4 +1,4 @@
-"""The flow trainer on tiny diffusers pipelines (every kind of the adapter table: FLUX.1, SD3, Wan 2.1 and the
+"""The flow trainer on tiny diffusers pipelines (every kind of the adapter table: FLUX.1, SD3, Wan 2.1, Z-Image and the
 registered tests/model_plugins.py "example"): the same `train(cfg)` as the digits world.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_train_diffusers.py -q
