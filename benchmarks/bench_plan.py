@@ -3,11 +3,13 @@
     python benchmarks/bench_plan.py [--quick] [--json PATH] [--no-write] [--jobs N]
 
 Each row is `difrl plan` (difrl/train/planner.py) of a published recipe config at the size of the family's reference
-checkpoint (FLUX.1-dev, SD3.5-Large, Wan 2.1 T2V 14B, LLaDA-8B, FLUX.2-dev, FLUX.2-klein-base-9B:
-difrl/assets/arch/), at 1, 8 and 16 GPUs: the trainer's own setup, one rollout forward batch (the masked trainer:
-the process's samples, every sampler step) and the update's first and last micro-steps, on fake tensors under a fake
+checkpoint (FLUX.1-dev, SD3.5-Large, Wan 2.1 T2V 14B, LLaDA-8B, SANA-1.6B, FLUX.2-dev, FLUX.2-klein-base-9B, Z-Image:
+difrl/assets/arch/) or of the case's own architecture (CASE_ARCH: SD3.5-Medium, the size configs/sd3_flow_grpo.yaml
+is written for), at 1, 8 and 16 GPUs: the trainer's own setup, one rollout forward batch (the masked trainer: the
+process's samples, every sampler step) and the update's first and last micro-steps, on fake tensors under a fake
 process group (FSDP2 above one GPU, one plain process at one). The flow configs' train.grad_accum is set per GPU
-count to keep their published updates per rollout (the configs' headers give the formula); the masked config keeps them by itself (train.micro_batch=auto). LLaDA-8B
+count to keep their published updates per rollout (the configs' headers give the formula); the masked config keeps
+them by itself (train.micro_batch=auto). LLaDA-8B
 runs README's command (configs/text_arithmetic.yaml with a 64-token answer in 2 blocks of 32 sampler steps).
 Simulated on a CPU, never measured on a GPU; not simulated: reward models, evaluation, checkpoint writes, CUDA
 allocator fragmentation and context, NCCL buffers (every row's `not_simulated`). A plan fits when its peak (setup's
@@ -71,7 +73,16 @@ CASES = [
      ["train.lora.enabled=false"], 384),
     ("FLUX.2-klein-base-9B LoRA r64, EMA, true CFG", "configs/flux2_klein_flow_grpo.yaml", [], 384),
     ("FLUX.2-klein-base-9B full, EMA, true CFG", "configs/flux2_klein_flow_grpo.yaml", ["train.lora.enabled=false"], 384),
+    ("SD3.5-Medium LoRA r32, micro-batch 81", "configs/sd3_flow_grpo.yaml", [], 64),
+    ("SD3.5-Medium LoRA r32, micro-batch 81, grad. checkpointing", "configs/sd3_flow_grpo.yaml", [GC], 64),
+    ("SD3.5-Medium full, EMA + KL ref, micro-batch 81, grad. checkpointing", "configs/sd3_flow_grpo.yaml",
+     ["train.lora.enabled=false", GC], 64),
+    ("Z-Image full, EMA, micro-batch 1", "configs/zimage_flow_grpo.yaml", [], 384),
+    ("Z-Image LoRA r32, micro-batch 1", "configs/zimage_flow_grpo.yaml",
+     ["train.lora.enabled=true", "train.lora.rank=32", "train.lora.alpha=64"], 384),
 ]
+# the architecture a case simulates when it is not its model kind's reference (difrl.models.arch.REFERENCE_ARCH)
+CASE_ARCH = {name: "sd3.5-medium" for name, *_ in CASES if name.startswith("SD3.5-Medium")}
 
 
 def run_case(name: str, config: str, overrides: list[str], numerator: int, gpus: int) -> dict:
@@ -80,7 +91,7 @@ def run_case(name: str, config: str, overrides: list[str], numerator: int, gpus:
 
     over = [*overrides, *([f"train.grad_accum={numerator // gpus}"] if numerator is not None else [])]
     cfg = load_train_config(ROOT / config, over)
-    row = plan_run(cfg, gpus, VERDICTS[0], config_name=config)  # rollout.fsdp_gather=auto decides for an 80 GiB GPU
+    row = plan_run(cfg, gpus, VERDICTS[0], arch=CASE_ARCH.get(name), config_name=config)  # rollout.fsdp_gather=auto decides for an 80 GiB GPU
     from difrl.train.planner import FIT_MARGIN
 
     row.update({"case": name, "overrides": over, "verdicts_gib": list(VERDICTS), "fit_margin_percent": 100 * FIT_MARGIN})

@@ -3,7 +3,7 @@
     HF_HUB_OFFLINE=1 python -m pytest tests/test_diffusers_models.py -q
     HF_HUB_OFFLINE=1 python -m pytest tests/test_diffusers_models.py -q -k example      # one family
 
-The kinds are difrl.models.adapters.ADAPTERS: the built-in families (FLUX.1, SD3, Wan 2.1) and those registered
+The kinds are difrl.models.adapters.ADAPTERS: the built-in families (FLUX.1, SD3, Wan 2.1, Z-Image) and those registered
 with @register_model, here tests/model_plugins.py's "example" (a family from outside difrl, every check below at
 the cost of the SD3 ones: a few seconds). What a family's checks need is read from its class (pipeline_class,
 model_options); a guidance pair and a latent shape written down here are the built-ins' (a registered family uses
@@ -44,11 +44,11 @@ PROMPTS = ["a photo of a cat", "a red dog"]
 SEEDS = torch.tensor([11, 12])
 N_STEPS = 3
 # guidance off / on for each model (default: true CFG's 1 and 4); Flux's value is the embedded distilled guidance
-GUIDANCE = {"flux": [1.0, 3.5], "flux2": [1.0, 4.0]}
+GUIDANCE = {"flux": [1.0, 3.5], "flux2": [1.0, 4.0], "zimage": [0.0, 4.0]}  # Z-Image: w > 0 is CFG, 0 one forward
 # one sample's latent at 32x32 (Wan: 5 frames), see the family files' docstrings; another family: its pipeline's own
 LATENT_SHAPE = {"flux": (64, 16), "sd3": (4, 16, 16), "wan": (16, 2, 4, 4), "sana": (4, 16, 16),
                 "flux2": (16, 8, 8),
-                "flux2_klein": (16, 8, 8)}
+                "flux2_klein": (16, 8, 8), "zimage": (4, 16, 16)}
 # a policy latent as its pipeline returns it for output_type="latent" (default: the same tensor): FLUX.2 [dev] returns
 # its tokens [B, h w, 4C], [klein] the VAE latent (batch norm undone, patches unfolded) [B, C, 2h, 2w]
 PIPELINE_LATENT = {"flux2": lambda policy, x: policy.pack(x), "flux2_klein": lambda policy, x: policy._vae_latents(x)}
@@ -121,8 +121,9 @@ def pipe_output(kind, pipe, latents, guidance, output_type, **extra):
     kw = dict(SIZE, num_inference_steps=N_STEPS, guidance_scale=guidance, latents=latents.clone(),
               output_type=output_type, max_sequence_length=TEXT_LEN, **extra)
     if video(kind):
-        return pipe(prompt=PROMPTS, num_frames=FRAMES, **kw).frames  # [B, F, C, H, W]: difrl's video layout too
-    return pipe(prompt=PROMPTS, **kw).images  # by name: FLUX.2's first argument is a conditioning image
+        return pipe(prompt=list(PROMPTS), num_frames=FRAMES, **kw).frames  # [B, F, C, H, W]: difrl's video layout too
+    # by name: FLUX.2's first argument is a conditioning image; a copy: ZImagePipeline rewrites the list in place
+    return pipe(prompt=list(PROMPTS), **kw).images
 
 
 # ---- a. loading and bad directories ----------------------------------------------------------------
@@ -416,7 +417,8 @@ def test_forwards_per_step_counts_the_rows_the_transformer_sees(kind, tiny_dirs,
     def rows_seen(policy, guidance):
         seen = []
         hook = policy.pipe.transformer.register_forward_hook(
-            lambda m, args, kwargs, out: seen.append(kwargs["hidden_states"].shape[0]), with_kwargs=True)
+            lambda m, args, kwargs, out: seen.append(len(kwargs.get("hidden_states", kwargs.get("x")))),
+            with_kwargs=True)  # Z-Image's transformer takes a list of samples, x
         try:
             x = sample_noise(SEEDS, INIT_STEP, tuple(policy.latent_shape))
             policy.velocity(x, torch.full((len(SEEDS),), 0.5), policy.encode(PROMPTS), guidance=guidance)
@@ -432,3 +434,43 @@ def test_forwards_per_step_counts_the_rows_the_transformer_sees(kind, tiny_dirs,
     if kind == "flux":
         cfg = load_flow_policy("flux", tiny_dirs("flux"), true_cfg_scale=2.5, **policy_options("flux"))
         assert forwards_per_step(cfg, 3.5) == rows_seen(cfg, 3.5) == 2
+
+
+# ---- SD3.5-Medium's shape through kind sd3 ---------------------------------------------------------------
+
+def test_sd35_medium_shape_equals_its_pipeline_and_its_lora_loads(tmp_path):
+    # SD3.5-Medium is kind sd3 with RMS qk-norm and dual-attention blocks (attn2): the ODE rollout is its pipeline's
+    # output (guidance off and on), and a LoRA of the joint attention's projections (attn2 left out, as Flow-GRPO,
+    # Flow-Factory and diffusers' SD3 LoRA script do: difrl/models/sd3.py) trains and loads into a plain pipeline
+    path = make_tiny_pipeline("sd3", tmp_path / "sd35m", seed=0, variant="sd3.5-medium")
+    policy = load_flow_policy("sd3", path, **policy_options("sd3"))
+    blocks = policy.pipe.transformer.transformer_blocks
+    assert blocks[0].attn2 is not None and blocks[1].attn2 is None
+    assert type(blocks[0].attn.norm_q).__name__ == type(blocks[0].attn2.norm_q).__name__ == "RMSNorm"
+    sigmas = policy.sigma_schedule(N_STEPS)
+    latents0 = sample_noise(SEEDS, INIT_STEP, tuple(policy.latent_shape))
+    for guidance in guidances("sd3"):
+        batch = rollout(policy, PROMPTS, SEEDS, sigmas, kernel="ode", guidance=guidance)
+        lat = pipe_output("sd3", policy.pipe, latents0, guidance, "latent")
+        assert (lat - batch.x_final).abs().max() < ATOL, guidance  # fp32 summation order only
+
+    net = _lora_wrap(policy)
+    lora = {k: p.detach().clone() for k, p in net.named_parameters() if "lora_" in k}
+    assert lora and not [k for k in lora if ".attn2." in k]  # the dual attention is not a target
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
+    cond, x, guidance = policy.encode(PROMPTS), sample_noise(SEEDS, 0, tuple(policy.latent_shape)), 4.0
+    for _ in range(2):  # B starts at 0, so A gets its first gradient in the second step
+        loss = policy.velocity(x, torch.tensor([0.8, 0.5]), cond, guidance).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    after = dict(net.named_parameters())
+    unchanged = {k.split(".lora_")[0].removeprefix("base_model.model.") for k, v in lora.items()
+                 if torch.equal(after[k], v)}
+    assert unchanged == dead_lora(policy), unchanged
+    lora_dir = save_lora(policy, tmp_path / "lora")
+    with torch.no_grad():
+        trained = policy.decode(rollout(policy, PROMPTS, SEEDS, sigmas, kernel="ode", guidance=guidance).x_final)
+    pipe = fresh_pipe("sd3", path)
+    pipe.load_lora_weights(str(lora_dir))
+    assert (pipe_output("sd3", pipe, latents0, guidance, "pt") - trained).abs().max() < ATOL

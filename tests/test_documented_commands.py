@@ -57,6 +57,8 @@ SKIP = {
     "configs/flux_flow_grpo.yaml model.path=/models/FLUX.1-dev model.prompt_file=prompts.txt train.grad_accum=24": GPU_MODEL,
     "accelerate launch --config_file configs/accelerate/ddp.yaml scripts/train_sd3.py configs/sd3_flow_grpo.yaml "
     "model.path=... train.grad_accum=8": GPU_MODEL,
+    "accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes 8 scripts/train_zimage.py "
+    "configs/zimage_flow_grpo.yaml model.path=/models/Z-Image model.prompt_file=/data/prompts.txt": GPU_MODEL,
     "accelerate launch --config_file configs/accelerate/fsdp.yaml scripts/train_wan.py configs/wan_dance_grpo.yaml "
     "model.path=... train.grad_accum=24": GPU_MODEL,
     "accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes 8 scripts/train_flux.py "

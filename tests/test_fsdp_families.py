@@ -1,15 +1,16 @@
-"""SD3, Wan 2.1, SANA, FLUX.2 [dev] and [klein] (tiny diffusers pipelines) under FSDP2 on 2 CPU processes (gloo) equal one unsharded process.
+"""SD3 (SD3.5-Medium's shape), Wan 2.1, SANA, FLUX.2 [dev] and [klein] and Z-Image (tiny diffusers pipelines) under FSDP2
+on 2 CPU processes (gloo) equal one unsharded process.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_fsdp_families.py -q           # the launch's tests are slow: one launch, ~2 min
 
 tests/test_fsdp.py does FLUX (and the masked LM); this file gives the other diffusers families the same proof, with
 as few launches as the check allows: ONE `accelerate launch --config_file configs/accelerate/fsdp.yaml
---num_processes 2` runs the six trainings (SD3, Wan and SANA, each full fine-tuning and LoRA) one after another
-through the entry scripts' own main (tests/many_runs.py: what scripts/train_sd3.py, train_wan.py and train_sana.py
-run), and the six one-process references run in this test process (train(cfg)). Each run is as small as the check allows:
+--num_processes 2` runs the trainings (each family full fine-tuning and LoRA) one after another through the entry
+scripts' own main (tests/many_runs.py: what scripts/train_<kind>.py run), and the one-process references run in this
+test process (train(cfg)). Each run is as small as the check allows:
 2 prompts x 2 samples (4 per iteration: 1 process accumulates 2 micro-batches of 2 samples, 2 processes take 1 each),
 2 denoising steps (1 trained), 3 iterations, the KL to the reference on (full fine-tuning: the frozen copy, sharded
-the same way; LoRA: the adapter switched off), SD3 with true CFG (the batched [uncond; cond] forward). Rollouts run in
+the same way; LoRA: the adapter switched off), SD3 and Z-Image with CFG (the batched [uncond; cond] forward). Rollouts run in
 forward batches of 2 samples (sampler.rollout_batch) so that both runs compute every forward on the same shapes (the
 first micro-step's ratio is then exactly 1 in both). Adam's eps = 1 as in tests/test_fsdp.py.
 
@@ -27,6 +28,7 @@ SANA's timestep embedding in fp32 (the adapters' fsdp_fp32_inputs; FSDP's input 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -50,7 +52,12 @@ FAMILIES = {  # kind -> (config, diffusers transformer class, pipeline class, bl
               "Flux2SingleTransformerBlock, Flux2TransformerBlock", ["train.lora.alpha=256"]),
     "flux2_klein": ("flux2_klein_tiny.yaml", "Flux2Transformer2DModel", "Flux2KleinPipeline",
                     "Flux2SingleTransformerBlock, Flux2TransformerBlock", ["sampler.guidance=4.0", "train.lora.alpha=256"]),
+    "zimage": ("zimage_tiny.yaml", "ZImageTransformer2DModel", "ZImagePipeline", "ZImageTransformerBlock",
+               ["sampler.guidance=4.0"]),  # CFG; 3 blocks: a noise refiner, a context refiner, one main layer
 }
+# a family's tiny_pipeline options: SD3 runs SD3.5-Medium's shape (RMS qk-norm, a dual-attention block), which holds
+# every module of the plain SD3 one
+TINY_OPTIONS = {"sd3": {"variant": "sd3.5-medium"}}
 MODES = {"full": ["train.lora.enabled=false"], "lora": []}
 SMALL = ["threads=1", "rollout.prompts_per_iter=2", "rollout.group_size=2", "sampler.num_steps=2",
          "sampler.rollout_batch=2", "eval.num_steps=2", "eval.per_digit=1", "train.iterations=3", "train.micro_batch=2",
@@ -68,7 +75,7 @@ def pipes(tmp_path_factory):
     from difrl.models.adapters import make_tiny_pipeline
 
     root = tmp_path_factory.mktemp("tiny_pipelines")
-    return {kind: make_tiny_pipeline(kind, root / kind, seed=0) for kind in FAMILIES}
+    return {kind: make_tiny_pipeline(kind, root / kind, seed=0, **TINY_OPTIONS.get(kind, {})) for kind in FAMILIES}
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +118,8 @@ def test_fsdp_equals_one_process(runs, pipes, kind, mode):
     out, log = runs
     one, two = out[kind, mode]
     block = FAMILIES[kind][3]
-    assert f"difrl: FSDP2 over 2 processes: 3 units (2 blocks of {block} + the root)" in log
+    units = re.search(rf"difrl: FSDP2 over 2 processes: (\d+) units \((\d+) blocks of {block} \+ the root\)", log)
+    assert units and int(units[1]) == int(units[2]) + 1 >= 3, block  # every block a unit, and the root
     ra, rb = rows(one), rows(two)
     assert [r["iteration"] for r in ra] == [r["iteration"] for r in rb] == [1, 2, 3]
     for x, y in zip(ra, rb):
@@ -209,3 +217,33 @@ def test_the_launch_rolled_out_with_both_gather_schedules(runs):
     _, log = runs
     assert "FSDP rollouts gather every block once per rollout (rollout.fsdp_gather=auto)" in log
     assert "FSDP rollouts gather every block before each forward (rollout.fsdp_gather=per_forward)" in log
+
+
+def test_zimage_timestep_reaches_the_embedding_in_fp32_under_fsdp_bf16(pipes):
+    # as the test above, for Z-Image: its timestep is t = 1 - sigma (kwarg `t`), embedded as t * 1000 in fp32 by the
+    # pipeline; FSDP's bf16 cast alone would round 0.2621 to 0.2617 before the embedding
+    import torch.distributed as dist
+
+    from difrl.models.adapters import load_flow_policy
+    from difrl.train.sharding import FSDPSettings, shard
+
+    sigma = torch.tensor([0.7379])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for keep in (False, True):
+            policy = load_flow_policy("zimage", pipes["zimage"], height=32, width=32, max_sequence_length=32)
+            assert policy.fsdp_fp32_inputs == ("t",)
+            policy.module = shard(policy.module, policy.block_classes, FSDPSettings(mixed_precision="bf16"),
+                                  fp32_inputs=policy.fsdp_fp32_inputs if keep else ())
+            seen = {}
+            policy.module.t_embedder.register_forward_pre_hook(lambda m, a: seen.update(t=a[0].clone()))
+            x = torch.randn(1, *policy.latent_shape, generator=torch.Generator().manual_seed(0))
+            v = policy.velocity(x, sigma, policy.encode(["a red dog"]), guidance=0.0)
+            assert v.shape == x.shape and bool(v.isfinite().all())
+            t = (1000 - sigma * 1000) / 1000 * 1000  # the pipeline's (1000 - t) / 1000, times the model's t_scale
+            if keep:
+                assert seen["t"].dtype == torch.float32 and torch.equal(seen["t"], t), seen["t"]
+            else:  # the bf16-rounded t, times 1000 (in bf16)
+                assert seen["t"].dtype == torch.bfloat16 and not torch.equal(seen["t"].float(), t), seen["t"]
+    finally:
+        dist.destroy_process_group()

@@ -57,9 +57,11 @@ def test_shipped_architectures_have_the_published_sizes():
 
     published = {"flux1-dev": 11.90e9, "sd3.5-large": 8.06e9, "wan2.1-t2v-14b": 14.29e9,  # difrl/assets/arch/README.md
                  "sana-1.6b": 1.604e9,  # the SANA paper's 1604M
-                 "flux2-dev": 32.22e9, "flux2-klein-base-9b": 9.08e9}
+                 "flux2-dev": 32.22e9, "flux2-klein-base-9b": 9.08e9,
+                 "sd3.5-medium": 2.2432e9,  # 2,243,171,520
+                 "z-image": 6.155e9}  # 6,154,908,736
     kinds = {"flux1-dev": "flux", "sd3.5-large": "sd3", "wan2.1-t2v-14b": "wan", "sana-1.6b": "sana",
-             "flux2-dev": "flux2", "flux2-klein-base-9b": "flux2_klein"}
+             "flux2-dev": "flux2", "flux2-klein-base-9b": "flux2_klein", "sd3.5-medium": "sd3", "z-image": "zimage"}
     assert set(ARCHS) == set(published)
     for name, size in published.items():
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -483,3 +485,33 @@ def test_plan_splits_samples_into_transitions_as_the_trainer_does(tiny_flux):
     one, two = (plan_flow(tiny_cfg(tiny_flux, [f"train.micro_batch={n}"]), 1, None)["phases"]["update"]
                 for n in (1, 2))
     assert one["activations_gib"] < 0.75 * two["activations_gib"], (one, two)
+
+
+
+def test_plan_of_zimage_sees_each_captions_own_tokens(tmp_path, monkeypatch):
+    """Z-Image's transformer attends to each caption's unpadded tokens, which the tokenizer's mask picks: the plan of
+    its tiny pipeline runs (a simulated mask could not pick them: aten.nonzero raised DynamicOutputShapeException)
+    and every transformer call of the plan sees the prompt's own tokens, not the 64 it is padded to."""
+    import diffusers
+
+    from difrl.models.adapters import make_tiny_pipeline
+    from difrl.models.tiny import tiny_qwen_tokenizer
+    from difrl.train.planner import plan_flow
+    from difrl.train.recipes import load_train_config
+
+    tok = tiny_qwen_tokenizer()
+    tokens = len(tok(tok.apply_chat_template([{"role": "user", "content": "a"}], tokenize=False,
+                                             add_generation_prompt=True))["input_ids"])  # 20: the chat template's 19
+    seen = []
+    forward = diffusers.ZImageTransformer2DModel.forward
+
+    def spy(self, x, t, cap_feats, *args, **kwargs):
+        seen.append({c.shape[0] for c in cap_feats})
+        return forward(self, x, t, cap_feats, *args, **kwargs)
+
+    monkeypatch.setattr(diffusers.ZImageTransformer2DModel, "forward", spy)
+    path = make_tiny_pipeline("zimage", tmp_path / "zimage")
+    cfg = load_train_config(ROOT / "configs" / "zimage_tiny.yaml", [f"model.path={path}", *TINY, "model.prompts=[a]",
+                                                                   "model.max_sequence_length=64"])
+    row = plan_flow(cfg, 1, None)
+    assert row["phases"]["update"]["activations_gib"] > 0 and seen and all(s == {tokens} for s in seen), seen

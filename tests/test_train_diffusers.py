@@ -1,4 +1,4 @@
-"""The flow trainer on tiny diffusers pipelines (every kind of the adapter table: FLUX.1, SD3, Wan 2.1 and the
+"""The flow trainer on tiny diffusers pipelines (every kind of the adapter table: FLUX.1, SD3, Wan 2.1, Z-Image and the
 registered tests/model_plugins.py "example"): the same `train(cfg)` as the digits world.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_train_diffusers.py -q
@@ -44,7 +44,7 @@ CONFIG = ROOT / "configs" / "flux_tiny.yaml"
 KINDS = list(ADAPTERS)  # the built-in families and every registered one
 # FLUX: embedded guidance (one forward); SD3 (and by default a registered family): true CFG (the [uncond; cond]
 # forward in rollout and training); Wan: off
-GUIDANCE = {"flux": 3.5, "sd3": 4.0, "wan": 1.0, "sana": 4.0, "flux2": 4.0, "flux2_klein": 4.0}
+GUIDANCE = {"flux": 3.5, "sd3": 4.0, "wan": 1.0, "sana": 4.0, "flux2": 4.0, "flux2_klein": 4.0, "zimage": 4.0}
 N_STEPS = 3
 
 
@@ -96,8 +96,9 @@ def pipe_images(kind: str, pipe, prompts, latents, guidance, cfg) -> torch.Tenso
     kw = dict(height=cfg.model.height, width=cfg.model.width, num_inference_steps=N_STEPS, guidance_scale=guidance,
               latents=latents.clone(), output_type="pt", max_sequence_length=cfg.model.max_sequence_length)
     if video(kind):
-        return pipe(prompt=prompts, num_frames=cfg.model.num_frames, **kw).frames
-    return pipe(prompt=prompts, **kw).images  # by name: FLUX.2's first argument is an image
+        return pipe(prompt=list(prompts), num_frames=cfg.model.num_frames, **kw).frames
+    # by name: FLUX.2's first argument is an image; a copy: ZImagePipeline rewrites the prompt list in place
+    return pipe(prompt=list(prompts), **kw).images
 
 
 def _record(monkeypatch) -> dict:

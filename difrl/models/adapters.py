@@ -37,10 +37,11 @@ from difrl.models.flux2 import Flux2KleinPolicy, Flux2Policy
 from difrl.models.sana import SanaPolicy
 from difrl.models.sd3 import SD3Policy
 from difrl.models.wan import WanPolicy
+from difrl.models.zimage import ZImagePolicy
 
 BUILTIN_ADAPTERS: dict[str, type[DiffusersFlowPolicy]] = {"flux": FluxPolicy, "sd3": SD3Policy, "wan": WanPolicy,
                                                        "sana": SanaPolicy, "flux2": Flux2Policy,
-                                                       "flux2_klein": Flux2KleinPolicy}
+                                                       "flux2_klein": Flux2KleinPolicy, "zimage": ZImagePolicy}
 # every kind known in this process: the built-in ones, then those registered (@register_model, a loaded entry point)
 ADAPTERS: dict[str, type[DiffusersFlowPolicy]] = dict(BUILTIN_ADAPTERS)
 ENTRY_POINT_GROUP = "difrl.models"
@@ -150,11 +151,12 @@ def arch_flow_policy(kind: str, path: str | Path, **options) -> DiffusersFlowPol
     return cls(pipe, **options)
 
 
-def build_tiny_pipeline(kind: str, seed: int = 0):
-    """The tiny pipeline object for `kind` (one of model_kinds()), in memory, eval mode, fp32."""
+def build_tiny_pipeline(kind: str, seed: int = 0, **options):
+    """The tiny pipeline object for `kind` (one of model_kinds()), in memory, eval mode, fp32; `options` go to the
+    family's tiny_pipeline (SD3: variant="sd3.5-medium")."""
     cls = adapter_class(kind)
     torch.manual_seed(seed)
-    pipe = cls.tiny_pipeline()
+    pipe = cls.tiny_pipeline(**options)
     for name, comp in pipe.components.items():
         if isinstance(comp, torch.nn.Module):
             comp.eval()  # models built directly are in train mode (T5 dropout: ecosystem.md §1.1)
@@ -162,10 +164,11 @@ def build_tiny_pipeline(kind: str, seed: int = 0):
     return pipe
 
 
-def make_tiny_pipeline(kind: str, out_dir: str | Path, seed: int = 0) -> Path:
-    """Build the tiny `kind` pipeline with weights drawn from `seed` and save it to `out_dir` (a
-    diffusers pipeline directory: model_index.json plus one folder per component). Returns the path."""
+def make_tiny_pipeline(kind: str, out_dir: str | Path, seed: int = 0, **options) -> Path:
+    """Build the tiny `kind` pipeline with weights drawn from `seed` (and the family's tiny_pipeline `options`) and
+    save it to `out_dir` (a diffusers pipeline directory: model_index.json plus one folder per component). Returns
+    the path."""
     out_dir = Path(out_dir)
-    pipe = build_tiny_pipeline(kind, seed)
+    pipe = build_tiny_pipeline(kind, seed, **options)
     pipe.save_pretrained(out_dir)
     return out_dir

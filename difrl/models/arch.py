@@ -32,7 +32,8 @@ from torch import nn
 ARCH_ROOT = Path(__file__).resolve().parent.parent / "assets" / "arch"
 # the reference checkpoint of each family: what difrl plan simulates when model.path is not a local directory
 REFERENCE_ARCH = {"flux": "flux1-dev", "sd3": "sd3.5-large", "wan": "wan2.1-t2v-14b", "hf_masked": "llada-8b",
-                  "sana": "sana-1.6b", "flux2": "flux2-dev", "flux2_klein": "flux2-klein-base-9b"}
+                  "sana": "sana-1.6b", "flux2": "flux2-dev", "flux2_klein": "flux2-klein-base-9b",
+                  "zimage": "z-image"}
 ARCHS = tuple(sorted(p.name for p in ARCH_ROOT.iterdir() if (p / "model_index.json").is_file())) if ARCH_ROOT.is_dir() else ()
 # masked LMs: a transformers config.json alone (no model_index.json)
 MASKED_ARCHS = tuple(sorted(p.name for p in ARCH_ROOT.iterdir() if (p / "config.json").is_file()

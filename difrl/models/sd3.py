@@ -5,6 +5,15 @@
 Guidance: the base class's true CFG when `guidance > 1` (difrl/models/diffusers_base.py).
 Latent shape (one sample; vsf = the VAE's spatial scale factor, 8 for the real models):
 `(C, H // vsf, W // vsf)`, e.g. (16, 64, 64) at 512x512. Timesteps: `1000 sigma`, as the pipeline passes them.
+
+SD3.5 Large and Medium are this kind too: the same pipeline and transformer class, whose config adds RMS qk-norm
+(`qk_norm="rms_norm"`, both) and, on Medium, a second self-attention `attn2` over the image tokens in the first
+blocks (`dual_attention_layers`, 0-12 of 24). `tiny_pipeline("sd3.5-medium")` builds that shape for the tests.
+LoRA targets (`lora_candidates`): the joint attention's eight projections, the list Flow-GRPO (scripts/train_sd3.py),
+Flow-Factory (SD3_5Adapter.default_target_modules) and diffusers' train_dreambooth_lora_sd3.py use for SD3.5, so
+`attn2.*` is NOT targeted: peft matches by suffix and `attn.to_q` never names `attn2.to_q`, which keeps a run's
+trained parameters (and its rank's meaning) those of the reference recipes. A run that wants the dual attention
+adapted too names it: `train.lora.targets=[attn.to_q, ..., attn2.to_q, attn2.to_k, attn2.to_v, attn2.to_out.0]`.
 """
 
 from __future__ import annotations
@@ -70,23 +79,27 @@ class SD3Policy(DiffusersFlowPolicy):
         return latents / c.scaling_factor + c.shift_factor
 
     @staticmethod
-    def tiny_pipeline():
+    def tiny_pipeline(variant: str = "sd3"):
         """A 2-level VAE (vae_scale_factor 2, 4 latent channels), so 32x32 images have 16x16 latents; static shift 3.
         Two transformer layers: the last one is context-pre-only (no to_add_out), the first has every LoRA target.
         CLIP hidden states (16 + 16) are zero-padded up to the T5 width (32) = joint_attention_dim; pooled
-        projections (32 + 32) = pooled_projection_dim, as in SD3 (768 + 1280 -> 4096; 2048)."""
+        projections (32 + 32) = pooled_projection_dim, as in SD3 (768 + 1280 -> 4096; 2048).
+        `variant="sd3.5-medium"`: SD3.5-Medium's shape, RMS qk-norm and the first layer a dual-attention one (attn2)."""
         import diffusers
         from transformers import CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
         from difrl.models.tiny import (tiny_clip_config, tiny_clip_tokenizer, tiny_image_vae, tiny_t5_kwargs,
                                        tiny_t5_tokenizer)
 
+        variants = {"sd3": {}, "sd3.5-medium": {"qk_norm": "rms_norm", "dual_attention_layers": (0,)}}
+        if variant not in variants:
+            raise ValueError(f"unknown tiny SD3 variant {variant!r}; expected one of {sorted(variants)}")
         clip_tok, clip_tok2, t5_tok = tiny_clip_tokenizer(), tiny_clip_tokenizer(), tiny_t5_tokenizer()
         return diffusers.StableDiffusion3Pipeline(
             transformer=diffusers.SD3Transformer2DModel(
                 sample_size=16, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=4,
                 caption_projection_dim=32, joint_attention_dim=32, pooled_projection_dim=64, out_channels=4,
-                pos_embed_max_size=16),
+                pos_embed_max_size=16, **variants[variant]),
             vae=tiny_image_vae(),
             text_encoder=CLIPTextModelWithProjection(tiny_clip_config(len(clip_tok), 16, 32)),
             tokenizer=clip_tok,

@@ -54,6 +54,10 @@ QUANT_PRESETS: dict[str, dict] = {
     # all blocks (one layer's quantization error would shift every block's scale / shift / gate)
     "flux2": {"skip": ("x_embedder", "context_embedder", "time_guidance_embed", "stream_modulation", "norm_out"),
               "min_dim": 1000},
+    # Z-Image (ours: Sol-RL has no Z-Image run): its SD3.5-L rule carried over, the embedders (time, caption, patch),
+    # the adaLN modulation and the final layer exact, min_dim = the hidden width (3840): the FFN w1/w2/w3 quantized
+    "zimage": {"skip": ("t_embedder", "cap_embedder", "all_x_embedder", "adaLN_modulation", "all_final_layer"),
+               "min_dim": 3840},
 }
 
 BACKENDS = ("auto", "te", "torch", "emulate")

@@ -236,7 +236,8 @@ class SamplerConfig:
     num_steps: int = cfg_field(10, ge=1, help="denoising steps of a rollout")
     shift: float = cfg_field(1.0, gt=0.0, help="static time shift of the sigma schedule")
     noise_level: float = cfg_field(0.7, ge=0.0, help="a (flow_sde, cps) or eta (dance_sde)")
-    guidance: float = cfg_field(1.0, ge=0.0, help="classifier-free guidance scale in rollout and training (1 = off)")
+    guidance: float = cfg_field(1.0, ge=0.0, help="classifier-free guidance scale in rollout and training (1 = off; zimage: the "
+                                                   "pipeline's guidance_scale, 0 = off)")
     log_prob_reduce: str = cfg_field("mean", choices=("mean", "sum"), help="per-element mean (published clip ranges) or sum")
     cps_log_prob: str = cfg_field("gaussian", choices=("gaussian", "flow_grpo"), help="CPS log-prob: true Gaussian or Flow-GRPO's unnormalised")
     rollout_batch: int | None = cfg_field(None, ge=1, help="model forward batch in rollouts (None = all samples)")
