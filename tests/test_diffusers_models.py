@@ -44,9 +44,12 @@ PROMPTS = ["a photo of a cat", "a red dog"]
 SEEDS = torch.tensor([11, 12])
 N_STEPS = 3
 # guidance off / on for each model (default: true CFG's 1 and 4); Flux's value is the embedded distilled guidance
-GUIDANCE = {"flux": [1.0, 3.5]}
+GUIDANCE = {"flux": [1.0, 3.5], "qwenimage": [1.0, 4.0]}
 # one sample's latent at 32x32 (Wan: 5 frames), see the family files' docstrings; another family: its pipeline's own
-LATENT_SHAPE = {"flux": (64, 16), "sd3": (4, 16, 16), "wan": (16, 2, 4, 4)}
+LATENT_SHAPE = {"flux": (64, 16), "sd3": (4, 16, 16), "wan": (16, 2, 4, 4), "qwenimage": (16, 16)}
+# how a kind's pipeline takes difrl's `guidance` (default: guidance_scale=); Qwen-Image: true_cfg_scale with a negative
+# prompt (the policy's default "", which the pipeline needs to do CFG at all)
+PIPE_GUIDANCE = {"qwenimage": lambda g: {"true_cfg_scale": g, "negative_prompt": ""}}
 ATOL = 1e-5
 
 
@@ -69,6 +72,10 @@ def dead_lora(policy) -> set[str]:
     cfg = policy.transformer_config
     if type(policy.pipe.transformer).__name__ == "SD3Transformer2DModel":
         return {f"transformer_blocks.{cfg.num_layers - 1}.attn.add_q_proj"}
+    if type(policy.pipe.transformer).__name__ == "QwenImageTransformer2DModel":  # the last block's text-stream output
+        # is discarded (only the image stream reaches proj_out), so what only writes it has no gradient
+        return {f"transformer_blocks.{cfg.num_layers - 1}.{t}" for t in ("attn.add_q_proj", "attn.to_add_out",
+                                                                          "txt_mlp.net.0.proj", "txt_mlp.net.2")}
     return set()
 
 
@@ -113,8 +120,8 @@ def fresh_pipe(kind, path):
 
 def pipe_output(kind, pipe, latents, guidance, output_type, **extra):
     """The pipeline's own call on the same prompts, initial latents and number of steps."""
-    kw = dict(SIZE, num_inference_steps=N_STEPS, guidance_scale=guidance, latents=latents.clone(),
-              output_type=output_type, max_sequence_length=TEXT_LEN, **extra)
+    kw = dict(SIZE, num_inference_steps=N_STEPS, latents=latents.clone(), output_type=output_type,
+              max_sequence_length=TEXT_LEN, **PIPE_GUIDANCE.get(kind, lambda g: {"guidance_scale": g})(guidance), **extra)
     if video(kind):
         return pipe(PROMPTS, num_frames=FRAMES, **kw).frames  # [B, F, C, H, W]: difrl's video layout too
     return pipe(PROMPTS, **kw).images

@@ -33,10 +33,12 @@ import torch
 
 from difrl.models.diffusers_base import DiffusersFlowPolicy
 from difrl.models.flux import FluxPolicy
+from difrl.models.qwenimage import QwenImagePolicy
 from difrl.models.sd3 import SD3Policy
 from difrl.models.wan import WanPolicy
 
-BUILTIN_ADAPTERS: dict[str, type[DiffusersFlowPolicy]] = {"flux": FluxPolicy, "sd3": SD3Policy, "wan": WanPolicy}
+BUILTIN_ADAPTERS: dict[str, type[DiffusersFlowPolicy]] = {"flux": FluxPolicy, "sd3": SD3Policy, "wan": WanPolicy,
+                                                         "qwenimage": QwenImagePolicy}
 # every kind known in this process: the built-in ones, then those registered (@register_model, a loaded entry point)
 ADAPTERS: dict[str, type[DiffusersFlowPolicy]] = dict(BUILTIN_ADAPTERS)
 ENTRY_POINT_GROUP = "difrl.models"

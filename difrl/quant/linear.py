@@ -41,6 +41,9 @@ QUANT_PRESETS: dict[str, dict] = {
                       "attn.qkv"), "min_dim": 2240},
     "wan": {"skip": ("patch_embedding", "condition_embedder", "proj_out", "norm_out"), "min_dim": 1000},
     "digits": {"skip": ("x_in", "t_mlp", "x_out"), "min_dim": 0},
+    # Qwen-Image: Sol-RL has no preset for it; ours, as for Wan: the input embedders (image patches, text, timestep),
+    # the text stream's input norm and the output norm / projection stay exact; min_dim as FLUX's
+    "qwenimage": {"skip": ("img_in", "txt_in", "txt_norm", "time_text_embed", "norm_out", "proj_out"), "min_dim": 1000},
 }
 
 BACKENDS = ("auto", "te", "torch", "emulate")
