@@ -60,6 +60,9 @@ CASES = [
      [*LLADA, "train.lora.enabled=false"], None),
     ("LLaDA-8B LoRA r16, 64-token answers, 32 sampler steps", "configs/text_arithmetic.yaml",
      [*LLADA, "train.lora.enabled=true"], None),
+    ("Qwen-Image LoRA r64, micro-batch 4, grad. checkpointing", "configs/qwenimage_flow_grpo.yaml", [], 128),
+    ("Qwen-Image full, micro-batch 4, grad. checkpointing", "configs/qwenimage_flow_grpo.yaml",
+     ["train.lora.enabled=false"], 128),
 ]
 
 

@@ -1,15 +1,16 @@
-"""SD3 and Wan 2.1 (tiny diffusers pipelines) under FSDP2 on 2 CPU processes (gloo) equal one unsharded process.
+"""SD3, Wan 2.1 and Qwen-Image (tiny diffusers pipelines) under FSDP2 on 2 CPU processes (gloo) equal one process.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_fsdp_families.py -q           # the launch's tests are slow: one launch, ~2 min
 
 tests/test_fsdp.py does FLUX (and the masked LM); this file gives the other diffusers families the same proof, with
 as few launches as the check allows: ONE `accelerate launch --config_file configs/accelerate/fsdp.yaml
---num_processes 2` runs the four trainings (SD3 full fine-tuning, SD3 LoRA, Wan full fine-tuning, Wan LoRA) one after
-another through the entry scripts' own main (tests/many_runs.py: what scripts/train_sd3.py and train_wan.py run),
-and the four one-process references run in this test process (train(cfg)). Each run is as small as the check allows:
+--num_processes 2` runs the six trainings (full fine-tuning and LoRA of SD3, Wan and Qwen-Image) one after another
+through the entry scripts' own main (tests/many_runs.py: what scripts/train_sd3.py, train_wan.py and
+train_qwenimage.py run), and the six one-process references run in this test process (train(cfg)). Each run is as small as the check allows:
 2 prompts x 2 samples (4 per iteration: 1 process accumulates 2 micro-batches of 2 samples, 2 processes take 1 each),
 2 denoising steps (1 trained), 3 iterations, the KL to the reference on (full fine-tuning: the frozen copy, sharded
-the same way; LoRA: the adapter switched off), SD3 with true CFG (the batched [uncond; cond] forward). Rollouts run in
+the same way; LoRA: the adapter switched off), SD3 and Qwen-Image with true CFG (the batched [uncond; cond] forward;
+Qwen-Image's norm rescale). Rollouts run in
 forward batches of 2 samples (sampler.rollout_batch) so that both runs compute every forward on the same shapes (the
 first micro-step's ratio is then exactly 1 in both). Adam's eps = 1 as in tests/test_fsdp.py.
 
@@ -42,6 +43,8 @@ FAMILIES = {  # kind -> (config, diffusers transformer class, pipeline class, bl
     "sd3": ("sd3_tiny.yaml", "SD3Transformer2DModel", "StableDiffusion3Pipeline", "JointTransformerBlock",
             ["sampler.guidance=4.0"]),  # true CFG: one batched [uncond; cond] forward per step
     "wan": ("wan_tiny.yaml", "WanTransformer3DModel", "WanPipeline", "WanTransformerBlock", []),
+    "qwenimage": ("qwenimage_tiny.yaml", "QwenImageTransformer2DModel", "QwenImagePipeline", "QwenImageTransformerBlock",
+                  ["sampler.guidance=4.0"]),  # true CFG with the norm rescale, [uncond; cond] in one forward
 }
 MODES = {"full": ["train.lora.enabled=false"], "lora": []}
 SMALL = ["threads=1", "rollout.prompts_per_iter=2", "rollout.group_size=2", "sampler.num_steps=2",
@@ -96,7 +99,7 @@ def weights(run_dir: Path, mode: str) -> dict[str, torch.Tensor]:
     return load_safetensors_checked(run_dir / WEIGHTS[mode], mode)[0]
 
 
-@pytest.mark.slow  # shares the module's runs: one 2-process launch (4 trainings) and 4 one-process trainings, ~1-2 min
+@pytest.mark.slow  # shares the module's runs: one 2-process launch (7 trainings) and 6 one-process trainings, ~3-5 min
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("kind", list(FAMILIES))
 def test_fsdp_equals_one_process(runs, pipes, kind, mode):

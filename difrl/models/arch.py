@@ -31,7 +31,8 @@ from torch import nn
 
 ARCH_ROOT = Path(__file__).resolve().parent.parent / "assets" / "arch"
 # the reference checkpoint of each family: what difrl plan simulates when model.path is not a local directory
-REFERENCE_ARCH = {"flux": "flux1-dev", "sd3": "sd3.5-large", "wan": "wan2.1-t2v-14b", "hf_masked": "llada-8b"}
+REFERENCE_ARCH = {"flux": "flux1-dev", "sd3": "sd3.5-large", "wan": "wan2.1-t2v-14b", "hf_masked": "llada-8b",
+                  "qwenimage": "qwen-image"}
 ARCHS = tuple(sorted(p.name for p in ARCH_ROOT.iterdir() if (p / "model_index.json").is_file())) if ARCH_ROOT.is_dir() else ()
 # masked LMs: a transformers config.json alone (no model_index.json)
 MASKED_ARCHS = tuple(sorted(p.name for p in ARCH_ROOT.iterdir() if (p / "config.json").is_file()
@@ -55,13 +56,16 @@ def _config(folder: Path) -> dict:
 
 
 def _tokenizer(folder: Path, cls_name: str):
-    """The directory's tokenizer when it has one, else a code-built one of the family (CLIP or T5-like)."""
+    """The directory's tokenizer when it has one, else a code-built one of the family (CLIP, Qwen2 byte-level BPE or
+    T5-like)."""
     import transformers
 
-    from difrl.models.tiny import tiny_clip_tokenizer, tiny_t5_tokenizer
+    from difrl.models.tiny import tiny_clip_tokenizer, tiny_qwen2_tokenizer, tiny_t5_tokenizer
 
     if folder.is_dir() and any(folder.iterdir()):
         return getattr(transformers, cls_name).from_pretrained(str(folder), local_files_only=True)
+    if "Qwen2" in cls_name:
+        return tiny_qwen2_tokenizer()
     return tiny_clip_tokenizer(CLIP_TEXT_LEN) if "CLIP" in cls_name else tiny_t5_tokenizer()
 
 
