@@ -433,3 +433,21 @@ def test_forwards_per_step_counts_the_rows_the_transformer_sees(kind, tiny_dirs,
     if kind == "flux":
         cfg = load_flow_policy("flux", tiny_dirs("flux"), true_cfg_scale=2.5, **policy_options("flux"))
         assert forwards_per_step(cfg, 3.5) == rows_seen(cfg, 3.5) == 2
+
+
+def test_qwenimage_embeddings_are_the_pipelines_padded_with_their_mask(policies):
+    # the adapter gathers the pipeline's text-encoder states with static shapes (difrl plan runs it on fake tensors) and
+    # pads every prompt to max_sequence_length: the pipeline's own encode_prompt, then zeros, bit for bit (a copy)
+    policy = policies("qwenimage")
+    prompts = ["a photo of a cat", "a red dog", "a much longer prompt than the others, truncated at sixteen tokens"]
+    cond = policy.encode(prompts)
+    embeds, mask = policy.pipe.encode_prompt(prompts, max_sequence_length=TEXT_LEN)
+    n = embeds.shape[1]
+    assert cond["prompt_embeds"].shape == (3, TEXT_LEN, embeds.shape[2]) and n <= TEXT_LEN
+    assert torch.equal(cond["prompt_embeds"][:, :n], embeds) and not cond["prompt_embeds"][:, n:].any()
+    assert torch.equal(cond["prompt_embeds_mask"][:, :n], mask) and not cond["prompt_embeds_mask"][:, n:].any()
+    assert cond["prompt_embeds_mask"].sum(1).tolist()[2] == TEXT_LEN  # the long prompt fills it (truncated)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):  # what difrl plan runs
+        assert policy._encode_batch(prompts)["prompt_embeds"].shape == (3, TEXT_LEN, embeds.shape[2])

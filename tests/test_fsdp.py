@@ -369,7 +369,8 @@ def test_block_classes_and_tied_weights():
     # each built-in adapter names block classes its transformer declares as unsplittable (every kind of the table,
     # registered ones too: tests/test_diffusers_models.py::test_block_classes_are_the_transformers_repeated_...)
     for kind, cls in BUILTIN_ADAPTERS.items():
-        model_cls = {"flux": "FluxTransformer2DModel", "sd3": "SD3Transformer2DModel", "wan": "WanTransformer3DModel"}[kind]
+        model_cls = {"flux": "FluxTransformer2DModel", "sd3": "SD3Transformer2DModel", "wan": "WanTransformer3DModel",
+                     "qwenimage": "QwenImageTransformer2DModel"}[kind]
         assert set(cls.block_classes) <= set(getattr(diffusers, model_cls)._no_split_modules), kind
 
     class Block(nn.Module):

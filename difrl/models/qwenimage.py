@@ -9,8 +9,9 @@ batched forward over [uncond; cond] (the negative prompt, default "", embedded o
 channel axis (`_guide`, in fp32). `guidance <= 1`: one conditional forward. Qwen-Image is not guidance-distilled: a
 transformer with `guidance_embeds` is refused (diffusers' forward cannot embed it either).
 
-Prompts: the pipeline's own `encode_prompt` (its chat template; the 34 leading hidden states of the template's system
-part are dropped, `prompt_template_encode_start_idx`), the last hidden state of Qwen2.5-VL. The pipeline pads a batch
+Prompts: what the pipeline's `encode_prompt` computes (its chat template; the 34 leading hidden states of the template's
+system part are dropped, `prompt_template_encode_start_idx`), the last hidden state of Qwen2.5-VL, gathered with static
+shapes so that difrl plan runs it on fake tensors (`_encode_batch`; bit for bit the pipeline's). The pipeline pads a batch
 to its longest prompt with a mask; here every prompt is zero-padded to `max_sequence_length` tokens with its mask
 (`prompt_embeds_mask`, [B, max_sequence_length] long, 1 = a real token), so conditions of any prompts concatenate (CFG's
 [uncond; cond], the prompt cache, rollout chunks). The mask keeps the padding out of the joint attention and text RoPE
@@ -73,13 +74,26 @@ class QwenImagePolicy(DiffusersFlowPolicy):
         return cls(cls._load_pipeline(path, as_dtype(dtype), device), height=height, width=width, **options)
 
     def _encode_batch(self, prompts: list[str]) -> Cond:
-        embeds, mask = self.pipe.encode_prompt(prompt=prompts, device=self.device,
-                                               max_sequence_length=self.max_sequence_length)  # [B, L, D], [B, L] | None
-        if mask is None:  # the pipeline's "every token is real"
-            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
-        pad = self.max_sequence_length - embeds.shape[1]
-        return {"prompt_embeds": F.pad(embeds, (0, 0, 0, pad)),  # [B, max_sequence_length, D], zeros after the prompt
-                "prompt_embeds_mask": F.pad(mask.long(), (0, pad))}  # [B, max_sequence_length]
+        """QwenImagePipeline.encode_prompt's embeddings (its template, tokenizer call, text encoder and dropped system
+        part), gathered with static shapes: the pipeline's boolean indexing has a data-dependent shape, which difrl plan's
+        fake tensors cannot run. The same hidden states are copied, so the result is the pipeline's bit for bit."""
+        pipe, L = self.pipe, self.max_sequence_length
+        drop = pipe.prompt_template_encode_start_idx  # the template's system part: 34 tokens
+        tokens = pipe.tokenizer([pipe.prompt_template_encode.format(p) for p in prompts],
+                                max_length=pipe.tokenizer_max_length + drop, padding=True, truncation=True,
+                                return_tensors="pt").to(self.device)
+        hidden = pipe.text_encoder(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
+                                   output_hidden_states=True).hidden_states[-1]  # [B, T, D]
+        real = tokens.attention_mask.bool()  # [B, T]
+        # each row's real tokens first, in order (a stable sort moves the padding back, whichever side it was on)
+        order = torch.sort((~real).to(torch.uint8), dim=1, stable=True).indices  # [B, T]
+        idx = order[:, drop:drop + L]  # after the system part, at most L tokens (the pipeline's max_sequence_length)
+        mask = real.gather(1, idx)  # [B, <= L]
+        embeds = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, <= L, D]
+        embeds = torch.where(mask[..., None], embeds, torch.zeros((), dtype=embeds.dtype, device=embeds.device))
+        pad = L - idx.shape[1]  # every prompt padded to L: conditions of any prompts concatenate
+        return {"prompt_embeds": F.pad(embeds, (0, 0, 0, pad)).to(pipe.text_encoder.dtype),  # [B, L, D], zeros after it
+                "prompt_embeds_mask": F.pad(mask.long(), (0, pad))}  # [B, L], 1 = a token of the prompt
 
     def _set_timesteps(self, sched, num_steps: int) -> None:
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
