@@ -80,6 +80,9 @@ CASES = [
     ("Z-Image full, EMA, micro-batch 1", "configs/zimage_flow_grpo.yaml", [], 384),
     ("Z-Image LoRA r32, micro-batch 1", "configs/zimage_flow_grpo.yaml",
      ["train.lora.enabled=true", "train.lora.rank=32", "train.lora.alpha=64"], 384),
+    ("Qwen-Image LoRA r64, micro-batch 4, grad. checkpointing", "configs/qwenimage_flow_grpo.yaml", [], 128),
+    ("Qwen-Image full, micro-batch 4, grad. checkpointing", "configs/qwenimage_flow_grpo.yaml",
+     ["train.lora.enabled=false"], 128),
 ]
 # the architecture a case simulates when it is not its model kind's reference (difrl.models.arch.REFERENCE_ARCH)
 CASE_ARCH = {name: "sd3.5-medium" for name, *_ in CASES if name.startswith("SD3.5-Medium")}

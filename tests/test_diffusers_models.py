@@ -44,14 +44,18 @@ PROMPTS = ["a photo of a cat", "a red dog"]
 SEEDS = torch.tensor([11, 12])
 N_STEPS = 3
 # guidance off / on for each model (default: true CFG's 1 and 4); Flux's value is the embedded distilled guidance
-GUIDANCE = {"flux": [1.0, 3.5], "flux2": [1.0, 4.0], "zimage": [0.0, 4.0]}  # Z-Image: w > 0 is CFG, 0 one forward
+GUIDANCE = {"flux": [1.0, 3.5], "flux2": [1.0, 4.0], "zimage": [0.0, 4.0], "qwenimage": [1.0, 4.0]}  # Z-Image: w > 0 is CFG, 0 one forward
 # one sample's latent at 32x32 (Wan: 5 frames), see the family files' docstrings; another family: its pipeline's own
 LATENT_SHAPE = {"flux": (64, 16), "sd3": (4, 16, 16), "wan": (16, 2, 4, 4), "sana": (4, 16, 16),
                 "flux2": (16, 8, 8),
-                "flux2_klein": (16, 8, 8), "zimage": (4, 16, 16)}
+                "flux2_klein": (16, 8, 8), "zimage": (4, 16, 16),
+                "qwenimage": (16, 16)}
 # a policy latent as its pipeline returns it for output_type="latent" (default: the same tensor): FLUX.2 [dev] returns
 # its tokens [B, h w, 4C], [klein] the VAE latent (batch norm undone, patches unfolded) [B, C, 2h, 2w]
 PIPELINE_LATENT = {"flux2": lambda policy, x: policy.pack(x), "flux2_klein": lambda policy, x: policy._vae_latents(x)}
+# how a kind's pipeline takes difrl's `guidance` (default: guidance_scale=); Qwen-Image: true_cfg_scale with a negative
+# prompt (the policy's default "", which the pipeline needs to do CFG at all)
+PIPE_GUIDANCE = {"qwenimage": lambda g: {"true_cfg_scale": g, "negative_prompt": ""}}
 ATOL = 1e-5
 
 
@@ -74,6 +78,10 @@ def dead_lora(policy) -> set[str]:
     cfg = policy.transformer_config
     if type(policy.pipe.transformer).__name__ == "SD3Transformer2DModel":
         return {f"transformer_blocks.{cfg.num_layers - 1}.attn.add_q_proj"}
+    if type(policy.pipe.transformer).__name__ == "QwenImageTransformer2DModel":  # the last block's text-stream output
+        # is discarded (only the image stream reaches proj_out), so what only writes it has no gradient
+        return {f"transformer_blocks.{cfg.num_layers - 1}.{t}" for t in ("attn.add_q_proj", "attn.to_add_out",
+                                                                          "txt_mlp.net.0.proj", "txt_mlp.net.2")}
     return set()
 
 
@@ -118,8 +126,8 @@ def fresh_pipe(kind, path):
 
 def pipe_output(kind, pipe, latents, guidance, output_type, **extra):
     """The pipeline's own call on the same prompts, initial latents and number of steps."""
-    kw = dict(SIZE, num_inference_steps=N_STEPS, guidance_scale=guidance, latents=latents.clone(),
-              output_type=output_type, max_sequence_length=TEXT_LEN, **extra)
+    kw = dict(SIZE, num_inference_steps=N_STEPS, latents=latents.clone(), output_type=output_type,
+              max_sequence_length=TEXT_LEN, **PIPE_GUIDANCE.get(kind, lambda g: {"guidance_scale": g})(guidance), **extra)
     if video(kind):
         return pipe(prompt=list(PROMPTS), num_frames=FRAMES, **kw).frames  # [B, F, C, H, W]: difrl's video layout too
     # by name: FLUX.2's first argument is a conditioning image; a copy: ZImagePipeline rewrites the list in place
@@ -474,3 +482,19 @@ def test_sd35_medium_shape_equals_its_pipeline_and_its_lora_loads(tmp_path):
     pipe = fresh_pipe("sd3", path)
     pipe.load_lora_weights(str(lora_dir))
     assert (pipe_output("sd3", pipe, latents0, guidance, "pt") - trained).abs().max() < ATOL
+def test_qwenimage_embeddings_are_the_pipelines_padded_with_their_mask(policies):
+    # the adapter gathers the pipeline's text-encoder states with static shapes (difrl plan runs it on fake tensors) and
+    # pads every prompt to max_sequence_length: the pipeline's own encode_prompt, then zeros, bit for bit (a copy)
+    policy = policies("qwenimage")
+    prompts = ["a photo of a cat", "a red dog", "a much longer prompt than the others, truncated at sixteen tokens"]
+    cond = policy.encode(prompts)
+    embeds, mask = policy.pipe.encode_prompt(prompts, max_sequence_length=TEXT_LEN)
+    n = embeds.shape[1]
+    assert cond["prompt_embeds"].shape == (3, TEXT_LEN, embeds.shape[2]) and n <= TEXT_LEN
+    assert torch.equal(cond["prompt_embeds"][:, :n], embeds) and not cond["prompt_embeds"][:, n:].any()
+    assert torch.equal(cond["prompt_embeds_mask"][:, :n], mask) and not cond["prompt_embeds_mask"][:, n:].any()
+    assert cond["prompt_embeds_mask"].sum(1).tolist()[2] == TEXT_LEN  # the long prompt fills it (truncated)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):  # what difrl plan runs
+        assert policy._encode_batch(prompts)["prompt_embeds"].shape == (3, TEXT_LEN, embeds.shape[2])

@@ -99,6 +99,10 @@ SKIP = {
     "accelerate launch --config_file configs/accelerate/ddp.yaml --num_processes 8 scripts/train_sana.py "
     "configs/sana_sol_rl.yaml model.path=/models/Sana_1600M_1024px_diffusers model.prompt_file=/data/prompts.txt": GPU_MODEL,
     "python scripts/train_sana.py configs/sana_sol_rl.yaml model.path=... train.grad_accum=72": GPU_MODEL,
+    "accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes 32 scripts/train_qwenimage.py "
+    "configs/qwenimage_flow_grpo.yaml model.path=/models/Qwen-Image model.prompt_file=/data/prompts.txt": GPU_MODEL,
+    "accelerate launch --config_file configs/accelerate/fsdp.yaml scripts/train_qwenimage.py configs/qwenimage_flow_grpo.yaml "
+    "model.path=/models/Qwen-Image model.prompt_file=prompts.txt train.grad_accum=16": GPU_MODEL,
     "python benchmarks/bench_gpu.py": "needs a CUDA GPU (~8 min on an H200); its --quick run is "
                                       "tests/test_benchmarks.py::test_bench_gpu_quick_rows",
     "difrl reward-server --reward hpsv2,ocr --options rewards.yaml": "serves HPSv2 and OCR from checkpoint files a "

@@ -1,4 +1,4 @@
-"""SD3 (SD3.5-Medium's shape), Wan 2.1, SANA, FLUX.2 [dev] and [klein] and Z-Image (tiny diffusers pipelines) under FSDP2
+"""SD3 (SD3.5-Medium's shape), Wan 2.1, SANA, FLUX.2 [dev] and [klein] Z-Image and Qwen-Image (tiny diffusers pipelines) under FSDP2
 on 2 CPU processes (gloo) equal one unsharded process.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_fsdp_families.py -q           # the launch's tests are slow: one launch, ~2 min
@@ -10,7 +10,8 @@ scripts' own main (tests/many_runs.py: what scripts/train_<kind>.py run), and th
 test process (train(cfg)). Each run is as small as the check allows:
 2 prompts x 2 samples (4 per iteration: 1 process accumulates 2 micro-batches of 2 samples, 2 processes take 1 each),
 2 denoising steps (1 trained), 3 iterations, the KL to the reference on (full fine-tuning: the frozen copy, sharded
-the same way; LoRA: the adapter switched off), SD3 and Z-Image with CFG (the batched [uncond; cond] forward). Rollouts run in
+the same way; LoRA: the adapter switched off), SD3, Z-Image and Qwen-Image with CFG (the batched [uncond; cond] forward;
+Qwen-Image's norm rescale). Rollouts run in
 forward batches of 2 samples (sampler.rollout_batch) so that both runs compute every forward on the same shapes (the
 first micro-step's ratio is then exactly 1 in both). Adam's eps = 1 as in tests/test_fsdp.py.
 
@@ -54,6 +55,8 @@ FAMILIES = {  # kind -> (config, diffusers transformer class, pipeline class, bl
                     "Flux2SingleTransformerBlock, Flux2TransformerBlock", ["sampler.guidance=4.0", "train.lora.alpha=256"]),
     "zimage": ("zimage_tiny.yaml", "ZImageTransformer2DModel", "ZImagePipeline", "ZImageTransformerBlock",
                ["sampler.guidance=4.0"]),  # CFG; 3 blocks: a noise refiner, a context refiner, one main layer
+    "qwenimage": ("qwenimage_tiny.yaml", "QwenImageTransformer2DModel", "QwenImagePipeline", "QwenImageTransformerBlock",
+                  ["sampler.guidance=4.0"]),  # true CFG with the norm rescale, [uncond; cond] in one forward
 }
 # a family's tiny_pipeline options: SD3 runs SD3.5-Medium's shape (RMS qk-norm, a dual-attention block), which holds
 # every module of the plain SD3 one
@@ -111,7 +114,7 @@ def weights(run_dir: Path, mode: str) -> dict[str, torch.Tensor]:
     return load_safetensors_checked(run_dir / WEIGHTS[mode], mode)[0]
 
 
-@pytest.mark.slow  # shares the module's runs: one 2-process launch (6 trainings) and 6 one-process trainings, ~2-3 min
+@pytest.mark.slow  # shares the module's runs: one 2-process launch (every family's trainings) and the one-process twins, ~5 min
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("kind", list(FAMILIES))
 def test_fsdp_equals_one_process(runs, pipes, kind, mode):

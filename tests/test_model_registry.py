@@ -77,17 +77,17 @@ def test_an_unknown_kind_lists_the_known_ones_and_says_how_to_add_one(tmp_path):
 
     how = r"register_model\(kind\).*'difrl\.models' entry-point group \(docs/adding-a-model\.md\)"
     for load in (load_train_config, load_flow_config):  # `difrl train` / the entry scripts, and the flow config
-        with pytest.raises(ConfigError, match=rf"model\.kind.*'qwenimage' is not an allowed choice.*'flux', 'sd3', "
+        with pytest.raises(ConfigError, match=rf"model\.kind.*'nosuchmodel' is not an allowed choice.*'flux', 'sd3', "
                                               rf"'wan'.*{how}"):
-            load(CONFIG, ["model.kind=qwenimage"])
-    # (a near miss of a real kind, e.g. zimage, is named first)
-    with pytest.raises(ValueError, match=rf"unknown model kind 'qwenimage'; (did you mean '\w+'\? )?known: flux, sd3, "
+            load(CONFIG, ["model.kind=nosuchmodel"])
+    # (a near miss of a real kind is named first)
+    with pytest.raises(ValueError, match=rf"unknown model kind 'nosuchmodel'; (did you mean '\w+'\? )?known: flux, sd3, "
                                          rf"wan.*{how}"):
-        load_flow_policy("qwenimage", tmp_path)
+        load_flow_policy("nosuchmodel", tmp_path)
     with pytest.raises(ValueError, match=rf"did you mean 'sd3'\?.*{how}"):
         load_flow_policy("sd33", tmp_path)
-    with pytest.raises(ValueError, match=rf"unknown model.kind 'qwenimage'; known: digits, moving_digits, flux.*{how}"):
-        build_world("qwenimage", str(tmp_path))
+    with pytest.raises(ValueError, match=rf"unknown model.kind 'nosuchmodel'; known: digits, moving_digits, flux.*{how}"):
+        build_world("nosuchmodel", str(tmp_path))
 
 
 def test_a_wan22_checkpoint_is_refused_with_what_to_do_instead():

@@ -59,9 +59,11 @@ def test_shipped_architectures_have_the_published_sizes():
                  "sana-1.6b": 1.604e9,  # the SANA paper's 1604M
                  "flux2-dev": 32.22e9, "flux2-klein-base-9b": 9.08e9,
                  "sd3.5-medium": 2.2432e9,  # 2,243,171,520
-                 "z-image": 6.155e9}  # 6,154,908,736
+                 "z-image": 6.155e9,  # 6,154,908,736
+                 "qwen-image": 20.43e9}
     kinds = {"flux1-dev": "flux", "sd3.5-large": "sd3", "wan2.1-t2v-14b": "wan", "sana-1.6b": "sana",
-             "flux2-dev": "flux2", "flux2-klein-base-9b": "flux2_klein", "sd3.5-medium": "sd3", "z-image": "zimage"}
+             "flux2-dev": "flux2", "flux2-klein-base-9b": "flux2_klein", "sd3.5-medium": "sd3", "z-image": "zimage",
+             "qwen-image": "qwenimage"}
     assert set(ARCHS) == set(published)
     for name, size in published.items():
         with FakeTensorMode(allow_non_fake_inputs=True):

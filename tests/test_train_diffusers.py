@@ -44,7 +44,9 @@ CONFIG = ROOT / "configs" / "flux_tiny.yaml"
 KINDS = list(ADAPTERS)  # the built-in families and every registered one
 # FLUX: embedded guidance (one forward); SD3 (and by default a registered family): true CFG (the [uncond; cond]
 # forward in rollout and training); Wan: off
-GUIDANCE = {"flux": 3.5, "sd3": 4.0, "wan": 1.0, "sana": 4.0, "flux2": 4.0, "flux2_klein": 4.0, "zimage": 4.0}
+GUIDANCE = {"flux": 3.5, "sd3": 4.0, "wan": 1.0, "sana": 4.0, "flux2": 4.0, "flux2_klein": 4.0, "zimage": 4.0, "qwenimage": 4.0}
+# how a kind's pipeline takes the guidance (default: guidance_scale=); Qwen-Image: true_cfg_scale with a negative prompt
+PIPE_GUIDANCE = {"qwenimage": lambda g: {"true_cfg_scale": g, "negative_prompt": ""}}
 N_STEPS = 3
 
 
@@ -55,8 +57,12 @@ def video(kind: str) -> bool:
 def dead_lora(policy) -> set[str]:
     """An SD3-type MMDiT's last block is context-pre-only: its add_q_proj feeds a discarded output, so its LoRA cannot
     train (tests/test_diffusers_models.py)."""
+    n = policy.transformer_config.get("num_layers")
     if type(policy.pipe.transformer).__name__ == "SD3Transformer2DModel":
-        return {f"transformer_blocks.{policy.transformer_config.num_layers - 1}.attn.add_q_proj"}
+        return {f"transformer_blocks.{n - 1}.attn.add_q_proj"}
+    if type(policy.pipe.transformer).__name__ == "QwenImageTransformer2DModel":  # the last block's text output is unused
+        return {f"transformer_blocks.{n - 1}.{t}"  # its text queries feed only text outputs
+                for t in ("attn.add_q_proj", "attn.to_add_out", "txt_mlp.net.0.proj", "txt_mlp.net.2")}
     return set()
 
 
@@ -93,8 +99,9 @@ def policy_options(cfg) -> dict:
 
 def pipe_images(kind: str, pipe, prompts, latents, guidance, cfg) -> torch.Tensor:
     """The pipeline's own call: [B, 3, H, W] (Wan: [B, F, 3, H, W]) in [0, 1]."""
-    kw = dict(height=cfg.model.height, width=cfg.model.width, num_inference_steps=N_STEPS, guidance_scale=guidance,
-              latents=latents.clone(), output_type="pt", max_sequence_length=cfg.model.max_sequence_length)
+    kw = dict(height=cfg.model.height, width=cfg.model.width, num_inference_steps=N_STEPS, latents=latents.clone(),
+              output_type="pt", max_sequence_length=cfg.model.max_sequence_length,
+              **PIPE_GUIDANCE.get(kind, lambda g: {"guidance_scale": g})(guidance))
     if video(kind):
         return pipe(prompt=list(prompts), num_frames=cfg.model.num_frames, **kw).frames
     # by name: FLUX.2's first argument is an image; a copy: ZImagePipeline rewrites the prompt list in place

@@ -33,7 +33,7 @@ ARCH_ROOT = Path(__file__).resolve().parent.parent / "assets" / "arch"
 # the reference checkpoint of each family: what difrl plan simulates when model.path is not a local directory
 REFERENCE_ARCH = {"flux": "flux1-dev", "sd3": "sd3.5-large", "wan": "wan2.1-t2v-14b", "hf_masked": "llada-8b",
                   "sana": "sana-1.6b", "flux2": "flux2-dev", "flux2_klein": "flux2-klein-base-9b",
-                  "zimage": "z-image"}
+                  "zimage": "z-image", "qwenimage": "qwen-image"}
 ARCHS = tuple(sorted(p.name for p in ARCH_ROOT.iterdir() if (p / "model_index.json").is_file())) if ARCH_ROOT.is_dir() else ()
 # masked LMs: a transformers config.json alone (no model_index.json)
 MASKED_ARCHS = tuple(sorted(p.name for p in ARCH_ROOT.iterdir() if (p / "config.json").is_file()
@@ -58,16 +58,19 @@ def _config(folder: Path) -> dict:
 
 def _tokenizer(folder: Path, cls_name: str):
     """The directory's tokenizer (or processor) when it has one, else a code-built one of the family (CLIP, Gemma,
-    T5-like, a Qwen chat tokenizer, FLUX.2 [dev]'s Pixtral processor)."""
+    T5-like, a Qwen chat tokenizer (Qwen3 encoders), Qwen-Image's Qwen2 tokenizer, FLUX.2 [dev]'s Pixtral processor)."""
     import transformers
 
-    from difrl.models.tiny import (tiny_clip_tokenizer, tiny_gemma_tokenizer, tiny_pixtral_processor, tiny_qwen_tokenizer,
-                                   tiny_t5_tokenizer)
+    from difrl.models.tiny import (tiny_clip_tokenizer, tiny_gemma_tokenizer, tiny_pixtral_processor, tiny_qwen2_tokenizer,
+                                   tiny_qwen_tokenizer, tiny_t5_tokenizer)
 
     if folder.is_dir() and any(folder.iterdir()):
         return getattr(transformers, cls_name).from_pretrained(str(folder), local_files_only=True)
     if "Gemma" in cls_name:  # SANA: <bos> and right padding, as its pipeline expects
         return tiny_gemma_tokenizer()
+    if "Qwen2" in cls_name and (folder.parent / "text_encoder" / "config.json").is_file() and \
+            "Qwen2_5_VL" in (folder.parent / "text_encoder" / "config.json").read_text():  # Qwen-Image's template drop
+        return tiny_qwen2_tokenizer()
     if "Qwen" in cls_name:
         return tiny_qwen_tokenizer()
     if "Processor" in cls_name:

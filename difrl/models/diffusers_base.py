@@ -21,9 +21,10 @@ guidance) -> v = eps - x0` in fp32, whatever dtype the model runs in.
 What `guidance` means follows the pipelines' own conventions, so a config value means what it means
 there. The base class's default (SD3 and Wan): true classifier-free guidance when `guidance > 1` (the
 pipelines' `guidance_scale > 1` test): one batched forward over [uncond; cond], `v = v_u + w (v_c - v_u)`
-in fp32. `guidance <= 1` is one conditional forward. The negative prompt (default "", Flow-GRPO's choice,
-spec §2.6) is set per policy (`negative_prompt=`), embedded once and cached. FLUX overrides this
-(`flux.py`: embedded distilled guidance). Each family file gives its latent shape and timestep scaling.
+in fp32 (the `_guide` hook: Qwen-Image rescales it to the conditional velocity's norm). `guidance <= 1` is one
+conditional forward. The negative prompt (default "", Flow-GRPO's choice, spec §2.6) is set per policy
+(`negative_prompt=`), embedded once and cached. FLUX overrides this (`flux.py`: embedded distilled guidance). Each
+family file gives its latent shape and timestep scaling.
 """
 
 from __future__ import annotations
@@ -260,7 +261,7 @@ class DiffusersFlowPolicy(ComputeDevice):
             with autocast_to(self.autocast_dtype, dev):
                 out = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), both, guidance)
             v_u, v_c = out.float().chunk(2)
-            return (v_u + scale * (v_c - v_u)).to(home)
+            return self._guide(v_u, v_c, scale).to(home)
         with autocast_to(self.autocast_dtype, dev):
             out = self._forward(x, sigma, cond, guidance)
         return out.float().to(home)
@@ -274,6 +275,11 @@ class DiffusersFlowPolicy(ComputeDevice):
         """The CFG scale for this `guidance`, or None for one conditional forward (the pipelines'
         `do_classifier_free_guidance = guidance_scale > 1`)."""
         return float(guidance) if guidance > 1.0 else None
+
+    def _guide(self, v_u: torch.Tensor, v_c: torch.Tensor, scale: float) -> torch.Tensor:
+        """The guided velocity from the uncond / cond ones (fp32, [B, *latent_shape]): `v_u + scale (v_c - v_u)`;
+        a family whose pipeline post-processes it overrides this (Qwen-Image: the norm rescale)."""
+        return v_u + scale * (v_c - v_u)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents -> images [B, 3, H, W] (Wan: videos [B, F, 3, H, W], the layout of the pipelines' `.frames` and of

@@ -180,3 +180,35 @@ def tiny_qwen3_kwargs(vocab_size: int, layers: int = 28) -> dict:
     return dict(vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
                 num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=256,
                 tie_word_embeddings=True, attention_dropout=0.0)
+
+
+# the words of the Qwen-Image prompt template (diffusers' QwenImagePipeline.prompt_template_encode), merged to one token
+# each as the real Qwen2 BPE does, so the template's system part is 34 tokens here too: the pipeline drops exactly
+# prompt_template_encode_start_idx = 34 leading hidden states, which then leave the prompt's own tokens, not template text
+QWEN_TEMPLATE_WORDS = ("system", "Describe", " the", " image", " by", " detailing", " color", " shape", " size",
+                       " texture", " quantity", " text", " spatial", " relationships", " of", " objects", " and",
+                       " background", "user", "assistant")
+
+
+def tiny_qwen2_tokenizer(words: tuple[str, ...] = QWEN_TEMPLATE_WORDS):
+    """Byte-level Qwen2Tokenizer (BPE over the 256 byte symbols, GPT-2 convention): any text tokenizes, a byte a token,
+    except `words`, which merges make single tokens (left to right: "sy"+"s", ...). Special tokens as Qwen2.5's:
+    <|endoftext|> (pad / eos), <|im_start|>, <|im_end|>, and the vision markers Qwen2.5-VL's config names."""
+    from transformers import Qwen2Tokenizer
+
+    sym = _byte_symbols()
+    vocab = {s: i for i, s in enumerate(sym)}
+    merges = []
+    for word in words:
+        pieces = [sym[b] for b in word.encode("utf-8")]
+        left = pieces[0]
+        for right in pieces[1:]:
+            merges.append((left, right))
+            left = left + right
+            vocab.setdefault(left, len(vocab))
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                "<|image_pad|>", "<|video_pad|>"]
+    for s in specials:
+        vocab[s] = len(vocab)
+    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, additional_special_tokens=specials[1:])
+    return tok

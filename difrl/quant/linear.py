@@ -58,6 +58,9 @@ QUANT_PRESETS: dict[str, dict] = {
     # the adaLN modulation and the final layer exact, min_dim = the hidden width (3840): the FFN w1/w2/w3 quantized
     "zimage": {"skip": ("t_embedder", "cap_embedder", "all_x_embedder", "adaLN_modulation", "all_final_layer"),
                "min_dim": 3840},
+    # Qwen-Image: Sol-RL has no preset for it; ours, as for Wan: the input embedders (image patches, text, timestep),
+    # the text stream's input norm and the output norm / projection stay exact; min_dim as FLUX's
+    "qwenimage": {"skip": ("img_in", "txt_in", "txt_norm", "time_text_embed", "norm_out", "proj_out"), "min_dim": 1000},
 }
 
 BACKENDS = ("auto", "te", "torch", "emulate")
