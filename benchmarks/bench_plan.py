@@ -60,6 +60,9 @@ CASES = [
      [*LLADA, "train.lora.enabled=false"], None),
     ("LLaDA-8B LoRA r16, 64-token answers, 32 sampler steps", "configs/text_arithmetic.yaml",
      [*LLADA, "train.lora.enabled=true"], None),
+    ("Wan 2.2 TI2V-5B LoRA r32, micro-batch 9, grad. checkpointing", "configs/wan22_dance_grpo.yaml", [GC], 192),
+    ("Wan 2.2 TI2V-5B full, grad. checkpointing", "configs/wan22_dance_grpo.yaml", ["train.lora.enabled=false", GC],
+     192),
 ]
 
 

@@ -46,7 +46,7 @@ N_STEPS = 3
 # guidance off / on for each model (default: true CFG's 1 and 4); Flux's value is the embedded distilled guidance
 GUIDANCE = {"flux": [1.0, 3.5]}
 # one sample's latent at 32x32 (Wan: 5 frames), see the family files' docstrings; another family: its pipeline's own
-LATENT_SHAPE = {"flux": (64, 16), "sd3": (4, 16, 16), "wan": (16, 2, 4, 4)}
+LATENT_SHAPE = {"flux": (64, 16), "sd3": (4, 16, 16), "wan": (16, 2, 4, 4), "wan22": (48, 2, 2, 2)}
 ATOL = 1e-5
 
 

@@ -55,8 +55,9 @@ def test_shipped_architectures_have_the_published_sizes():
     from difrl.models.adapters import arch_flow_policy
     from difrl.models.arch import ARCHS, arch_dir, parameter_count
 
-    published = {"flux1-dev": 11.90e9, "sd3.5-large": 8.06e9, "wan2.1-t2v-14b": 14.29e9}  # difrl/assets/arch/README.md
-    kinds = {"flux1-dev": "flux", "sd3.5-large": "sd3", "wan2.1-t2v-14b": "wan"}
+    published = {"flux1-dev": 11.90e9, "sd3.5-large": 8.06e9, "wan2.1-t2v-14b": 14.29e9,  # difrl/assets/arch/README.md
+                 "wan2.2-ti2v-5b": 5.00e9}
+    kinds = {"flux1-dev": "flux", "sd3.5-large": "sd3", "wan2.1-t2v-14b": "wan", "wan2.2-ti2v-5b": "wan22"}
     assert set(ARCHS) == set(published)
     for name, size in published.items():
         with FakeTensorMode(allow_non_fake_inputs=True):

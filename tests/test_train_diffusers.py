@@ -43,7 +43,7 @@ CONFIG = ROOT / "configs" / "flux_tiny.yaml"
 KINDS = list(ADAPTERS)  # the built-in families and every registered one
 # FLUX: embedded guidance (one forward); SD3 (and by default a registered family): true CFG (the [uncond; cond]
 # forward in rollout and training); Wan: off
-GUIDANCE = {"flux": 3.5, "sd3": 4.0, "wan": 1.0}
+GUIDANCE = {"flux": 3.5, "sd3": 4.0, "wan": 1.0, "wan22": 1.0}
 N_STEPS = 3
 
 

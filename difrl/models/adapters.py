@@ -35,8 +35,10 @@ from difrl.models.diffusers_base import DiffusersFlowPolicy
 from difrl.models.flux import FluxPolicy
 from difrl.models.sd3 import SD3Policy
 from difrl.models.wan import WanPolicy
+from difrl.models.wan22 import Wan22Policy
 
-BUILTIN_ADAPTERS: dict[str, type[DiffusersFlowPolicy]] = {"flux": FluxPolicy, "sd3": SD3Policy, "wan": WanPolicy}
+BUILTIN_ADAPTERS: dict[str, type[DiffusersFlowPolicy]] = {"flux": FluxPolicy, "sd3": SD3Policy, "wan": WanPolicy,
+                                                        "wan22": Wan22Policy}
 # every kind known in this process: the built-in ones, then those registered (@register_model, a loaded entry point)
 ADAPTERS: dict[str, type[DiffusersFlowPolicy]] = dict(BUILTIN_ADAPTERS)
 ENTRY_POINT_GROUP = "difrl.models"

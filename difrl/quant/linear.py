@@ -41,6 +41,9 @@ QUANT_PRESETS: dict[str, dict] = {
                       "attn.qkv"), "min_dim": 2240},
     "wan": {"skip": ("patch_embedding", "condition_embedder", "proj_out", "norm_out"), "min_dim": 1000},
     "digits": {"skip": ("x_in", "t_mlp", "x_out"), "min_dim": 0},
+    # Wan 2.2 TI2V-5B: ours, Wan 2.1's (Sol-RL has no Wan): the patch embedding, the time / text embedder (its time
+    # MLP runs per token), the output norm and projection stay exact; the blocks' 3072-wide linears are quantized
+    "wan22": {"skip": ("patch_embedding", "condition_embedder", "proj_out", "norm_out"), "min_dim": 1000},
 }
 
 BACKENDS = ("auto", "te", "torch", "emulate")
