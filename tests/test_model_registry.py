@@ -89,8 +89,9 @@ def test_an_unknown_kind_lists_the_known_ones_and_says_how_to_add_one(tmp_path):
 
 
 def test_a_wan22_ti2v_checkpoint_trains_as_kind_wan22_and_each_wan_kind_names_the_other():
-    """Wan 2.2 TI2V-5B (WanPipeline with expand_timesteps) is model.kind=wan22 (difrl/models/wan22.py): its tiny
-    pipeline loads there; kind wan refuses it naming wan22, and kind wan22 refuses a Wan 2.1 pipeline naming wan."""
+    """Wan 2.2 (TI2V-5B: WanPipeline with expand_timesteps; A14B: two experts) is model.kind=wan22
+    (difrl/models/wan22.py): the tiny TI2V pipeline loads there; kind wan refuses either naming wan22, and kind wan22
+    refuses a Wan 2.1 pipeline naming wan."""
     from difrl.models.adapters import build_tiny_pipeline
     from difrl.models.wan import WanPolicy
     from difrl.models.wan22 import Wan22Policy
@@ -100,11 +101,14 @@ def test_a_wan22_ti2v_checkpoint_trains_as_kind_wan22_and_each_wan_kind_names_th
     assert policy.kind == "wan22" and tuple(policy.latent_shape) == (48, 2, 2, 2)
     with pytest.raises(ValueError, match=r"Wan 2.2 TI2V \(expand_timesteps\).*model.kind=wan22"):
         WanPolicy(ti2v, height=32, width=32, num_frames=5)
-    with pytest.raises(ValueError, match=r"no expand_timesteps \(a Wan 2.1 text-to-video checkpoint\).*model.kind=wan"):
+    with pytest.raises(ValueError, match=r"no expand_timesteps and no transformer_2 \(a Wan 2.1 text-to-video "
+                                         r"checkpoint\): set model.kind=wan"):
         Wan22Policy(SimpleNamespace(transformer_2=None, config={"expand_timesteps": False, "boundary_ratio": None}))
     two_experts = SimpleNamespace(transformer_2=object(), config={"boundary_ratio": 0.875})
     with pytest.raises(ValueError, match=r"Wan 2.2 two-expert \(A14B\).*model.kind=wan22"):
-        WanPolicy(two_experts)
+        WanPolicy(two_experts)  # A14B trains as wan22 too: tests/test_wan22.py
+    with pytest.raises(ValueError, match=r"a transformer_2 and boundary_ratio=None: Wan 2.2 A14B needs both"):
+        Wan22Policy(SimpleNamespace(transformer_2=object(), config={"boundary_ratio": None}))
 
 
 def test_an_entry_point_family_is_imported_only_when_its_kind_is_built(tmp_path):
