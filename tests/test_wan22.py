@@ -214,3 +214,51 @@ def test_one_transformer_options_are_refused_on_ti2v(tmp_path):
         load_flow_policy("wan22", path, train_experts="high", **OPTIONS)
     with pytest.raises(ValueError, match=r"model.train_experts='middle': expected one of both, high, low"):
         load_flow_policy("wan22", path, train_experts="middle", **OPTIONS)
+
+
+FSDP_SCRIPT = '''
+import sys, torch, torch.distributed as dist
+from difrl.models.adapters import load_flow_policy
+from difrl.train.sharding import FSDPSettings, shard
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+policy = load_flow_policy("wan22", sys.argv[1], height=32, width=32, num_frames=5, max_sequence_length=16)
+policy.module = shard(policy.module, policy.block_classes, FSDPSettings(), fp32_inputs=policy.fsdp_fp32_inputs)
+x = torch.randn(2, *policy.latent_shape, generator=torch.Generator().manual_seed(rank))
+sigma = torch.tensor([[0.9, 0.8], [0.9, 0.3]][rank])  # rank 0: high-noise rows only; rank 1: one row on each expert
+for _ in range(2):
+    policy.velocity(x, sigma, policy.encode(["a cat", "a dog"]), guidance=4.0).pow(2).mean().backward()
+grads = {n: p.grad.full_tensor() for n, p in policy.module.named_parameters() if p.grad is not None}
+if rank == 0:
+    torch.save(grads, sys.argv[2])
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow  # a torchrun job of 2 gloo processes, ~20 s
+def test_fsdp_two_processes_routing_differently_equal_one_process(two_expert_dir, tmp_path):
+    """Under FSDP2 each process's rows may need other experts than another's (here rank 0 only the high-noise one):
+    the stand-in forward keeps the processes' gathers and gradient reductions in step (no hang), and the averaged
+    gradients equal one unsharded process's over both processes' rows."""
+    import os
+    import subprocess
+    import sys
+
+    script, out = tmp_path / "fsdp_experts.py", tmp_path / "grads.pt"
+    script.write_text(FSDP_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script), str(two_expert_dir), str(out)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    sharded = torch.load(out)
+    policy = load_flow_policy("wan22", two_expert_dir, **OPTIONS)
+    cond = policy.encode(["a cat", "a dog"])
+    for _ in range(2):
+        for rank, sigma in enumerate(([0.9, 0.8], [0.9, 0.3])):
+            x = torch.randn(2, *policy.latent_shape, generator=torch.Generator().manual_seed(rank))
+            (policy.velocity(x, torch.tensor(sigma), cond, guidance=4.0).pow(2).mean() / 2).backward()
+    grads = {n: p.grad for n, p in policy.module.named_parameters() if p.grad is not None}
+    assert grads.keys() == sharded.keys() and any(n.startswith("transformer_2.") for n in grads)
+    for n, g in grads.items():  # fp32; the reductions' order differs between 1 and 2 processes
+        torch.testing.assert_close(sharded[n], g, rtol=1e-4, atol=1e-6, msg=n)
