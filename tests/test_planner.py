@@ -56,8 +56,9 @@ def test_shipped_architectures_have_the_published_sizes():
     from difrl.models.arch import ARCHS, arch_dir, parameter_count
 
     published = {"flux1-dev": 11.90e9, "sd3.5-large": 8.06e9, "wan2.1-t2v-14b": 14.29e9,  # difrl/assets/arch/README.md
-                 "wan2.2-ti2v-5b": 5.00e9}
-    kinds = {"flux1-dev": "flux", "sd3.5-large": "sd3", "wan2.1-t2v-14b": "wan", "wan2.2-ti2v-5b": "wan22"}
+                 "wan2.2-ti2v-5b": 5.00e9, "wan2.2-t2v-a14b": 14.29e9}  # A14B: each of its two experts
+    kinds = {"flux1-dev": "flux", "sd3.5-large": "sd3", "wan2.1-t2v-14b": "wan", "wan2.2-ti2v-5b": "wan22",
+             "wan2.2-t2v-a14b": "wan22"}
     assert set(ARCHS) == set(published)
     for name, size in published.items():
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -65,6 +66,8 @@ def test_shipped_architectures_have_the_published_sizes():
             n = parameter_count(policy.pipe.transformer)
         assert abs(n - size) / size < 0.001, (name, n)  # the table's two decimals
         assert {p.dtype for p in policy.pipe.transformer.parameters()} == {torch.bfloat16}
+        if name == "wan2.2-t2v-a14b":  # the trained module holds both experts, of one shape
+            assert parameter_count(policy.pipe.transformer_2) == n and parameter_count(policy.module) == 2 * n
 
 
 @pytest.mark.slow  # a torchrun job of 2 processes and a plan, about 40 s on 2 cores
