@@ -226,11 +226,13 @@ policy = load_flow_policy("wan22", sys.argv[1], height=32, width=32, num_frames=
 policy.module = shard(policy.module, policy.block_classes, FSDPSettings(), fp32_inputs=policy.fsdp_fp32_inputs)
 x = torch.randn(2, *policy.latent_shape, generator=torch.Generator().manual_seed(rank))
 sigma = torch.tensor([[0.9, 0.8], [0.9, 0.3]][rank])  # rank 0: high-noise rows only; rank 1: one row on each expert
+with torch.no_grad():  # without gradients: the experts any process needs (all-reduced), rank 0 a stand-in for the low
+    v0 = policy.velocity(x, sigma, policy.encode(["a cat", "a dog"]), guidance=4.0)
 for _ in range(2):
     policy.velocity(x, sigma, policy.encode(["a cat", "a dog"]), guidance=4.0).pow(2).mean().backward()
 grads = {n: p.grad.full_tensor() for n, p in policy.module.named_parameters() if p.grad is not None}
 if rank == 0:
-    torch.save(grads, sys.argv[2])
+    torch.save({"grads": grads, "v0": v0}, sys.argv[2])
 dist.destroy_process_group()
 '''
 
@@ -251,9 +253,13 @@ def test_fsdp_two_processes_routing_differently_equal_one_process(two_expert_dir
                            str(script), str(two_expert_dir), str(out)], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    sharded = torch.load(out)
+    saved = torch.load(out)
+    sharded = saved["grads"]
     policy = load_flow_policy("wan22", two_expert_dir, **OPTIONS)
     cond = policy.encode(["a cat", "a dog"])
+    x0 = torch.randn(2, *policy.latent_shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (saved["v0"] - policy.velocity(x0, torch.tensor([0.9, 0.8]), cond, guidance=4.0)).abs().max() < ATOL
     for _ in range(2):
         for rank, sigma in enumerate(([0.9, 0.8], [0.9, 0.3])):
             x = torch.randn(2, *policy.latent_shape, generator=torch.Generator().manual_seed(rank))
@@ -262,3 +268,27 @@ def test_fsdp_two_processes_routing_differently_equal_one_process(two_expert_dir
     assert grads.keys() == sharded.keys() and any(n.startswith("transformer_2.") for n in grads)
     for n, g in grads.items():  # fp32; the reductions' order differs between 1 and 2 processes
         torch.testing.assert_close(sharded[n], g, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_the_fp8_rollout_copy_holds_and_routes_both_experts(two_expert_dir):
+    # the low-precision rollout copy is made of policy.module: both experts quantized by the preset, rows still routed
+    from difrl.train.config import load_flow_config
+    from difrl.train.flow import build_rollout_copy
+    from difrl.train.precision import MasterWeights
+
+    policy = load_flow_policy("wan22", two_expert_dir, **OPTIONS)
+    cfg = load_flow_config(ROOT / "configs" / "wan22_tiny.yaml", [f"model.path={two_expert_dir}",
+                                                                   "rollout.precision=fp8_row", "rollout.quant_min_dim=0"])
+    copy, _ = build_rollout_copy(cfg, policy, policy.module, MasterWeights(), lambda msg: None)
+    quantized = set(copy.report.quantized)
+    assert {"transformer.blocks.0.attn1.to_q", "transformer_2.blocks.0.attn1.to_q"} <= quantized
+    assert not any("condition_embedder" in n or "proj_out" in n for n in quantized)  # the preset's skips
+    x = torch.randn(2, *policy.latent_shape, generator=torch.Generator().manual_seed(0))
+    sigma, cond = torch.tensor([0.9, 0.3]), policy.encode(PROMPTS)
+    with torch.no_grad():
+        v = policy.velocity(x, sigma, cond, 1.0)
+        with copy.active(policy):
+            v_q = policy.velocity(x, sigma, cond, 1.0)
+    for b in range(2):  # each row close to its own expert's exact velocity (fp8 rounding: a few percent)
+        err = float((v_q[b] - v[b]).norm() / v[b].norm())
+        assert 0 < err < 0.1, (b, err)

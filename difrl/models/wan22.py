@@ -16,8 +16,8 @@ Two experts (A14B): `policy.module` is one `WanExperts` module holding both tran
 checkpoints, the rollout copy and difrl plan see one module. Each row goes to the expert the pipeline would use at its
 timestep: `transformer` when `1000 sigma >= boundary_ratio * num_train_timesteps`, else `transformer_2` (training
 micro-batches mix steps, so the routing is per row). Under several processes every process runs every expert some
-process needs in that forward (an expert with none of this process's rows runs on one row whose output is multiplied by
-0), so FSDP's gathers and gradient reductions stay in step. `train_experts` (model.train_experts) picks what trains:
+process needs in that forward, and both in a forward with gradients (an expert with none of this process's rows runs on
+one row whose output is multiplied by 0), so FSDP's gathers and DDP's / FSDP's gradient reductions stay in step. `train_experts` (model.train_experts) picks what trains:
 "both" (default: each transition trains the expert that produced it), "high" or "low"; the other expert is frozen
 (no LoRA on it; full fine-tuning leaves it out of the optimizer). Saved files: LoRA as RUN/lora (the high-noise
 expert: `pipe.load_lora_weights(RUN/lora)`) and RUN/lora/transformer_2 (`pipe.load_lora_weights(RUN/lora/transformer_2,
@@ -71,14 +71,19 @@ class WanExperts(nn.Module):
         return t >= self.boundary_timestep
 
     def _needed(self, high: torch.Tensor) -> list[bool]:
-        """Which experts run in this forward: those with rows here, or, under several processes, on any process (a
-        MAX all-reduce), so every process gathers and reduces the same FSDP units in the same order."""
+        """Which experts run in this forward: those with rows here; under several processes those with rows on any
+        process (a MAX all-reduce), so every process gathers the same FSDP units in the same order, and in a forward
+        with gradients both (every trained parameter then takes part in each backward: DDP's reducer and FSDP's
+        reduce-scatters expect the same parameters on every process and every step)."""
         import torch.distributed as dist
 
         if _is_fake(high):
             return [True, True]  # difrl plan: the low-noise expert runs its one-row stand-in
+        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if several and torch.is_grad_enabled():
+            return [True, True]
         need = torch.stack([high.any(), (~high).any()]).to(torch.int32)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if several:
             dist.all_reduce(need, op=dist.ReduceOp.MAX)
         return [bool(n) for n in need.tolist()]
 
