@@ -292,3 +292,19 @@ def test_the_fp8_rollout_copy_holds_and_routes_both_experts(two_expert_dir):
     for b in range(2):  # each row close to its own expert's exact velocity (fp8 rounding: a few percent)
         err = float((v_q[b] - v[b]).norm() / v[b].norm())
         assert 0 < err < 0.1, (b, err)
+
+
+def test_difrl_plan_routes_every_row_to_one_expert_and_a_stand_in_to_the_other(two_expert_dir):
+    # under difrl plan's FakeTensorMode the timesteps have no values: the forward takes one expert's activations for
+    # all rows (the most a micro-batch can put on one expert) plus the other expert's one-row stand-in
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    policy = load_flow_policy("wan22", two_expert_dir, **OPTIONS)
+    rows = {}
+    for name in ("transformer", "transformer_2"):
+        getattr(policy.pipe, name).register_forward_hook(
+            lambda m, a, k, out, name=name: rows.update({name: k["hidden_states"].shape[0]}), with_kwargs=True)
+    cond, _ = policy.encode(PROMPTS), policy.negative_cond(2)  # the text encoder runs on real tensors (as in the plan)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        v = policy.velocity(torch.zeros(2, *policy.latent_shape), torch.tensor([0.9, 0.3]), cond, guidance=4.0)
+    assert v.shape == (2, *policy.latent_shape) and rows == {"transformer": 4, "transformer_2": 1}  # CFG: 2 x 2 rows

@@ -90,10 +90,14 @@ class WanExperts(nn.Module):
     def forward(self, hidden_states, timestep, encoder_hidden_states, return_dict=False, **kwargs):
         high = self.high_noise_rows(timestep)
         out = hidden_states.new_zeros(hidden_states.shape)
-        for expert, rows, needed in zip((self.transformer, self.transformer_2), (high, ~high), self._needed(high)):
+        for i, (expert, rows, needed) in enumerate(zip((self.transformer, self.transformer_2), (high, ~high),
+                                                       self._needed(high))):
             if not needed:
                 continue
-            idx = rows.nonzero().squeeze(1) if not _is_fake(rows) else torch.arange(rows.shape[0], device=rows.device)
+            if _is_fake(rows):  # difrl plan: every row on the high-noise expert, the one-row stand-in on the other
+                idx = torch.arange(rows.shape[0] if i == 0 else 0, device=rows.device)
+            else:
+                idx = rows.nonzero().squeeze(1)
             stand_in = idx.numel() == 0  # needed elsewhere: run one row, contribute 0 (its gradient is zero)
             if stand_in:
                 idx = torch.zeros(1, dtype=torch.long, device=hidden_states.device)
