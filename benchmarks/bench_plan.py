@@ -83,6 +83,9 @@ CASES = [
     ("Qwen-Image LoRA r64, micro-batch 4, grad. checkpointing", "configs/qwenimage_flow_grpo.yaml", [], 128),
     ("Qwen-Image full, micro-batch 4, grad. checkpointing", "configs/qwenimage_flow_grpo.yaml",
      ["train.lora.enabled=false"], 128),
+    ("Wan 2.2 TI2V-5B LoRA r32, micro-batch 9, grad. checkpointing", "configs/wan22_dance_grpo.yaml", [GC], 192),
+    ("Wan 2.2 TI2V-5B full, grad. checkpointing", "configs/wan22_dance_grpo.yaml", ["train.lora.enabled=false", GC],
+     192),
 ]
 # the architecture a case simulates when it is not its model kind's reference (difrl.models.arch.REFERENCE_ARCH)
 CASE_ARCH = {name: "sd3.5-medium" for name, *_ in CASES if name.startswith("SD3.5-Medium")}

@@ -49,7 +49,7 @@ GUIDANCE = {"flux": [1.0, 3.5], "flux2": [1.0, 4.0], "zimage": [0.0, 4.0], "qwen
 LATENT_SHAPE = {"flux": (64, 16), "sd3": (4, 16, 16), "wan": (16, 2, 4, 4), "sana": (4, 16, 16),
                 "flux2": (16, 8, 8),
                 "flux2_klein": (16, 8, 8), "zimage": (4, 16, 16),
-                "qwenimage": (16, 16)}
+                "qwenimage": (16, 16), "wan22": (48, 2, 2, 2)}
 # a policy latent as its pipeline returns it for output_type="latent" (default: the same tensor): FLUX.2 [dev] returns
 # its tokens [B, h w, 4C], [klein] the VAE latent (batch norm undone, patches unfolded) [B, C, 2h, 2w]
 PIPELINE_LATENT = {"flux2": lambda policy, x: policy.pack(x), "flux2_klein": lambda policy, x: policy._vae_latents(x)}

@@ -202,6 +202,13 @@ SKIP = {
     "accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no "
     "scripts/train_flux2_klein.py configs/flux2_klein_tiny.yaml train.grad_accum=2": "as the sd3_tiny line, for FLUX.2 "
         "[klein] (tests/test_fsdp_families.py launches it on 2 processes under FSDP)",
+    "accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes 16 scripts/train_wan22.py "
+    "configs/wan22_dance_grpo.yaml model.path=/models/Wan2.2-TI2V-5B-Diffusers model.prompt_file=/data/prompts.txt": GPU_MODEL,
+    "accelerate launch --config_file configs/accelerate/fsdp.yaml scripts/train_wan22.py configs/wan22_dance_grpo.yaml "
+    "model.path=/models/Wan2.2-TI2V-5B-Diffusers model.prompt_file=prompts.txt train.grad_accum=24": GPU_MODEL,
+    "python scripts/train_wan22.py configs/wan22_dance_grpo.yaml model.path=... train.grad_accum=192": GPU_MODEL,
+    "accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no "
+    "scripts/train_wan22.py configs/wan22_tiny.yaml train.grad_accum=2": "as the sd3_tiny line, for Wan 2.2 TI2V",
 }
 # appended to every run of a world's training / evaluation: short, one thread, small evaluations
 SMALL = {

@@ -1,5 +1,5 @@
-"""SD3 (SD3.5-Medium's shape), Wan 2.1, SANA, FLUX.2 [dev] and [klein] Z-Image and Qwen-Image (tiny diffusers pipelines) under FSDP2
-on 2 CPU processes (gloo) equal one unsharded process.
+"""SD3 (SD3.5-Medium's shape), Wan 2.1, SANA, FLUX.2 [dev] and [klein], Z-Image, Qwen-Image and Wan 2.2
+TI2V (tiny diffusers pipelines) under FSDP2 on 2 CPU processes (gloo) equal one unsharded process.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_fsdp_families.py -q           # the launch's tests are slow: one launch, ~2 min
 
@@ -57,6 +57,7 @@ FAMILIES = {  # kind -> (config, diffusers transformer class, pipeline class, bl
                ["sampler.guidance=4.0"]),  # CFG; 3 blocks: a noise refiner, a context refiner, one main layer
     "qwenimage": ("qwenimage_tiny.yaml", "QwenImageTransformer2DModel", "QwenImagePipeline", "QwenImageTransformerBlock",
                   ["sampler.guidance=4.0"]),  # true CFG with the norm rescale, [uncond; cond] in one forward
+    "wan22": ("wan22_tiny.yaml", "WanTransformer3DModel", "WanPipeline", "WanTransformerBlock", []),
 }
 # a family's tiny_pipeline options: SD3 runs SD3.5-Medium's shape (RMS qk-norm, a dual-attention block), which holds
 # every module of the plain SD3 one
@@ -190,10 +191,11 @@ def test_the_timestep_reaches_the_embedding_in_fp32_under_fsdp_bf16(pipes):
     try:
         # kind, its timestep embedder, the module whose first input is the prompt's (None: the embedder's second)
         for kind, embedder, text in (("sd3", "time_text_embed", None), ("wan", "condition_embedder", None),
-                                     ("sana", "time_embed", "caption_projection")):
+                                     ("sana", "time_embed", "caption_projection"),
+                                     ("wan22", "condition_embedder", None)):  # wan22: a timestep per latent token
             for keep in (False, True):
                 policy = load_flow_policy(kind, pipes[kind], height=32, width=32, max_sequence_length=16,
-                                          **({"num_frames": 5} if kind == "wan" else {}))
+                                          **({"num_frames": 5} if kind.startswith("wan") else {}))
                 assert policy.fsdp_fp32_inputs == ("timestep",)
                 policy.module = shard(policy.module, policy.block_classes, FSDPSettings(mixed_precision="bf16"),
                                       fp32_inputs=policy.fsdp_fp32_inputs if keep else ())
@@ -207,9 +209,9 @@ def test_the_timestep_reaches_the_embedding_in_fp32_under_fsdp_bf16(pipes):
                 v = policy.velocity(x, sigma, policy.encode(["a red dog"]))
                 assert v.shape == x.shape and bool(v.isfinite().all()) and seen["cond"] == torch.bfloat16
                 if keep:
-                    assert seen["t"].dtype == torch.float32 and torch.equal(seen["t"], sigma * 1000), (kind, seen["t"])
+                    assert seen["t"].dtype == torch.float32 and torch.equal(seen["t"], (sigma * 1000).expand_as(seen["t"])), (kind, seen["t"])
                 else:  # what FSDP's cast alone gives
-                    assert seen["t"].dtype == torch.bfloat16 and float(seen["t"]) == 736.0, (kind, seen["t"])
+                    assert seen["t"].dtype == torch.bfloat16 and bool((seen["t"] == 736.0).all()), (kind, seen["t"])
     finally:
         dist.destroy_process_group()
 

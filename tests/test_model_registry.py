@@ -5,8 +5,8 @@
 A family registered from outside difrl (tests/model_plugins.py: model.kind "example") is a kind every table accepts:
 the configs (load_flow_config, load_train_config, `difrl config`'s listing), the worlds and the loader; installed as
 an entry point, its module is imported only when its kind is built, never when difrl or a config loads. A class that
-lacks a hook, or a kind already taken, is refused at registration; an unknown kind (or a Wan 2.2 checkpoint) gets
-an error listing the known kinds and how to add one. docs/adding-a-model.md's example is tests/model_plugins.py.
+lacks a hook, or a kind already taken, is refused at registration; an unknown kind gets an error listing the known
+kinds and how to add one; a Wan 2.2 TI2V checkpoint is kind wan22. docs/adding-a-model.md's example is tests/model_plugins.py.
 """
 
 from __future__ import annotations
@@ -90,14 +90,27 @@ def test_an_unknown_kind_lists_the_known_ones_and_says_how_to_add_one(tmp_path):
         build_world("nosuchmodel", str(tmp_path))
 
 
-def test_a_wan22_checkpoint_is_refused_with_what_to_do_instead():
+def test_a_wan22_ti2v_checkpoint_trains_as_kind_wan22_and_each_wan_kind_names_the_other():
+    """Wan 2.2 (TI2V-5B: WanPipeline with expand_timesteps; A14B: two experts) is model.kind=wan22
+    (difrl/models/wan22.py): the tiny TI2V pipeline loads there; kind wan refuses either naming wan22, and kind wan22
+    refuses a Wan 2.1 pipeline naming wan."""
+    from difrl.models.adapters import build_tiny_pipeline
     from difrl.models.wan import WanPolicy
+    from difrl.models.wan22 import Wan22Policy
 
-    for pipe, what in ((SimpleNamespace(transformer_2=object(), config={}), "two-expert"),
-                       (SimpleNamespace(transformer_2=None, config={"expand_timesteps": True}), "TI2V")):
-        with pytest.raises(ValueError, match=rf"Wan 2.2 {what}.*train a Wan 2.1 T2V directory \(Wan-AI/Wan2.1-T2V-1.3B-"
-                                             r"Diffusers.*register_model.*docs/adding-a-model\.md"):
-            WanPolicy(pipe)
+    ti2v = build_tiny_pipeline("wan22")
+    policy = Wan22Policy(ti2v, height=32, width=32, num_frames=5)
+    assert policy.kind == "wan22" and tuple(policy.latent_shape) == (48, 2, 2, 2)
+    with pytest.raises(ValueError, match=r"Wan 2.2 TI2V \(expand_timesteps\).*model.kind=wan22"):
+        WanPolicy(ti2v, height=32, width=32, num_frames=5)
+    with pytest.raises(ValueError, match=r"no expand_timesteps and no transformer_2 \(a Wan 2.1 text-to-video "
+                                         r"checkpoint\): set model.kind=wan"):
+        Wan22Policy(SimpleNamespace(transformer_2=None, config={"expand_timesteps": False, "boundary_ratio": None}))
+    two_experts = SimpleNamespace(transformer_2=object(), config={"boundary_ratio": 0.875})
+    with pytest.raises(ValueError, match=r"Wan 2.2 two-expert \(A14B\).*model.kind=wan22"):
+        WanPolicy(two_experts)  # A14B trains as wan22 too: tests/test_wan22.py
+    with pytest.raises(ValueError, match=r"a transformer_2 and boundary_ratio=None: Wan 2.2 A14B needs both"):
+        Wan22Policy(SimpleNamespace(transformer_2=object(), config={"boundary_ratio": None}))
 
 
 def test_an_entry_point_family_is_imported_only_when_its_kind_is_built(tmp_path):

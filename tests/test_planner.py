@@ -60,10 +60,12 @@ def test_shipped_architectures_have_the_published_sizes():
                  "flux2-dev": 32.22e9, "flux2-klein-base-9b": 9.08e9,
                  "sd3.5-medium": 2.2432e9,  # 2,243,171,520
                  "z-image": 6.155e9,  # 6,154,908,736
-                 "qwen-image": 20.43e9}
+                 "qwen-image": 20.43e9,
+                 "wan2.2-ti2v-5b": 5.00e9, "wan2.2-t2v-a14b": 14.29e9}  # A14B: each of its two experts
     kinds = {"flux1-dev": "flux", "sd3.5-large": "sd3", "wan2.1-t2v-14b": "wan", "sana-1.6b": "sana",
              "flux2-dev": "flux2", "flux2-klein-base-9b": "flux2_klein", "sd3.5-medium": "sd3", "z-image": "zimage",
-             "qwen-image": "qwenimage"}
+             "qwen-image": "qwenimage",
+             "wan2.2-ti2v-5b": "wan22", "wan2.2-t2v-a14b": "wan22"}
     assert set(ARCHS) == set(published)
     for name, size in published.items():
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -71,6 +73,8 @@ def test_shipped_architectures_have_the_published_sizes():
             n = parameter_count(policy.pipe.transformer)
         assert abs(n - size) / size < 0.001, (name, n)  # the table's two decimals
         assert {p.dtype for p in policy.pipe.transformer.parameters()} == {torch.bfloat16}
+        if name == "wan2.2-t2v-a14b":  # the trained module holds both experts, of one shape
+            assert parameter_count(policy.pipe.transformer_2) == n and parameter_count(policy.module) == 2 * n
 
 
 @pytest.mark.slow  # a torchrun job of 2 processes and a plan, about 40 s on 2 cores

@@ -44,7 +44,7 @@ CONFIG = ROOT / "configs" / "flux_tiny.yaml"
 KINDS = list(ADAPTERS)  # the built-in families and every registered one
 # FLUX: embedded guidance (one forward); SD3 (and by default a registered family): true CFG (the [uncond; cond]
 # forward in rollout and training); Wan: off
-GUIDANCE = {"flux": 3.5, "sd3": 4.0, "wan": 1.0, "sana": 4.0, "flux2": 4.0, "flux2_klein": 4.0, "zimage": 4.0, "qwenimage": 4.0}
+GUIDANCE = {"flux": 3.5, "sd3": 4.0, "wan": 1.0, "sana": 4.0, "flux2": 4.0, "flux2_klein": 4.0, "zimage": 4.0, "qwenimage": 4.0, "wan22": 1.0}
 # how a kind's pipeline takes the guidance (default: guidance_scale=); Qwen-Image: true_cfg_scale with a negative prompt
 PIPE_GUIDANCE = {"qwenimage": lambda g: {"true_cfg_scale": g, "negative_prompt": ""}}
 N_STEPS = 3

@@ -38,12 +38,13 @@ from difrl.models.qwenimage import QwenImagePolicy
 from difrl.models.sana import SanaPolicy
 from difrl.models.sd3 import SD3Policy
 from difrl.models.wan import WanPolicy
+from difrl.models.wan22 import Wan22Policy
 from difrl.models.zimage import ZImagePolicy
 
 BUILTIN_ADAPTERS: dict[str, type[DiffusersFlowPolicy]] = {"flux": FluxPolicy, "sd3": SD3Policy, "wan": WanPolicy,
                                                        "sana": SanaPolicy, "flux2": Flux2Policy,
                                                        "flux2_klein": Flux2KleinPolicy, "zimage": ZImagePolicy,
-                                                       "qwenimage": QwenImagePolicy}
+                                                       "qwenimage": QwenImagePolicy, "wan22": Wan22Policy}
 # every kind known in this process: the built-in ones, then those registered (@register_model, a loaded entry point)
 ADAPTERS: dict[str, type[DiffusersFlowPolicy]] = dict(BUILTIN_ADAPTERS)
 ENTRY_POINT_GROUP = "difrl.models"

@@ -33,7 +33,8 @@ ARCH_ROOT = Path(__file__).resolve().parent.parent / "assets" / "arch"
 # the reference checkpoint of each family: what difrl plan simulates when model.path is not a local directory
 REFERENCE_ARCH = {"flux": "flux1-dev", "sd3": "sd3.5-large", "wan": "wan2.1-t2v-14b", "hf_masked": "llada-8b",
                   "sana": "sana-1.6b", "flux2": "flux2-dev", "flux2_klein": "flux2-klein-base-9b",
-                  "zimage": "z-image", "qwenimage": "qwen-image"}
+                  "zimage": "z-image", "qwenimage": "qwen-image",
+                  "wan22": "wan2.2-ti2v-5b"}
 ARCHS = tuple(sorted(p.name for p in ARCH_ROOT.iterdir() if (p / "model_index.json").is_file())) if ARCH_ROOT.is_dir() else ()
 # masked LMs: a transformers config.json alone (no model_index.json)
 MASKED_ARCHS = tuple(sorted(p.name for p in ARCH_ROOT.iterdir() if (p / "config.json").is_file()
@@ -92,7 +93,7 @@ def _model(library: str, cls_name: str, config: dict) -> nn.Module:
 
 
 def build_arch_pipeline(path: str | Path, dtype: torch.dtype, component_dtypes: dict[str, torch.dtype] | None = None):
-    """The pipeline of the directory `path` (model_index.json + component configs), with freshly initialised
+    """The pipeline of the directory `path` (model_index.json + component configs and config values), with freshly initialised
     parameters in `dtype` (`component_dtypes` overrides it per component, e.g. Wan's VAE in fp32). Call it under
     FakeTensorMode to build a 12-billion-parameter pipeline in seconds and no memory."""
     import diffusers
@@ -102,6 +103,8 @@ def build_arch_pipeline(path: str | Path, dtype: torch.dtype, component_dtypes: 
     index = json.loads((path / "model_index.json").read_text())
     parts = {}
     for name, entry in index.items():
+        if not name.startswith("_") and not isinstance(entry, list):
+            parts[name] = entry  # a pipeline config value (Wan 2.2: expand_timesteps, boundary_ratio)
         if name.startswith("_") or not isinstance(entry, list) or entry[0] is None:
             continue
         library, cls_name = entry

@@ -257,6 +257,7 @@ class DiffusersFlowPolicy(ComputeDevice):
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=dev).expand(x.shape[0])
         scale = self._cfg_scale(guidance)
         if scale is not None:
+            scale = self._row_scale(scale, sigma)
             both = {k: torch.cat([u, cond[k]]) for k, u in self.negative_cond(x.shape[0]).items()}
             with autocast_to(self.autocast_dtype, dev):
                 out = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), both, guidance)
@@ -270,6 +271,17 @@ class DiffusersFlowPolicy(ComputeDevice):
         """Network evaluations of one velocity call: 2 with CFG ([uncond; cond] in one batch), else 1 (FLUX's embedded
         guidance included)."""
         return 1 if self._cfg_scale(guidance) is None else 2
+
+    def _row_scale(self, scale: float, sigma: torch.Tensor) -> float | torch.Tensor:
+        """The CFG scale of each row at its sigma [B]: a float (every row alike, the default) or a tensor broadcasting
+        against the velocity (Wan 2.2 A14B: its low-noise expert's rows take guidance_scale_2)."""
+        return scale
+
+    def lora_components(self) -> list[tuple[str, str, str, dict]]:
+        """How the policy's LoRA maps to diffusers LoRA files (difrl.models.lora_io): (sub-directory of the LoRA
+        directory, prefix of its keys in policy.module, the pipeline's transformer attribute, keyword arguments of
+        pipe.load_lora_weights) per trained transformer. One transformer: the directory itself."""
+        return [("", "", "transformer", {})]
 
     def _cfg_scale(self, guidance: float) -> float | None:
         """The CFG scale for this `guidance`, or None for one conditional forward (the pipelines'

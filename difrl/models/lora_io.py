@@ -6,7 +6,8 @@
     load_transformer(policy, "run/transformer")          # a full fine-tune's transformer (save_pretrained) instead
 
 Works for every adapter of difrl/models/adapters.py: it reads only `policy.module`, `policy.pipe`,
-`policy.kind` and `policy.pipeline_class`.
+`policy.kind`, `policy.pipeline_class` and `policy.lora_components()` (one diffusers LoRA file per trained transformer:
+Wan 2.2 A14B writes lora/ for `transformer` and lora/transformer_2/ for `transformer_2`).
 """
 
 from __future__ import annotations
@@ -49,12 +50,18 @@ def save_lora(policy: DiffusersFlowPolicy, out_dir: str | Path, adapter_name: st
     state = {k[len(prefix):] if k.startswith(prefix) else k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     meta = config.to_dict()
     out_dir = Path(out_dir)
-    type(policy.pipe).save_lora_weights(out_dir, transformer_lora_layers=state,
-                                        transformer_lora_adapter_metadata=meta)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for sub, key_prefix, _, _ in policy.lora_components():  # Wan 2.2 A14B: lora/ and lora/transformer_2/
+        part = {k[len(key_prefix):]: v for k, v in state.items() if k.startswith(key_prefix)}
+        targets = meta["target_modules"]  # full names inside one expert (train_experts): relative to that expert
+        targets = sorted(t.removeprefix(key_prefix) for t in targets) if isinstance(targets, (list, set)) else targets
+        type(policy.pipe).save_lora_weights(out_dir / sub, transformer_lora_layers=part,
+                                            transformer_lora_adapter_metadata={**meta, "target_modules": targets})
     atomic_write_json(out_dir / LORA_MARKER, {
         "kind": policy.kind, "pipeline_class": policy.pipeline_class,
         "transformer_class": type(policy.pipe.transformer).__name__, "rank": config.r,
-        "lora_alpha": config.lora_alpha, "target_modules": sorted(config.target_modules)})
+        "lora_alpha": config.lora_alpha, "target_modules": sorted(config.target_modules),
+        "parts": [sub for sub, *_ in policy.lora_components()]})
     return out_dir
 
 
@@ -65,21 +72,30 @@ def check_lora_dir(policy: DiffusersFlowPolicy, lora_dir: str | Path) -> dict[st
     lora_dir = Path(lora_dir)
     if not lora_dir.is_dir():
         raise PipelineDirError(f"{lora_dir}: no such LoRA directory")
-    if not any(lora_dir.glob("*.safetensors")):
-        raise PipelineDirError(f"{lora_dir} has no LoRA weights (*.safetensors; expected pytorch_lora_weights.safetensors)")
     marker = lora_dir / LORA_MARKER
     if marker.is_file():
         info = json.loads(marker.read_text())
         if info.get("kind") != policy.kind:
             raise ModelKindError(f"{lora_dir} holds a LoRA for model kind {info.get('kind')!r} "
                                  f"({info.get('pipeline_class')}), not for {policy.kind!r} ({policy.pipeline_class})")
+    tf = {}
+    for sub, key_prefix, attr, _ in policy.lora_components():
+        part = _check_part(policy, lora_dir / sub, getattr(policy.pipe, attr))
+        tf.update({key_prefix + k: v for k, v in part.items()})
+    return tf
+
+
+def _check_part(policy: DiffusersFlowPolicy, lora_dir: Path, transformer: nn.Module) -> dict[str, torch.Tensor]:
+    """The transformer LoRA tensors of one diffusers LoRA file in `lora_dir`, each checked against `transformer`."""
+    if not any(lora_dir.glob("*.safetensors")):
+        raise PipelineDirError(f"{lora_dir} has no LoRA weights (*.safetensors; expected pytorch_lora_weights.safetensors)")
     state = type(policy.pipe).lora_state_dict(str(lora_dir))
     state = state[0] if isinstance(state, tuple) else state
     tf = {k[len("transformer."):]: v for k, v in state.items() if k.startswith("transformer.")}
     if not tf:
         raise ModelKindError(f"{lora_dir} has no transformer LoRA weights for a {policy.pipeline_class} "
                              f"(keys start {sorted(state)[:2]})")
-    modules = dict(policy.pipe.transformer.named_modules())
+    modules = dict(transformer.named_modules())
     bad = []
     for key, w in tf.items():
         name, _, kind = key.rpartition(".lora_")
@@ -92,7 +108,7 @@ def check_lora_dir(policy: DiffusersFlowPolicy, lora_dir: str | Path) -> dict[st
         elif kind.startswith("B") and w.shape[0] != base.out_features:
             bad.append(f"{key} (out {w.shape[0]} != {base.out_features})")
     if bad:
-        raise ModelKindError(f"{lora_dir} does not fit this {type(policy.pipe.transformer).__name__} "
+        raise ModelKindError(f"{lora_dir} does not fit this {type(transformer).__name__} "
                              f"(kind {policy.kind!r}): {len(bad)} of {len(tf)} LoRA tensors do not match, e.g. "
                              + "; ".join(bad[:3]))
     return tf
@@ -117,12 +133,13 @@ def load_lora(policy: DiffusersFlowPolicy, lora_dir: str | Path, adapter_name: s
                              f"{len(missing)} of its tensors are not in the directory (e.g. {missing[:2]}); "
                              "wrap with the same target_modules and rank")
         return policy
-    if module is not policy.pipe.transformer:
+    if any(hasattr(m, "peft_config") for m in module.modules()):
         raise ValueError("the policy's module is wrapped but has no peft adapter "
                          f"{adapter_name!r}; load the LoRA before wrapping it")
     # the user's path, with diffusers' conversions of other LoRA formats; it also looks for text-encoder keys
     # and warns when there are none (difrl trains only the transformer: difrl.utils.quiet drops that warning)
-    policy.pipe.load_lora_weights(str(lora_dir), adapter_name=adapter_name)
+    for sub, _, _, kwargs in policy.lora_components():  # Wan 2.2 A14B: lora/transformer_2 into transformer_2
+        policy.pipe.load_lora_weights(str(Path(lora_dir) / sub), adapter_name=adapter_name, **kwargs)
     return policy
 
 
@@ -134,7 +151,17 @@ def load_transformer(policy: DiffusersFlowPolicy, transformer_dir: str | Path) -
     if not (d / "config.json").is_file():
         raise PipelineDirError(f"{d}: not a transformer directory (no config.json; a full fine-tune's run writes "
                                "RUN_DIR/transformer)")
-    target = policy.pipe.transformer
+    _load_into(policy, policy.pipe.transformer, d)
+    if getattr(policy.pipe, "transformer_2", None) is not None:  # Wan 2.2 A14B: RUN_DIR/transformer_2 beside it
+        d2 = d.parent / "transformer_2"
+        if not (d2 / "config.json").is_file():
+            raise PipelineDirError(f"{d2}: no transformer directory for the low-noise expert (a two-expert full "
+                                   "fine-tune writes RUN_DIR/transformer and RUN_DIR/transformer_2)")
+        _load_into(policy, policy.pipe.transformer_2, d2)
+    return policy
+
+
+def _load_into(policy: DiffusersFlowPolicy, target: nn.Module, d: Path) -> None:
     saved_class = json.loads((d / "config.json").read_text()).get("_class_name")
     if saved_class != type(target).__name__:
         raise ModelKindError(f"{d} holds a {saved_class}, not the {type(target).__name__} of this {policy.kind!r} "
@@ -144,4 +171,3 @@ def load_transformer(policy: DiffusersFlowPolicy, transformer_dir: str | Path) -
         target.load_state_dict(trained.state_dict())
     except RuntimeError as e:  # missing / unexpected keys or other shapes
         raise ModelKindError(f"{d} does not fit this {type(target).__name__}: {str(e)[:300]}") from e
-    return policy

@@ -5,8 +5,8 @@
 
 Guidance: the base class's true CFG when `guidance > 1` (difrl/models/diffusers_base.py). Latent shape (one
 sample): `(C, (F - 1) // 4 + 1, H // 8, W // 8)`, e.g. (16, 21, 60, 104) at 480x832x81. Timesteps:
-`1000 sigma`, as the pipeline passes them. Wan 2.2 (two experts, ti2v) is refused, naming the Wan 2.1 checkpoints
-to train instead.
+`1000 sigma`, as the pipeline passes them. A Wan 2.2 directory (TI2V-5B's per-token timesteps, A14B's two experts)
+is refused here, naming model.kind=wan22 (difrl/models/wan22.py).
 """
 
 from __future__ import annotations
@@ -34,13 +34,7 @@ class WanPolicy(DiffusersFlowPolicy):
 
     def __init__(self, pipe, *, height: int = 480, width: int = 832, num_frames: int = 81, negative_prompt: str = "",
                  max_sequence_length: int = 512, cache_prompts: bool = False):
-        if getattr(pipe, "transformer_2", None) is not None or pipe.config.get("expand_timesteps", False):
-            what = "two-expert (A14B)" if getattr(pipe, "transformer_2", None) is not None else "TI2V (expand_timesteps)"
-            raise ValueError(f"this pipeline is a Wan 2.2 {what} checkpoint, and model.kind=wan trains Wan 2.1 "
-                             "text-to-video (one transformer, one timestep per sample): train a Wan 2.1 T2V "
-                             "directory (Wan-AI/Wan2.1-T2V-1.3B-Diffusers or -14B-Diffusers) instead, or add a Wan 2.2 "
-                             "family (its own adapter class, registered with @difrl.models.register_model: "
-                             "docs/adding-a-model.md)")
+        self._check_variant(pipe)
         super().__init__(pipe, height=height, width=width, negative_prompt=negative_prompt,
                          max_sequence_length=max_sequence_length, cache_prompts=cache_prompts)
         self.num_frames = int(num_frames)
@@ -51,6 +45,16 @@ class WanPolicy(DiffusersFlowPolicy):
                              f"got {self.height}x{self.width}x{self.num_frames}")
         self.latent_shape = (self.transformer_config.in_channels, (self.num_frames - 1) // t + 1,
                              self.height // s, self.width // s)
+
+    @classmethod
+    def _check_variant(cls, pipe) -> None:
+        """Refuse a WanPipeline this class does not train: Wan 2.2 (per-token timesteps, or two experts) is kind wan22."""
+        if getattr(pipe, "transformer_2", None) is not None or pipe.config.get("expand_timesteps", False):
+            what = "two-expert (A14B)" if getattr(pipe, "transformer_2", None) is not None else "TI2V (expand_timesteps)"
+            raise ValueError(f"this pipeline is a Wan 2.2 {what} checkpoint, and model.kind=wan trains Wan 2.1 "
+                             "text-to-video (one transformer, one timestep per sample): set model.kind=wan22 "
+                             "(difrl/models/wan22.py), or train a Wan 2.1 T2V directory (Wan-AI/Wan2.1-T2V-1.3B-"
+                             "Diffusers or -14B-Diffusers)")
 
     @classmethod
     def from_pretrained(cls, path, dtype="fp32", height: int = 480, width: int = 832, num_frames: int = 81,

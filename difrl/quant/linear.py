@@ -61,6 +61,9 @@ QUANT_PRESETS: dict[str, dict] = {
     # Qwen-Image: Sol-RL has no preset for it; ours, as for Wan: the input embedders (image patches, text, timestep),
     # the text stream's input norm and the output norm / projection stay exact; min_dim as FLUX's
     "qwenimage": {"skip": ("img_in", "txt_in", "txt_norm", "time_text_embed", "norm_out", "proj_out"), "min_dim": 1000},
+    # Wan 2.2 TI2V-5B: ours, Wan 2.1's (Sol-RL has no Wan): the patch embedding, the time / text embedder (its time
+    # MLP runs per token), the output norm and projection stay exact; the blocks' 3072-wide linears are quantized
+    "wan22": {"skip": ("patch_embedding", "condition_embedder", "proj_out", "norm_out"), "min_dim": 1000},
 }
 
 BACKENDS = ("auto", "te", "torch", "emulate")

@@ -215,6 +215,9 @@ class FlowModelConfig(ModelConfig):
     height: int = cfg_field(512, ge=8, help="diffusers models: image / video height")
     width: int = cfg_field(512, ge=8, help="diffusers models: image / video width")
     num_frames: int = cfg_field(33, ge=1, help="wan: frames per video (4k + 1)")
+    guidance_scale_2: float | None = cfg_field(None, help="wan22 A14B: the low-noise expert's CFG scale (WanPipeline's "
+                                                          "guidance_scale_2); None: sampler.guidance")
+    train_experts: str = cfg_field("both", choices=("both", "high", "low"), help="wan22 A14B: the experts trained")
     dtype: str = cfg_field("fp32", choices=("fp32", "bf16", "fp16"),
                            help="diffusers models: transformer and text-encoder dtype (step math stays fp32)")
     schedule: str = cfg_field("pipeline", choices=("pipeline", "shift"),

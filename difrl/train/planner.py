@@ -141,7 +141,8 @@ def plan_flow(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str | N
                 trainee = setup_training(cfg, policy, accelerator)
         memory.record("setup", setup_tracker, Memory.PLAIN, {})
         steady_optimizer_state(trainee.optimizer, trainee.params)
-        frozen = [c for n, c in policy.pipe.components.items() if isinstance(c, nn.Module) and n != "transformer"]
+        inside = {id(m) for m in trainee.net.modules()}  # Wan 2.2 A14B: both transformers are in the trained module
+        frozen = [c for c in policy.pipe.components.values() if isinstance(c, nn.Module) and id(c) not in inside]
         shadows = [e for e in (trainee.ema, trainee.old) if e is not None]
         resident = {"reference": module_bytes(trainee.reference), "frozen": module_bytes(*frozen),
                     "ema": sum(tensor_bytes(e.shadow.values()) for e in shadows)}

@@ -56,7 +56,7 @@ BOOKKEEPING = ("resume", "resume_override", "resume_unverified", "out", "history
 # what marks a directory as holding a run, and every file or directory a run (or `difrl eval`) writes in it
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints")
 RUN_FILES = (*RUN_MARKERS, "eval.json", "samples", "reward_curve.png", "report.html", "policy.safetensors", "lora",
-             "transformer", "tensorboard", "wandb", "export")
+             "transformer", "transformer_2", "tensorboard", "wandb", "export")
 
 
 class RunDirError(ValueError):
