@@ -18,7 +18,7 @@ b. Sol-RL (fp8 copy): the same quantized set; the candidates came from the quant
    samples are the configured ones; ratio 1 on the first micro-step; every LoRA B moved.
 c. The README family table (section "Real models"): a row per built-in kind, each cell naming a test
    (`tests/<file>.py::<function>`) that runs for that kind (parametrised over "kind" with it among the values, or
-   named after it), a bench_plan row (benchmarks/bench_plan.py CASES, whose config trains that kind), or
+   named after it, or in tests/test_<kind>.py), a bench_plan row (benchmarks/bench_plan.py CASES, whose config trains that kind), or
    "not planned yet".
 """
 
@@ -191,14 +191,15 @@ def _bench_plan_cases() -> dict[str, str]:
 
 
 def _runs_for(fn, kind: str) -> bool:
-    """Test function `fn` runs for `kind`: a parametrisation over "kind" holds it, or its name says it."""
+    """Test function `fn` runs for `kind`: a parametrisation over "kind" holds it, or its name or its file's
+    (tests/test_<kind>.py: a family's own tests) says it."""
     for mark in getattr(fn, "pytestmark", []):
         if mark.name == "parametrize" and "kind" in [a.strip() for a in str(mark.args[0]).split(",")]:
             i = [a.strip() for a in str(mark.args[0]).split(",")].index("kind")
             values = [getattr(v, "values", v) for v in mark.args[1]]  # pytest.param(...) -> its values
             if any((v[i] if isinstance(v, (tuple, list)) else v) == kind for v in values):
                 return True
-    return kind in fn.__name__.split("_")
+    return kind in fn.__name__.split("_") or fn.__module__.rsplit(".", 1)[-1] == f"test_{kind}"
 
 
 def test_readme_family_table_names_a_check_for_every_family_and_cell():
