@@ -283,6 +283,22 @@ def _lora_wrap(policy, seed=0):
     return net
 
 
+def _two_lora_steps(policy, net, lora: dict, guidance: float) -> tuple[dict, set[str]]:
+    """Two AdamW steps on the squared velocity (B starts at 0, so A gets its first gradient in the second step).
+    Returns the parameters after and the LoRA-wrapped modules none of whose LoRA weights changed (exactly equal)."""
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
+    cond, x = policy.encode(PROMPTS), sample_noise(SEEDS, 0, tuple(policy.latent_shape))
+    for _ in range(2):
+        loss = policy.velocity(x, torch.tensor([0.8, 0.5]), cond, guidance).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    after = dict(net.named_parameters())
+    unchanged = {k.split(".lora_")[0].removeprefix("base_model.model.") for k, v in lora.items()
+                 if torch.equal(after[k], v)}
+    return after, unchanged
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_lora_trains_only_lora_and_round_trips(kind, tiny_dirs, policies, tmp_path):
     path = tiny_dirs(kind)
@@ -294,18 +310,8 @@ def test_lora_trains_only_lora_and_round_trips(kind, tiny_dirs, policies, tmp_pa
     wrapped = {n.split(".lora_")[0] for n in lora}
     assert all(any(w.endswith("." + t) for w in wrapped) for t in policy.lora_target_modules)
 
-    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
-    cond = policy.encode(PROMPTS)
-    x = sample_noise(SEEDS, 0, tuple(policy.latent_shape))
     guidance = guidances(kind)[-1]
-    for _ in range(2):  # B starts at 0, so A gets its first gradient in the second step
-        loss = policy.velocity(x, torch.tensor([0.8, 0.5]), cond, guidance).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    after = dict(net.named_parameters())
-    unchanged = {k.split(".lora_")[0].removeprefix("base_model.model.") for k, v in lora.items()
-                 if torch.equal(after[k], v)}
+    after, unchanged = _two_lora_steps(policy, net, lora, guidance)
     assert unchanged == dead_lora(policy), unchanged  # every LoRA trains but the structurally dead ones
     assert all(torch.equal(after[k], v) for k, v in base.items()), "a base parameter changed"
 
@@ -465,16 +471,8 @@ def test_sd35_medium_shape_equals_its_pipeline_and_its_lora_loads(tmp_path):
     net = _lora_wrap(policy)
     lora = {k: p.detach().clone() for k, p in net.named_parameters() if "lora_" in k}
     assert lora and not [k for k in lora if ".attn2." in k]  # the dual attention is not a target
-    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
-    cond, x, guidance = policy.encode(PROMPTS), sample_noise(SEEDS, 0, tuple(policy.latent_shape)), 4.0
-    for _ in range(2):  # B starts at 0, so A gets its first gradient in the second step
-        loss = policy.velocity(x, torch.tensor([0.8, 0.5]), cond, guidance).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    after = dict(net.named_parameters())
-    unchanged = {k.split(".lora_")[0].removeprefix("base_model.model.") for k, v in lora.items()
-                 if torch.equal(after[k], v)}
+    guidance = 4.0
+    _, unchanged = _two_lora_steps(policy, net, lora, guidance)
     assert unchanged == dead_lora(policy), unchanged
     lora_dir = save_lora(policy, tmp_path / "lora")
     with torch.no_grad():
