@@ -114,14 +114,21 @@ QWEN3_CHAT_TEMPLATE = (
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
 
 
-def tiny_byte_bpe_tokenizer(specials: tuple[str, ...], chat_template: str, **tokens):
+def tiny_byte_bpe_tokenizer(specials: tuple[str, ...], chat_template: str, in_vocab: bool = False, **tokens):
     """Byte-level BPE tokenizer (the Qwen2Tokenizer class) with no merges, so every byte is one token and any prompt
-    tokenizes, and `specials` (the chat template's markers) one token each; `tokens`: pad_token=, eos_token=, ..."""
+    tokenizes, and `specials` (the chat template's markers) one token each; `tokens`: pad_token=, eos_token=, ...
+    in_vocab: the specials take ids 256, 257, ... in order inside the vocabulary (else they are added after it)."""
     from transformers import Qwen2Tokenizer
 
     vocab = {sym: i for i, sym in enumerate(_byte_symbols())}
-    tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, model_max_length=4096, **tokens)
-    tok.add_special_tokens({"additional_special_tokens": [s for s in specials if s not in tokens.values()]})
+    if in_vocab:
+        for sym in specials:
+            vocab[sym] = len(vocab)
+        tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, **tokens,
+                             additional_special_tokens=[s for s in specials if s != tokens.get("pad_token")])
+    else:
+        tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, model_max_length=4096, **tokens)
+        tok.add_special_tokens({"additional_special_tokens": [s for s in specials if s not in tokens.values()]})
     tok.chat_template = chat_template
     return tok
 
@@ -130,6 +137,15 @@ def tiny_qwen_tokenizer():
     """Qwen3's chat template with its markers as single tokens, bytes otherwise (FLUX.2 [klein])."""
     return tiny_byte_bpe_tokenizer(QWEN_SPECIALS, QWEN3_CHAT_TEMPLATE, pad_token="<|endoftext|>",
                                    eos_token="<|im_end|>")
+
+
+def tiny_qwen_tokenizer_in_vocab():
+    """Z-Image's: the same template, its three markers <|endoftext|> (pad), <|im_start|>, <|im_end|> (eos) at ids
+    256-258 inside the vocabulary (the tiny Z-Image's FSDP check was validated with these ids; with the FLUX.2
+    [klein] layout its 2-process full fine-tune drifted from 1 process by 7e-5 relative at the third iteration,
+    unexplained: docs/adding-a-model.md)."""
+    return tiny_byte_bpe_tokenizer(QWEN_SPECIALS[:3], QWEN3_CHAT_TEMPLATE, in_vocab=True, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>")
 
 
 # Mistral Small 3.x's (tekken) control tokens and its chat template reduced to text turns: [SYSTEM_PROMPT] ...

@@ -112,9 +112,9 @@ class ZImagePolicy(DiffusersFlowPolicy):
         import diffusers
         from transformers import Qwen3Config, Qwen3Model
 
-        from difrl.models.tiny import tiny_image_vae, tiny_qwen_tokenizer
+        from difrl.models.tiny import tiny_image_vae, tiny_qwen_tokenizer_in_vocab
 
-        tok = tiny_qwen_tokenizer()
+        tok = tiny_qwen_tokenizer_in_vocab()
         return diffusers.ZImagePipeline(
             transformer=diffusers.ZImageTransformer2DModel(
                 all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=1, n_refiner_layers=1,
