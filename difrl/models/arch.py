@@ -57,28 +57,29 @@ def _config(folder: Path) -> dict:
     raise FileNotFoundError(f"{folder}: no config.json (an architecture folder needs each component's config)")
 
 
-def _tokenizer(folder: Path, cls_name: str):
-    """The directory's tokenizer (or processor) when it has one, else a code-built one of the family (CLIP, Gemma,
-    T5-like, a Qwen chat tokenizer (Qwen3 encoders), Qwen-Image's Qwen2 tokenizer, FLUX.2 [dev]'s Pixtral processor)."""
+def _tokenizer(folder: Path, cls_name: str, pipeline_class: str):
+    """The directory's tokenizer (or processor) when it has one, else a code-built one: CLIP or T5-like by its class,
+    and for a pipeline whose text encoder is a chat LLM the one its family's tiny pipeline uses (CODE_TOKENIZERS)."""
     import transformers
 
-    from difrl.models.tiny import (tiny_clip_tokenizer, tiny_gemma_tokenizer, tiny_pixtral_processor, tiny_qwen2_tokenizer,
-                                   tiny_qwen_tokenizer, tiny_t5_tokenizer)
+    from difrl.models.tiny import tiny_clip_tokenizer, tiny_t5_tokenizer
 
     if folder.is_dir() and any(folder.iterdir()):
         return getattr(transformers, cls_name).from_pretrained(str(folder), local_files_only=True)
-    if "Gemma" in cls_name:  # SANA: <bos> and right padding, as its pipeline expects
-        return tiny_gemma_tokenizer()
-    if "Qwen2" in cls_name and (folder.parent / "text_encoder" / "config.json").is_file() and \
-            "Qwen2_5_VL" in (folder.parent / "text_encoder" / "config.json").read_text():  # Qwen-Image's template drop
-        return tiny_qwen2_tokenizer()
-    if "Qwen" in cls_name:
-        return tiny_qwen_tokenizer()
-    if "Processor" in cls_name:
-        from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+    if "CLIP" in cls_name:
+        return tiny_clip_tokenizer(CLIP_TEXT_LEN)
+    if pipeline_class in CODE_TOKENIZERS:
+        from difrl.models import tiny
 
-        return tiny_pixtral_processor(SYSTEM_MESSAGE)
-    return tiny_clip_tokenizer(CLIP_TEXT_LEN) if "CLIP" in cls_name else tiny_t5_tokenizer()
+        return getattr(tiny, CODE_TOKENIZERS[pipeline_class])()
+    return tiny_t5_tokenizer()
+
+
+# pipeline class -> the difrl.models.tiny builder of its tokenizer or processor, the one its family's tiny pipeline
+# uses (chat-LLM text encoders; the vocabulary is not the real one, the text lengths are)
+CODE_TOKENIZERS = {"SanaPipeline": "tiny_gemma_tokenizer", "QwenImagePipeline": "tiny_qwen2_tokenizer",
+                   "ZImagePipeline": "tiny_qwen_tokenizer_in_vocab", "Flux2KleinPipeline": "tiny_qwen_tokenizer",
+                   "Flux2Pipeline": "tiny_flux2_processor"}
 
 
 def _model(library: str, cls_name: str, config: dict) -> nn.Module:
@@ -112,7 +113,7 @@ def build_arch_pipeline(path: str | Path, dtype: torch.dtype, component_dtypes: 
             # real objects even under FakeTensorMode: a scheduler's sigmas are read as numbers (.item()), which a fake
             # tensor refuses; their tensors are a few hundred floats
             with unset_fake_temporarily():
-                parts[name] = (_tokenizer(path / name, cls_name) if "Scheduler" not in cls_name
+                parts[name] = (_tokenizer(path / name, cls_name, index.get("_class_name", "")) if "Scheduler" not in cls_name
                                else getattr(diffusers, cls_name).from_config(_config(path / name)))
             continue
         config = _config(path / name)

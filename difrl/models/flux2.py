@@ -141,11 +141,9 @@ class Flux2Policy(DiffusersFlowPolicy):
         import diffusers
         from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-        from difrl.models.tiny import tiny_mistral3_kwargs, tiny_pixtral_processor
+        from difrl.models.tiny import tiny_flux2_processor, tiny_mistral3_kwargs
 
-        from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
-
-        processor = tiny_pixtral_processor(SYSTEM_MESSAGE)
+        processor = tiny_flux2_processor()
         tok = processor.tokenizer
         encoder = Mistral3ForConditionalGeneration(Mistral3Config(**tiny_mistral3_kwargs(
             len(tok), tok.convert_tokens_to_ids("[IMG]"))))

@@ -177,6 +177,13 @@ def tiny_pixtral_processor(system_message: str = ""):
                             chat_template=MISTRAL3_CHAT_TEMPLATE)
 
 
+def tiny_flux2_processor():
+    """FLUX.2 [dev]'s: the Pixtral processor with the pipeline's fixed system message as one token."""
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+    return tiny_pixtral_processor(SYSTEM_MESSAGE)
+
+
 def tiny_mistral3_kwargs(vocab_size: int, image_token_index: int, layers: int = 31) -> dict:
     """Mistral3Config fields: a text model of width 16 with 31 layers by default, so FLUX.2 [dev]'s hidden-state
     layers 10, 20, 30 exist; a 1-layer Pixtral vision tower (text-only prompts never run it)."""
