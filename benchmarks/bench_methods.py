@@ -1,8 +1,8 @@
 """Every flow method of difrl at equal wall-clock on the digits world and the moving-digits world, several seeds
 (issue 48): Flow-GRPO, DiffusionNFT, the best tree, AWM, DPO, DGPO, Flow-DPPO, DRaFT-K, ReFL, GARDO, Pref-GRPO, Sol-RL.
 
-    .venv/bin/python benchmarks/bench_methods.py --json benchmarks/results/bench_methods.json  # full: ~2.5 h on 2 cores
-    .venv/bin/python benchmarks/bench_methods.py --quick                                       # ~1 min, never writes
+    .venv/bin/python benchmarks/bench_methods.py --jobs 2 --json benchmarks/results/bench_methods.json  # full: ~1.3 h
+    .venv/bin/python benchmarks/bench_methods.py --quick                                               # ~1 min, never writes
 
 Each method is its digits config (configs/digits*.yaml) on digits, and the same method's settings as overrides of
 configs/moving_digits.yaml on moving digits (METHODS below; the values the digits configs use, scaled where the world
@@ -15,7 +15,9 @@ Equal wall-clock, as bench_video.py: per world, the budget is Flow-GRPO's mean t
 excluded) over seeds of its `--iterations`; every other method runs the same iterations and, if it has not spent the
 budget, is resumed (`resume=`, the same run continued exactly) to the first evaluation past it
 (common.budget_run); each run is read at its last evaluation inside the budget of its own cumulative training
-seconds (common.at_budget). All runs in this one process, one thread each, one after the other. The FD stopping rule
+seconds (common.at_budget). Every run is one thread; --jobs N runs N at once, each in its own process (run_all: a
+world's Flow-GRPO seeds first, then its other methods, the dearer first), so with --jobs 2 on 2 cores every run, the
+budget's Flow-GRPO runs included, shares the machine with one other run, except the last few. The FD stopping rule
 is off (a stopped run would end before the budget). Reported per world and method: accuracy, FD, diversity (against
 the real data's) and the held-out judge (moving digits: also motion accuracy and the judge's motion), mean and
 sample standard deviation (n - 1) over the seeds, the seed count printed; a method is called better or worse than
@@ -27,15 +29,17 @@ Duration, estimated from 3-iteration runs of every method at the full settings o
 300 x 0.17 ~ 52 s, moving digits 100 x 1.40 ~ 140 s), a dearer method its own iterations (digits: GARDO ~1.5x,
 Pref-GRPO ~1.5x, Sol-RL ~4x; moving digits: Sol-RL ~2x), a resumed one an evaluation more, plus the evaluations
 (~0.5 s / ~1 s each). Digits: ~16 budgets per seed ~ 16 min; moving digits (9 applicable methods): ~10 budgets + 100
-evaluations per seed ~ 28 min; with 3 seeds ~2 h 15 min in all (plan 2.5 h), on a quiet machine. --quick: ~1 min
-idle (70 s measured at load ~10).
+evaluations per seed ~ 28 min; with 3 seeds ~2 h 15 min of runs in all, ~1.2 h with --jobs 2 on a quiet 2-core
+machine. --quick: ~1 min idle (70 s measured at load ~10).
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import sys
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -134,21 +138,65 @@ def sample_std(xs: list[float]) -> float | None:
     return statistics.stdev(xs) if len(xs) > 1 else None
 
 
-def world_rows(world: str, methods: list[str], seeds: list[int], iterations: int, every: int, quick: bool,
-               out: Path) -> list[dict]:
-    """One row per method on `world`: Flow-GRPO's runs set the budget, the others run to it (budget_run)."""
+class InProcess:
+    """--jobs 1: runs a call when it is submitted, in this process (tests replace common.train_seconds here), and
+    hands back a finished Future, so one scheduling loop serves both."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, fn, *args) -> Future:
+        f = Future()
+        try:
+            f.set_result(fn(*args))
+        except Exception as e:  # noqa: BLE001  (the Future carries it to the method's row)
+            f.set_exception(e)
+        return f
+
+
+def run_all(worlds: list[str], methods: list[str], seeds: list[int], lengths: dict, quick: bool, out: Path,
+            jobs: int) -> tuple[dict, dict]:
+    """Every (world, method, seed) run, `jobs` at a time (each a process of one thread): a world's Flow-GRPO seeds
+    first; once all are in, their mean training seconds is the world's budget and its other methods are submitted,
+    the dearer ones first (METHODS' order reversed: Sol-RL, Pref-GRPO, GARDO ...), so the last runs left are short.
+    Returns ({(world, method, seed): run dict, or the exception the run raised}, {world: budget seconds})."""
+    results, budgets, pending = {}, {}, {}
+
+    def submit(pool, world: str, method: str, seed: int, budget: float | None) -> None:
+        iterations, every = lengths[world]
+        config, overrides = run_overrides(world, method, seed, iterations, every, quick)
+        f = pool.submit(common.budget_run, config, overrides, out / world / method.replace(" ", "_") / f"seed{seed}",
+                        iterations, every, WORLDS[world]["metrics"], budget)
+        pending[f] = (world, method, seed)
+
+    others = {w: [m for m in reversed(methods) if m != "Flow-GRPO" and refusal(w, m) is None] for w in worlds}
+    with (InProcess() if jobs == 1 else
+          ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))) as pool:
+        for w in worlds:
+            for s in seeds:
+                submit(pool, w, "Flow-GRPO", s, None)
+        while pending:
+            f = next(as_completed(pending))
+            world, method, _ = key = pending.pop(f)
+            if method == "Flow-GRPO" and f.exception() is not None:
+                raise f.exception()  # no budget without it: the run of hours ends here
+            results[key] = f.exception() or f.result()
+            if method == "Flow-GRPO" and all((world, "Flow-GRPO", s) in results for s in seeds):
+                budgets[world] = statistics.mean(sum(common.train_seconds(r) for r in results[(world, "Flow-GRPO", s)]
+                                                     ["rows"]) for s in seeds)
+                for m in others[world]:
+                    for s in seeds:
+                        submit(pool, world, m, s, budgets[world])
+    return results, budgets
+
+
+def world_rows(world: str, methods: list[str], seeds: list[int], iterations: int, every: int, results: dict,
+               budget: float) -> list[dict]:
+    """One row per method on `world` from run_all's runs, each read at the budget (Flow-GRPO's mean seconds)."""
     metrics = WORLDS[world]["metrics"]
-
-    def runs(method: str, budget: float | None) -> list[dict]:
-        res = []
-        for s in seeds:
-            config, overrides = run_overrides(world, method, s, iterations, every, quick)
-            res.append(common.budget_run(config, overrides, out / world / method.replace(" ", "_") / f"seed{s}",
-                                         iterations, every, metrics, budget))
-        return res
-
-    flow = runs("Flow-GRPO", None)
-    budget = statistics.mean(sum(common.train_seconds(r) for r in run["rows"]) for run in flow)
     rows = []
     for method in methods:
         config, extra = METHODS[method][world]
@@ -159,10 +207,11 @@ def world_rows(world: str, methods: list[str], seeds: list[int], iterations: int
         if why is not None:
             rows.append({**row, "applicable": False, "reason": why, "error": None})
             continue
-        try:  # one method's failure is its row's, not the end of a run of hours (Flow-GRPO's is: no budget without it)
-            rs = flow if method == "Flow-GRPO" else runs(method, budget)
-        except Exception as e:  # noqa: BLE001  (recorded in the row and the block, never dropped)
-            rows.append({**row, "applicable": True, "reason": None, "error": f"{type(e).__name__}: {e}"})
+        rs = [results[(world, method, s)] for s in seeds]
+        failed = [e for e in rs if isinstance(e, Exception)]
+        if failed:  # one method's failure is its row's, not the end of a run of hours
+            rows.append({**row, "applicable": True, "reason": None,
+                         "error": f"{type(failed[0]).__name__}: {failed[0]}"})
             continue
         eq = [common.at_budget(run, budget, metrics) for run in rs]
         row |= {"applicable": True, "reason": None, "error": None,
@@ -322,17 +371,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "demo's; moving digits 100, bench_video's; --quick 10)")
     ap.add_argument("--every", type=int, help="evaluation interval (default digits 25, moving digits 10; --quick 5)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_methods")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once, each a process of one thread (the full run: 2 "
+                    "on 2 cores, so every run shares the machine with one other)")
     args = ap.parse_args(argv)
     q = args.quick
     worlds = args.worlds or (["digits"] if q else list(WORLDS))
     picked = args.methods or (["best tree", "AWM"] if q else list(METHODS))
     methods = ["Flow-GRPO", *[m for m in METHODS if m in picked and m != "Flow-GRPO"]]
     seeds = args.seeds or ([0] if q else [0, 1, 2])
-    rows = []
-    for world in worlds:
-        iterations = args.iterations or (10 if q else WORLDS[world]["iterations"])
-        every = args.every or (5 if q else WORLDS[world]["every"])
-        rows += world_rows(world, methods, seeds, iterations, every, q, args.out)
+    lengths = {w: (args.iterations or (10 if q else WORLDS[w]["iterations"]),
+                   args.every or (5 if q else WORLDS[w]["every"])) for w in worlds}
+    results, budgets = run_all(worlds, methods, seeds, lengths, q, args.out, args.jobs)
+    rows = [r for w in worlds for r in world_rows(w, methods, seeds, *lengths[w], results, budgets[w])]
 
     lines = [f"Every method at equal wall-clock per world: the budget is Flow-GRPO's mean training seconds (evaluations "
              "excluded) over its iterations; a method that has not spent it after the same iterations is resumed "
@@ -350,7 +400,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         lines += [method_sentence(r, b) for r in wr[1:]] + [""]
     summary = which_method_when(rows)
     lines += ["### Which method when (from the rows above)", "", *summary, "",
-              "CPU only (no GPU used); seconds are single-thread timings on a machine that may have been shared. The "
+              "CPU only (no GPU used); seconds are single-thread timings, "
+              f"{args.jobs} run{'s' if args.jobs > 1 else ''} at a time on a machine that may have been shared. The "
               "NVFP4 rollout copy of Sol-RL is an exact emulation on the CPU (slower than fp32 there)."]
     publish(args, BEGIN, END, "Methods at equal wall-clock (digits and moving digits)", "bench_methods.py", argv, lines,
             rows)
