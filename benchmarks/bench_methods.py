@@ -319,10 +319,13 @@ def which_method_when(rows: list[dict]) -> list[str]:
         if world == "digits":  # the bundled demo's goal (issue 48): accuracy >= 0.99, FD <= 20, diversity >= 0.95x real
             goal = [r["method"] for r in ok if r["accuracy_mean"] >= 0.99 and r["fd_mean"] <= 20
                     and r["diversity_mean"] >= 0.95 * r["real_diversity"]]
+            reach = {"accuracy >= 0.99": [r["method"] for r in ok if r["accuracy_mean"] >= 0.99],
+                     "FD <= 20": [r["method"] for r in ok if r["fd_mean"] <= 20],
+                     "diversity >= 0.95x real": [r["method"] for r in ok
+                                                 if r["diversity_mean"] >= 0.95 * r["real_diversity"]]}
             out.append(f"  - the demo's goal (accuracy >= 0.99, FD <= 20, diversity >= 0.95x real) at this budget: "
-                       f"{', '.join(goal) or 'none'}" + ("" if goal else
-                       f" (FD <= 20: {', '.join(r['method'] for r in ok if r['fd_mean'] <= 20) or 'none'}; accuracy "
-                       f">= 0.99: {', '.join(r['method'] for r in ok if r['accuracy_mean'] >= 0.99) or 'none'})") + ".")
+                       f"{', '.join(goal) or 'none'}" + ("" if goal else " (" + "; ".join(
+                           f"{c}: {', '.join(who) or 'none'}" for c, who in reach.items()) + ")") + ".")
         na = [f"{r['method']} ({short(r['reason'])})" for r in wr if not r["applicable"]]
         if na:
             out.append(f"  - not applicable: {'; '.join(na)}.")

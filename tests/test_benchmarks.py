@@ -817,8 +817,8 @@ def test_bench_methods_calls_a_difference_only_beyond_the_seed_spread():
     assert summary[1] == "  - better than Flow-GRPO beyond the spread over seeds: AWM (accuracy)."
     assert summary[2] == "  - worse than Flow-GRPO beyond the spread over seeds: AWM (FD)."
     assert summary[3] == "  - diversity below 0.95x the real data's (2.30): DPO."
-    assert summary[4].startswith("  - the demo's goal (accuracy >= 0.99, FD <= 20, diversity >= 0.95x real) at this "
-                                 "budget: none")
+    assert summary[4] == ("  - the demo's goal (accuracy >= 0.99, FD <= 20, diversity >= 0.95x real) at this budget: "
+                          "none (accuracy >= 0.99: none; FD <= 20: none; diversity >= 0.95x real: Flow-GRPO, AWM).")
     failed = {**row("DGPO", (0.0, 0.0), (0.0, 0.0)), "error": "RuntimeError: nan loss"}
     assert bench.method_sentence(failed, base) == "- DGPO: FAILED on digits (no measurement): RuntimeError: nan loss."
     assert "  - FAILED (no measurement; the error in its row): DGPO." in bench.which_method_when([base, awm, failed])
