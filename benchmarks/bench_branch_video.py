@@ -58,14 +58,15 @@ VARIANTS = {
     "leaf weights, splits 0,1,2,3 x2": [*TREE, "tree.split_steps=[0,1,2,3]", "tree.edge_weight=leaves"],
     "leaf weights, splits 0,2 x4": ["rollout.kind=tree", "tree.split_steps=[0,2]", "tree.factor=4", "tree.edge_weight=leaves"],
     "leaf weights, forest 8, split 4": [*TREE, "tree.split_steps=[4]", "tree.roots=8", "tree.edge_weight=leaves"],
-    # reward fusion of internal nodes (specs/branch-cps-guard.md §1.3): the paper's path-probability weighting and a
-    # log-mean-exp (DTS's soft value, §5) instead of the mean
+    # reward fusion of internal nodes (docs/reference/specs/branch-cps-guard.md §1.3): the paper's path-probability
+    # weighting and a log-mean-exp (DTS's soft value, §5) instead of the mean
     "path-prob fusion (0,2,4,6 x2)": [*TREE, "tree.split_steps=[0,2,4,6]", "tree.fusion=path_prob"],
     "soft fusion (0,2,4,6 x2)": [*TREE, "tree.split_steps=[0,2,4,6]", "tree.fusion=soft"],
     # the KL to the base on shared edges (BranchGRPO's reference code has none)
     "KL 0 (0,2,4,6 x2)": [*TREE, "tree.split_steps=[0,2,4,6]", "train.kl_beta=0"],
     # part 1: the low-noise late steps (small std, large score) set the update's direction; TempFlow-GRPO's
-    # noise-aware weight (2.25 std per step, specs/branch-cps-guard.md §4) rebalances the steps, for both rollouts
+    # noise-aware weight (2.25 std per step, docs/reference/specs/branch-cps-guard.md §4) rebalances the steps, for both
+    # rollouts
     "TempFlow weights (0,2,4,6 x2)": [*TREE, "tree.split_steps=[0,2,4,6]", "train.step_weight=tempflow"],
     "flat, TempFlow weights": ["train.step_weight=tempflow"],
     "leaf weights + TempFlow, splits 0,1,2,3 x2": [*TREE, "tree.split_steps=[0,1,2,3]", "tree.edge_weight=leaves",

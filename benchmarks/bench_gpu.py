@@ -8,9 +8,9 @@
 The model is an SD3.5-Medium-shaped 2.0B-parameter `SD3Transformer2DModel` (24 joint blocks, 24 heads x 64) with
 random weights, built with plain diffusers constructors next to tiny CLIP / T5 text encoders and a tiny 4-level VAE
 (8x downsampling, 16 latent channels), in bf16 at 512x512 (1024 image tokens), saved with `save_pretrained` to a
-scratch directory that the trainer loads like any local pipeline (specs/gpu-regime.md). Nothing is downloaded; the
-GPU machine needs torch and difrl's pure-Python dependencies only. `--quick` builds the same pipeline with tiny
-dimensions on the CPU (64x64 images, 2 blocks) so the test suite runs the whole script.
+scratch directory that the trainer loads like any local pipeline (docs/reference/specs/gpu-regime.md). Nothing is
+downloaded; the GPU machine needs torch and difrl's pure-Python dependencies only. `--quick` builds the same pipeline
+with tiny dimensions on the CPU (64x64 images, 2 blocks) so the test suite runs the whole script.
 
 Every stage runs under its own time budget (BUDGET_S), and the run under a time limit (--time-limit, default
 TIME_LIMIT_S = gpu_check.sh's `timeout`): the start prints the budgets' sum against the limit. A stage that raises
@@ -117,9 +117,9 @@ END_RESERVE_S = 15  # kept back from the limit for the last block write and remo
 MIN_STAGE_S = 5  # a stage with less time than this left before the limit is not started
 ALARM_REPEAT_S = 5  # a stage that caught its StageTimeout and ran on gets another one this often
 # Seconds: the start-up allowance (imports, building and saving the pipeline) and each stage's limit. The full run's
-# are estimated from specs/gpu-regime.md's H200 figures for this shape (2 prompts x 16 leaves: flat GRPO ~12 s per
-# iteration, a tree ~5 s, Sol-RL's fp8 candidates plus their compile, inductor's regional compile of one block forward
-# + backward) with two iterations, loading and saving each.
+# are estimated from docs/reference/specs/gpu-regime.md's H200 figures for this shape (2 prompts x 16 leaves: flat GRPO
+# ~12 s per iteration, a tree ~5 s, Sol-RL's fp8 candidates plus their compile, inductor's regional compile of one block
+# forward + backward) with two iterations, loading and saving each.
 BUDGET_S = {
     "full": {"start-up": 45, "rollout vs pipe": 45, "flat GRPO": 55, "BranchGRPO": 35,
              "BranchGRPO + width/depth pruning": 35, "BranchGRPO-Mix": 35, "Sol-RL (fp8_row candidates)": 90,

@@ -8,8 +8,8 @@ with --gpu, what each backend x format costs on a GPU against BF16.
 
 Three tables, every format of ``difrl.quant.FORMATS`` (bf16, fp8, fp8_block, mxfp8, mxfp8_floor, nvfp4,
 nvfp4_single), all with the pure-torch emulation that CI runs. It is written from Transformer Engine's documented
-forward recipes (specs/lowprec-and-correctors.md §2-3) but has never been run against Transformer Engine (no GPU
-was used); tests/test_quant.py compares it with torchao's quantizers bit for bit (see README "Low precision"):
+forward recipes (docs/reference/specs/lowprec-and-correctors.md §2-3) but has never been run against Transformer Engine
+(no GPU was used); tests/test_quant.py compares it with torchao's quantizers bit for bit (see README "Low precision"):
 
 (a) error of one linear layer, digits-size (in 128, out 512, 256 tokens) and FLUX-size (the MLP's first
     projection: weight [12288, 3072], activations [1024 tokens (--quick: 256), 3072]); N(0,1) activations,
@@ -31,7 +31,7 @@ was used); tests/test_quant.py compares it with torchao's quantizers bit for bit
     1536->6144->1536): BF16 ``F.linear`` against each backend x format (GPU_COMBOS: Transformer Engine,
     the torch-native FP8 backend with and without fast accumulation, the exact emulation), median ms, speed-up,
     relative error against the fp32 layer and, for the torch backend, against the emulation of its format.
-(g2) a whole 2.0B SD3.5-Medium-shaped ``SD3Transformer2DModel`` (the constructor of specs/gpu-regime.md,
+(g2) a whole 2.0B SD3.5-Medium-shaped ``SD3Transformer2DModel`` (the constructor of docs/reference/specs/gpu-regime.md,
     random weights, BF16, built on the GPU; diffusers needed), one forward at 512x512 (64x64 latents) for a
     batch of 4: BF16 against a rollout copy per backend x format (``difrl.quant.timing.time_rollout_copy``),
     with the SD3 preset's skip list and both its min_dim (2432, SD3.5-Large's width: only the MLPs of this
@@ -256,7 +256,8 @@ GPU_COMBOS = (("te", "fp8"), ("te", "fp8_block"), ("te", "mxfp8"), ("te", "nvfp4
 GEMM_SHAPES = {"FLUX (issue)": (4608, 3072, 9216), "SD3 attention": (4096, 1536, 1536), "SD3 MLP in": (4096, 1536, 6144),
                "SD3 MLP out": (4096, 6144, 1536)}  # name: (tokens M, in K, out N)
 QUICK_GEMM_SHAPES = {"tiny": (64, 64, 96)}
-# specs/gpu-regime.md's 2.0B SD3.5-Medium-shaped transformer; --quick: a 2-block one with the same structure
+# docs/reference/specs/gpu-regime.md's 2.0B SD3.5-Medium-shaped transformer; --quick: a 2-block one with the same
+# structure
 SD3_2B = dict(sample_size=64, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64, num_attention_heads=24,
               joint_attention_dim=24, caption_projection_dim=1536, pooled_projection_dim=24, out_channels=16,
               pos_embed_max_size=96)

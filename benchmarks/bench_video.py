@@ -9,7 +9,7 @@ iteration, flow-SDE a = 1.0, 8 steps, PPO-clip, KL 0.2, LoRA r16, the three vide
 rewards summed 2 / 1 / 1); only the rollout differs (--quick: 4 prompts per iteration, small evaluations):
   flat GRPO   16 independent SDE samples per prompt, 7 trained steps each
   BranchGRPO  one tree per prompt, splits at steps 0, 2, 4, 6 (x2) -> 16 leaves; every SDE edge trained with
-              its child's depth-wise advantage (specs/branch-cps-guard.md §1)
+              its child's depth-wise advantage (docs/reference/specs/branch-cps-guard.md §1)
   BranchGRPO, leaf weights + TempFlow  one tree per prompt split at steps 0, 1, 2, 3 (x2), where this world
               decides the direction of motion (benchmarks/diag_branch.py), each edge weighted by the leaves below
               it (tree.edge_weight=leaves) and each step by TempFlow-GRPO's 2.25 std (train.step_weight=tempflow),
@@ -18,7 +18,8 @@ rewards summed 2 / 1 / 1); only the rollout differs (--quick: 4 prompts per iter
               steps 0-3 only (tree.depth_prune=[5,6,7]; 2 updates per rollout)
   Sol-RL      32 candidate seeds per prompt from an NVFP4 rollout copy in 4 ODE steps, rewarded; the 8 best
               and 8 worst regenerated at full precision and trained with the same GRPO loss
-              (specs/lowprec-and-correctors.md §1; the NVFP4 copy is the exact CPU emulation, so it saves no time here)
+              (docs/reference/specs/lowprec-and-correctors.md §1; the NVFP4 copy is the exact CPU emulation, so it saves
+              no time here)
 
 Cost: the median seconds per iteration (evaluations excluded) and the network evaluations per iteration
 (rollout + low-precision candidates + update forwards), as ratios to flat GRPO's, from the learning runs

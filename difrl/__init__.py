@@ -1,4 +1,4 @@
-"""difrl: RL for diffusion models (DESIGN.md).
+"""difrl: RL for diffusion models (docs/architecture.md).
 
 Importing difrl installs one logging filter and nothing else: torch's ``torch.utils._pytree`` notice that an Enum
 passed to register_constant() "is an Enum subclass and is now natively supported by torch.compile" is dropped.

@@ -1,9 +1,9 @@
-"""Tree counting for BranchGRPO (branch-cps-guard.md §1): split schedules, NFE and edge counts, node
-seeds and the tree's index structure. Pure bookkeeping: no policy, no tensors of latents.
+"""Tree counting for BranchGRPO (docs/reference/specs/branch-cps-guard.md §1): split schedules, NFE and edge counts,
+node seeds and the tree's index structure. Pure bookkeeping: no policy, no tensors of latents.
 
     from difrl.branching import BranchSchedule, build_tree, nfe, num_edges, num_trained_edges, mix_sde_mask
     sched = BranchSchedule((0, 3, 6, 9), factor=2)                # 16 leaves per tree
-    nfe(sched, 20, trees=2) == 406                                # spec §1.7: 203 model evaluations per tree
+    nfe(sched, 20, trees=2) == 406                                # §1.7: 203 model evaluations per tree
     num_edges(sched, 20) == 218                                   # parent->child edges per tree
     num_trained_edges(sched, 20, mix_sde_mask(20, sched, 0, 4)) == 34   # BranchGRPO-Mix's SDE edges
     tree = build_tree(sched, 20, num_trees=2)                     # parents, depths, paths, leaves, edges
@@ -78,8 +78,8 @@ class BranchSchedule:
 
 
 def nfe(schedule: BranchSchedule, num_steps: int, trees: int = 1) -> int:
-    """Model evaluations of a tree rollout (spec §1.7): every live node is evaluated once per step,
-    (s1 + 1) + f (s2 - s1) + f^2 (s3 - s2) + ... + f^m (N - 1 - s_m) per tree. With classifier-free
+    """Model evaluations of a tree rollout (docs/reference/specs/branch-cps-guard.md §1.7): every live node is evaluated
+    once per step, (s1 + 1) + f (s2 - s1) + f^2 (s3 - s2) + ... + f^m (N - 1 - s_m) per tree. With classifier-free
     guidance each evaluation is two network rows."""
     schedule.validate(num_steps)
     total, prev, width = 0, -1, 1

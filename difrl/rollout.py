@@ -1,4 +1,4 @@
-"""Rollout engine: seeds in, trajectories out (DESIGN.md seam 3).
+"""Rollout engine: seeds in, trajectories out (docs/architecture.md seam 3).
 
     sigmas = sigma_schedule(10)
     batch = rollout(policy, prompts, seeds=torch.arange(8), sigmas=sigmas,
@@ -183,7 +183,7 @@ def rollout(
     batch_size: model forward batch (default all B at once).
     device: where the latents, noise and stored transitions live; default the policy's device
     (difrl.models.base.policy_device). Nothing leaves it during the trajectory: no per-step host round
-    trip (on a GPU each one is a copy and a sync; specs/gpu-regime.md measured 1.15x pipe() with them).
+    trip (on a GPU each one is a copy and a sync; docs/reference/specs/gpu-regime.md measured 1.15x pipe() with them).
     Ids and seeds stay on the CPU (they are indices and reward keys)."""
     B, N = len(prompts), len(sigmas) - 1
     seeds = torch.as_tensor(seeds, dtype=torch.long)

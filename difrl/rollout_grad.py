@@ -9,8 +9,8 @@ only the last `k` sampler steps (DRaFT-K) or the one prediction step (ReFL) are 
 what bounds their memory (DRaFT, arXiv 2309.17400, §4: truncating the backward to the last K steps; ReFL,
 arXiv 2304.05977, §4.2: the reward of the one-step x0 prediction from a late step).
 
-Flow matching (DESIGN.md): x_sigma = (1 - sigma) x0 + sigma eps, v = eps - x0, so the one-step prediction of the
-clean sample from x_sigma is x0_hat = x_sigma - sigma v(x_sigma, sigma).
+Flow matching (docs/architecture.md, Conventions): x_sigma = (1 - sigma) x0 + sigma eps, v = eps - x0, so the one-step
+prediction of the clean sample from x_sigma is x0_hat = x_sigma - sigma v(x_sigma, sigma).
 """
 
 from __future__ import annotations

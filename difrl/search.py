@@ -1,5 +1,5 @@
 """Inference-time search over denoising trees: Diffusion Tree Sampling (DTS), DTS* and best-of-N
-(specs/branch-cps-guard.md §5), on any flow policy and reward.
+(docs/reference/specs/branch-cps-guard.md §5), on any flow policy and reward.
 
     from difrl.search import SearchConfig, dts, best_of_n
     score = lambda images, prompt: reward(images, [prompt] * len(images), None)["digit_prob"]   # [B] -> [B]

@@ -1,4 +1,4 @@
-"""Sol-RL pieces (specs/lowprec-and-correctors.md §1): select the trained seeds from a low-precision
+"""Sol-RL pieces (docs/reference/specs/lowprec-and-correctors.md §1): select the trained seeds from a low-precision
 candidate pool, and measure how well the candidates' rewards predict the regenerated ones.
 
     pool = candidate_pool(policy, rollout_copy, world.prompts, group_prompt, seed, it, 64, 16, sigmas6, score)
@@ -115,7 +115,7 @@ def candidate_pool(policy, rollout_copy, prompts: list[str], group_prompt: torch
                    score: Callable[[torch.Tensor, list[str], torch.Tensor, torch.Tensor], torch.Tensor],
                    select: str = "best_worst", guidance: float = 1.0, batch: int | None = None, rank: int = 0,
                    world_size: int = 1, gather: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> CandidatePool:
-    """Sol-RL stage 1 (specs/lowprec-and-correctors.md §1.2). Candidate c of prompt group p (global index
+    """Sol-RL stage 1 (docs/reference/specs/lowprec-and-correctors.md §1.2). Candidate c of prompt group p (global index
     p * N + c, split over processes in contiguous slices) gets seed mix_seed(seed, iteration, 6, index) and is
     sampled by the rollout copy (the policy itself when rollout_copy is None) with the deterministic solver
     over `preview_sigmas`. `score(images, prompts, prompt_ids, seeds) -> [n]` rewards them (a failed candidate

@@ -1,4 +1,5 @@
-"""Tree rollouts (BranchGRPO, branch-cps-guard.md §1): seeds in, a branching tree of trajectories out.
+"""Tree rollouts (BranchGRPO, docs/reference/specs/branch-cps-guard.md §1): seeds in, a branching tree of trajectories
+out.
 
     from difrl.branching import BranchSchedule, nfe
     from difrl.tree_rollout import tree_rollout
@@ -7,7 +8,7 @@
                       schedule=sched, kernel="dance_sde", kernel_kwargs={"noise_level": 0.3},
                       split_noise_scale=4.0)
     rewards = reward(policy.decode(tr.x_leaf))                    # [2 * 16], tree-major, paths lexicographic
-    tr.evaluations == nfe(sched, 20, trees=2) == 406              # spec §1.7: 203 per tree
+    tr.evaluations == nfe(sched, 20, trees=2) == 406              # §1.7 there: 203 per tree
     tr.edges                                                      # difrl.rollout.Rollout of the trained edges, T=1
     recompute(policy, tr.edges, "dance_sde", {"noise_level": 0.3})   # difrl.rollout: the trainer's log-prob
 

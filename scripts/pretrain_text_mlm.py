@@ -8,7 +8,7 @@ arithmetic problems to be a weak base for RL (difrl/assets/text_mlm_base/).
 Deterministic (one thread, every draw from a seeded generator). Model: difrl.discrete.tiny_mlm's
 BertForMaskedLM (bidirectional attention) over the character tokenizer; layout: the question in the
 chat template, left-padded, then the answer and EOS padding to gen_length (difrl.worlds.text_tasks).
-Loss: LLaDA's SFT masking (GUIDELINES.md): per row t ~ U(eps, 1), every answer position masked with
+Loss: LLaDA's SFT masking (ML-GSAI/LLaDA GUIDELINES.md): per row t ~ U(eps, 1), every answer position masked with
 probability t (at least one), the prompt never masked; loss = sum over masked positions of CE,
 divided by the answer block's length and the batch. LLaDA's 1/t weight is left out: with it the
 loss of this tiny model swung between 1 and 7 from step to step. Stopped early on purpose: the base

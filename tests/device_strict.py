@@ -7,7 +7,7 @@
 
 Why not plain `meta`: a meta tensor has shapes but no data, so a trainer on it cannot score, rank or log, and
 cannot run a whole iteration. Why not gloo: it accepts host tensors in every collective, where NCCL raises
-"Tensors must be CUDA and dense"; a green gloo test proves nothing about that (DESIGN.md, many processes).
+"Tensors must be CUDA and dense"; a green gloo test proves nothing about that (docs/architecture.md, Many processes).
 
 Here a tensor "on the device" is a wrapper subclass that reports `DEVICE` (PyTorch's meta device) and holds
 its values in a host tensor (`.inner`). A TorchDispatchMode runs every aten op on the inner tensors, so values

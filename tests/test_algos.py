@@ -1,4 +1,4 @@
-"""Advantages and losses (flow-grpo-family.md §1, §2.7).
+"""Advantages and losses (docs/reference/specs/flow-grpo-family.md §1, §2.7).
 
     pytest tests/test_algos.py -q
 """

@@ -3,8 +3,8 @@
 A CPU machine has one real device, so the policy here lives on PyTorch's `meta` device: its tensors have shapes
 but no data, and any copy of one to the host raises ("Cannot copy out of meta tensor"). A rollout that moved a
 per-step latent, noise draw, velocity or record to the CPU and back (as one did before: 1.15x pipe() on an H200,
-specs/gpu-regime.md) fails here; one that keeps the trajectory on the policy's device runs, and every stored
-tensor reports that device.
+docs/reference/specs/gpu-regime.md) fails here; one that keeps the trajectory on the policy's device runs, and every
+stored tensor reports that device.
 """
 
 from __future__ import annotations

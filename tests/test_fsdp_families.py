@@ -177,10 +177,11 @@ def test_fsdp_bf16_full_finetune_of_sd3(runs, pipes):
 
 
 def test_the_timestep_reaches_the_embedding_in_fp32_under_fsdp_bf16(pipes):
-    # FSDP2's MixedPrecisionPolicy casts every floating input of the root to bf16 (specs/scale.md section 2): SD3's and
-    # Wan's timestep 1000 sigma would reach the timestep embedding rounded (737.9 -> 736.0) where the pipeline and an
-    # unsharded run embed it in fp32. The adapters' fsdp_fp32_inputs keep it (difrl.train.sharding.keep_input_dtypes);
-    # the prompt embeddings are still cast. A one-process gloo group in this process.
+    # FSDP2's MixedPrecisionPolicy casts every floating input of the root to bf16 (docs/reference/specs/scale.md §2):
+    # SD3's and Wan's timestep 1000 sigma would reach the timestep embedding rounded (737.9 -> 736.0) where the pipeline
+    # and an unsharded run embed it in fp32. The adapters' fsdp_fp32_inputs keep it
+    # (difrl.train.sharding.keep_input_dtypes); the prompt embeddings are still cast. A one-process gloo group in this
+    # process.
     import torch.distributed as dist
 
     from difrl.models.adapters import load_flow_policy

@@ -1,4 +1,4 @@
-"""GRPO-Guard RatioNorm and per-step weights (branch-cps-guard.md §3-4), alone and in the trainer.
+"""GRPO-Guard RatioNorm and per-step weights (docs/reference/specs/branch-cps-guard.md §3-4), alone and in the trainer.
 
     pytest tests/test_guard.py -q
 """

@@ -1,4 +1,5 @@
-"""Step kernels, schedules and step masks: the math of flow-grpo-family.md §1-2 and branch-cps-guard.md §2.
+"""Step kernels, schedules and step masks: the math of docs/reference/specs/flow-grpo-family.md §1-2 and
+docs/reference/specs/branch-cps-guard.md §2.
 
     pytest tests/test_kernels.py -q
 """

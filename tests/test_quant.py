@@ -2,7 +2,7 @@
 
     pytest tests/test_quant.py -q
 
-Numbers and test vectors are the spec's (specs/lowprec-and-correctors.md §2-§4): E2M1 ties to even,
+Numbers and test vectors are the spec's (docs/reference/specs/lowprec-and-correctors.md §2-§4): E2M1 ties to even,
 NVFP4 = E2M1 x E4M3 per-16 scale x FP32 per-tensor scale, relative error bands on N(0,1) 256x1024 seed 0.
 """
 

@@ -288,7 +288,8 @@ def _hps_files(tmp_path, seed=0):
 
 
 def test_hps_layout_has_the_released_key_count():
-    """The hand-written layout at ViT-H-14's depths has the 686 keys of HPS_v2.1 (rewards-eval.md §0.1)."""
+    """The hand-written layout at ViT-H-14's depths has the 686 keys of HPS_v2.1
+    (docs/reference/specs/rewards-eval.md §0.1)."""
     h14 = {"embed_dim": 4, "vision_cfg": {"image_size": 14, "layers": 32, "width": 4, "patch_size": 14},
            "text_cfg": {"context_length": 2, "vocab_size": 2, "width": 4, "layers": 24}}
     assert len(hps_layout(h14)) == 686

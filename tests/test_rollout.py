@@ -1,4 +1,4 @@
-"""Rollout engine: seeds in, trajectories out (DESIGN.md seam 3).
+"""Rollout engine: seeds in, trajectories out (docs/architecture.md seam 3).
 
     pytest tests/test_rollout.py -q
 """

@@ -24,7 +24,8 @@ PROMPTS = ["a photo of a cat", "a red dog"]
 SEEDS = torch.tensor([11, 12])
 OPTIONS = dict(height=32, width=32, max_sequence_length=16)
 N_STEPS = 3
-# the published Sana_1600M_1024px_diffusers scheduler (diffusers' scripts/convert_sana_to_diffusers.py default)
+# the published Sana_1600M_1024px_diffusers scheduler, the default of
+# huggingface/diffusers scripts/convert_sana_to_diffusers.py
 DPM_FLOW = dict(flow_shift=3.0, use_flow_sigmas=True, prediction_type="flow_prediction")
 
 

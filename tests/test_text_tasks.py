@@ -162,11 +162,12 @@ def test_pass_at_k_values():
 # ----------------------------------------------------------------------------- LLaDA sampler parity
 def llada_generate_reference(model, x: torch.Tensor, att: torch.Tensor, prompt_len: int, gen_length: int,
                              block_length: int, steps: int, mask_id: int) -> torch.Tensor:
-    """LLaDA's generate at temperature 0, written from its description (specs/discrete-diffusion-rl.md 2.1):
-    blocks left to right with steps / num_blocks steps each; per block, m masked tokens -> floor(m / S_b)
-    per step plus one for the first m mod S_b steps; each step one forward, x0 = argmax, confidence =
-    softmax prob of x0, -inf outside the current block and at decoded positions, commit the top-k. The
-    model never predicts the mask token (the adapters' SUBS rule), so it is excluded from argmax and softmax."""
+    """LLaDA's generate at temperature 0, written from its description
+    (docs/reference/specs/discrete-diffusion-rl.md §2.1): blocks left to right with steps / num_blocks steps each;
+    per block, m masked tokens -> floor(m / S_b) per step plus one for the first m mod S_b steps; each step one
+    forward, x0 = argmax, confidence = softmax prob of x0, -inf outside the current block and at decoded positions,
+    commit the top-k. The model never predicts the mask token (the adapters' SUBS rule), so it is excluded from
+    argmax and softmax."""
     x = x.clone()
     nblocks = gen_length // block_length
     per_block = steps // nblocks

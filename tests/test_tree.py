@@ -1,4 +1,4 @@
-"""Tree rollouts (BranchGRPO, branch-cps-guard.md §1): counting (difrl.branching), the engine
+"""Tree rollouts (BranchGRPO, docs/reference/specs/branch-cps-guard.md §1): counting (difrl.branching), the engine
 (difrl.tree_rollout), kappa, rescoring (difrl.rollout.recompute), fusion, advantages, pruning.
 
     pytest tests/test_tree.py -q

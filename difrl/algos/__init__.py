@@ -1,4 +1,4 @@
-"""Advantages and losses (DESIGN.md seam 5)."""
+"""Advantages and losses (docs/architecture.md seam 5)."""
 
 from difrl.algos.advantages import Advantages, group_advantages, group_normalize
 from difrl.algos.guard import ratio_norm_log_ratio, step_weights

@@ -1,4 +1,4 @@
-"""Group-relative advantages (DESIGN.md seam 5; flow-grpo-family.md §2.7, §8.3).
+"""Group-relative advantages (docs/architecture.md seam 5; docs/reference/specs/flow-grpo-family.md §2.7, §8.3).
 
     adv = group_advantages({"digit_prob": r}, {"digit_prob": 1.0}, group_ids)
     adv.advantages, adv.zero_spread          # [N] float, [N] bool (samples of zero-spread groups)

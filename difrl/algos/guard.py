@@ -1,4 +1,4 @@
-"""GRPO-Guard (arXiv 2510.22319; branch-cps-guard.md §3) and TempFlow-GRPO step weights (§4).
+"""GRPO-Guard (arXiv 2510.22319; docs/reference/specs/branch-cps-guard.md §3) and TempFlow-GRPO step weights (§4).
 
     lr = ratio_norm_log_ratio(log_prob, log_prob_old, mean, mean_old, std)   # [B, T]
     w = step_weights("inverse_dt", sigma, sigma_next, std)                    # [B, T]

@@ -4,7 +4,7 @@
     kl = gaussian_step_kl(mean, mean_ref, std, h, form="flow_grpo")                      # [B, T]
     kl = k3_kl(log_prob, log_prob_ref)                                                     # per token (masked)
 
-Per-step surrogate (flow-grpo-family.md §1): rho = exp(l - l_old),
+Per-step surrogate (docs/reference/specs/flow-grpo-family.md §1): rho = exp(l - l_old),
 L = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high)), averaged over valid (sample, step)
 elements. Separate low/high ranges (Bagel's asymmetric clip) fall out of the same function.
 """

@@ -1,4 +1,4 @@
-"""DiffusionNFT: the likelihood-free objective Sol-RL trains with (specs/lowprec-and-correctors.md §1.6;
+"""DiffusionNFT: the likelihood-free objective Sol-RL trains with (docs/reference/specs/lowprec-and-correctors.md §1.6;
 Zheng et al., arXiv:2509.16117).
 
     loss, m = nft_loss(v, v_old, x_sigma, x0, sigma, advantages, beta=1.0, adv_clip=5.0)   # per sample [B]

@@ -1,4 +1,4 @@
-"""Tree advantages and pruning (BranchGRPO, branch-cps-guard.md §1.3-§1.6; DTS soft value §5).
+"""Tree advantages and pruning (BranchGRPO, docs/reference/specs/branch-cps-guard.md §1.3-§1.6; DTS soft value §5).
 
     from difrl.algos.tree import fuse_rewards, depthwise_advantages, edge_advantages, width_prune, depth_prune
     values = fuse_rewards(tr.tree, leaf_rewards)              # [Nn]: mean of the leaves below (default)
@@ -203,8 +203,8 @@ def depth_prune(tree: Tree, edges: torch.Tensor, depths: set[int] | list[int], i
 def tree_train_edges(tr: TreeRollout, scores: dict[str, torch.Tensor], weights: dict[str, float],
                      leaf_keep: torch.Tensor, iteration: int, tree_cfg, aggregate: str = "reward_sum", eps: float = 1e-4,
                      clip: float = 5.0, roots: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """BranchGRPO's trained edges for one process's trees (specs/branch-cps-guard.md §1.3-§1.6). Leaf rewards
-    (`scores`: name -> [L] in tree.leaf_node order) are fused into every node (tree_cfg.fusion), normalised per
+    """BranchGRPO's trained edges for one process's trees (docs/reference/specs/branch-cps-guard.md §1.3-§1.6). Leaf
+    rewards (`scores`: name -> [L] in tree.leaf_node order) are fused into every node (tree_cfg.fusion), normalised per
     tree and depth, and each SDE edge takes its child's advantage; `aggregate` "advantage_sum" normalises each
     reward on its own, then weights them (MixGRPO's multi-reward form). Depth and width pruning (tree_cfg)
     drop edges from the backward pass, per tree so prompts never mix (§1.10). A tree with a leaf outside

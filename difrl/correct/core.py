@@ -1,4 +1,4 @@
-"""Importance-sampling correctors for rollout/train policy mismatch (lowprec-and-correctors.md §5).
+"""Importance-sampling correctors for rollout/train policy mismatch (docs/reference/specs/lowprec-and-correctors.md §5).
 
     from difrl.correct import token_tis, seq_mis, ais
     c = token_tis(log_prob, log_prob_rollout, mask, cap=2.0)     # [B, T] each

@@ -1,4 +1,4 @@
-"""The masked policy's log-prob estimators for GRPO (specs/discrete-diffusion-rl.md section 3).
+"""The masked policy's log-prob estimators for GRPO (docs/reference/specs/discrete-diffusion-rl.md §3).
 
     rm = remask(cfg, tokens, answer, prompt, seeds, n, t, mask_id)   # inner update n's re-masked views
     logp = token_logp(cfg, policy, tokens, rm, cond)                   # [B, L] per-token estimate, one forward

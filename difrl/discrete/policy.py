@@ -1,4 +1,4 @@
-"""The masked-diffusion policy adapter protocol (DESIGN.md seam 1, discrete half) and two adapters.
+"""The masked-diffusion policy adapter protocol (docs/architecture.md seam 1, discrete half) and two adapters.
 
     policy = TinyMaskedPolicy.from_checkpoint(path)        # difrl's own bidirectional transformer
     policy = HFMaskedLM.from_pretrained("/models/llada")    # any local transformers masked LM (logits out)

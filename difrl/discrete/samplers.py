@@ -18,7 +18,7 @@ per position; tests/test_scale_device.py counts the bytes).
 
 Randomness is counter-based: every draw is a pure function of (sample seed, stream, step,
 position) through ``difrl.utils.rng.mix_seed_tensor``, so a sample's rollout depends on its own
-seed only, not on its batch neighbours or the batch size (DESIGN.md seam 3). ``seeds`` is a [B]
+seed only, not on its batch neighbours or the batch size (docs/architecture.md seam 3). ``seeds`` is a [B]
 tensor of per-sample seeds, or one int ``s`` for row seeds ``mix_seed(s, b)``.
 
 Categorical draws use the inverse CDF of the tempered softmax in fp64 (one uniform per position),

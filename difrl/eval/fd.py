@@ -3,7 +3,7 @@
     fd = frechet_distance_from_stats(gen_stats, ref_stats)        # FeatureStats or (mu [D], sigma [D, D]) pairs
     kid_mean, kid_std = kid(real_feats, fake_feats, subsets=100, subset_size=1000, seed=0)   # [N, D], [M, D]
 
-What the numbers are (rewards-eval.md §3.1):
+What the numbers are (docs/reference/specs/rewards-eval.md §3.1):
 - `frechet_distance_from_stats` is difrl.eval.metrics' Fréchet distance (float64, symmetric eigendecompositions:
   tr sqrt(S_a^1/2 S_b S_a^1/2) instead of scipy.linalg.sqrtm(S_a S_b)); on stats from
   `difrl.eval.reference.stats_of` it returns the very bits of `metrics.frechet_distance(a, b)`.

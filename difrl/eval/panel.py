@@ -6,7 +6,7 @@
 
 Held-out rewards are scored on the same fixed-seed evaluation samples as the training reward and are
 never trained on, so a training reward that climbs while they stay flat or fall is reward hacking
-(rewards-eval.md §3.2). The Fréchet distance uses a named extractor from local weights
+(docs/reference/specs/rewards-eval.md §3.2). The Fréchet distance uses a named extractor from local weights
 (difrl.eval.extractors, difrl.eval.reference): Inception (FID, TF1 resize), CLIP or DINOv2, against a
 reference image directory (resized to the samples' size, bicubic) or a saved FeatureStats `.npz`; the
 reference statistics are cached per (dataset, extractor, weights, resolution). Videos [N, F, 3, H, W] are

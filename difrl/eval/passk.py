@@ -14,7 +14,7 @@ same product form as openai/human-eval ``human_eval/evaluation.py`` ``estimate_p
 samples of a problem of which c are correct, pass@k = E over k-subsets [any correct] =
 1 - C(n - c, k) / C(n, k), computed without big binomials as 1 - prod_{i = n-c+1}^{n} (1 - k / i);
 it is exactly 1 when n - c < k (every k-subset holds a correct sample). Unlike some copies, k > n
-is an error here, never 0 (specs/rewards-eval.md section 3.5). pass@1 is the mean of c / n, i.e.
+is an error here, never 0 (docs/reference/specs/rewards-eval.md §3.5). pass@1 is the mean of c / n, i.e.
 the mean over the n samples, not one greedy sample.
 
 ``masked_pass_at_k`` draws n completions per evaluation problem with the *training* rollout

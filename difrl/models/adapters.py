@@ -162,7 +162,7 @@ def build_tiny_pipeline(kind: str, seed: int = 0, **options):
     pipe = cls.tiny_pipeline(**options)
     for name, comp in pipe.components.items():
         if isinstance(comp, torch.nn.Module):
-            comp.eval()  # models built directly are in train mode (T5 dropout: ecosystem.md §1.1)
+            comp.eval()  # models built directly are in train mode (T5 dropout: docs/reference/specs/ecosystem.md §1.1)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

@@ -1,4 +1,4 @@
-"""The flow-policy adapter protocol (DESIGN.md seam 1) and helpers for conditioning batches.
+"""The flow-policy adapter protocol (docs/architecture.md seam 1) and helpers for conditioning batches.
 
     policy = DigitsPolicy.from_checkpoint(path)       # any FlowPolicy
     cond = policy.encode(["a handwritten 3"] * 4)     # dict of [B, ...] tensors
@@ -96,7 +96,7 @@ def forwards_per_step(policy, guidance: float) -> int:
 def policy_device(policy) -> torch.device:
     """The device the policy computes on: an adapter's own ``device`` (ComputeDevice: the one the trainer fixed),
     else its network's first parameter's; the CPU for a parameter-free stub. Rollouts keep every per-step tensor here
-    (DESIGN.md: a trajectory stays on the policy's device until it is done)."""
+    (docs/architecture.md, Many processes: a trajectory stays on the policy's device until it is done)."""
     dev = getattr(policy, "device", None)
     if dev is not None:
         return torch.device(dev)

@@ -12,7 +12,7 @@ FLUX.1 in `flux.py`, SD3 / SD3.5 in `sd3.py`, Wan 2.1 text-to-video in `wan.py`,
     save_lora(policy, "run/lora")                        # diffusers LoRA dir: pipe.load_lora_weights("run/lora")
     load_lora(other_policy, "run/lora")                  # refuses a LoRA made for another model kind
 
-One class per model family holds everything model-specific (DESIGN.md seam 1): prompt encoding
+One class per model family holds everything model-specific (docs/architecture.md seam 1): prompt encoding
 (through the pipeline's own `encode_prompt`, so embeddings are the pipeline's bit for bit),
 timestep scaling, Flux's 2x2 latent packing and position ids, classifier-free guidance, and VAE
 decoding with the pipeline's scaling / shift factors. Samplers only see `velocity(x, sigma, cond,
@@ -22,9 +22,9 @@ What `guidance` means follows the pipelines' own conventions, so a config value 
 there. The base class's default (SD3 and Wan): true classifier-free guidance when `guidance > 1` (the
 pipelines' `guidance_scale > 1` test): one batched forward over [uncond; cond], `v = v_u + w (v_c - v_u)`
 in fp32 (the `_guide` hook: Qwen-Image rescales it to the conditional velocity's norm). `guidance <= 1` is one
-conditional forward. The negative prompt (default "", Flow-GRPO's choice, spec §2.6) is set per policy
-(`negative_prompt=`), embedded once and cached. FLUX overrides this (`flux.py`: embedded distilled guidance). Each
-family file gives its latent shape and timestep scaling.
+conditional forward. The negative prompt (default "", Flow-GRPO's choice, docs/reference/specs/flow-grpo-family.md §2.6)
+is set per policy (`negative_prompt=`), embedded once and cached. FLUX overrides this (`flux.py`: embedded distilled
+guidance). Each family file gives its latent shape and timestep scaling.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
     policy = load_flow_policy("flux", "/models/FLUX.1-dev", dtype="bf16", height=512, width=512, true_cfg_scale=1.0)
 
 `guidance` is the *embedded* distilled guidance of guidance-distilled checkpoints (FLUX.1-dev: 3.5; the
-pipeline's `guidance_scale`), one forward per step, no uncond pass (spec §2.6). A checkpoint without a
-guidance embedding (FLUX.1-schnell) accepts only guidance 1 (or 0) and says so otherwise. True CFG for
-Flux is the separate constructor option `true_cfg_scale > 1` (the pipeline's `true_cfg_scale` with
+pipeline's `guidance_scale`), one forward per step, no uncond pass (docs/reference/specs/flow-grpo-family.md §2.6). A
+checkpoint without a guidance embedding (FLUX.1-schnell) accepts only guidance 1 (or 0) and says so otherwise. True CFG
+for Flux is the separate constructor option `true_cfg_scale > 1` (the pipeline's `true_cfg_scale` with
 `negative_prompt`), which costs the extra uncond forward.
 
 Latent shape (one sample; vsf = the VAE's spatial scale factor, 8 for the real models): packed
@@ -34,11 +34,11 @@ class FluxPolicy(DiffusersFlowPolicy):
     accepted_classes = ("FluxPipeline",)
     required_components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
                            "scheduler")
-    # diffusers' train_dreambooth_lora_flux.py / Flow-GRPO's Flux list (ecosystem.md §2.1)
+    # diffusers' train_dreambooth_lora_flux.py / Flow-GRPO's Flux list (docs/reference/specs/ecosystem.md §2.1)
     lora_candidates = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
                        "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                        "ff_context.net.2")
-    quant_preset = QUANT_PRESETS["flux"]  # Sol-RL's skip list (specs §1.4)
+    quant_preset = QUANT_PRESETS["flux"]  # Sol-RL's skip list (docs/reference/specs/lowprec-and-correctors.md §1.4)
     block_classes = ("FluxTransformerBlock", "FluxSingleTransformerBlock")  # the repeated transformer blocks (regional compile, sharding)
 
     def __init__(self, pipe, *, height: int = 1024, width: int = 1024, true_cfg_scale: float = 1.0,

@@ -39,8 +39,8 @@ def _peft_parts(module: nn.Module, adapter_name: str):
 def save_lora(policy: DiffusersFlowPolicy, out_dir: str | Path, adapter_name: str = "default") -> Path:
     """Write the policy's transformer LoRA as a diffusers LoRA directory (pytorch_lora_weights.safetensors)
     that `pipe.load_lora_weights(out_dir)` reads with the right scaling: rank and lora_alpha go in as
-    adapter metadata (without it diffusers assumes alpha = r, ecosystem.md §2.2). A small difrl_lora.json
-    records the model kind so load_lora can refuse a LoRA made for another model."""
+    adapter metadata (without it diffusers assumes alpha = r, docs/reference/specs/ecosystem.md §2.2). A small
+    difrl_lora.json records the model kind so load_lora can refuse a LoRA made for another model."""
     from peft.utils import get_peft_model_state_dict
 
     from difrl.utils.io import atomic_write_json

@@ -46,7 +46,8 @@ class QwenImagePolicy(DiffusersFlowPolicy):
     pipeline_class = "QwenImagePipeline"
     accepted_classes = ("QwenImagePipeline",)
     required_components = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
-    # Flow-GRPO's Qwen-Image LoRA (spec §2.10): the attention projections of both streams and both streams' MLPs
+    # Flow-GRPO's Qwen-Image LoRA (docs/reference/specs/flow-grpo-family.md §2.10): the attention projections of both
+    # streams and both streams' MLPs
     lora_candidates = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
                        "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2",
                        "txt_mlp.net.0.proj", "txt_mlp.net.2")

@@ -53,7 +53,8 @@ class SanaPolicy(DiffusersFlowPolicy):
     accepted_classes = ("SanaPipeline",)
     required_components = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
     # Sol-RL's SANA targets (NVlabs/Sana configs/sol_rl/sana.py: attn.qkv, attn.proj, cross_attn.{q_linear, kv_linear,
-    # proj}) under diffusers' names (scripts/convert_sana_to_diffusers.py splits qkv and kv into to_q / to_k / to_v)
+    # proj}) under diffusers' names (huggingface/diffusers scripts/convert_sana_to_diffusers.py splits qkv and kv into
+    # to_q / to_k / to_v)
     lora_candidates = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k",
                        "attn2.to_v", "attn2.to_out.0")
     quant_preset = QUANT_PRESETS["sana"]  # Sol-RL's skip list, diffusers' names (difrl/quant/linear.py)

@@ -9,11 +9,12 @@ Latent shape (one sample; vsf = the VAE's spatial scale factor, 8 for the real m
 SD3.5 Large and Medium are this kind too: the same pipeline and transformer class, whose config adds RMS qk-norm
 (`qk_norm="rms_norm"`, both) and, on Medium, a second self-attention `attn2` over the image tokens in the first
 blocks (`dual_attention_layers`, 0-12 of 24). `tiny_pipeline("sd3.5-medium")` builds that shape for the tests.
-LoRA targets (`lora_candidates`): the joint attention's eight projections, the list Flow-GRPO (scripts/train_sd3.py),
-Flow-Factory (SD3_5Adapter.default_target_modules) and diffusers' train_dreambooth_lora_sd3.py use for SD3.5, so
-`attn2.*` is NOT targeted: peft matches by suffix and `attn.to_q` never names `attn2.to_q`, which keeps a run's
-trained parameters (and its rank's meaning) those of the reference recipes. A run that wants the dual attention
-adapted too names it: `train.lora.targets=[attn.to_q, ..., attn2.to_q, attn2.to_k, attn2.to_v, attn2.to_out.0]`.
+LoRA targets (`lora_candidates`): the joint attention's eight projections, the list Flow-GRPO (yifan123/flow_grpo
+scripts/train_sd3.py), Flow-Factory (SD3_5Adapter.default_target_modules) and diffusers' train_dreambooth_lora_sd3.py
+use for SD3.5, so `attn2.*` is NOT targeted: peft matches by suffix and `attn.to_q` never names `attn2.to_q`, which
+keeps a run's trained parameters (and its rank's meaning) those of the reference recipes. A run that wants the dual
+attention adapted too names it: `train.lora.targets=[attn.to_q, ..., attn2.to_q, attn2.to_k, attn2.to_v,
+attn2.to_out.0]`.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ class SD3Policy(DiffusersFlowPolicy):
     accepted_classes = ("StableDiffusion3Pipeline",)
     required_components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
                            "scheduler")  # text_encoder_3 / tokenizer_3 (T5) may be dropped: the pipeline then uses zeros
-    # Flow-GRPO's SD3.5 list (scripts/train_sd3.py; ecosystem.md §2.1)
+    # Flow-GRPO's SD3.5 list (yifan123/flow_grpo scripts/train_sd3.py; docs/reference/specs/ecosystem.md §2.1)
     lora_candidates = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
                        "attn.to_out.0", "attn.to_q", "attn.to_v")
-    quant_preset = QUANT_PRESETS["sd3"]  # Sol-RL's skip list (specs §1.4)
+    quant_preset = QUANT_PRESETS["sd3"]  # Sol-RL's skip list (docs/reference/specs/lowprec-and-correctors.md §1.4)
     block_classes = ("JointTransformerBlock",)  # the repeated transformer blocks (regional compile, sharding)
     fsdp_fp32_inputs = ("timestep",)  # 1000 sigma: the pipeline embeds it in fp32 (bf16 would round 737.9 to 736)
 

@@ -8,7 +8,7 @@ They stand in for a real checkpoint directory in tests: every component (transfo
 encoders, tokenizers, scheduler) has the real class and the real on-disk layout, so the adapter's
 loading, encoding, timestep scaling, packing and decoding run exactly as on the real model; only
 the sizes are tiny (1-2 layers, hidden size 16-32). Tokenizers are built from in-memory
-vocabularies (ecosystem.md §1.2): a character-level CLIP BPE (the 256 byte-level symbols, each also
+vocabularies (docs/reference/specs/ecosystem.md §1.2): a character-level CLIP BPE (the 256 byte-level symbols, each also
 with the end-of-word marker, and no merges) and a character-level T5 unigram vocabulary, so any
 prompt tokenizes and nothing is read from a hub. The chat-template encoders of FLUX.2 (Qwen3, Mistral3) get
 byte-level BPE tokenizers with their templates' markers as single tokens, and 28 / 31 layers of width 16 (the
@@ -47,7 +47,7 @@ def tiny_clip_tokenizer(max_length: int = TEXT_LEN):
     for suffix in ("", "</w>"):
         for sym in _byte_symbols():
             vocab.setdefault(sym + suffix, len(vocab))
-    # model_max_length must be set: the pipelines pad CLIP prompts to it (ecosystem.md §1.2)
+    # model_max_length must be set: the pipelines pad CLIP prompts to it (docs/reference/specs/ecosystem.md §1.2)
     return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length, bos_token="<|startoftext|>",
                          eos_token="<|endoftext|>", pad_token="<|endoftext|>", unk_token="<|endoftext|>")
 

@@ -24,7 +24,8 @@ class WanPolicy(DiffusersFlowPolicy):
     pipeline_class = "WanPipeline"
     accepted_classes = ("WanPipeline",)
     required_components = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
-    # Flow-GRPO's Wan 2.1 list (train_wan2_1.py); add_* exist only in I2V checkpoints (ecosystem.md §2.1)
+    # Flow-GRPO's Wan 2.1 list (train_wan2_1.py); add_* exist only in I2V checkpoints
+    # (docs/reference/specs/ecosystem.md §2.1)
     lora_candidates = ("add_k_proj", "add_q_proj", "add_v_proj", "to_add_out", "to_k", "to_out.0", "to_q", "to_v")
     quant_preset = QUANT_PRESETS["wan"]  # ours: embedders and the output projection stay exact
     block_classes = ("WanTransformerBlock",)  # the repeated transformer blocks (regional compile, sharding)

@@ -1,4 +1,4 @@
-"""Low-precision formats, quantized linear layers and the rollout copy (DESIGN.md seam 7). Pure torch;
+"""Low-precision formats, quantized linear layers and the rollout copy (docs/architecture.md seam 7). Pure torch;
 Transformer Engine is used only when installed and the GPU supports the format; FP8 (fp8 / fp8_row) runs
 natively through torch._scaled_mm on a GPU with compute capability >= 8.9 (difrl/quant/torch_fp8.py).
 

@@ -5,8 +5,9 @@
     q = F.quantize(w, "nvfp4", "weight")              # packed storage: two E2M1 codes per byte + E4M3 scales
     w_hat = F.dequantize(q); q.nbytes                 # the bytes the quantized copy really takes
 
-The numerics are written from Transformer Engine's documented forward path (specs/lowprec-and-correctors.md §2-3;
-never run against TE itself, no GPU was used; tests compare with torchao, see tests/test_quant.py):
+The numerics are written from Transformer Engine's documented forward path
+(docs/reference/specs/lowprec-and-correctors.md §2-3; never run against TE itself, no GPU was used; tests compare with
+torchao, see tests/test_quant.py):
 
 - ``nvfp4``  E2M1 values {0, .5, 1, 1.5, 2, 3, 4, 6}, one E4M3 scale per 16 elements along the reduction
   (last) dim, one FP32 scale per tensor. Activations use 1x16 blocks, weights 16x16 tiles (TE's

@@ -1,4 +1,4 @@
-"""Quantized linear layers and module swapping (DESIGN.md seam 7).
+"""Quantized linear layers and module swapping (docs/architecture.md seam 7).
 
     from difrl.quant import quantize_module, QUANT_PRESETS
     copy = copy.deepcopy(model)
@@ -6,16 +6,18 @@
     print(report)                                                        # which layers, which backend, why
 
 Each replaced ``nn.Linear`` becomes one of three backends (``backend``: auto | te | torch | emulate):
-- ``te``: a ``TELinear`` (``te.Linear`` under ``te.autocast`` with the format's recipe; specs §2.3-2.5), when
-  Transformer Engine is installed and supports the format on this GPU;
+- ``te``: a ``TELinear`` (``te.Linear`` under ``te.autocast`` with the format's recipe;
+  docs/reference/specs/lowprec-and-correctors.md §2.3-2.5), when Transformer Engine is installed and supports the
+  format on this GPU;
 - ``torch``: a ``TorchFP8Linear`` for fp8 / fp8_row, ``torch._scaled_mm`` with compiled dynamic activation
   quantization, BF16 out (difrl/quant/torch_fp8.py says why and when);
 - ``emulate``: a ``QuantLinear``, the exact pure-torch emulation (W4A4 for NVFP4, W8A8 for the FP8 family,
-  ``y = qdq_act(x) @ dequant(W_q).T + b`` with fp32 accumulation; specs §3). Exact, and slower than BF16 on a
-  GPU: it warns once when it runs on one.
+  ``y = qdq_act(x) @ dequant(W_q).T + b`` with fp32 accumulation; docs/reference/specs/lowprec-and-correctors.md §3).
+  Exact, and slower than BF16 on a GPU: it warns once when it runs on one.
 ``auto`` takes the first of te, torch, emulate that can run the format on the layer's device (torch only on a
 CUDA GPU with compute capability >= 8.9; on CPU auto is the emulation). Only linear layers are quantized:
-attention, norms, embeddings, convolutions stay in the model's precision, as in Sol-RL (specs §1.4).
+attention, norms, embeddings, convolutions stay in the model's precision, as in Sol-RL
+(docs/reference/specs/lowprec-and-correctors.md §1.4).
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from torch import nn
 from difrl.quant import formats as F
 from difrl.quant import torch_fp8
 
-# Sol-RL's exclusions (specs §1.4): a layer is skipped if its name contains one of `skip`, or if
-# max(in, out) <= min_dim. Wan and digits are ours: embedders and the output projection stay exact.
+# Sol-RL's exclusions (docs/reference/specs/lowprec-and-correctors.md §1.4): a layer is skipped if its name contains one
+# of `skip`, or if max(in, out) <= min_dim. Wan and digits are ours: embedders and the output projection stay exact.
 # The trainer reads a policy's own `quant_preset` (difrl/models/: each adapter class names its entry here).
 QUANT_PRESETS: dict[str, dict] = {
     "flux": {"skip": ("x_embedder", "context_embedder", "time_text_embed", "norm_out"), "min_dim": 1000},
@@ -40,11 +42,12 @@ QUANT_PRESETS: dict[str, dict] = {
     # SANA: Sol-RL's list (t_embedder, t_block, cfg_embedder, y_embedder, x_embedder, final_layer, logvar_linear, attn.qkv;
     # min_dim 2240, NVlabs/Sana configs/sol_rl/sana.py) names its native model, where it quantizes exactly the layers
     # wider than 2240: cross_attn.kv_linear (2240 -> 4480) and the LinearFFN's. In diffusers' names
-    # (scripts/convert_sana_to_diffusers.py) time_embed holds t_embedder / t_block / cfg_embedder, caption_projection is
-    # y_embedder, patch_embed x_embedder, proj_out final_layer; kv_linear is split into attn2.to_k / to_v (2240 -> 2240
-    # each, which min_dim 2240 would keep exact), so the same layers are chosen by name with min_dim 0: every other
-    # projection (attn1.* = attn.qkv and attn.proj, attn2.to_q = q_linear, attn2.to_out = proj) stays exact. The
-    # diffusers checkpoint's FFN is convolutions (GLUMBConv), which no preset quantizes (Linear layers only).
+    # (huggingface/diffusers scripts/convert_sana_to_diffusers.py) time_embed holds t_embedder / t_block / cfg_embedder,
+    # caption_projection is y_embedder, patch_embed x_embedder, proj_out final_layer; kv_linear is split into
+    # attn2.to_k / to_v (2240 -> 2240 each, which min_dim 2240 would keep exact), so the same layers are chosen by name
+    # with min_dim 0: every other projection (attn1.* = attn.qkv and attn.proj, attn2.to_q = q_linear, attn2.to_out =
+    # proj) stays exact. The diffusers checkpoint's FFN is convolutions (GLUMBConv), which no preset quantizes (Linear
+    # layers only).
     "sana": {"skip": ("time_embed", "caption_projection", "patch_embed", "proj_out", "attn1.", "attn2.to_q",
                       "attn2.to_out"), "min_dim": 0},
     "wan": {"skip": ("patch_embedding", "condition_embedder", "proj_out", "norm_out"), "min_dim": 1000},
@@ -81,7 +84,7 @@ def te_recipe(fmt: str):
     from transformer_engine.common import recipe as R
 
     if fmt == "nvfp4":
-        return R.NVFP4BlockScaling()  # explicitly: Sol-RL's DelayedScaling(E2M1) is per-tensor E5M2 (specs §1.4)
+        return R.NVFP4BlockScaling()  # explicitly: Sol-RL's DelayedScaling(E2M1) is per-tensor E5M2 (§1.4 there)
     if fmt == "mxfp8":
         return R.MXFP8BlockScaling()
     if fmt == "fp8_block":

@@ -8,9 +8,9 @@
     RolloutCopy(sharded, "fp8_row", skeleton=meta_copy, weights=one_unit_at_a_time)   # FSDP: difrl/train/rollout_copy.py
 
 LoRA is merged into the copy's weights (W = W_base + scaling * B @ A, Sol-RL's sync_lora_to_inference,
-specs §1.2), so the quantized GEMM sees the weights the policy really uses. Frameworks have shipped a
-silent no-sync bug (the inference engine kept stale weights after updates); here a sync after a change
-of the policy that leaves every rollout weight unchanged stops the run, and after every sync `verify`
+docs/reference/specs/lowprec-and-correctors.md §1.2), so the quantized GEMM sees the weights the policy really uses.
+Frameworks have shipped a silent no-sync bug (the inference engine kept stale weights after updates); here a sync after
+a change of the policy that leaves every rollout weight unchanged stops the run, and after every sync `verify`
 checks that the copy holds the policy's current weights as its format quantizes them (every
 high-precision tensor whole, a moving block of rows of each quantized layer), so a sync that skips one
 layer stops the run too.

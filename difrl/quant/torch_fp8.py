@@ -34,8 +34,8 @@ Why this and not torchao's float8 inference workflow (``Float8DynamicActivationF
 The activation quantize + GEMM is one function, compiled with ``torch.compile(dynamic=True)`` on CUDA: inductor
 fuses the amax reduction and the scale-and-cast into one kernel for rowwise scales (two for per-tensor: a global
 amax must finish first), which is what makes FP8 pay off (unfused quantization ate the GEMM's 1.7x on an H200,
-specs/gpu-regime.md). Rowwise (``fp8_row``) is the recommended candidate format: the better fusion and the
-smaller error. On CPU it runs eagerly (a reference: it is not faster than the emulation there).
+docs/reference/specs/gpu-regime.md). Rowwise (``fp8_row``) is the recommended candidate format: the better fusion and
+the smaller error. On CPU it runs eagerly (a reference: it is not faster than the emulation there).
 
 Device rule (``rollout.quant_backend: auto``): this backend is chosen for fp8 / fp8_row when the layer lives on
 a CUDA device of compute capability >= 8.9 (Ada, Hopper, Blackwell: FP8 tensor cores) and both GEMM dims are

@@ -1,4 +1,4 @@
-"""Reward plug-ins (DESIGN.md seam 4): found by name, extended by third-party packages.
+"""Reward plug-ins (docs/architecture.md seam 4): found by name, extended by third-party packages.
 
     fn = build_reward("digit_prob")                          # or "mypkg.rewards:brightness"
     scores = fn(images, prompts, metadata)                  # {"digit_prob": [B] float32 CPU tensor, ...}

@@ -16,8 +16,8 @@ Images are preprocessed on tensors with the processor's own settings (shortest s
 normalise with its mean/std; see difrl.rewards.vision): bicubic `F.interpolate` with antialias instead of PIL's
 bicubic on uint8 images, so scores differ slightly (third decimal of a cosine) from the reference scorers that
 go through PIL. The processor's `resample` (bicubic for every CLIP processor we know; bilinear or nearest
-also honoured) picks the interpolation. Score conventions (rewards-eval.md §1.2, §1.3, §1.5, §3.3) are
-options, and `version` names the one in use, since the "same" reward means different numbers in different
+also honoured) picks the interpolation. Score conventions (docs/reference/specs/rewards-eval.md §1.2, §1.3, §1.5, §3.3)
+are options, and `version` names the one in use, since the "same" reward means different numbers in different
 repos. `logit_scale.exp()` is read in float32 when the model loads, before it is cast to `dtype`: in bf16,
 ln(100) rounds to 4.59375 and exp gives 98.86, 1.1% below the checkpoint's 100.
 
@@ -116,7 +116,7 @@ class ClipScore(_HFClipReward):
     default `model_dir`), `scale`:
       - "cos" (default): the plain cosine, as Pref-GRPO and Flow-Factory `rewards/clip.py`; DiffusionNFT's
         `clip_scorer.py` divides logits_per_image by 100, the same with OpenAI's exp(logit_scale) = 100
-        (rewards-eval.md §1.2);
+        (docs/reference/specs/rewards-eval.md §1.2);
       - "flow_grpo": exp(logit_scale) * cos / 30, flow_grpo's `clip_scorer.py` (logits_per_image.diagonal() / 30,
         about 3.33 * cos for OpenAI CLIP; from the issue 32 review of its source, not re-read here): use it with
         reward weights copied from flow_grpo's configs;

@@ -22,16 +22,16 @@ Pieces (each usable alone):
   passes when its top `count` detections exist, have the colour (if asked) and stand in the relation (if asked)
   to every object of the clause it names; an exclude clause fails when `count` or more are detected. `partial` is
   the partial-credit reward of flow_grpo's reward server (yifan123/reward-server `reward_server/gen_eval.py`,
-  `evaluate_reward`), rewards-eval.md §1.7; see `GenEvalRules.evaluate` for its terms and our three documented
-  changes. Aspects not asked by a record are NaN (never a sentinel such as the -10 of grouped peer outputs).
+  `evaluate_reward`), docs/reference/specs/rewards-eval.md §1.7; see `GenEvalRules.evaluate` for its terms and our three
+  documented changes. Aspects not asked by a record are NaN (never a sentinel such as the -10 of grouped peer outputs).
 - A detector (`difrl.rewards.geneval_detect`, with the `Detection` type): "synthetic", "torchvision", or a
   "module:function" path / a callable.
 - A colour classifier (`difrl.rewards.geneval_colour`) for detections that carry no `color`: "pixel", "clip",
   "none", or a "module:function" path / a callable.
 
 Failures raise (a malformed record, a detector returning the wrong number of lists, a missing colour): the trainer
-then stops or drops the group; nothing becomes a score of 0 (rewards-eval.md §6). Paper-faithful GenEval numbers
-need GenEval's Mask2Former + CLIP ViT-L-14 (mmdet 2.x): use the remote reward server for those.
+then stops or drops the group; nothing becomes a score of 0 (docs/reference/specs/rewards-eval.md §6). Paper-faithful
+GenEval numbers need GenEval's Mask2Former + CLIP ViT-L-14 (mmdet 2.x): use the remote reward server for those.
 """
 
 from __future__ import annotations

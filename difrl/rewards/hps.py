@@ -6,7 +6,7 @@
 
 Needs the `rewards` extra (open-clip-torch). The `hpsv2` package is not used: it fails to import from its
 wheel, pins pytest and protobuf, and downloads the 3.9 GB laion ViT-H-14 before overwriting every weight with
-the HPS checkpoint (rewards-eval.md §1.1). Here the architecture is built with
+the HPS checkpoint (docs/reference/specs/rewards-eval.md §1.1). Here the architecture is built with
 `open_clip.create_model(arch, pretrained=None)` (random init, nothing downloaded) and the HPS file's state dict
 is loaded strictly. The tokenizer is `open_clip.get_tokenizer(arch)`, whose BPE file ships in the wheel.
 

@@ -6,7 +6,7 @@
 The `image-reward` 1.5 package (the last release) does not import with transformers >= 5 (its BLIP
 code imports `apply_chunking_to_forward` from `transformers.modeling_utils`, which was removed), pins
 timm==0.6.13 (open-clip-torch 3.3 needs timm >= 1.0.17), and its BLIP builds a BERT tokenizer from
-the hub id 'bert-base-uncased' (specs/rewards-eval.md §1.4). difrl's own stack therefore cannot run it:
+the hub id 'bert-base-uncased' (docs/reference/specs/rewards-eval.md §1.4). difrl's own stack therefore cannot run it:
 building this reward checks the import first and, when it fails, says so and points to running it
 in a separate environment behind a remote reward. Where the package does import, the model loads
 from the two local files (`ImageReward.load(name=<file>, med_config=<file>)`) and scores each image

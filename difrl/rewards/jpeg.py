@@ -9,8 +9,9 @@ Images [B, 3, H, W] in [0, 1] are quantised as a PNG save would quantise them, u
 clamping to [0, 1] (ddpo-pytorch and flow_grpo do the same before `Image.save`), and encoded by Pillow at
 `quality` (default 95) with Pillow's other defaults (4:2:0 chroma subsampling at this quality, no optimise
 pass). A kB is 1000 bytes, as in ddpo-pytorch. The size depends on the libjpeg build behind Pillow, so
-`version` names Pillow's and libjpeg's versions: record it with the run (rewards-eval.md §1.8, §3.3).
-Samples with NaN or infinite pixels raise: they have no size, and a made-up one would be a silent score.
+`version` names Pillow's and libjpeg's versions: record it with the run
+(docs/reference/specs/rewards-eval.md §1.8, §3.3). Samples with NaN or infinite pixels raise: they have no size, and a
+made-up one would be a silent score.
 """
 
 from __future__ import annotations

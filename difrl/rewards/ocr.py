@@ -27,7 +27,8 @@ higher value answers flow_grpo#121 (low-confidence junk pollutes the reward). on
 intra-op threads (default 1: one thread gives the same result run to run and does not fight the trainer's
 threads). Measured on a shared 2-core CPU: about 0.25 s per 512x512 image with 1 thread, 0.2 s with 2; the text
 detector scales the shorter side to 736 px, so small or elongated images are not cheaper (256x128: ~0.5 s). Engine errors (onnxruntime failures,
-unreadable images) RAISE: flow_grpo and Flow-Factory catch them and score 0 (rewards-eval.md §1.6, §6).
+unreadable images) RAISE: flow_grpo and Flow-Factory catch them and score 0
+(docs/reference/specs/rewards-eval.md §1.6, §6).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
       options:
         remote@hps: {url: "http://127.0.0.1:8765", reward: hpsv2, token_file: ~/.difrl_token}
 
-Fail-closed (rewards-eval.md §2.5): httpx with one connection pool per reward, bounded retries with
+Fail-closed (docs/reference/specs/rewards-eval.md §2.5): httpx with one connection pool per reward, bounded retries with
 exponential backoff and jitter only for transient failures (connection refused or reset, 502 / 503,
 429, honouring Retry-After) under an overall `deadline`. A hung or stuck scorer is not retried:
 neither the server's own 504 (no scores within its `--timeout`; a retry would wait as long again) nor

@@ -5,8 +5,9 @@
     out.x_next, out.log_prob, out.mean, out.std        # [B, ...], [B], [B, ...], [B]
 
 Each kernel is a pure function of tensors, computed in fp32 whatever the model's dtype (bf16
-overflows in the mean, flow-grpo-family.md §2.2). Convention (DESIGN.md): ``x_sigma = (1 - sigma)
-x0 + sigma eps``, velocity ``v = eps - x0``, ``sigma`` runs 1 -> 0, ``delta = sigma_next - sigma < 0``.
+overflows in the mean, docs/reference/specs/flow-grpo-family.md §2.2). Convention (docs/architecture.md):
+``x_sigma = (1 - sigma) x0 + sigma eps``, velocity ``v = eps - x0``, ``sigma`` runs 1 -> 0,
+``delta = sigma_next - sigma < 0``.
 
 Every kernel takes either ``noise`` (sampling: ``x_next = mean + std * noise``) or ``action``
 (recomputation at train time: the log-prob of a stored ``x_next``). ``sigma`` / ``sigma_next``
@@ -78,7 +79,8 @@ def _finish(mean, std, noise, action, reduce, log_prob_fn=gaussian_log_prob) -> 
 
 
 def _sde_mean(x, v, sigma, delta, g):
-    """Euler-Maruyama mean of the marginal-preserving reverse SDE with diffusion g (spec §1):
+    """Euler-Maruyama mean of the marginal-preserving reverse SDE with diffusion g
+    (docs/reference/specs/flow-grpo-family.md §1):
     mu = x + delta * [v + g^2 / (2 sigma) * (x + (1 - sigma) v)]."""
     s_b, d_b, g_b = _bcast(sigma, x), _bcast(delta, x), _bcast(g, x)
     return x + d_b * (v + g_b**2 / (2.0 * s_b) * (x + (1.0 - s_b) * v))
@@ -98,9 +100,9 @@ def ode_step(x, v, sigma, sigma_next, noise=None, *, action=None, reduce: Reduce
 
 def flow_sde_step(x, v, sigma, sigma_next, noise=None, *, noise_level: float = 0.7, action=None,
                   reduce: Reduce = "mean") -> StepOutput:
-    """Flow-GRPO SDE step (arXiv 2505.05470; spec §2.2): g = a * sqrt(sigma / (1 - sigma~)),
-    sigma~ = sigma_next where sigma == 1 (the schedule's second entry: avoids 1/0 at the first step),
-    std = g * sqrt(sigma - sigma_next)."""
+    """Flow-GRPO SDE step (arXiv 2505.05470; docs/reference/specs/flow-grpo-family.md §2.2):
+    g = a * sqrt(sigma / (1 - sigma~)), sigma~ = sigma_next where sigma == 1 (the schedule's second entry: avoids 1/0
+    at the first step), std = g * sqrt(sigma - sigma_next)."""
     x, v = x.to(torch.float32), v.to(torch.float32)
     sigma, sigma_next = _per_sample(sigma, x), _per_sample(sigma_next, x)
     sigma_guard = torch.where(sigma >= 1.0, sigma_next, sigma)
@@ -113,8 +115,8 @@ def flow_sde_step(x, v, sigma, sigma_next, noise=None, *, noise_level: float = 0
 
 def dance_sde_step(x, v, sigma, sigma_next, noise=None, *, noise_level: float = 0.3, action=None,
                    reduce: Reduce = "mean") -> StepOutput:
-    """DanceGRPO SDE step (arXiv 2505.07818; spec §3.2): the same SDE family with a constant
-    diffusion g = eta, so std = eta * sqrt(sigma - sigma_next)."""
+    """DanceGRPO SDE step (arXiv 2505.07818; docs/reference/specs/flow-grpo-family.md §3.2): the same SDE family with a
+    constant diffusion g = eta, so std = eta * sqrt(sigma - sigma_next)."""
     x, v = x.to(torch.float32), v.to(torch.float32)
     sigma, sigma_next = _per_sample(sigma, x), _per_sample(sigma_next, x)
     g = torch.full_like(sigma, float(noise_level))
@@ -126,13 +128,14 @@ def dance_sde_step(x, v, sigma, sigma_next, noise=None, *, noise_level: float = 
 
 def cps_unnormalized_log_prob(x_next, mean, std, reduce: Reduce = "mean"):
     """Flow-GRPO's CPS "log-prob" -(x_next - mean)^2 with the 1/(2 std^2) and constants dropped
-    (branch-cps-guard.md §2.4); clip ranges tuned for it (1e-5) do not transfer to the Gaussian form."""
+    (docs/reference/specs/branch-cps-guard.md §2.4); clip ranges tuned for it (1e-5) do not transfer to the
+    Gaussian form."""
     return reduce_elements(-((x_next - mean) ** 2), reduce)
 
 
 def cps_step(x, v, sigma, sigma_next, noise=None, *, noise_level: float = 0.8, action=None,
              reduce: Reduce = "mean", log_prob_form: Literal["gaussian", "flow_grpo"] = "gaussian") -> StepOutput:
-    """Coefficients-Preserving Sampling (arXiv 2509.05952; branch-cps-guard.md §2.2):
+    """Coefficients-Preserving Sampling (arXiv 2509.05952; docs/reference/specs/branch-cps-guard.md §2.2):
     std = sigma_next * sin(a pi / 2), x0^ = x - sigma v, eps^ = x + (1 - sigma) v,
     mean = (1 - sigma_next) x0^ + sqrt(sigma_next^2 - std^2) eps^, so the total noise variance of
     x_next is exactly sigma_next^2. `log_prob_form="flow_grpo"` reproduces the reference's
@@ -154,7 +157,7 @@ KERNELS = {"ode": ode_step, "flow_sde": flow_sde_step, "dance_sde": dance_sde_st
 def split_step(kind: str, x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, noise: torch.Tensor | None = None, *,
                action: torch.Tensor | None = None, noise_scale: torch.Tensor | float = 1.0,
                logprob_scale: torch.Tensor | float | None = None, **kernel_kwargs) -> StepOutput:
-    """A kernel step with its std scaled (BranchGRPO's split steps, branch-cps-guard.md §1.2):
+    """A kernel step with its std scaled (BranchGRPO's split steps, docs/reference/specs/branch-cps-guard.md §1.2):
     x_next = mu + noise_scale * s * noise (sampling) or the given `action`, and
     log_prob = log N(x_next; mu, (logprob_scale * s)^2), where (mu, s) are `kind`'s mean and std.
     ``logprob_scale`` defaults to ``noise_scale`` (the sampled distribution); 1 gives BranchGRPO's

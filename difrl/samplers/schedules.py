@@ -6,7 +6,7 @@
 
 A schedule holds N+1 sigmas from 1 to 0 (diffusers' ``linspace(1, 1/N, N)`` plus the appended
 terminal 0 is the same grid). A step mask says which of the N transitions are stochastic and
-trained; every other step is a deterministic ODE step (flow-grpo-family.md §8.2). Masks are
+trained; every other step is a deterministic ODE step (docs/reference/specs/flow-grpo-family.md §8.2). Masks are
 functions of explicit integers and generators, so a run's masks are reproducible from
 (seed, iteration) with no hidden state to save on resume.
 """
@@ -70,8 +70,8 @@ def random_window(num_steps: int, size: int, low: int, high: int, generator: tor
 
 def sliding_window_start(iteration: int, size: int, num_steps: int, advance_every: int, stride: int = 1,
                          first: int = 0, roll_back: bool = True) -> int:
-    """MixGRPO progressive window (spec §4.1): the start advances by `stride` every `advance_every`
-    iterations, from high noise towards low noise; past the last start that still excludes the
+    """MixGRPO progressive window (docs/reference/specs/flow-grpo-family.md §4.1): the start advances by `stride` every
+    `advance_every` iterations, from high noise towards low noise; past the last start that still excludes the
     final step (num_steps - 1 - size) it rolls back to `first` (or stays there if not roll_back)."""
     last = num_steps - 1 - size
     if last < first:

@@ -1,1 +1,1 @@
-"""Training loops (DESIGN.md): read top to bottom, one loop for every flow policy."""
+"""Training loops (docs/architecture.md): read top to bottom, one loop for every flow policy."""

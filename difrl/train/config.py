@@ -11,7 +11,7 @@ instance (``MaskedConfig.train`` starts from lr 1e-4, clip 0.2, LoRA off). The t
 from the typed ``model.kind`` (``difrl.train.recipes.load_train_config``): the flow kinds come from the world table
 (difrl.worlds.flow_kinds(): plug-in model families too), the masked ones from difrl.worlds.MASKED_WORLDS.
 
-Flow defaults follow Flow-GRPO (flow-grpo-family.md §2.8, §8.7) where they carry over to a model
+Flow defaults follow Flow-GRPO (docs/reference/specs/flow-grpo-family.md §2.8, §8.7) where they carry over to a model
 of this size; the digits YAML sets what the bundled demo needs. The masked sections are in
 difrl/train/masked_config.py, the evaluation sections (``eval``, ``stop``) in difrl/train/eval_config.py, the flow
 methods' sections (``solrl``, ``tree``, ``nft``, ``matching``, ``awm``, ``dpo``, ``dgpo``, ``dppo``, ``draft``,

@@ -22,12 +22,12 @@ follow from it, a value that does not divide is refused with the nearest ones th
 grad_accum), and a config that also names updates_per_epoch must agree with it (the FLUX / SD3 / Wan configs are
 sized for a number of GPUs: on another, the error gives the grad_accum that keeps their updates per rollout).
 
-Every process runs the same number of policy forwards (DESIGN.md): under FSDP2 each forward all-gathers every
-block, and a process that runs one forward more than another waits for it forever (specs/scale.md §2 "Uneven
-forward counts"; under DDP the backward's all-reduce does the same). The split makes it so: every process gets
-the same number of samples (flat, Sol-RL's stage 2), of candidates (Sol-RL's stage 1) and of whole trees
-(BranchGRPO), and a tree's pruning (depth: by the edge's depth and the iteration; width: a number of tail edges
-fixed by the tree's shape and tree.width_ratio, whichever edges the advantages pick) keeps the same number of
+Every process runs the same number of policy forwards (docs/architecture.md, Many processes): under FSDP2 each forward
+all-gathers every block, and a process that runs one forward more than another waits for it forever
+(docs/reference/specs/scale.md §2 "Uneven forward counts"; under DDP the backward's all-reduce does the same). The split
+makes it so: every process gets the same number of samples (flat, Sol-RL's stage 2), of candidates (Sol-RL's stage 1)
+and of whole trees (BranchGRPO), and a tree's pruning (depth: by the edge's depth and the iteration; width: a number of
+tail edges fixed by the tree's shape and tree.width_ratio, whichever edges the advantages pick) keeps the same number of
 edges in every tree of an iteration. `forward_counts` counts each process's forwards from those sizes (rollout
 chunks, candidates and their batches, tree steps' live nodes, trained edges after pruning for every pruned-depth set
 the run reaches) and `plan` refuses a config whose counts differ (ConfigError) before anything runs.
@@ -60,8 +60,8 @@ class MicroBatching(NamedTuple):
 
 def micro_batching(cfg: FlowConfig, T: int, tree_mode: bool, n_records: int) -> MicroBatching:
     """One unit in every rollout mode: train.micro_batch counts transitions (sample-steps), so switching
-    rollout.kind between flat, tree and solrl keeps the work per backward (specs/gpu-regime.md: with the unit
-    "records" a tree's 1-step edges ran 3.3x slower than flat's whole samples). A tree's record is one edge; a
+    rollout.kind between flat, tree and solrl keeps the work per backward (docs/reference/specs/gpu-regime.md: with the
+    unit "records" a tree's 1-step edges ran 3.3x slower than flat's whole samples). A tree's record is one edge; a
     flat sample holds its T trained transitions and is kept whole when micro_batch is a multiple of T, else
     split into transitions (per-step losses only: a sequence-level loss needs every step of a sample together).
     `n_records`: this process's records per pass (samples; a tree's SDE edges before pruning). auto: the module

@@ -13,14 +13,14 @@ reference, rewards, metrics and plots are the scaffold's (difrl.train.scaffold),
 flow recipe's; rewards go through the one registry (difrl.rewards) on the world's decoded samples.
 
 Log-probs of a masked policy are estimated by re-masking the finished rollout and reading the
-denoiser's log-softmax at the re-masked positions (difrl.discrete.estimators; specs/discrete-
-diffusion-rl.md section 3). Inner update n = 1..mu has its own mask, a pure function of (sample
+denoiser's log-softmax at the re-masked positions (difrl.discrete.estimators;
+docs/reference/specs/discrete-diffusion-rl.md §3). Inner update n = 1..mu has its own mask, a pure function of (sample
 seed, n, position), so the old-policy log-probs (computed once per rollout, before any update),
 the reference log-probs and the current ones of update n all see the *same* mask; the prompt (the
 puzzle's givens) is never masked (d1's optional prompt masking aside). The first micro-step of
 update 1 is on-policy: its ratio must be exactly 1 (``check_ratio``).
 
-External rollouts (``external``, our reading of ERILS; specs/discrete-diffusion-rl.md section 7
+External rollouts (``external``, our reading of ERILS; docs/reference/specs/discrete-diffusion-rl.md §7
 found no source): the last K of every group's G rollouts come from another policy (the world's
 solver, or a stronger checkpoint), started from the same prompt so that they fill exactly the
 group's answer positions. Their rewards are normalised by source (``external.normalize=source``:

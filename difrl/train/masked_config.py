@@ -2,7 +2,7 @@
 
     cfg = load_masked_config("configs/sudoku.yaml", ["estimator.kind=d1", "train.lr=1e-4"])
 
-Estimators (specs/discrete-diffusion-rl.md section 3): ``maskgrpo`` (one re-masked copy per inner
+Estimators (docs/reference/specs/discrete-diffusion-rl.md §3): ``maskgrpo`` (one re-masked copy per inner
 update, mask ratio r_n = min(c + (1 - c) n / mu, 0.999), fading-out AR-like or uniform masking,
 loss over the masked answer tokens), ``d1`` (every answer token masked, optional prompt masking,
 loss over all answer tokens) and ``coupled`` (coupled-GRPO: full view plus complementary views A / B

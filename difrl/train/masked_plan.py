@@ -29,10 +29,10 @@ samples. One process runs the same code (without the split).
 Under FSDP every process must run the same sequence of sharded forwards (each all-gathers). A rollout's count is
 data-dependent: LLaDA skips steps where no sample commits, MDLM/emerge steps where none unmasks, EB runs until its
 samples are done, the external correction's trace takes one forward per commit step; so the no-grad rollout
-forwards run inside `rollout_forwards`, with every unit gathered once before and resharded after (scale.md
-section 2, fix (b): no collective in between). Memory: the whole network in its compute dtype on each process while
-it samples. Everything else (the old / reference log-probs, the trained micro-batches, evaluation) runs the same
-forwards on every process.
+forwards run inside `rollout_forwards`, with every unit gathered once before and resharded after
+(docs/reference/specs/scale.md §2, fix (b): no collective in between). Memory: the whole network in its compute
+dtype on each process while it samples. Everything else (the old / reference log-probs, the trained micro-batches,
+evaluation) runs the same forwards on every process.
 """
 
 from __future__ import annotations

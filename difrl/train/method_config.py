@@ -24,8 +24,8 @@ LOG_PROB_OBJECTIVES = ("grpo", "dppo")  # on the stored SDE transitions' log-pro
 
 @dataclass
 class SolRLConfig:
-    """Sol-RL (specs/lowprec-and-correctors.md §1.2): stage 1 samples `candidates` seeds per prompt from the
-    rollout.precision copy with a deterministic solver in `preview_steps` steps and rewards them; `select`
+    """Sol-RL (docs/reference/specs/lowprec-and-correctors.md §1.2): stage 1 samples `candidates` seeds per prompt from
+    the rollout.precision copy with a deterministic solver in `preview_steps` steps and rewards them; `select`
     picks rollout.group_size of them; stage 2 regenerates exactly those seeds at full precision."""
     candidates: int = cfg_field(64, ge=2, help="candidate seeds per prompt (Sol-RL: 96 for 24 trained)")
     preview_steps: int = cfg_field(6, ge=1, help="ODE steps of a candidate (Sol-RL: 6 of 10)")
@@ -35,8 +35,8 @@ class SolRLConfig:
 
 @dataclass
 class TreeConfig:
-    """BranchGRPO (specs/branch-cps-guard.md §1): one tree per prompt; every node splits into `factor` children
-    at `split_steps`, so a tree has factor ** len(split_steps) leaves (= rollout.group_size). Between splits
+    """BranchGRPO (docs/reference/specs/branch-cps-guard.md §1): one tree per prompt; every node splits into `factor`
+    children at `split_steps`, so a tree has factor ** len(split_steps) leaves (= rollout.group_size). Between splits
     `steps.mode` says which steps are SDE (all_but_last: BranchGRPO; a window: BranchGRPO-Mix, ODE outside it);
     split steps are always SDE. Every SDE edge is a trained transition with its child node's depth-wise
     advantage; pruning drops edges from the backward pass only."""
@@ -80,8 +80,9 @@ class TreeConfig:
 
 @dataclass
 class NFTConfig:
-    """DiffusionNFT (difrl/algos/nft.py; specs §1.6). Rollouts are ODE from the "old" policy, an EMA of the
-    trained one: old <- d old + (1 - d) new after every iteration, d = min(old_decay_rate * iteration, old_decay_max)."""
+    """DiffusionNFT (difrl/algos/nft.py; docs/reference/specs/lowprec-and-correctors.md §1.6). Rollouts are ODE from the
+    "old" policy, an EMA of the trained one: old <- d old + (1 - d) new after every iteration,
+    d = min(old_decay_rate * iteration, old_decay_max)."""
     beta: float = cfg_field(1.0, gt=0.0, help="implicit-policy step beta")
     adv_clip: float = cfg_field(5.0, gt=0.0, help="advantages clipped to +-adv_clip, and the loss scale")
     ref_beta: float = cfg_field(1e-4, ge=0.0, help="weight of mean((v - v_ref)^2) toward the reference policy")

@@ -8,7 +8,7 @@ whose rewards did not fail, and the log's reward columns.
     adv, failed = valid_group_advantages(scores, weights, group_ids, bad, cfg.advantage, cfg.reward.aggregate)
     row.update(reward_stats(adv.reward, scores, weights, group_ids, cfg.advantage))
 
-A failed reward is NaN, never 0: it reaches no mean, std or loss (rewards-eval.md §2.5).
+A failed reward is NaN, never 0: it reaches no mean, std or loss (docs/reference/specs/rewards-eval.md §2.5).
 """
 
 from __future__ import annotations

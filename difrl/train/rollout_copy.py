@@ -10,11 +10,11 @@ then verified against them (difrl/quant/sync.py).
 
 **Under FSDP2: a full low-precision copy on every process, built and synced one gathered unit at a time.** The
 trained network holds only this process's shards, so the copy cannot be a deep copy of it. Of the two designs
-(specs/scale.md §2; issue 40), a copy sharded like the policy and a whole copy per process, difrl keeps the whole
-copy per process:
+(docs/reference/specs/scale.md §2; issue 40), a copy sharded like the policy and a whole copy per process, difrl keeps
+the whole copy per process:
 - its forwards need no collective: it is a plain module with no FSDP hooks, so a rollout on it may run any number
-  of forwards on any process (fix (c) of specs/scale.md §2 "Uneven forward counts"; what torchtitan RL, verl and
-  Sol-RL's DDP replicas do) and it is as fast as the DDP copy;
+  of forwards on any process (fix (c) of docs/reference/specs/scale.md §2 "Uneven forward counts"; what torchtitan RL,
+  verl and Sol-RL's DDP replicas do) and it is as fast as the DDP copy;
 - it is built exactly as one process builds it: every weight is quantized whole (each unit's parameters gathered
   in full, one all-gather per unit and dtype: difrl/train/unit_gather.py), so per-tensor scales (fp8's amax) need
   no extra all-reduce and the copy is bit-for-bit the one-process copy (row-wise formats could quantize a shard

@@ -5,9 +5,9 @@
     load_sharded(path, net, optimizer, ema, extras)       # every process; any process count (DCP reshards)
     tensors = read_sharded(path)                          # one process, no process group: every tensor in full
 
-Why (specs/scale.md §1): a gathered checkpoint passes the whole model, its EMA and AdamW's two moments through one
-host (about 190 GB in fp32 for a 12B FLUX) at every save; with DCP each process writes the rows it holds (its
-DTensor shards) and nothing is gathered. The directory is a checkpoint like a gathered one (difrl.train.state):
+Why (docs/reference/specs/scale.md §1): a gathered checkpoint passes the whole model, its EMA and AdamW's two moments
+through one host (about 190 GB in fp32 for a 12B FLUX) at every save; with DCP each process writes the rows it holds
+(its DTensor shards) and nothing is gathered. The directory is a checkpoint like a gathered one (difrl.train.state):
 ``checkpoints/iter-NNNNNN/`` holding DCP's ``__R_0.distcp`` (one per process) and ``.metadata`` (which rows of
 which tensor lie where), plus ``rng.safetensors`` and ``state.json`` from the main process and ``manifest.json``
 (size and SHA-256 of every other file, the DCP files included): each process hashes the files it wrote, the records

@@ -25,7 +25,7 @@ def take_fsdp_branches(accelerator) -> None:
     accelerate sets distributed_type = FSDP only for accelerator devices (accelerate/state.py: the MULTI_GPU ...
     MULTI_NEURON branch); CPU processes launched with an FSDP config stay MULTI_CPU, so `no_sync`, `is_fsdp2`,
     `clip_grad_norm_` and the state-dict helpers ran their DDP/CPU code in our multi-process tests and their FSDP2
-    code on a GPU cluster (specs/scale-sim.md section 1). Here the accelerator's state takes the FSDP type and
+    code on a GPU cluster (docs/reference/specs/scale.md §3.1). Here the accelerator's state takes the FSDP type and
     plugin the launch asked for, so the tests (gloo) and difrl plan run the branches a GPU run takes. PartialState
     (gather, barriers, device) is not touched: collectives stay on the CPU path gloo needs. Nothing happens when the
     launch did not ask for FSDP or accelerate already took the branch."""

@@ -269,9 +269,9 @@ def keep_input_dtypes(root: nn.Module, names: tuple[str, ...]) -> None:
     """Let the keyword arguments `names` of the sharded `root`'s forward through FSDP2's input cast as they are.
 
     MixedPrecisionPolicy(cast_forward_inputs=True) casts every floating argument of a unit's forward to param_dtype,
-    the root's included (specs/scale.md section 2). Most of them should be (latents, prompt embeddings: the root's own
-    layers compute in bf16), but SD3's and Wan's pipelines pass the timestep 1000 sigma in fp32 and embed it in fp32
-    (a sinusoid cast to the weights' dtype only after): in bf16 (8 significant bits) 737.9 arrives as 736.0, a
+    the root's included (docs/reference/specs/scale.md §2). Most of them should be (latents, prompt embeddings: the
+    root's own layers compute in bf16), but SD3's and Wan's pipelines pass the timestep 1000 sigma in fp32 and embed it
+    in fp32 (a sinusoid cast to the weights' dtype only after): in bf16 (8 significant bits) 737.9 arrives as 736.0, a
     different conditioning from the pipeline's and from the same run unsharded (autocast leaves it fp32). So a
     pre-forward hook placed before FSDP's holds these arguments and one placed after it puts them back; the
     adapter decides their dtype, as without FSDP. tests/test_fsdp_families.py checks the timestep that reaches the

@@ -4,8 +4,8 @@
         ...                                   # the trainer's own functions, rank 0 of 8, on fake tensors
         tracker = peak_tracker(net, optimizer)  # FSDP2 categories; plain_tracker(net) for one unsharded process
 
-specs/scale-sim.md has the tools (torch.testing's fake process group, FakeTensorMode, torch.distributed._tools'
-trackers); difrl/train/planner.py says what is run on them and what each row means.
+docs/reference/specs/scale.md §3.2 has the tools (torch.testing's fake process group, FakeTensorMode,
+torch.distributed._tools' trackers); difrl/train/planner.py says what is run on them and what each row means.
 """
 
 from __future__ import annotations

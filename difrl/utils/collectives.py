@@ -48,7 +48,8 @@ def split_rows(accelerator, n: int):
     """This process's share of n rows and how to put the shares back together: (rows [ceil(n / P)] long, finish),
     finish(part [ceil(n / P), ...]) -> [n, ...] every process's part in row order (a collective). Process r takes the
     contiguous rows r * ceil(n / P) ... and repeats row n - 1 where it runs past n, so every process runs as many
-    rows (equal forwards: DESIGN.md "Many processes"); the repeats are dropped after the gather. One process: all."""
+    rows (equal forwards: docs/architecture.md "Many processes"); the repeats are dropped after the gather.
+    One process: all."""
     per = -(-n // accelerator.num_processes)
     rows = torch.arange(accelerator.process_index * per, (accelerator.process_index + 1) * per).clamp(max=n - 1)
     return rows, lambda part: gather(accelerator, part)[:n]

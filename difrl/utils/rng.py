@@ -4,7 +4,7 @@
     key = mix_seed(cfg.seed, iteration)                       # python int, stable across runs
     eps = counter_normal(torch.tensor([3, 4]), step=0, shape=(16, 64, 64))   # [2, 16, 64, 64] fp32
 
-Every rollout sample must be regenerable from its seed alone (DESIGN.md seam 3: Sol-RL, resume,
+Every rollout sample must be regenerable from its seed alone (docs/architecture.md seam 3: Sol-RL, resume,
 debugging). One ``torch.Generator`` per sample per step gives that, but costs a generator reseed
 per row: at the digits world's size that is as expensive as the model. Here each normal is instead
 computed from a hash of (key, counter) with integer tensor ops (splitmix64, Steele et al., OOPSLA
