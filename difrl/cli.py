@@ -6,6 +6,7 @@
     difrl eval runs/digits                                         # a finished run's policy (appended to eval.json)
     difrl eval configs/text_arithmetic.yaml --checkpoint runs/text_arithmetic/policy.safetensors
     difrl config [configs/digits.yaml] [key=value ...]            # every key (or the resolved config)
+    difrl check configs/flux_flow_grpo.yaml [key=value ...] [--gpus 8]   # every problem at once, nothing loaded
     difrl compare runs/a runs/b [...] [--out compare.html]        # runs' curves overlaid, final evals + seed spread
     difrl export runs/flux [--iteration N] [--out DIR]            # a (sharded) checkpoint as transformer/, lora/, ...
     difrl sample configs/digits.yaml --search dts-star --budget 160 [--prompt "a handwritten 3"] [--grid g.png]
@@ -14,7 +15,8 @@
 
 Config errors (unknown key, wrong type, out of range, a resume that changes the run's settings, a run
 directory that already holds a run) and bad input (a missing checkpoint, a failing reward, a reward server
-that is down at start-up) end the command with one clear line and exit status 2. Ctrl-C or SIGTERM during
+that is down at start-up) end the command with one clear line and exit status 2; `difrl train` first checks the whole
+config as `difrl check` does and lists every problem it finds (difrl.train.check). Ctrl-C or SIGTERM during
 training saves a checkpoint and ends with one line naming the command that continues the run as it was launched
 (the launcher and its options kept, `train resume=RUN_DIR` as the arguments), exit status 130 / 143
 (difrl.train.interrupt). Known third-party start-up noise is left out (difrl.utils.quiet).
@@ -64,6 +66,7 @@ def _run_dir_config(path: str | None) -> tuple[Path | None, str | None]:
 
 
 def cmd_train(args) -> int:
+    from difrl.train.check import checked_config
     from difrl.train.interrupt import Interrupted, stop_on_signals
     from difrl.train.recipes import train_function
 
@@ -77,7 +80,8 @@ def cmd_train(args) -> int:
     with stop_on_signals(program=("train",), argv=args.argv):
         # resume=: the run's own config.yaml; a change of anything but the safe keys is refused (difrl.train.rundir),
         # and the run directory is the resumed one: --out or out= naming another is refused there too
-        cfg = load_resume_config(path, overrides) if resume else _load(path, overrides)
+        # every problem of the config at once, before anything loads (difrl.train.check, as `difrl check` says them)
+        cfg = checked_config(path, overrides, load_resume_config(path, overrides) if resume else None)
         out = args.out or (_given(overrides, "out") if resume else None)
         try:
             summary = train_function(cfg)(cfg, out_dir=out, overwrite=args.overwrite)
@@ -546,6 +550,13 @@ def main(argv: list[str] | None = None) -> int:
                                                          "masked CONFIG or model.kind=sudoku selects them too")
     p.add_argument("rest", nargs="*", help="[CONFIG] [key=value ...]")
     p.set_defaults(fn=cmd_config)
+    p = sub.add_parser("check", help="list every problem of a config at once (keys, paths, rewards, the micro-batch "
+                                     "plan on --gpus N) without loading a model; exit status 1 if any")
+    from difrl.train.check import add_arguments as check_arguments
+    from difrl.train.check import main as cmd_check
+
+    check_arguments(p)
+    p.set_defaults(fn=cmd_check)
     p = sub.add_parser("report", help="write RUN_DIR/report.html: config, curves, eval table, samples (self-contained)")
     p.add_argument("run_dir", help="a run directory")
     p.set_defaults(fn=cmd_report)

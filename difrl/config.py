@@ -27,6 +27,10 @@ Every problem is raised as :class:`ConfigError` naming the dotted key, where the
 came from, the value and what was expected.  For cross-field checks a dataclass may
 define ``validate(self)``; it is called on every nested config (children first) and
 should ``raise config_error("field", "why")`` -- the key is made fully dotted for you.
+With ``problems=[]`` (``load_config``, ``load_config_union``) the same checks collect instead
+of raising: each bad key is appended and left at its default (an unknown key is dropped, an
+override that does not parse is skipped), each section's ``validate`` runs on its own, and the
+config is returned so that the rest can be checked (``difrl check``, difrl.train.check).
 """
 from __future__ import annotations
 
@@ -91,8 +95,16 @@ def _plain(v: Any) -> Any:
 class _Ctx:
     """Knows where each value came from: the base label, or the command line."""
 
-    def __init__(self, label: str, cli_keys: set[str] = frozenset(), file_keys: set[str] | None = None):
+    def __init__(self, label: str, cli_keys: set[str] = frozenset(), file_keys: set[str] | None = None,
+                 problems: list | None = None):
         self.label, self.cli_keys, self.file_keys = label, cli_keys, file_keys
+        self.problems = problems  # a list: collect each ConfigError there instead of raising it
+
+    def collect(self, e: ConfigError) -> None:
+        """Raise `e`, or append it to the problems being collected."""
+        if self.problems is None:
+            raise e
+        self.problems.append(e)
 
     def src(self, key: str) -> str:
         """CLI for a key (or a parent) set on the command line; the label for one in the file (or any key when
@@ -184,11 +196,15 @@ def _convert(tp: Any, value: Any, key: str, ctx: _Ctx, base: Any = None) -> Any:
         options = [a for a in args if a is not type(None)]
         if len(options) == 1:
             return _convert(options[0], value, key, ctx, base)
-        for a in options:
-            try:
-                return _convert(a, value, key, ctx, base)
-            except ConfigError:
-                pass
+        collecting, ctx.problems = ctx.problems, None  # each option is a trial: its errors raise, never collected
+        try:
+            for a in options:
+                try:
+                    return _convert(a, value, key, ctx, base)
+                except ConfigError:
+                    pass
+        finally:
+            ctx.problems = collecting
         raise _type_error(ctx, key, _plain(value), tp)
     if tp is str and isinstance(value, _Cli):  # `name=123` on the command line means "123"
         return value.value if isinstance(value.value, str) else value.text
@@ -267,14 +283,18 @@ def _build(cls: type, data: Any, prefix: str, ctx: _Ctx, base: Any = None) -> An
             hint = (f"did you mean {_join(prefix, close[0])!r}?" if close else
                     f"valid keys {'at ' + repr(prefix) if prefix else 'at the top level'}: "
                     + ", ".join(fields))
-            raise ConfigError(f"unknown config key {key!r} ({ctx.src(key)}); {hint}", key, _located=True)
+            ctx.collect(ConfigError(f"unknown config key {key!r} ({ctx.src(key)}); {hint}", key, _located=True))
     kwargs = {}
     for name, f in fields.items():
         key = _join(prefix, name)
         if name in data:
             dflt = _default(f, base) if dataclasses.is_dataclass(_unwrap_optional(hints[name])) else None
-            kwargs[name] = _convert(hints[name], data[name], key, ctx, None if dflt is MISSING else dflt)
-            _check_meta(f, kwargs[name], key, ctx)
+            try:
+                kwargs[name] = _convert(hints[name], data[name], key, ctx, None if dflt is MISSING else dflt)
+                _check_meta(f, kwargs[name], key, ctx)
+            except ConfigError as e:
+                ctx.collect(e)
+                kwargs[name] = _default(f, base)  # collecting: the default stands in, so the rest is checked
         else:
             kwargs[name] = _default(f, base)
             if kwargs[name] is MISSING:
@@ -293,11 +313,14 @@ def _validate_tree(obj: Any, prefix: str, ctx: _Ctx) -> None:
         try:
             obj.validate()
         except ConfigError as e:
-            if e._located:
-                raise
-            key = _join(prefix, e.key) if e.key else prefix
-            where = f"config key {key!r} ({ctx.src(key)})" if key else "config"
-            raise ConfigError(f"{where} is invalid: {e}", key or None, _located=True) from None
+            if not e._located:
+                key = _join(prefix, e.key) if e.key else prefix
+                where = f"config key {key!r} ({ctx.src(key)})" if key else "config"
+                located = ConfigError(f"{where} is invalid: {e}", key or None, _located=True)
+                if ctx.problems is None:
+                    raise located from None
+                e = located
+            ctx.collect(e)  # collecting: this section's problem; its siblings and parents are still validated
 
 
 # ----------------------------------------------------------------------- public API
@@ -313,31 +336,38 @@ def _parse_override(arg: str) -> tuple[list[str], _Cli]:
     return [p.strip() for p in parts], _Cli(text.strip(), value)
 
 
-def _apply(tree: dict, cls: type, overrides: Sequence[str], cli_keys: set[str]) -> None:
-    if isinstance(overrides, str):
-        overrides = [overrides]
-    for arg in overrides:
-        parts, value = _parse_override(arg)
-        node, tp, base = tree, cls, None
-        for i, part in enumerate(parts[:-1]):
-            tp, dflt = _unwrap_optional(tp), None
-            if dataclasses.is_dataclass(tp) and part in _init_fields(tp):
-                f = _init_fields(tp)[part]
-                tp, dflt = typing.get_type_hints(tp)[part], _default(f, base)
-            elif typing.get_origin(tp) is dict:
-                tp, dflt = typing.get_args(tp)[1], base.get(part) if isinstance(base, Mapping) else None
-            else:
-                tp = None
-            child = _plain(node.get(part))
-            if child is None:  # absent: a dict field starts from its default, a section from {}
-                child = config_to_dict(dflt) if isinstance(dflt, Mapping) else {}
-            elif not isinstance(child, dict):
-                key = ".".join(parts[:i + 1])
-                raise ConfigError(f"cannot apply override {arg!r}: config key {key!r} holds "
-                                  f"{_show(child)}, not a mapping", key, _located=True)
-            node[part], node, base = child, child, None if dflt is MISSING else dflt
-        node[parts[-1]] = value
-        cli_keys.add(".".join(parts))
+def _apply(tree: dict, cls: type, overrides: Sequence[str], cli_keys: set[str], problems: list | None = None) -> None:
+    for arg in [overrides] if isinstance(overrides, str) else overrides:
+        try:
+            _apply_one(tree, cls, arg, cli_keys)
+        except ConfigError as e:
+            if problems is None:
+                raise
+            problems.append(e)  # collecting: this override is skipped
+
+
+def _apply_one(tree: dict, cls: type, arg: str, cli_keys: set[str]) -> None:
+    parts, value = _parse_override(arg)
+    node, tp, base = tree, cls, None
+    for i, part in enumerate(parts[:-1]):
+        tp, dflt = _unwrap_optional(tp), None
+        if dataclasses.is_dataclass(tp) and part in _init_fields(tp):
+            f = _init_fields(tp)[part]
+            tp, dflt = typing.get_type_hints(tp)[part], _default(f, base)
+        elif typing.get_origin(tp) is dict:
+            tp, dflt = typing.get_args(tp)[1], base.get(part) if isinstance(base, Mapping) else None
+        else:
+            tp = None
+        child = _plain(node.get(part))
+        if child is None:  # absent: a dict field starts from its default, a section from {}
+            child = config_to_dict(dflt) if isinstance(dflt, Mapping) else {}
+        elif not isinstance(child, dict):
+            key = ".".join(parts[:i + 1])
+            raise ConfigError(f"cannot apply override {arg!r}: config key {key!r} holds "
+                              f"{_show(child)}, not a mapping", key, _located=True)
+        node[part], node, base = child, child, None if dflt is MISSING else dflt
+    node[parts[-1]] = value
+    cli_keys.add(".".join(parts))
 
 
 def _read_yaml(path: str | os.PathLike) -> dict:
@@ -374,25 +404,27 @@ def config_from_dict(cls: type, mapping: Mapping, source: str = "<dict>") -> Any
     return cfg
 
 
-def load_config(cls: type, path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> Any:
-    """Defaults, then the YAML file at ``path`` (if any), then ``key=value`` overrides."""
+def load_config(cls: type, path: str | os.PathLike | None, overrides: Sequence[str] = (),
+                problems: list | None = None) -> Any:
+    """Defaults, then the YAML file at ``path`` (if any), then ``key=value`` overrides. With a list as
+    ``problems``, the ConfigErrors are collected there (module docstring) instead of raised."""
     tree = _read_yaml(path) if path is not None else {}
     file_keys = _dotted_keys(tree) if path is not None else None
     cli_keys: set[str] = set()
-    _apply(tree, cls, overrides, cli_keys)
-    ctx = _Ctx(f"in {os.fspath(path)}" if path is not None else "no config file", cli_keys, file_keys)
+    _apply(tree, cls, overrides, cli_keys, problems)
+    ctx = _Ctx(f"in {os.fspath(path)}" if path is not None else "no config file", cli_keys, file_keys, problems)
     cfg = _build(cls, tree, "", ctx)
     _validate_tree(cfg, "", ctx)
     return cfg
 
 
 def load_config_union(classes: Mapping[str, type], key: str, path: str | os.PathLike | None,
-                      overrides: Sequence[str] = (), note: str = "") -> Any:
+                      overrides: Sequence[str] = (), note: str = "", problems: list | None = None) -> Any:
     """One of several config classes, chosen by the value of the dotted ``key`` (YAML file, then the last
     override of it; absent: the first class's default for it): a discriminated union such as
     ``{"digits": FlowConfig, "sudoku": MaskedConfig}`` keyed by ``model.kind``. An unknown value is a
     ConfigError naming the key, where it came from and the allowed values (then `note`: how to add one); then the
-    chosen class is loaded with :func:`load_config` (which checks every other key)."""
+    chosen class is loaded with :func:`load_config` (which checks every other key, collecting into `problems`)."""
     tree = _read_yaml(path) if path is not None else {}
     parts, value, source = key.split("."), MISSING, f"in {os.fspath(path)}" if path is not None else "no config file"
     node: Any = tree
@@ -401,17 +433,22 @@ def load_config_union(classes: Mapping[str, type], key: str, path: str | os.Path
     if node is not MISSING:
         value = node
     for arg in [overrides] if isinstance(overrides, str) else overrides:
-        opt_parts, cli = _parse_override(arg)
+        try:
+            opt_parts, cli = _parse_override(arg)
+        except ConfigError:
+            if problems is None:
+                raise
+            continue  # collecting: load_config reports it
         if opt_parts == parts:
             value, source = cli.value, CLI
     if value is MISSING:
-        return load_config(next(iter(classes.values())), path, overrides)
+        return load_config(next(iter(classes.values())), path, overrides, problems)
     if not isinstance(value, str) or value not in classes:
         close = difflib.get_close_matches(str(value), list(classes), n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ConfigError(f"config key {key!r} ({source}) = {_show(value)} is not an allowed choice; {hint}expected one of "
                           + ", ".join(map(repr, classes)) + (f"; {note}" if note else ""), key, _located=True)
-    return load_config(classes[value], path, overrides)
+    return load_config(classes[value], path, overrides, problems)
 
 
 def apply_overrides(cfg: Any, overrides: Sequence[str]) -> Any:

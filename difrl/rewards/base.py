@@ -18,6 +18,8 @@ Modalities (what the samples are):
 
 Every weight comes from a local path named in the config: `local_file` / `local_dir` check it and
 say which option names it; `optional_import` names the extra to install when a package is missing.
+A reward that declares its paths, required options and packages (`local_paths`, `required`,
+`packages` below) has them checked by `difrl check` before anything loads (difrl.rewards.preflight).
 """
 
 from __future__ import annotations
@@ -68,6 +70,11 @@ class RewardModel:
     # True when `score` is a differentiable function of the samples (no detach, no PIL / numpy round trip): reward
     # backpropagation (train.objective=draft / refl) needs one and refuses the others (difrl.rewards.differentiable)
     differentiable: bool = False
+    # what `difrl check` verifies before anything loads (difrl.rewards.preflight): option -> (what it names, the files
+    # its save_pretrained directory holds, or None for a file); options with no usable default; [(package, extra)]
+    local_paths: dict[str, tuple[str, tuple[str, ...] | None]] = {}
+    required: tuple[str, ...] = ()
+    packages: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, device: str | torch.device | None = "cpu", dtype: str | torch.dtype | None = "float32",
                  batch_size: int | None = 32):

@@ -65,6 +65,9 @@ class _HFClipReward(RewardModel):
 
     # scale option -> the `version` string that names its score convention (each subclass has its own table)
     SCALES: dict[str, str] = {"cos": "cos"}
+    local_paths = {"model_dir": ("the CLIP model", ("config.json",)),
+                   "processor_dir": ("the CLIP processor (image processor + tokenizer)", ("preprocessor_config.json",))}
+    required = ("model_dir",)
 
     def __init__(self, model_dir, processor_dir=None, scale: str = "cos", *, device="cpu", dtype="float32",
                  batch_size=32, text_cache_size: int = 4096, processor_note: str = ""):
@@ -226,6 +229,9 @@ class Aesthetic(RewardModel):
     modality = "image"
     version = "laion-v2-mlp(l2norm clip)"
     differentiable = True
+    local_paths = {"clip_dir": ("the CLIP model", ("config.json",)), "mlp_path": ("the aesthetic MLP weights", None),
+                   "processor_dir": ("the CLIP processor (image processor)", ("preprocessor_config.json",))}
+    required = ("clip_dir", "mlp_path")
 
     def __init__(self, clip_dir=None, mlp_path=None, processor_dir=None, device="cpu", dtype="float32",
                  batch_size=32):

@@ -293,6 +293,18 @@ class GenEvalReward(RewardModel):
 
     modality = "image"
 
+    @classmethod
+    def preflight(cls, options: dict, who: str, prefix: str) -> list[str]:
+        """difrl.rewards.preflight: the torchvision detector needs its weights file and torchvision; the CLIP colour
+        classifier its model directory."""
+        from difrl.rewards.preflight import declared_problems
+
+        tv = options.get("detector", "synthetic") == "torchvision"
+        paths = {"detector_weights": ("torchvision detector weights", None),
+                 "clip_model": ("the CLIP model", ("config.json",))}
+        return declared_problems(options, who, prefix, paths, ("detector_weights",) if tv else (),
+                                 (("torchvision", "vision"),) if tv else ())
+
     def __init__(self, detector="synthetic", detector_weights: str | None = None,
                  detector_arch: str = "maskrcnn_resnet50_fpn_v2", detector_options: dict | None = None,
                  class_map: dict | None = None, color_classifier="pixel", clip_model: str | None = None,

@@ -91,6 +91,9 @@ class HPSv2(RewardModel):
 
     modality = "image"
     differentiable = True  # tensor-side resize and pad, open_clip towers: a graph to the pixels
+    local_paths = {"checkpoint": ("the HPS checkpoint (e.g. HPS_v2.1_compressed.pt)", None),
+                   "model_config": ("the open_clip model config", None)}
+    required, packages = ("checkpoint",), (("open_clip", "rewards"),)
 
     def __init__(self, checkpoint=None, architecture: str | None = None, model_config=None,
                  variant: str | None = None, device="cpu", dtype="float32", batch_size=32,

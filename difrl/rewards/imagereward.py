@@ -42,6 +42,9 @@ class ImageRewardScore(RewardModel):
     """ImageReward (BLIP + MLP, z-scored); needs the image-reward package, which does not import in difrl's stack."""
     modality = "image"
     version = "imagereward-1.0/z"
+    local_paths = {"checkpoint": ("the ImageReward checkpoint (ImageReward.pt)", None),
+                   "med_config": ("BLIP's med_config.json", None)}
+    required = ("checkpoint", "med_config")
 
     def __init__(self, checkpoint: str | None = None, med_config: str | None = None, device: str = "cpu",
                  batch_size: int | None = 16):

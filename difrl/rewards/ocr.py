@@ -127,6 +127,8 @@ class OCRReward(RewardModel):
     """Flow-GRPO's OCR reward on rapidocr; see the module docstring. Runs on the CPU (onnxruntime)."""
 
     modality = "image"
+    local_paths = {"det_model": ("a text-detection ONNX model", None), "rec_model": ("a text-recognition ONNX model", None)}
+    packages = (("rapidocr", "ocr"), ("onnxruntime", "ocr"))
 
     def __init__(self, min_confidence: float = 0.5, threads: int = 1, det_model: str | None = None,
                  rec_model: str | None = None, batch_size: int | None = 16):

@@ -49,6 +49,8 @@ class RemoteStartupError(RemoteRewardError, RewardConfigError):
 class RemoteReward(RewardModel):
     """A reward served by `difrl reward-server` (see the module docstring)."""
 
+    required, packages = ("url",), (("httpx", "server"), ("msgpack", "server"))
+
     def __init__(self, url: str | None = None, reward: str | None = None, token_file: str | None = None,
                  encoding: str = "raw", timeout: float | None = None, connect_timeout: float = 5.0, deadline: float = 600.0,
                  retries: int = 3, batch_size: int | None = None, expect_version: str | None = None):

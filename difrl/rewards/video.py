@@ -44,6 +44,15 @@ class VideoReward(RewardModel):
 
     modality = "video"
 
+    @classmethod
+    def preflight(cls, options: dict, who: str, prefix: str) -> list[str]:
+        """difrl.rewards.preflight: the image reward's own checks, its options at `prefix`.image_options."""
+        from difrl.rewards.preflight import preflight_reward
+
+        name = options.get("image_reward", "brightness")
+        return preflight_reward(name, options.get("image_options") or {}, f"{who} (image_reward {name!r})",
+                                f"{prefix}.image_options")
+
     def __init__(self, image_reward: str = "brightness", image_options: dict | None = None, reduce: str = "mean",
                  frames: int | None = None, temporal_weight: float = 0.0, batch_size: int | None = None):
         super().__init__(device=None, dtype=None, batch_size=batch_size)

@@ -5,7 +5,8 @@
     accelerate launch --num_processes 8 scripts/train_flux.py configs/flux_flow_grpo.yaml model.path=/models/FLUX.1-dev
 
 Loads the typed config (dotted overrides; with resume=DIR the run's own DIR/config.yaml, what a resume may
-change checked as for `difrl train resume=DIR`: load_resume_config, which `difrl train` uses too), checks that
+change checked as for `difrl train resume=DIR`: load_resume_config, which `difrl train` uses too), checks it as
+`difrl check` does (every problem listed at once, before anything loads: difrl.train.check), checks that
 it is for this script's model kind, runs difrl.train.flow.train (the one trainer), and prints the evaluation
 before and after on the main process. Config and input errors end with one line naming the problem and exit
 status 2; SIGINT / SIGTERM with a checkpoint and one line naming the command that continues the run as it was
@@ -78,17 +79,20 @@ def main(kind: str, argv: list[str] | None = None, description: str | None = Non
     from difrl.train.interrupt import Interrupted, stop_on_signals
 
     try:
+        from difrl.train.check import checked_config
         from difrl.train.flow import train
-        from difrl.train.recipes import load_train_config
 
-        # any world's config: a wrong one is named below
-        cfg = load_resume_config(path, overrides) if resume else load_train_config(path, overrides)
-        if cfg.model.kind != kind:
-            script = Path(sys.argv[0]).with_name(f"train_{cfg.model.kind}.py")
-            what, head = ((f"resume={resume}", f"resume={resume}: {resume} is a model.kind={cfg.model.kind} run")
-                          if path is None else (path, f"{path} is a model.kind={cfg.model.kind} config"))
-            other = f"scripts/{script.name} {what} or " if script.is_file() else ""
-            raise ValueError(f"{head}; this script trains {kind} (use {other}difrl train {what})")
+        def refuse_other_kind(cfg) -> None:  # any world's config loads: a wrong one is named here, first
+            if cfg.model.kind != kind:
+                script = Path(sys.argv[0]).with_name(f"train_{cfg.model.kind}.py")
+                what, head = ((f"resume={resume}", f"resume={resume}: {resume} is a model.kind={cfg.model.kind} run")
+                              if path is None else (path, f"{path} is a model.kind={cfg.model.kind} config"))
+                other = f"scripts/{script.name} {what} or " if script.is_file() else ""
+                raise ValueError(f"{head}; this script trains {kind} (use {other}difrl train {what})")
+
+        # then every problem of the config at once, before anything loads (difrl.train.check: what `difrl check` lists)
+        cfg = checked_config(path, overrides, load_resume_config(path, overrides) if resume else None,
+                             before=refuse_other_kind)
         out = args.out or (given(overrides, "out") if resume else None)
         # SIGINT / SIGTERM: a checkpoint, one line with the command that continues the run, exit 130 / 143
         with stop_on_signals(program=(), argv=argv):

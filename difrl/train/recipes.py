@@ -22,10 +22,12 @@ def config_class(kind: str) -> type:
     return MaskedConfig if kind in MASKED_KINDS else FlowConfig
 
 
-def load_train_config(path, overrides=()) -> TrainerConfig:
+def load_train_config(path, overrides=(), problems: list | None = None) -> TrainerConfig:
     """The typed config of the trainer that model.kind (YAML, then overrides) names: a FlowConfig or a
-    MaskedConfig. model.kind is checked against every known kind first, with the usual located error."""
-    return load_config_union({k: config_class(k) for k in train_kinds()}, "model.kind", path, overrides, HOW_TO_ADD)
+    MaskedConfig. model.kind is checked against every known kind first, with the usual located error. `problems`:
+    a list to collect the other ConfigErrors into instead of raising the first (difrl.config; difrl check)."""
+    return load_config_union({k: config_class(k) for k in train_kinds()}, "model.kind", path, overrides, HOW_TO_ADD,
+                             problems)
 
 
 def train_function(cfg: TrainerConfig):
