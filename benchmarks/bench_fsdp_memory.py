@@ -243,7 +243,7 @@ def launch(layers: int, dim: int, out: Path, mode: str = "--worker", extra_env: 
 FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
                 num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
                 axes_dims_rope=[16, 56, 56])
-# Bytes per trained parameter measured by tests/test_precision.py::test_memory_per_trained_parameter (README,
+# Bytes per trained parameter measured by tests/test_precision.py::test_memory_per_trained_parameter (docs/guides/real-models.md,
 # "Precision"): full fine-tuning from bf16 keeps fp32 masters, and autocast's bf16 copy of each weight lives from
 # the forward to its backward (2 bytes); the KL's frozen reference stays in bf16 (2 bytes); an EMA is fp32 (4).
 BF16_COPY, REFERENCE, EMA_BYTES = 2, 2, 4

@@ -10,7 +10,7 @@ process's samples, every sampler step) and the update's first and last micro-ste
 process group (FSDP2 above one GPU, one plain process at one). The flow configs' train.grad_accum is set per GPU
 count to keep their published updates per rollout (the configs' headers give the formula); the masked config keeps
 them by itself (train.micro_batch=auto). LLaDA-8B
-runs README's command (configs/text_arithmetic.yaml with a 64-token answer in 2 blocks of 32 sampler steps).
+runs the LLaDA-8B command of docs/guides/dllm.md (configs/text_arithmetic.yaml with a 64-token answer in 2 blocks of 32 sampler steps).
 Simulated on a CPU, never measured on a GPU; not simulated: reward models, evaluation, checkpoint writes, CUDA
 allocator fragmentation and context, NCCL buffers (every row's `not_simulated`). A plan fits when its peak (setup's
 or the iteration's) is at most 90% of the GPU (`difrl.train.planner.FIT_MARGIN`). Byte counts, no timings: the numbers do not depend on the machine's load.
@@ -32,7 +32,7 @@ BEGIN, END = "<!-- bench_plan:begin -->", "<!-- bench_plan:end -->"
 ROOT = Path(__file__).resolve().parent.parent
 GPUS = (1, 8, 16)
 VERDICTS = (80, 141)  # H100 80 GB, H200 141 GB
-# README's LLaDA-8B command (model.path a placeholder: the planner builds difrl/assets/arch/llada-8b)
+# the LLaDA-8B command of docs/guides/dllm.md (model.path a placeholder: the planner builds difrl/assets/arch/llada-8b)
 GC = "model.gradient_checkpointing=true"  # configs/flux_flow_grpo.yaml sets it; the SD3 / Wan configs (sized for the
 # smaller SD3.5-Medium and Wan 1.3B) do not
 LLADA = ["model.path=/models/LLaDA-8B-Instruct", "model.gen_length=64", "sampler.block_length=32", "sampler.steps=32"]

@@ -9,7 +9,7 @@ with --gpu, what each backend x format costs on a GPU against BF16.
 Three tables, every format of ``difrl.quant.FORMATS`` (bf16, fp8, fp8_block, mxfp8, mxfp8_floor, nvfp4,
 nvfp4_single), all with the pure-torch emulation that CI runs. It is written from Transformer Engine's documented
 forward recipes (docs/reference/specs/lowprec-and-correctors.md §2-3) but has never been run against Transformer Engine
-(no GPU was used); tests/test_quant.py compares it with torchao's quantizers bit for bit (see README "Low precision"):
+(no GPU was used); tests/test_quant.py compares it with torchao's quantizers bit for bit (see docs/guides/low-precision.md):
 
 (a) error of one linear layer, digits-size (in 128, out 512, 256 tokens) and FLUX-size (the MLP's first
     projection: weight [12288, 3072], activations [1024 tokens (--quick: 256), 3072]); N(0,1) activations,

@@ -1,4 +1,5 @@
-"""Check that every figure in README.md, BENCHMARKS.md and RELIABILITY.md comes with a command that produces it.
+"""Check that every figure in README.md, the documentation pages (docs/**/*.md), BENCHMARKS.md and RELIABILITY.md
+comes with a command that produces it.
 
     python scripts/check_claims.py              # exit 1, one line per problem: FILE:LINE: 'figure': why
     python scripts/check_claims.py --list       # also every block: its lines, its command(s), its figures
@@ -51,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCUMENTS = ("README.md", "BENCHMARKS.md", "RELIABILITY.md")
+DOCUMENTS = ("README.md", "BENCHMARKS.md", "RELIABILITY.md")  # and every page under docs/ (documents_of)
 WHOLE_FILE_BLOCKS = {"RELIABILITY.md": "reliability"}  # written whole by one script
 COMMAND_WORDS = ("python ", "python3 ", "difrl ", "make ", "torchrun ", "accelerate launch ", "pytest ",
                  ".venv/bin/python ", "HF_HUB_OFFLINE=1 ", "/usr/bin/time ")
@@ -331,7 +332,19 @@ def read_known(path: Path) -> dict[str, tuple[set[str], str, int]]:
     return known
 
 
-def check(root: Path = ROOT, documents=DOCUMENTS, listing: bool = False, known_path: Path | None = None) -> list[Problem]:
+def documents_of(root: Path = ROOT) -> tuple[str, ...]:
+    """DOCUMENTS and the documentation pages under root/docs (relative paths), where README's sections went. Left
+    out: a link (docs/BENCHMARKS.md, which puts the root's file in the site), read once as the file it points to, and
+    docs/reference/ (the API from docstrings, and the specs: published numbers of others, which no command here
+    produces)."""
+    docs = root / "docs"
+    pages = sorted(p.relative_to(root).as_posix() for p in docs.rglob("*.md")
+                   if not p.is_symlink() and "reference" not in p.relative_to(docs).parts[:1]) if docs.is_dir() else []
+    return (*DOCUMENTS, *pages)
+
+
+def check(root: Path = ROOT, documents=None, listing: bool = False, known_path: Path | None = None) -> list[Problem]:
+    documents = documents_of(root) if documents is None else documents
     known = read_known(KNOWN if known_path is None else known_path)
     used: set[tuple[str, str]] = set()
     problems: list[Problem] = []
@@ -378,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     problems = check(listing=args.list)
     for p in problems:
         print(p)
-    print(f"check_claims: {len(problems)} problem(s) in {', '.join(DOCUMENTS)}", file=sys.stderr)
+    print(f"check_claims: {len(problems)} problem(s) in {', '.join(DOCUMENTS)} and docs/", file=sys.stderr)
     return 1 if problems else 0
 
 

@@ -1,4 +1,5 @@
-"""Plain GRPO vs the default config on the digits world, left running: the README's over-optimisation table.
+"""Plain GRPO vs the default config on the digits world, left running: the over-optimisation table of
+docs/guides/methods.md (its block between the overopt markers; PAGE).
 
     .venv/bin/python scripts/overoptimisation.py                 # 2 x 400 iterations, about 2 minutes on 2 cores
     .venv/bin/python scripts/overoptimisation.py --iterations 200 --no-write --json /tmp/overopt.json
@@ -19,6 +20,7 @@ from difrl.train.flow import train
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- overopt:start -->", "<!-- overopt:end -->"
+PAGE = ROOT / "docs" / "guides" / "methods.md"  # the page whose block this script rewrites
 RUNS = {"plain GRPO (kl_beta=0)": ["train.kl_beta=0"], "default (kl_beta=0.5)": []}
 
 
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--every", type=int, default=50, help="table rows every this many iterations")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "overopt")
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--no-write", action="store_true", help="do not update README.md")
+    ap.add_argument("--no-write", action="store_true", help="do not update the table in docs/guides/methods.md")
     args = ap.parse_args(argv)
 
     results = {}
@@ -72,11 +74,19 @@ def main(argv: list[str] | None = None) -> None:
         args.json.write_text(json.dumps({**{n: {str(i): e for i, e in r.items()} for n, r in results.items()},
                                          "derived": derived}, indent=1))
     if not args.no_write:
-        readme = ROOT / "README.md"
-        text = readme.read_text()
-        head, rest = text.split(BEGIN, 1)
-        readme.write_text(head + table + rest.split(END, 1)[1])
-        print(f"table written to {readme}")
+        write_table(PAGE, table)
+        print(f"table written to {PAGE}")
+
+
+def write_table(page: Path, table: str) -> None:
+    """Replace the block between BEGIN and END in `page` by `table` (which holds both markers); the rest of the page
+    stays as it is. A page without exactly one such block is an error naming it, before anything is written."""
+    text = page.read_text()
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        raise ValueError(f"{page} must hold one {BEGIN} ... {END} block for the over-optimisation table "
+                         f"(found {text.count(BEGIN)} start and {text.count(END)} end markers)")
+    head, rest = text.split(BEGIN, 1)
+    page.write_text(head + table + rest.split(END, 1)[1])
 
 
 if __name__ == "__main__":

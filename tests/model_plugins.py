@@ -1,4 +1,4 @@
-"""A model family from outside difrl, registered through the hook: docs/adding-a-model.md's example, run by the tests.
+"""A model family from outside difrl, registered through the hook: docs/guides/adding-a-model.md's example, run by the tests.
 
     import model_plugins        # with tests/ on sys.path: registers model.kind "example" (or the difrl.models entry point)
 

@@ -1,4 +1,4 @@
-"""scripts/check_claims.py: every figure of README.md / BENCHMARKS.md / RELIABILITY.md has its command, and the
+"""scripts/check_claims.py: every figure of README.md / docs/ / BENCHMARKS.md / RELIABILITY.md has its command, and the
 figures of generated blocks are the numbers of their JSON results.
 
     .venv/bin/python -m pytest tests/test_check_claims.py -q
@@ -80,6 +80,24 @@ def test_a_section_with_a_figure_and_no_command_is_named_with_file_line_and_figu
     assert any(p.startswith("README.md:7: '0.984'") for p in probs)
     assert not any("Named" in p for p in probs)  # a command span names its command
     assert any("README.md:15: '1e-6'" in p for p in probs)  # a test path counts only if the test exists
+
+
+def test_the_docs_pages_are_checked_like_the_readme(tmp_path):
+    # README's sections moved to docs/ (issue 49): a page's figures need their command as README's did; a link in
+    # docs/ to a root document (docs/BENCHMARKS.md, which puts it in the site) is not read a second time
+    root = _repo(tmp_path, bench="# B\n\n## S\n\nIt took 9 s.\n")
+    (root / "docs" / "guides").mkdir(parents=True)
+    (root / "docs" / "guides" / "x.md").write_text("# X\n\n## Speed\n\nIt ran 8 min.\n\n## Named\n\n"
+                                                 "Accuracy 0.91 (`difrl eval configs/x.yaml`).\n")
+    (root / "docs" / "BENCHMARKS.md").symlink_to(root / "BENCHMARKS.md")
+    (root / "docs" / "reference" / "specs").mkdir(parents=True)  # others' published numbers: not ours to re-run
+    (root / "docs" / "reference" / "specs" / "paper.md").write_text("# Paper\n\nThe paper's lr is 3e-4.\n")
+    probs = _problems(root)
+    assert "docs/guides/x.md:5: '8': section 'Speed' names no command that produces its figures" in probs
+    assert not any("Named" in p for p in probs)
+    assert not any(p.startswith("docs/reference/") for p in probs)
+    assert [p for p in probs if "'9'" in p] == ["BENCHMARKS.md:5: '9': section 'S' names no command that produces "
+                                                "its figures"]
 
 
 def test_numbers_that_are_not_figures_are_left_alone(tmp_path):

@@ -1,4 +1,4 @@
-"""What a new user runs from the README, end to end through the `difrl` command (issue 34, issue 32's CLI items):
+"""What a new user runs from the README and the docs pages, end to end through the `difrl` command (issue 34, issue 32's CLI items):
 evaluating trained text / diffusers runs, eval.json keeping every evaluation, a reward server that is down,
 hints naming the right option, bad flags, and no third-party noise on stderr.
 
@@ -205,7 +205,7 @@ def test_sample_refuses_non_positive_counts(capsys, flag, value):
 
 
 def test_custom_reward_module_in_the_current_directory_is_found(tmp_path, capsys, monkeypatch):
-    """The README's custom reward (a file next to the user) without PYTHONPATH: `difrl` is a console script,
+    """The custom reward of docs/guides/rewards.md (a file next to the user) without PYTHONPATH: `difrl` is a console script,
     so unlike `python -m` the current directory is not on sys.path by itself."""
     (tmp_path / "my_reward_mod.py").write_text(
         "def brightness():\n    return lambda images, prompts, metadata: images.float().flatten(1).mean(1)\n")
@@ -231,7 +231,7 @@ def test_eval_writes_null_not_nan(tmp_path, capsys):
 @pytest.mark.slow  # a one-iteration run in a fresh process (about 10 s)
 @pytest.mark.parametrize("world", ["digits", "text_lora", "digits_accelerate"])
 def test_short_runs_print_no_third_party_warnings(tmp_path, world):
-    """`make demo`'s command, shortened, a LoRA text dLLM run and the README's `accelerate launch` line: stderr
+    """`make demo`'s command, shortened, a LoRA text dLLM run and the `accelerate launch` line of docs/guides/scale.md: stderr
     holds difrl's progress bar only (no torch _pytree / torchao lines, no loading bars, no peft / transformers
     FutureWarning, no accelerate defaults warning); the closing line names what was written."""
     run = tmp_path / "run"

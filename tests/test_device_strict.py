@@ -128,7 +128,7 @@ FLOW_METHODS = {
     "solrl": ["rollout.kind=solrl", "solrl.candidates=8", "solrl.preview_steps=2", "rollout.precision=fp8_row",
               "rollout.same_init_noise=false"],
     "fp8_copy": ["rollout.precision=fp8_row", "train.kl_beta=0.01"],
-    # docs/methods.md: the DPO / DGPO pre-pass gathers deltas, group ids and advantages across processes
+    # docs/guides/methods.md: the DPO / DGPO pre-pass gathers deltas, group ids and advantages across processes
     "awm": ["train.objective=awm", "train.clip_low=1e-4", "train.clip_high=1e-4", "train.kl_beta=0.01"],
     "dpo": ["train.objective=dpo", "train.clip_low=1e-4", "train.clip_high=1e-4", "dpo.beta=50"],
     "dgpo": ["train.objective=dgpo", "train.clip_low=1e-4", "train.clip_high=1e-4", "train.kl_beta=0.01"],

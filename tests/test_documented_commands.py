@@ -4,7 +4,7 @@
     DIFRL_DOCUMENTED='digits_branch' .venv/bin/python -m pytest tests/test_documented_commands.py -q -s   # only these
 
 The commands are read from the files, so a new one is picked up by itself: fenced ```bash blocks and inline
-`difrl ...` / `python ...` / `accelerate launch ...` / `torchrun ...` / `make ...` code of README.md and docs/*.md,
+`difrl ...` / `python ...` / `accelerate launch ...` / `torchrun ...` / `make ...` code of README.md and docs/**/*.md,
 the command lines that head each configs/*.yaml, and the indented command lines of the entry scripts' docstrings
 (scripts/train_*.py). `[...]` groups are optional parts and are left out; `#` starts a comment.
 
@@ -39,6 +39,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from doc_pages import doc_pages
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHERS = ("difrl", "python", "python3", "accelerate", "torchrun", "make", "pytest")
@@ -147,6 +148,7 @@ SKIP = {
     # long runs whose reduced form is a test of its own
     "make test": "the whole suite (this file is part of it)",
     "make test-fast": "the suite without the slow tests (this file's fast tests are part of it)",
+    "make docs": "builds the documentation site (mkdocs build --strict); tests/test_docs_site.py builds it the same way",
     "make demo": "creates .venv with pip, then runs `difrl train configs/digits.yaml`, which is run here (its header)",
     "make bench": "= python benchmarks/bench_rollout.py (a full benchmark run); its --quick run is "
                   "tests/test_benchmarks.py::test_bench_rollout_rows_and_markdown",
@@ -270,7 +272,7 @@ def documented_commands() -> list[Documented]:
         if got and _is_command(got[1][0], inline):
             found.append(Documented(got[0], where, got[1]))
 
-    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for path in doc_pages(ROOT):  # README.md and every page of the site (docs/**/*.md)
         text, name = path.read_text(), str(path.relative_to(ROOT))
         for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.M | re.S):
             if m.group(1) in ("bash", "sh", "shell"):
@@ -463,9 +465,18 @@ def _workdir(tmp: Path) -> Path:
 # ---------------------------------------------------------------------------------- the tests
 
 
+def test_every_page_of_the_documentation_is_read():
+    # README's sections moved to the site's pages (docs/guides/, issue 49): each page that shows a command is read
+    where = {c.where for c in documented_commands()}
+    for path in doc_pages(ROOT):
+        if re.search(r"^```(bash|sh|shell)\n", path.read_text(), re.M):
+            assert str(path.relative_to(ROOT)) in where, f"{path.relative_to(ROOT)} shows commands that are not read"
+    assert any(w.startswith("docs/guides/") for w in where)
+
+
 def test_every_documented_command_is_run_or_skipped_with_a_reason():
     commands = unique(documented_commands())
-    assert len(commands) >= 40, sorted(commands)  # the README alone shows dozens: the extraction works
+    assert len(commands) >= 40, sorted(commands)  # README and the docs pages show dozens: the extraction works
     stale = sorted(set(SKIP) - set(commands))
     assert not stale, f"SKIP entries that no documented command matches any more (remove or update them): {stale}"
     for text, c in commands.items():

@@ -1,6 +1,6 @@
 """Cross-family checks: every kind of the adapter table (difrl.models.adapters.ADAPTERS: the built-in families and
 the registered tests/model_plugins.py "example") trains with BranchGRPO trees and with Sol-RL from its low-precision
-rollout copy, and the README's family table names a test or benchmark row for every built-in family.
+rollout copy, and the family table (docs/guides/real-models.md) names a test or benchmark row for every built-in family.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_family_matrix.py -q
     HF_HUB_OFFLINE=1 python -m pytest tests/test_family_matrix.py -q -k sd3      # one family
@@ -16,8 +16,8 @@ a. trees (nvfp4 copy): the copy quantized exactly the transformer's linear layer
 b. Sol-RL (fp8 copy): the same quantized set; the candidates came from the quantized copy (deterministic, preview
    steps), the regenerated ones are a subset of their seeds sampled at full precision; the NFE counts and the trained
    samples are the configured ones; ratio 1 on the first micro-step; every LoRA B moved.
-c. The README family table (section "Real models"): a row per built-in kind, each cell naming a test
-   (`tests/<file>.py::<function>`) that runs for that kind (parametrised over "kind" with it among the values, or
+c. The family table (docs/guides/real-models.md, "What each family is checked for"): a row per built-in kind, each
+   cell naming a test (`tests/<file>.py::<function>`) that runs for that kind (parametrised over "kind" with it among the values, or
    named after it, or in tests/test_<kind>.py), a bench_plan row (benchmarks/bench_plan.py CASES, whose config trains that kind), or
    "not planned yet".
 """
@@ -37,6 +37,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
 from difrl.models.adapters import BUILTIN_ADAPTERS  # noqa: E402
+from doc_pages import docs_text  # noqa: E402
 from difrl.models.base import forwards_per_step  # noqa: E402
 from difrl.train import flow  # noqa: E402
 from difrl.train.flow import train  # noqa: E402
@@ -158,7 +159,7 @@ def test_solrl_candidates_from_the_low_precision_copy_train(kind, tiny_dirs, tmp
     _check_lora_trained(seen)
 
 
-# ---- c. the README's family table ------------------------------------------------------------------------
+# ---- c. the family table of docs/guides/real-models.md ------------------------------------------------------------------------
 
 COLUMNS = ("family", "pipeline parity", "LoRA loads in diffusers", "FSDP = 1 process", "low-precision copy",
            "trees / Sol-RL", "learns", "real-size plan")
@@ -168,9 +169,9 @@ PLAN_REF = re.compile(r'bench_plan "([^"]+)"')
 
 
 def family_table(text: str) -> dict[str, list[str]]:
-    """kind -> its row's cells after the family cell, from the README's table headed by COLUMNS."""
+    """kind -> its row's cells after the family cell, from the documentation's table headed by COLUMNS."""
     head = "| " + " | ".join(COLUMNS) + " |"
-    assert head in text, f"README.md has no family table headed {head!r}"
+    assert head in text, f"the documentation (README.md, docs/) has no family table headed {head!r}"
     lines = text[text.index(head):].splitlines()[2:]  # after the header and its |---| line
     rows = {}
     for line in lines:
@@ -178,7 +179,7 @@ def family_table(text: str) -> dict[str, list[str]]:
             break
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         kind = re.search(r"`(\w+)`", cells[0])
-        assert kind and len(cells) == len(COLUMNS), f"README family table: malformed row {line!r}"
+        assert kind and len(cells) == len(COLUMNS), f"family table: malformed row {line!r}"
         rows[kind.group(1)] = cells[1:]
     return rows
 
@@ -205,8 +206,8 @@ def _runs_for(fn, kind: str) -> bool:
 def test_readme_family_table_names_a_check_for_every_family_and_cell():
     import yaml
 
-    rows = family_table((ROOT / "README.md").read_text())
-    assert set(BUILTIN_ADAPTERS) <= set(rows), f"README family table lacks {sorted(set(BUILTIN_ADAPTERS) - set(rows))}"
+    rows = family_table(docs_text())  # docs/guides/real-models.md, "What each family is checked for"
+    assert set(BUILTIN_ADAPTERS) <= set(rows), f"the family table lacks {sorted(set(BUILTIN_ADAPTERS) - set(rows))}"
     refs = {(kind, col): (TEST_REF.findall(cell), PLAN_REF.findall(cell))
             for kind, cells in rows.items() for col, cell in zip(COLUMNS[1:], cells)}
     for (kind, col), (tests, plans) in refs.items():

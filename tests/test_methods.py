@@ -1,4 +1,4 @@
-"""AWM, online Diffusion-DPO, DGPO and Flow-DPPO (docs/methods.md): their formulas on tiny tensors, their config
+"""AWM, online Diffusion-DPO, DGPO and Flow-DPPO (docs/guides/methods.md): their formulas on tiny tensors, their config
 errors, and the flow trainer's invariants with train.objective set to each (tiny digits runs, a few seconds each).
 
     PYTHONPATH=. .venv/bin/python -m pytest tests/test_methods.py -q

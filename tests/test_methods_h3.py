@@ -1,4 +1,4 @@
-"""DRaFT-K / ReFL, GARDO and Pref-GRPO (docs/methods.md): their formulas on tiny tensors, the refusals, the
+"""DRaFT-K / ReFL, GARDO and Pref-GRPO (docs/guides/methods.md): their formulas on tiny tensors, the refusals, the
 accumulation invariant and short trainings on the digits world.
 
     .venv/bin/python -m pytest tests/test_methods_h3.py -q

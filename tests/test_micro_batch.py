@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DIGITS = ROOT / "configs" / "digits.yaml"
 WORLD = SimpleNamespace(sigmas=lambda n, shift: sigma_schedule(n, shift))  # all plan() needs of a world (NFT's T)
 NFT = ["train.objective=nft", "nft.ref_beta=0.1", "train.kl_beta=0", "train.clip_low=1e-4", "train.clip_high=1e-4"]
-# every way to change the number of trained steps T on the demo's config (README's commands)
+# every way to change the number of trained steps T on the demo's config (the commands of docs/guides/methods.md and docs/guides/scale.md)
 T_CHANGES = {
     "all_but_last": ([], 9),
     "fixed_window": (["steps.mode=fixed_window", "steps.window_size=2"], 2),
@@ -87,7 +87,7 @@ def _options(message: str) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("overrides, processes, words", [
-    # an explicit micro_batch that does not divide the window's transitions (the README's MixGRPO command before auto)
+    # an explicit micro_batch that does not divide the window's transitions (the MixGRPO command of docs/guides/methods.md before auto)
     (["train.micro_batch=144", "steps.mode=sliding_window", "steps.window_size=3"], 1,
      "160 samples x 3 trained steps = 480 transitions per iteration, not a multiple of train.micro_batch x "
      "train.grad_accum = 144 x 5 = 720"),
@@ -123,7 +123,7 @@ def test_explicit_micro_batch_without_updates_per_epoch_takes_its_own_updates():
 
 def test_the_gpu_configs_check_their_updates_per_rollout_on_another_number_of_gpus():
     # configs/flux_flow_grpo.yaml is sized for 32 GPUs (2 updates per rollout); on 8 without a new grad_accum it used
-    # to make 8 updates silently, now the error names the value that keeps 2 (the README's FLUX command passes it)
+    # to make 8 updates silently, now the error names the value that keeps 2 (docs/guides/real-models.md's FLUX command passes it)
     flux = ROOT / "configs" / "flux_flow_grpo.yaml"
     with pytest.raises(ValueError, match=r"make 8 optimizer update\(s\).*but train.updates_per_epoch=2: use "
                                          r"train.grad_accum=24 \(with train.micro_batch=15\)"):

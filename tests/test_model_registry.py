@@ -6,7 +6,7 @@ A family registered from outside difrl (tests/model_plugins.py: model.kind "exam
 the configs (load_flow_config, load_train_config, `difrl config`'s listing), the worlds and the loader; installed as
 an entry point, its module is imported only when its kind is built, never when difrl or a config loads. A class that
 lacks a hook, or a kind already taken, is refused at registration; an unknown kind gets an error listing the known
-kinds and how to add one; a Wan 2.2 TI2V checkpoint is kind wan22. docs/adding-a-model.md's example is tests/model_plugins.py.
+kinds and how to add one; a Wan 2.2 TI2V checkpoint is kind wan22. docs/guides/adding-a-model.md's example is tests/model_plugins.py.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def test_registration_refuses_an_incomplete_class_and_a_taken_kind(monkeypatch):
         required_components = ("transformer",)
 
     with pytest.raises(TypeError, match=r"no _encode_batch\(\); no _forward\(\); no _vae_latents\(\).*empty "
-                                        r"block_classes \(FSDP.*docs/adding-a-model\.md"):
+                                        r"block_classes \(FSDP.*docs/guides/adding-a-model\.md"):
         adapters.register_model("nohooks")(NoHooks)
     with pytest.raises(TypeError, match="not a subclass of .*DiffusersFlowPolicy"):
         adapters.register_model("plain")(object)
@@ -75,7 +75,7 @@ def test_an_unknown_kind_lists_the_known_ones_and_says_how_to_add_one(tmp_path):
     from difrl.models.adapters import load_flow_policy
     from difrl.worlds import build_world
 
-    how = r"register_model\(kind\).*'difrl\.models' entry-point group \(docs/adding-a-model\.md\)"
+    how = r"register_model\(kind\).*'difrl\.models' entry-point group \(docs/guides/adding-a-model\.md\)"
     for load in (load_train_config, load_flow_config):  # `difrl train` / the entry scripts, and the flow config
         with pytest.raises(ConfigError, match=rf"model\.kind.*'nosuchmodel' is not an allowed choice.*'flux', 'sd3', "
                                               rf"'wan'.*{how}"):
@@ -142,9 +142,9 @@ def test_an_entry_point_family_is_imported_only_when_its_kind_is_built(tmp_path)
 
 
 def test_the_guide_shows_the_example_family_as_the_tests_run_it():
-    """docs/adding-a-model.md's example block is tests/model_plugins.py, character for character: the code the
+    """docs/guides/adding-a-model.md's example block is tests/model_plugins.py, character for character: the code the
     family tests run (tests/test_diffusers_models.py, tests/test_train_diffusers.py) is the code a reader copies."""
-    guide = (ROOT / "docs" / "adding-a-model.md").read_text()
+    guide = (ROOT / "docs" / "guides" / "adding-a-model.md").read_text()
     blocks = re.findall(r"```python\n# tests/model_plugins\.py\n(.*?)```", guide, flags=re.S)
     assert len(blocks) == 1, "the guide has one example block, headed '# tests/model_plugins.py'"
     assert blocks[0] == (ROOT / "tests" / "model_plugins.py").read_text()

@@ -8,7 +8,7 @@ VAE depth, image size, frames, shift), saves it with `save_pretrained`, and then
 
 a. parity: difrl's ODE sampling of the base model equals a freshly loaded `pipe(...)` for the same seed
    and settings, with the initial latents given by the documented seed-to-noise mapping
-   (`difrl.rollout.initial_latents`, README "Reproducing a difrl sample with plain diffusers");
+   (`difrl.rollout.initial_latents`, docs/guides/real-models.md "Reproducing a difrl sample with plain diffusers");
 b. trains it for two iterations with `scripts/train_<kind>.py configs/flux_tiny.yaml model.kind=<kind> ...`;
 c. loads the run's `lora/` into a fresh pipeline with plain `load_lora_weights`: no missing or unexpected
    LoRA keys (diffusers' warnings and a tensor-by-tensor comparison), and the LoRA'd pipeline gives

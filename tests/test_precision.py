@@ -157,7 +157,7 @@ def half_casts(params: dict):
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_memory_per_trained_parameter(lora, tiny_dirs):
-    # README's table ("Precision"): bytes per trained parameter after one update with the EMA on, tiny SD3 loaded in
+    # docs/guides/real-models.md's table ("Precision"): bytes per trained parameter after one update with the EMA on, tiny SD3 loaded in
     # bf16. Full fine-tuning: fp32 master weights, gradients, AdamW's two moments and the EMA, plus the bf16 copies
     # autocast makes of the weights during the forward (its cache holds them until the forward returns; those a
     # backward needs stay until it has run). LoRA: the same for each adapter weight (peft keeps them fp32 and computes

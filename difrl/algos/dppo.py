@@ -1,5 +1,5 @@
 """Flow-DPPO: GRPO's ratio surrogate with the ratio clip replaced by a trust region on the exact KL between the old
-and the new Gaussian SDE transition (docs/methods.md "Flow-DPPO"; arXiv 2606.11025, Tencent-Hunyuan/UniRL FlowDPPO).
+and the new Gaussian SDE transition (docs/guides/methods.md "Flow-DPPO"; arXiv 2606.11025, Tencent-Hunyuan/UniRL FlowDPPO).
 
     pg, m = dppo_loss(log_prob, log_prob_old, mean, mean_old, std, h, adv, threshold=1e-5)   # per step [b, T]
 

@@ -1,4 +1,4 @@
-"""GARDO's pieces (arXiv 2512.24138; reference tinnerhrhe/GARDO; docs/methods.md "GARDO"): which samples get the KL,
+"""GARDO's pieces (arXiv 2512.24138; reference tinnerhrhe/GARDO; docs/guides/methods.md "GARDO"): which samples get the KL,
 how many, and the diversity-shaped advantages.
 
     u = proxy_uncertainty(proxy, [aux_1, aux_2])            # [N] win-rate gap: proxy's rank above the auxiliaries'

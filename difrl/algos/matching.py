@@ -1,5 +1,5 @@
 """Likelihood-free objectives on the flow-matching loss of re-noised rollout samples: advantage-weighted matching
-(AWM), online Diffusion-DPO and DGPO (docs/methods.md has the equations, reference values and deviations).
+(AWM), online Diffusion-DPO and DGPO (docs/guides/methods.md has the equations, reference values and deviations).
 
     l = matching_error(v, x0, eps)                                  # [N] mean((v - (eps - x0))^2)
     per = awm_loss(v, x0, eps, sigma, adv, "ghuber", 0.25)          # [N] A * w(l, sigma)

@@ -1,4 +1,4 @@
-"""Pref-GRPO's reward (arXiv 2508.20751; docs/methods.md "Pref-GRPO"): a sample's win rate against the rest of its group.
+"""Pref-GRPO's reward (arXiv 2508.20751; docs/guides/methods.md "Pref-GRPO"): a sample's win rate against the rest of its group.
 
     judge = sigmoid_judge({"digit_prob": 1.0}, tau=0.05)       # P(i > j) = sigmoid((r_i - r_j) / tau)
     w = group_win_rates(scores, group_ids, judge)             # [N] in [0, 1]; per group sum_i w_i = G / 2

@@ -5,7 +5,7 @@ the loader.
     policy = load_flow_policy("sd3", "/models/sd3.5-medium", dtype="bf16", height=512, width=512)
     path = make_tiny_pipeline("flux", tmp_dir / "flux")   # a tiny random pipeline directory for tests
 
-    from difrl.models import register_model               # a family from outside difrl (docs/adding-a-model.md)
+    from difrl.models import register_model               # a family from outside difrl (docs/guides/adding-a-model.md)
     @register_model("mykind")
     class MyPolicy(DiffusersFlowPolicy): ...
 
@@ -50,7 +50,7 @@ ADAPTERS: dict[str, type[DiffusersFlowPolicy]] = dict(BUILTIN_ADAPTERS)
 ENTRY_POINT_GROUP = "difrl.models"
 HOW_TO_ADD = ("a new model family is a DiffusersFlowPolicy subclass registered with @difrl.models.register_model(kind) "
               f"and, from a package outside difrl, named under the {ENTRY_POINT_GROUP!r} entry-point group "
-              "(docs/adding-a-model.md)")
+              "(docs/guides/adding-a-model.md)")
 # the hooks a family defines itself (the base class has no usable default); block_classes: FSDP wraps these blocks
 _NEEDED = ("_encode_batch", "_forward", "_vae_latents", "from_pretrained", "tiny_pipeline")
 
@@ -63,7 +63,7 @@ def register_model(kind: str):
         problems = check_adapter_class(cls)
         if problems:
             raise TypeError(f"@register_model({kind!r}) on {cls.__module__}.{cls.__qualname__}: " + "; ".join(problems)
-                            + " (docs/adding-a-model.md lists each)")
+                            + " (docs/guides/adding-a-model.md lists each)")
         held = ADAPTERS.get(kind)
         if held is not None and held is not cls and f"{held.__module__}.{held.__qualname__}" != \
                 f"{cls.__module__}.{cls.__qualname__}":  # the same class re-imported (a module run twice) is no clash

@@ -357,7 +357,7 @@ class DiffusersFlowPolicy(ComputeDevice):
 
     # subclasses: _encode_batch(prompts) -> Cond, _forward(x, sigma, cond, guidance) -> raw model output,
     # _vae_latents(latents) -> what vae.decode takes, latent_shape, from_pretrained(path, dtype, ...), tiny_pipeline,
-    # block_classes (difrl.models.adapters.register_model checks them; docs/adding-a-model.md has each, with shapes)
+    # block_classes (difrl.models.adapters.register_model checks them; docs/guides/adding-a-model.md has each, with shapes)
 
 
 def vae_scale(pipe) -> int:

@@ -143,7 +143,7 @@ def tiny_qwen_tokenizer_in_vocab():
     """Z-Image's: the same template, its three markers <|endoftext|> (pad), <|im_start|>, <|im_end|> (eos) at ids
     256-258 inside the vocabulary (the tiny Z-Image's FSDP check was validated with these ids; with the FLUX.2
     [klein] layout its 2-process full fine-tune drifted from 1 process by 7e-5 relative at the third iteration,
-    unexplained: docs/adding-a-model.md)."""
+    unexplained: docs/guides/adding-a-model.md)."""
     return tiny_byte_bpe_tokenizer(QWEN_SPECIALS[:3], QWEN3_CHAT_TEMPLATE, in_vocab=True, eos_token="<|im_end|>",
                                    pad_token="<|endoftext|>")
 

@@ -7,7 +7,7 @@
 The page needs nothing but the file: the curves are inline SVG drawn here (no JavaScript, no
 plotting library), images and GIFs are embedded as base64 data URIs, and there are no external
 URLs, scripts or fonts, so it opens from disk, offline, or as an e-mail attachment. It reads what
-the trainers write (README "Run directory"):
+the trainers write (docs/concepts.md, "The run directory and its life"):
 
 - `config.yaml`: shown verbatim in a collapsible block;
 - `metrics.jsonl`: the train reward (mean, with a ±std band) and every `reward/<name>` over

@@ -322,7 +322,7 @@ class FlowTrainConfig(TrainConfig):
     objective: str = cfg_field("grpo", choices=("grpo", "nft") + MATCHING_OBJECTIVES + ("dppo", "draft", "refl"),
                                help="grpo: PPO-clip on the SDE transitions' log-probs; nft: DiffusionNFT on clean samples "
                                     "(likelihood-free, deterministic rollouts; section nft); awm / dpo / dgpo / dppo / "
-                                    "draft / refl: docs/methods.md (their sections)")
+                                    "draft / refl: docs/guides/methods.md (their sections)")
 
 
 @dataclass

@@ -12,7 +12,7 @@ modules: Sol-RL's candidate pool (difrl.solrl), BranchGRPO's tree rollout and tr
 (difrl.tree_rollout, difrl.algos.tree), the GRPO, Flow-DPPO and DiffusionNFT losses and the proximal
 recompute of copy rollouts (difrl.train.objectives), AWM, DPO and DGPO (difrl.train.matching_objectives),
 Pref-GRPO's win rates and GARDO's gated KL and diversity (difrl.train.method_stage), DRaFT-K / ReFL's own loop
-phase (difrl.train.reward_backprop; the objectives are docs/methods.md); run directory, resume, LoRA and
+phase (difrl.train.reward_backprop; the objectives are docs/guides/methods.md); run directory, resume, LoRA and
 reference, metrics and plots are the scaffold's (difrl.train.scaffold).
 
 Groups may span processes: the sample list of an iteration is global (sample k belongs to group

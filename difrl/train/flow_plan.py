@@ -175,7 +175,7 @@ def thread_note(threads_set: bool) -> str:
     """A warning when torch was given several threads per process on cores that other processes already keep busy
     (the 1-minute load average before this run starts is at least 1, and with this run's threads more than the
     cores this process may use): every parallel torch op then waits for its slowest thread. Only a note: choosing
-    the thread count from the load would make a run's numbers depend on what else ran (float sums differ). README 'Threads' has the measurement."""
+    the thread count from the load would make a run's numbers depend on what else ran (float sums differ). docs/guides/scale.md 'Threads' has the measurement."""
     n = torch.get_num_threads()
     try:
         load, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
@@ -184,7 +184,7 @@ def thread_note(threads_set: bool) -> str:
     if threads_set or n == 1 or load < 1 or load + n <= cores:
         return ""
     return (f"difrl: the load average is {load:.1f} on the {cores} core(s) this process may use: other processes are "
-            f"running, and {n} threads per process can be many times slower than threads=1 (README 'Threads')")
+            f"running, and {n} threads per process can be many times slower than threads=1 (docs/guides/scale.md, 'Threads')")
 
 
 def plan(cfg: FlowConfig, world, world_size: int, run_dir: Path, say) -> tuple[int, int, int, object, MicroBatching]:

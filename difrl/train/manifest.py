@@ -26,7 +26,7 @@ from difrl.utils.io import sha256_file
 
 MANIFEST = "manifest.json"
 SHARED = ("the files of a sharded checkpoint must all lie in one directory that every process reads and writes: a run "
-          "on several nodes needs a shared run directory, on storage every node mounts (README.md, sharded training)")
+          "on several nodes needs a shared run directory, on storage every node mounts (docs/guides/scale.md, sharded training)")
 
 
 def all_gather_objects(obj) -> list:

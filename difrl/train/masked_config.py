@@ -113,7 +113,7 @@ class ExternalConfig:
 @dataclass
 class MaskedTrainConfig(TrainConfig):
     inner_updates: int = cfg_field(4, ge=1, help="mu: passes over each rollout, each with its own re-mask")
-    # the flow trainer's micro-batch keys (README "Micro-batches"), in sequences: micro_batch x grad_accum x
+    # the flow trainer's micro-batch keys (docs/guides/scale.md "Micro-batches"), in sequences: micro_batch x grad_accum x
     # updates_per_epoch = this process's samples per pass (difrl/train/masked_plan.py)
     micro_batch: int | Literal["auto"] = cfg_field(
         64, ge=1, help="sequences per forward/backward; auto = each process's samples cut into "

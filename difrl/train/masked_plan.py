@@ -11,7 +11,7 @@ trains on the contiguous slice `p.rows` of it (groups may span processes), and t
 group advantages are computed. Every per-sample draw (rollout tokens, re-masks) is a function of the sample's seed
 (difrl.discrete), so P processes sample exactly what one process samples.
 
-Micro-batches follow the flow trainer's keys (README "Micro-batches"; difrl/train/flow_plan.py) with one unit, the
+Micro-batches follow the flow trainer's keys (docs/guides/scale.md "Micro-batches"; difrl/train/flow_plan.py) with one unit, the
 sequence: for S = samples per process,
 
     train.micro_batch x train.grad_accum x train.updates_per_epoch = S       (per inner update, i.e. per pass)

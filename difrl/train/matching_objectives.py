@@ -1,5 +1,5 @@
 """The flow trainer's likelihood-free objectives beside DiffusionNFT: advantage-weighted matching (AWM), online
-Diffusion-DPO and DGPO (docs/methods.md; the formulas are difrl.algos.matching). Selected by config alone:
+Diffusion-DPO and DGPO (docs/guides/methods.md; the formulas are difrl.algos.matching). Selected by config alone:
 
     difrl train configs/digits_awm.yaml        # train.objective=awm | dpo | dgpo
 

@@ -1,5 +1,5 @@
 """The flow config's method sections: Sol-RL's candidate pool (`solrl`), BranchGRPO's trees (`tree`),
-DiffusionNFT (`nft`), and the objectives of docs/methods.md: the re-noised matching losses' shared keys (`matching`),
+DiffusionNFT (`nft`), and the objectives of docs/guides/methods.md: the re-noised matching losses' shared keys (`matching`),
 AWM (`awm`), online Diffusion-DPO (`dpo`), DGPO (`dgpo`), Flow-DPPO (`dppo`), reward backpropagation (`draft`,
 `refl`), GARDO (`gardo`) and Pref-GRPO (`pref`). FlowConfig (difrl/train/config.py) holds them and checks them
 against the rest (check_objective here; the last four in difrl/train/method_checks.py).
@@ -105,7 +105,7 @@ class MatchingConfig:
 
 @dataclass
 class AWMConfig:
-    """Advantage-weighted matching (docs/methods.md "AWM"; arXiv 2509.25050): loss A' w(l, sigma) with
+    """Advantage-weighted matching (docs/guides/methods.md "AWM"; arXiv 2509.25050): loss A' w(l, sigma) with
     A' = clip(A, -adv_clip, adv_clip) * adv_max / adv_clip, plus train.kl_beta * mean((v - v_ref)^2) and
     ema_beta * mean((v - v_ema)^2) toward an EMA of the policy, ema <- d ema + (1 - d) new after every iteration,
     d = min(ema_decay_rate * iteration, ema_decay_max)."""
@@ -121,14 +121,14 @@ class AWMConfig:
 
 @dataclass
 class DPOConfig:
-    """Online Diffusion-DPO (docs/methods.md "DPO"): each group's best and worst sample form a pair;
+    """Online Diffusion-DPO (docs/guides/methods.md "DPO"): each group's best and worst sample form a pair;
     loss softplus(beta ((l_w - l_w,ref) - (l_l - l_l,ref))) per trained sigma, the reference frozen."""
     beta: float = cfg_field(2000.0, gt=0.0, help="implicit-reward scale (Flow-Factory's online DPO: 2000)")
 
 
 @dataclass
 class DGPOConfig:
-    """DGPO (docs/methods.md "DGPO"; arXiv 2510.08425): group weight sigmoid((beta / G) sum_i A_i (l_i - l_i,ref))
+    """DGPO (docs/guides/methods.md "DGPO"; arXiv 2510.08425): group weight sigmoid((beta / G) sum_i A_i (l_i - l_i,ref))
     on each sample's A_i l_i, the reference frozen."""
     beta: float = cfg_field(100.0, gt=0.0, help="beta_dpo (reference recipes: 100; 10 ~ 100)")
     adv_clip: float = cfg_field(5.0, gt=0.0, help="advantages clipped to +-adv_clip")
@@ -136,13 +136,13 @@ class DGPOConfig:
 
 @dataclass
 class DPPOConfig:
-    """Flow-DPPO (docs/methods.md "Flow-DPPO"; difrl/algos/dppo.py): -A rho per SDE transition, dropped where the
+    """Flow-DPPO (docs/guides/methods.md "Flow-DPPO"; difrl/algos/dppo.py): -A rho per SDE transition, dropped where the
     exact Gaussian KL(old || new), per latent element, reaches kl_threshold and the step pushes further."""
     kl_threshold: float = cfg_field(1e-5, gt=0.0, help="trust region on the per-element transition KL (UniRL: 1e-5)")
 
 
 def check_objective(cfg, refuse_ignored) -> None:
-    """The objectives of docs/methods.md against the rest of a FlowConfig: a located ConfigError for a setting they
+    """The objectives of docs/guides/methods.md against the rest of a FlowConfig: a located ConfigError for a setting they
     cannot honour, and for a method section set while another objective is trained (refuse_ignored: config.py's)."""
     t, r, obj = cfg.train, cfg.rollout, cfg.train.objective
     owners = {"matching": MATCHING_OBJECTIVES, "awm": ("awm",), "dpo": ("dpo",), "dgpo": ("dgpo",), "dppo": ("dppo",)}
@@ -166,7 +166,7 @@ def check_objective(cfg, refuse_ignored) -> None:
 
 @dataclass
 class DraftConfig:
-    """DRaFT-K (train.objective=draft; docs/methods.md "Reward backpropagation"): each sample runs the schedule with `kernel`, the last
+    """DRaFT-K (train.objective=draft; docs/guides/methods.md "Reward backpropagation"): each sample runs the schedule with `kernel`, the last
     `k` steps with gradient, and the loss is minus its differentiable reward (no advantages, no log-probs)."""
     k: int = cfg_field(1, ge=1, help="sampler steps the reward's gradient flows through (DRaFT-K; the paper's best: 1; "
                                      "sampler.num_steps = full DRaFT)")
@@ -177,7 +177,7 @@ class DraftConfig:
 
 @dataclass
 class ReflConfig:
-    """ReFL (train.objective=refl; docs/methods.md "Reward backpropagation"): each sample runs to a step t drawn uniformly from
+    """ReFL (train.objective=refl; docs/guides/methods.md "Reward backpropagation"): each sample runs to a step t drawn uniformly from
     [first_step, last_step] without gradient, predicts x0 in one step from x_t with gradient, and the loss is
     minus the reward of that prediction."""
     first_step: int | None = cfg_field(None, ge=0, help="earliest stopping step; None = 3/4 of sampler.num_steps "
@@ -193,7 +193,7 @@ class ReflConfig:
 
 @dataclass
 class GardoConfig:
-    """GARDO (docs/methods.md "GARDO"): the KL (train.kl_beta, train.kl_form) only on the samples whose proxy reward
+    """GARDO (docs/guides/methods.md "GARDO"): the KL (train.kl_beta, train.kl_form) only on the samples whose proxy reward
     its auxiliary rewards disagree with most, against a reference refreshed from the policy, and positive advantages
     scaled by each sample's distance to its nearest group member."""
     enabled: bool = cfg_field(False, help="train GRPO with GARDO's gated KL, adaptive reference and diversity shaping")
@@ -212,12 +212,12 @@ class GardoConfig:
     flag: str = cfg_field("overrated", choices=("overrated", "underrated"),
                           help="which disagreement gets the KL: overrated = the samples the proxy ranks above the "
                                "auxiliaries (the paper's reward-hacking pattern); underrated = those it ranks below, "
-                               "what the reference code's rank difference selects (docs/methods.md GARDO)")
+                               "what the reference code's rank difference selects (docs/guides/methods.md GARDO)")
 
 
 @dataclass
 class PrefConfig:
-    """Pref-GRPO (docs/methods.md "Pref-GRPO"): the trained reward of a sample is its win rate against the rest of its
+    """Pref-GRPO (docs/guides/methods.md "Pref-GRPO"): the trained reward of a sample is its win rate against the rest of its
     group under a pairwise judge."""
     judge: str | None = cfg_field(None, help="None = off; sigmoid: P(a > b) = sigmoid((r_a - r_b) / tau) from the "
                                              "weighted scalar reward; or a module:function pairwise judge "

@@ -8,7 +8,7 @@ gathered over every process (groups may span processes), and GARDO's adaptive re
     row.update(gardo.after_update(it, kl))     # refresh the reference after a large KL or every reset_every
     scores = candidate_reward(cfg, world, ...)  # Sol-RL stage 1's ranking score; tree_stats(...): BranchGRPO's counts
 
-docs/methods.md has the equations and the reference recipes.
+docs/guides/methods.md has the equations and the reference recipes.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Reward backpropagation for the flow recipe: DRaFT-K and ReFL (train.objective=draft / refl;
-docs/methods.md "Reward backpropagation"). The loop phase that replaces rollout -> reward -> advantage -> update for them.
+docs/guides/methods.md "Reward backpropagation"). The loop phase that replaces rollout -> reward -> advantage -> update for them.
 
     difrl train configs/digits_draft.yaml       # DRaFT-1: gradient through the last sampler step
     difrl train configs/digits_refl.yaml        # ReFL: one-step x0 prediction from a late step
