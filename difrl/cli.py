@@ -3,7 +3,7 @@
     difrl train configs/digits.yaml [key=value ...] [--out DIR] [--overwrite]
     difrl train resume=DIR [train.iterations=N ...]               # continue a run with its config.yaml
     difrl eval configs/digits.yaml [key=value ...]                # the config's model
-    difrl eval runs/digits                                         # a finished run's policy (appended to eval.json)
+    difrl eval runs/digits [--json]                                # a run's policy: a before/after table (eval.json)
     difrl eval configs/text_arithmetic.yaml --checkpoint runs/text_arithmetic/policy.safetensors
     difrl config [configs/digits.yaml] [key=value ...]            # every key (or the resolved config)
     difrl check configs/flux_flow_grpo.yaml [key=value ...] [--gpus 8]   # every problem at once, nothing loaded
@@ -170,7 +170,7 @@ def cmd_eval(args) -> int:
         if args.grid:
             world.save_samples(policy, Path(args.grid))
             metrics["grid"] = args.grid
-        _write_eval(run, args.out, {**metrics, "policy": str(weights or cfg.model.path or "bundled base")})
+        _write_eval(run, args, {**metrics, "policy": str(weights or cfg.model.path or "bundled base")}, cfg, world)
         return 0
     if args.pass_k:
         raise ValueError("--pass-k is for masked worlds with a verifier (model.kind=sudoku or hf_masked)")
@@ -189,7 +189,7 @@ def cmd_eval(args) -> int:
     metrics = {**metrics, "policy": str(trained or cfg.model.path or "bundled base"),
                "eval_prompts": cfg.model.eval_prompt_file or cfg.model.eval_prompts,
                "resolution": [cfg.model.height, cfg.model.width] if diffusers else None}
-    _write_eval(run, args.out, metrics)
+    _write_eval(run, args, metrics, cfg, world)
     return 0
 
 
@@ -288,12 +288,15 @@ def _preset_hint(args, message: str) -> str:
                   lambda m: f"--preset-options '{{\"{m.group(1)}\": ...}}'", message)
 
 
-def _write_eval(run: Path | None, out: str | None, metrics: dict) -> None:
-    """Print the evaluation; write it to --out, or append it to a run directory's eval.json (tag "difrl-eval",
-    every call kept). A metric that is not a number (NaN, e.g. a diversity of one sample) is written as null."""
+def _write_eval(run: Path | None, args, metrics: dict, cfg, world) -> None:
+    """Print the evaluation (a table, beside the run's own before when it measured the same: difrl.report.text;
+    --json: the JSON); write it to --out, or append it to a run directory's eval.json (tag "difrl-eval", every
+    call kept). A metric that is not a number (NaN, e.g. a diversity of one sample) is written as null."""
+    from difrl.report.text import eval_text
+    from difrl.train.rundir import same_settings
     from difrl.utils.io import atomic_write_text, json_safe
 
-    metrics = json_safe(metrics)
+    out, metrics = args.out, json_safe(metrics)
     text = json.dumps(metrics, indent=2, default=str, allow_nan=False)
     if out:  # written before printing: a closed pipe (| head) must not lose the evaluation
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -304,7 +307,8 @@ def _write_eval(run: Path | None, out: str | None, metrics: dict) -> None:
         summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
         # the parsed text: what default=str made of a value JSON has no type for (a path, a dtype) is what is stored
         record_eval(run, "difrl-eval", int(summary.get("iterations", 0)), json.loads(text), keep_earlier=True)
-    print(text)
+    print(text if args.json else eval_text(json.loads(text), run, run is not None and same_settings(cfg, run),
+                                           world.headline))
 
 
 def cmd_sample(args) -> int:
@@ -509,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("eval", help="evaluate a config's model or a run's trained policy")
     p.add_argument("--grid", help="also write a PNG grid of the samples here")
     p.add_argument("--out", help="write the metrics JSON here (default for a RUN_DIR: append to its eval.json)")
+    p.add_argument("--json", action="store_true", help="print the metrics as JSON (what --out writes), not the table")
     p.add_argument("--checkpoint", help="trained weights on the config's model: a policy.safetensors (digits, masked "
                                         "worlds, text dLLMs), or a diffusers LoRA / full fine-tune transformer "
                                         "directory (default for a RUN_DIR: its policy.safetensors, lora/ or transformer/)")

@@ -220,9 +220,9 @@ def test_custom_reward_module_in_the_current_directory_is_found(tmp_path, capsys
 
 
 def test_eval_writes_null_not_nan(tmp_path, capsys):
-    """One sample per digit has no diversity (NaN): printed and written as null, both valid JSON."""
+    """One sample per digit has no diversity (NaN): printed (--json) and written as null, both valid JSON."""
     out = tmp_path / "e.json"
-    assert main(["eval", str(DIGITS), "--out", str(out), "eval.per_digit=1"]) == 0  # overrides may follow options
+    assert main(["eval", str(DIGITS), "--out", str(out), "--json", "eval.per_digit=1"]) == 0  # overrides after options
     strict = lambda text: json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c}"))  # noqa: E731
     assert strict(out.read_text())["diversity"] is None
     assert strict(capsys.readouterr().out)["diversity"] is None

@@ -169,7 +169,7 @@ def test_cli_eval_pass_k(capsys):
     from difrl.cli import main
 
     base = ["eval", CONFIG, "eval.count=8", "threads=1"]  # (argparse: positionals before the flags)
-    argv = base + ["--pass-k", "1,4", "--samples", "4", "--problems", "8"]
+    argv = base + ["--pass-k", "1,4", "--samples", "4", "--problems", "8", "--json"]  # --json: the JSON printed
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     pk = out["pass_at_k"]

@@ -375,6 +375,7 @@ def test_difrl_eval_pass_k_on_a_text_task(tmp_path, capsys):
     assert 0.2 < metrics["pass@1"] < metrics["pass@2"] < 0.9  # the weak base: pass@1 0.37, pass@4 0.78 at n=4
     assert "pass@4" not in metrics
     capsys.readouterr()
-    assert main(["eval", str(cfg), "--pass-k", "1", "--samples", "1", "--temperature", "0", "--problems", "8"]) == 0
+    assert main(["eval", str(cfg), "--pass-k", "1", "--samples", "1", "--temperature", "0", "--problems", "8",
+                 "--json"]) == 0
     greedy = json.loads(capsys.readouterr().out)  # --temperature and --problems: sampler.temperature, eval.count
     assert greedy["temperature"] == 0.0 and greedy["problems"] == 8 and greedy["pass@1"] == greedy["greedy_accuracy"]

@@ -148,7 +148,7 @@ def test_cli_routes_sudoku_to_the_masked_trainer_and_writes_artifacts(tmp_path, 
 def test_cli_eval_of_the_sudoku_config(capsys):
     from difrl.cli import main
 
-    assert main(["eval", "configs/sudoku.yaml", "eval.count=16"]) == 0
+    assert main(["eval", "configs/sudoku.yaml", "eval.count=16", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["num_puzzles"] == 16 and 0.0 <= out["cell_accuracy"] <= 1.0 and 0.0 <= out["solve_rate"] <= 1.0
 

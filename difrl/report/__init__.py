@@ -9,7 +9,8 @@ plotting library), images and GIFs are embedded as base64 data URIs, and there a
 URLs, scripts or fonts, so it opens from disk, offline, or as an e-mail attachment. It reads what
 the trainers write (docs/concepts.md, "The run directory and its life"):
 
-- `config.yaml`: shown verbatim in a collapsible block;
+- `config.yaml`: shown verbatim in a collapsible block, under a one-line digest of the main settings in which a
+  setting a resume changed (its `history`) shows each value with the iteration it took effect from;
 - `metrics.jsonl`: the train reward (mean, with a ±std band) and every `reward/<name>` over
   iterations, every evaluation metric (before, each `eval/<key>` row, after; metrics that never
   change are listed rather than drawn) and, collapsed, every other numeric column (loss, KL,

@@ -165,11 +165,26 @@ def _config_digest(text: str) -> str:
     keys = ["model.kind", "model.path", "seed", "train.iterations", "train.lr", "train.kl_beta", "train.lora.enabled",
             "sampler.kind", "sampler.num_steps", "estimator.kind", "rollout.prompts_per_iter", "rollout.group_size",
             "reward.weights"]
-    items = [f"{k} = {json.dumps(flat[k]) if not isinstance(flat[k], str) else flat[k]}" for k in keys
-             if k in flat and flat[k] is not None]
+    # a setting a resume changed (config.yaml's history: {iteration, key, old, new}) is each value it had, each
+    # with the iteration it took effect (the first after the resume's checkpoint): config.yaml holds the last one
+    values: dict[str, list] = {}
+    for h in cfg.get("history") or []:
+        if isinstance(h, dict) and {"iteration", "key", "new"} <= set(h):
+            values.setdefault(h["key"], [(None, h.get("old"))]).append((int(h["iteration"]) + 1, h["new"]))
+
+    def shown(v) -> str:
+        return v if isinstance(v, str) else json.dumps(v)
+
+    def setting(k: str) -> str:
+        if k not in values:
+            return f"{k} = {shown(flat[k])}"
+        return f"{k} = " + ", ".join(shown(v) + (f" from iteration {it}" if it else "") for it, v in values[k])
+
+    items = [setting(k) for k in keys if k in flat and flat[k] is not None]
     rw = cfg.get("reward", {}).get("weights") if isinstance(cfg.get("reward"), dict) else None
     if isinstance(rw, dict):
         items.append("reward.weights = " + json.dumps(rw))
+    items += [setting(k) for k in values if k not in keys or k not in flat or flat[k] is None]  # other changed ones
     return f'<p class="small">{esc("; ".join(items))}</p>' if items else ""
 
 

@@ -31,10 +31,13 @@ def given(overrides: list[str], key: str) -> str | None:
 def load_resume_config(path: str | None, overrides: list[str]):
     """`difrl train resume=R [CONFIG] [key=value ...]`: the run's own R/config.yaml with the overrides (CONFIG, if
     given, in its place, checked against R/config.yaml key by key like the overrides), refused as
-    difrl.train.rundir.check_resume says, naming who says each refused value: the command line or CONFIG."""
-    from difrl.config import CLI
+    difrl.train.rundir.check_resume says, naming who says each refused value: the command line or CONFIG. A
+    change that only CONFIG makes is refused too, a safe one included (a file beside resume= is mostly the one
+    the run started from, whose train.iterations or eval.every the start overrode: it must not extend the run
+    unsaid), naming the key=value to pass on the command line instead; resume_override=true lets it through."""
+    from difrl.config import CLI, ConfigError
     from difrl.train.recipes import load_train_config
-    from difrl.train.rundir import check_resume
+    from difrl.train.rundir import check_resume, show
 
     run = Path(given(overrides, "resume"))
     if not (run / "config.yaml").is_file():
@@ -42,11 +45,20 @@ def load_resume_config(path: str | None, overrides: list[str]):
     cfg = load_train_config(path or str(run / "config.yaml"), overrides)
     keys = [o.partition("=")[0].strip() for o in overrides]
 
-    def said(key: str) -> str:
-        from_cli = path is None or any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in keys)
-        return f"{'the ' + CLI if from_cli else path} says"
+    def on_cli(key: str) -> bool:
+        return path is None or any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in keys)
 
-    check_resume(cfg, run, said)
+    def said(key: str) -> str:
+        return f"{'the ' + CLI if on_cli(key) else path} says"
+
+    from_file = [c for c in check_resume(cfg, run, said) if not on_cli(c[0])]  # [(key, old, new)], safe ones here
+    if from_file and not cfg.resume_override:
+        where = run / "config.yaml"
+        listed = "; ".join(f"{k}={show(old)} in {where}, {path} says {show(new)}" for k, old, new in from_file)
+        wanted = " ".join(f"{k}={show(new)}" for k, _, new in from_file)
+        raise ConfigError(f"resume={run}: {listed}. A config file beside resume= does not change the run: to change "
+                          f"it, say so on the command line ({wanted}); else leave {path} out (`difrl train "
+                          f"resume={run}` needs no config file)", from_file[0][0])
     return cfg
 
 

@@ -40,6 +40,7 @@ def export(run_dir, iteration: int | None = None, out=None, log=print) -> Path:
     returns `out`. Every file is checked against the checkpoint's manifest first."""
     from difrl.train.precision import upcast_masters
     from difrl.train.recipes import load_train_config
+    from difrl.train.rundir import checkpoint_iterations
     from difrl.train.scaffold import save_policy, wrap_policy
     from difrl.train.state import (CheckpointError, _load_checkpoint, load_latest_checkpoint, trainable_params,
                                    verify_manifest)
@@ -54,8 +55,13 @@ def export(run_dir, iteration: int | None = None, out=None, log=print) -> Path:
             raise FileNotFoundError(f"{run_dir / 'checkpoints'} holds no checkpoint (the run stopped before its first)")
     else:
         path = run_dir / "checkpoints" / f"iter-{iteration:06d}"
-        if not path.is_dir():
-            raise FileNotFoundError(f"no checkpoint {path}")
+        if not path.is_dir():  # say which it kept (a run keeps its two newest: difrl.train.state.publish)
+            kept = checkpoint_iterations(run_dir)
+            raise FileNotFoundError(
+                f"no checkpoint {path}: "
+                + (f"{run_dir} kept the checkpoints of iteration{'s' * (len(kept) > 1)} {', '.join(map(str, kept))} "
+                   f"(give one of them to --iteration, or leave --iteration out for the newest intact one)" if kept
+                   else f"{run_dir / 'checkpoints'} holds no checkpoint (the run stopped before its first)"))
         verify_manifest(path)
         ckpt = _load_checkpoint(path)
     out = Path(out) if out else run_dir / "export" / ckpt.path.name

@@ -48,6 +48,8 @@ from difrl.train.reward_stage import (across_processes, build_rewards, probe_bat
                                      track_reward_failures)
 from difrl.train.metrics import Metrics, pooled_std
 from difrl.train.precision import refuse_fp16, trained_network
+from difrl.train.progress import progress_bar
+from difrl.train.rundir import finished
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, claim_run_dir,  # noqa: F401
                                   cores_available, fmt_eval, make_optimizer, record_eval, reference_policy,
                                   save_policy)
@@ -64,12 +66,13 @@ from difrl.worlds import build_world
 
 def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = False) -> dict:
     from accelerate import Accelerator
-    from tqdm.auto import tqdm
 
     # ======================================================================== setup
     refuse_fp16(cfg.model.dtype)  # before a large model loads: fp16 training is refused (difrl/train/precision.py)
     # resume=: the run's config.yaml allows the changes; else the directory holds no run, or overwrite (rundir.py)
     run_dir = claim_run_dir(cfg, out_dir, overwrite, "runs/flow")
+    if (summary := finished(cfg, run_dir)) is not None:  # resume= of a finished run: nothing to do (rundir.py)
+        return summary
     world = build_world(cfg.model.kind, cfg.model.path, cfg)
     # a world that runs on the CPU (the digits MLP: kernel launches would dominate on a GPU) asks for it;
     # without cpu=True accelerate ignores torchrun's WORLD_SIZE on a machine with no GPU
@@ -101,8 +104,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
         run.state["eval_before"] = run.state["last_eval"] = evaluate(world, policy, ema, cfg, run, "before", 0)
         accelerator.print("eval before: " + fmt_eval(run.state["eval_before"], world.headline))
 
-    bar = tqdm(range(run.start, cfg.train.iterations), initial=run.start, total=cfg.train.iterations, desc="train",
-               disable=not accelerator.is_main_process, dynamic_ncols=True)
+    bar = progress_bar(run.start, cfg.train.iterations, accelerator.is_main_process)  # plain lines off a terminal
     stopped, done = None, run.start  # iterations completed
     iterations = bar
     if cfg.train.objective in BACKPROP_OBJECTIVES:  # DRaFT / ReFL: their own loop phase (train/reward_backprop.py)

@@ -42,7 +42,7 @@ def close_iteration(cfg, run, row: dict, it: int, t_iter: float, bar, world, pol
     row["seconds"] = time.perf_counter() - t_iter
     run.log(row)
     done = it + 1
-    progress(bar, row["reward_mean"], run.state["last_eval"], world.headline)
+    progress(bar, row, run.state["last_eval"], world.headline)  # the bar, or a plain line off a terminal
     if stopped or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
         run.checkpoint(done)
     if stopped:

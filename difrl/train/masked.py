@@ -59,6 +59,8 @@ from difrl.train.reward_stage import (across_processes, build_rewards, finite_me
                                      score_rewards, track_reward_failures, valid_group_advantages)
 from difrl.train.metrics import Metrics
 from difrl.train.precision import refuse_fp16, trained_network
+from difrl.train.progress import progress_bar
+from difrl.train.rundir import finished
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, check_ratio, claim_run_dir,  # noqa: F401
                                   clip_and_step, cores_available, fmt_eval, make_optimizer, progress, record_eval,
                                   reference_policy, save_policy)
@@ -71,12 +73,12 @@ from difrl.worlds import build_masked_world
 
 
 def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool = False) -> dict:
-    from tqdm.auto import tqdm
-
     # ======================================================================== setup
     refuse_fp16(cfg.model.dtype)  # fp16 training is refused (difrl/train/precision.py)
     # resume=: the run's config.yaml allows the changes; else the directory holds no run, or overwrite (rundir.py)
     run_dir = claim_run_dir(cfg, out_dir, overwrite, f"runs/{cfg.model.kind}")
+    if (summary := finished(cfg, run_dir)) is not None:  # resume= of a finished run: nothing to do (rundir.py)
+        return summary
     local_device()  # several processes on GPUs: this process's GPU is "cuda" while the world loads
     world = build_masked_world(cfg)
     policy = world.policy
@@ -122,8 +124,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
         say("eval before: " + fmt_eval(run.state["eval_before"], world.headline))
         save_samples(world, policy, run_dir / "samples" / "iter-0000.png", main)
 
-    bar = tqdm(range(run.start, cfg.train.iterations), initial=run.start, total=cfg.train.iterations, desc="train",
-               dynamic_ncols=True, disable=not main)
+    bar = progress_bar(run.start, cfg.train.iterations, main)  # a tqdm bar, plain lines off a terminal
     done = run.start  # iterations completed
     for it in bar:
         t_iter = time.perf_counter()
@@ -226,7 +227,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
         row["seconds"] = time.perf_counter() - t_iter
         run.log(row)
         done = it + 1
-        progress(bar, row["reward_mean"], run.state["last_eval"], world.headline)
+        progress(bar, row, run.state["last_eval"], world.headline)
 
         # ==================================================================== checkpoint
         if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:

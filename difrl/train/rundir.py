@@ -2,6 +2,7 @@
 
     run_dir = claim_run_dir(cfg, out_dir, overwrite, "runs/flow")   # a recipe's first line: refuse before loading
     changes = check_resume(cfg, run_dir, said)                     # [(key, old, new)]; refuses algorithm changes
+    summary = finished(cfg, run_dir)                               # resume= of a finished run: its summary, else None
 
 `said(key)` names who says a new value in a refusal ("the command line says", "configs/x.yaml says"; default
 "this config says"): `difrl train resume=R [CONFIG] [key=value ...]` passes it (difrl.cli.load_resume_config).
@@ -9,10 +10,19 @@
 **A directory that holds a run** (config.yaml, metrics.jsonl, summary.json or checkpoints/) is refused unless
 the command continues it (``resume=DIR``) or replaces it (``--overwrite``: Run.open removes the earlier run's
 files, RUN_FILES, before writing, so no stale sample grid, metric row, checkpoint or report survives; a file
-difrl does not write is left where it is and named). Nothing is written before this check.
+difrl does not write is left where it is and named). Nothing is written before this check. What a start that
+failed before its first iteration left (config.yaml, an empty metrics.jsonl, the evaluation before: no
+checkpoint, no metric row, no summary.json, no trained weights; ``failed_start``) is not a run: the next start
+replaces it (Run.open, saying so), and ``resume=`` of it says to start again. The trackers that ``log_with``
+names must be installed (check_trackers): that is checked here too, before anything loads or is written.
+
+**A finished run has nothing left to do**: ``resume=DIR`` of a run whose summary.json covers its newest
+checkpoint and whose train.iterations the command does not raise returns that summary (``finished``) after one
+line saying so; nothing is loaded, evaluated or written.
 
 **Resume is the run's own config.yaml.** ``difrl train resume=R`` loads R/config.yaml; key=value overrides and a
-config file given beside it are compared with it key by key. A key in RESUME_SAFE may change; any other change
+config file given beside it are compared with it key by key. A key in RESUME_SAFE may change (said on the
+command line: a change only the config file makes is refused, difrl.train.entry.load_resume_config); any other change
 is refused with one line naming each key, its value in R/config.yaml and what the command says, unless
 ``resume_override=true``. Every change that goes through (a safe one too) is printed and appended to the
 ``history`` of R/config.yaml as {iteration, key, old, new}, so the run's settings are never lost. The
@@ -57,6 +67,8 @@ BOOKKEEPING = ("resume", "resume_override", "resume_unverified", "out", "history
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints")
 RUN_FILES = (*RUN_MARKERS, "eval.json", "samples", "reward_curve.png", "report.html", "policy.safetensors", "lora",
              "transformer", "transformer_2", "tensorboard", "wandb", "export")
+TRAINED = ("policy.safetensors", "lora", "transformer", "transformer_2", "export")  # a run's trained weights
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # log_with name -> the package it needs
 
 
 class RunDirError(ValueError):
@@ -64,8 +76,43 @@ class RunDirError(ValueError):
 
 
 def holds_run(run_dir: Path) -> list[str]:
-    """The files and directories that mark `run_dir` as holding a run (empty: it holds none)."""
-    return [name for name in RUN_MARKERS if (Path(run_dir) / name).exists()]
+    """The files and directories that mark `run_dir` as holding a run (empty: it holds none, or only what a start
+    that failed before its first iteration left, see failed_start)."""
+    found = [name for name in RUN_MARKERS if (Path(run_dir) / name).exists()]
+    return [] if failed_start(run_dir) else found
+
+
+def checkpoint_iterations(run_dir: Path) -> list[int]:
+    """The iterations of the complete checkpoints in run_dir/checkpoints (iter-NNNNNN directories), oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    return sorted(int(p.name[5:]) for p in root.glob("iter-*") if p.is_dir() and p.name[5:].isdigit())
+
+
+def failed_start(run_dir: Path) -> list[str]:
+    """What a start that failed before its first iteration left in `run_dir` (a wrong log_with, a reward failing
+    on the evaluation before, an out-of-memory in the first update, a killed process): the RUN_FILES present when
+    config.yaml is (Run.open writes it first) but no checkpoint (checkpoints/ empty or absent), no metric row
+    (metrics.jsonl empty or absent), no summary.json and no trained weights. Empty when it holds a run or nothing."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        return []
+    checkpoints, metrics = run_dir / "checkpoints", run_dir / "metrics.jsonl"
+    checkpointed = checkpoints.exists() and (not checkpoints.is_dir() or any(checkpoints.iterdir()))  # .tmp-* too
+    if (checkpointed or (metrics.exists() and metrics.stat().st_size > 0)
+            or any((run_dir / name).exists() for name in ("summary.json", *TRAINED))):
+        return []
+    return [name for name in RUN_FILES if (run_dir / name).exists()]
+
+
+def check_trackers(cfg) -> None:
+    """Refuse, before anything loads or is written, a log_with tracker whose package is not installed."""
+    from importlib.util import find_spec
+
+    for name in cfg.log_with:
+        package = TRACKER_PACKAGES.get(name, name)
+        if find_spec(package) is None:
+            raise ConfigError(f"config key 'log_with': {name} needs the package {package!r}, which is not installed: "
+                              f"pip install 'difrl[{name}]', or leave {name} out of log_with", "log_with")
 
 
 def same_dir(a, b) -> bool:
@@ -75,7 +122,9 @@ def same_dir(a, b) -> bool:
 def claim_run_dir(cfg, out_dir, overwrite: bool, default: str) -> Path:
     """The run directory of this command, checked before anything loads or is written: resume=DIR (a run, whose
     config.yaml the config must agree with, see check_resume; --out, if given, must be DIR), else --out, the
-    config's `out`, or `default`, which must not hold a run unless `overwrite`."""
+    config's `out`, or `default`, which must not hold a run unless `overwrite` (what a failed start left is no
+    run: Run.open replaces it). The trackers of log_with must be installed (check_trackers)."""
+    check_trackers(cfg)
     if cfg.resume:
         run = Path(cfg.resume)
         if overwrite:
@@ -87,6 +136,14 @@ def claim_run_dir(cfg, out_dir, overwrite: bool, default: str) -> Path:
                               f"{out_dir} without resume=")
         if not (run / "config.yaml").is_file():
             raise FileNotFoundError(f"resume={run}: {run} holds no run to continue (no config.yaml, no checkpoint)")
+        if left := failed_start(run):
+            raise FileNotFoundError(f"resume={run}: {run} holds no run to continue, only what a start that failed "
+                                    f"before its first iteration left ({', '.join(left)}: no checkpoint, no metric "
+                                    f"row): start it again with the command that started it, without resume= (what "
+                                    f"it left is replaced)")
+        if not checkpoint_iterations(run) and not (run / "checkpoints" / "latest").exists():
+            raise FileNotFoundError(f"resume={run}: no checkpoint found in {run / 'checkpoints'} (the run stopped "
+                                    "before its first one); start it again with --overwrite")
         check_resume(cfg, run)
         return run
     run = Path(out_dir or cfg.out or default)
@@ -98,11 +155,40 @@ def claim_run_dir(cfg, out_dir, overwrite: bool, default: str) -> Path:
     return run
 
 
-def clear_run(run_dir: Path) -> tuple[list[str], list[str]]:
-    """--overwrite: remove the earlier run's files (RUN_FILES) from `run_dir`. Returns (removed, kept): the names
-    removed and those of anything else left in the directory (files difrl does not write)."""
+def finished(cfg, run_dir: Path) -> dict | None:
+    """`resume=` of a run with nothing left to do: its summary.json (said in one line, by the main process) when
+    the run finished (or stopped early) at its newest checkpoint and cfg.train.iterations asks for no iteration
+    past it (an early-stopped run: no more than its config.yaml's); else None, and the run continues."""
+    import json
+    import os
+
+    path = Path(run_dir) / "summary.json"
+    if not cfg.resume or not path.is_file():
+        return None
+    summary = json.loads(path.read_text())
+    done, asked = int(summary.get("iterations", -1)), cfg.train.iterations
+    if any(it > done for it in checkpoint_iterations(run_dir)):  # resumed past its end since (summary.json is old)
+        return None
+    if summary.get("stopped_early"):  # it stopped before its train.iterations: only raising them continues it
+        limit = (yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}).get("train", {}).get("iterations", done)
+        what = f"stopped early after iteration {done} ({summary['stopped_early']})"
+    else:
+        limit = done
+        what = f"finished its {done} iteration{'s' * (done != 1)}" + (f", past train.iterations={asked}" if asked < done
+                                                                       else "")
+    if asked > limit:
+        return None
+    if int(os.environ.get("RANK", "0")) == 0:  # under a launcher, every process returns; one says it
+        print(f"difrl: resume={run_dir}: the run {what}; nothing to do (its results: {path}). To train it further, "
+              f"pass train.iterations=N with N above {limit}")
+    return {**summary, "run_dir": str(run_dir)}  # where it is now (the closing line lists its files)
+
+
+def clear_run(run_dir: Path, names=RUN_FILES) -> tuple[list[str], list[str]]:
+    """--overwrite: remove the earlier run's files (RUN_FILES, or `names`) from `run_dir`. Returns (removed,
+    kept): the names removed and those of anything else left in the directory (files difrl does not write)."""
     removed = []
-    for name in RUN_FILES:
+    for name in names:
         path = Path(run_dir) / name
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
@@ -150,6 +236,13 @@ def resume_changes(cfg, saved) -> list[tuple[str, object, object]]:
     old = dict(_leaves(saved))
     return [(k, old[k], v) for k, v in _leaves(cfg) if k not in BOOKKEEPING and old[k] != v
             and not (k == "train.checkpoint_format" and "auto" in (old[k], v))]
+
+
+def same_settings(cfg, run_dir: Path) -> bool:
+    """`cfg` is run_dir/config.yaml's settings, bookkeeping aside (`difrl eval RUN_DIR` measured what the run
+    measured: its evaluation before training is comparable)."""
+    saved = saved_config(run_dir, type(cfg))
+    return saved is not None and not resume_changes(cfg, saved)
 
 
 def show(value) -> str:

@@ -29,7 +29,9 @@ import torch
 
 from difrl.config import save_config
 from difrl.train import interrupt
-from difrl.train.rundir import check_resume, claim_run_dir, clear_run, saved_config, show  # noqa: F401  (re-exported)
+from difrl.train.progress import progress  # noqa: F401  (re-exported: the loops' progress line)
+from difrl.train.rundir import (TRACKER_PACKAGES, check_resume, claim_run_dir, clear_run,  # noqa: F401  (re-exported)
+                                failed_start, saved_config, show)
 from difrl.utils.modules import use_module
 from difrl.train.sharding import is_sharded, plain_copy, reshard
 from difrl.train.sharded_state import checkpoint_format
@@ -128,13 +130,7 @@ def check_ratio(log_prob: torch.Tensor, log_prob_old: torch.Tensor, tol: float, 
     return err
 
 
-# ---------------------------------------------------------------------------------- progress
-
-
-def progress(bar, reward_mean: float, last_eval: dict, headline: tuple[str, ...]) -> None:
-    """The progress bar's postfix: this iteration's train reward and the last evaluation's headline metrics."""
-    bar.set_postfix({"reward": f"{reward_mean:.3f}",
-                     **{f"eval {k}": f"{last_eval.get(k, float('nan')):.3f}" for k in headline}})
+# ---------------------------------------------------------------------------------- evaluations in one line
 
 
 def fmt_eval(ev: dict, headline: tuple[str, ...]) -> str:
@@ -198,6 +194,10 @@ class Run:
                 if removed:
                     say(f"difrl: --overwrite: removed the earlier run's {', '.join(removed)} from {run_dir}"
                         + (f" (kept, not difrl's: {', '.join(kept)})" if kept else ""))
+            elif not cfg.resume and (left := failed_start(run_dir)):  # no run (rundir.failed_start): replaced
+                clear_run(run_dir, left)
+                say(f"difrl: {run_dir} held only what a start that failed before its first iteration wrote "
+                    f"({', '.join(left)}): replaced by this start")
             run_dir.mkdir(parents=True, exist_ok=True)
             save_config(run_config(cfg, run_dir, start), run_dir / "config.yaml")
             run.trackers = start_trackers(cfg, run_dir)
@@ -310,10 +310,10 @@ def start_trackers(cfg, run_dir: Path) -> list:
     TensorBoard writes RUN_DIR/tensorboard/; W&B logs to the project "difrl" under the run directory's name."""
     from difrl.config import ConfigError, config_to_dict
 
-    known = {"tensorboard": ("tensorboard", "TensorBoardTracker"), "wandb": ("wandb", "WandBTracker")}  # TRACKERS
+    known = {"tensorboard": "TensorBoardTracker", "wandb": "WandBTracker"}  # TRACKERS
     trackers = []
     for name in cfg.log_with:
-        package, cls_name = known[name]
+        package, cls_name = TRACKER_PACKAGES[name], known[name]  # claim_run_dir checked it is installed
         try:
             __import__(package)
         except ImportError as e:
