@@ -402,7 +402,7 @@ def run_chromium(binary: str, profile: Path, *args: str) -> subprocess.Completed
 def test_report_renders_in_headless_chromium(digits_run, tmp_path):
     binary = chromium()
     if binary is None:
-        pytest.skip("Chromium not installed: apt-get install chromium (see docs/guides/evaluation.md, "Run report")")
+        pytest.skip("Chromium not installed: apt-get install chromium (see docs/guides/evaluation.md, 'Run report')")
     from PIL import Image
 
     path, _, page = render(digits_run)
