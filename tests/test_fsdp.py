@@ -90,10 +90,16 @@ def run(nproc: int, target: list[str], args: list[str], out: Path, launch: tuple
 
 
 def run_killed_after(nproc: int, target: list[str], args: list[str], out: Path, checkpoint: int) -> None:
-    """Start the run in its own process group and SIGKILL the whole group (launcher and every process) as soon
-    as checkpoint `checkpoint` is in place."""
+    """Start the run in its own process group and SIGKILL the launcher and every process it started as soon as
+    checkpoint `checkpoint` is in place (a crash of the whole job). torch's launcher starts each worker in a session
+    of its own (torch/distributed/elastic/multiprocessing/subprocess_handler: start_new_session=True), so killing
+    the launcher's group alone would leave the workers training on, and finishing, into `out`: every descendant is
+    killed by pid, and waited for."""
+    import psutil  # accelerate's dependency
+
     proc = subprocess.Popen(command(nproc, target, args, out), env=env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
+    workers = []
     try:
         done = out / "checkpoints" / f"iter-{checkpoint:06d}"
         deadline = time.monotonic() + 600
@@ -101,11 +107,19 @@ def run_killed_after(nproc: int, target: list[str], args: list[str], out: Path, 
             assert proc.poll() is None, f"the run ended (status {proc.returncode}) before checkpoint {checkpoint}"
             assert time.monotonic() < deadline, "no checkpoint within 600 s"
             time.sleep(0.02)
-        os.killpg(proc.pid, signal.SIGKILL)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            workers = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:  # the launcher is gone already
+            pass
+        for p in [psutil.Process(proc.pid), *workers] if proc.poll() is None else workers:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
         proc.wait()
+        _, alive = psutil.wait_procs(workers, timeout=30)
+        assert not alive, f"processes of the killed run still alive: {alive}"
     assert not (out / "summary.json").exists(), "the kill came after the run had finished"
 
 
