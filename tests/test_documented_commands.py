@@ -355,7 +355,7 @@ def _train_parts(kind: str, program: list[str]) -> tuple[str, list[str]] | None:
 
 def _small(kind: str, program: list[str]) -> list[str]:
     """The overrides that shorten this command (a training or an evaluation), or none."""
-    if kind == "difrl" and program[:1] in (["config"], ["rewards"]):
+    if kind == "difrl" and program[:1] in (["config"], ["rewards"], ["check"]):  # nothing runs long: as written
         return []
     config = next((a for a in program if a.endswith(".yaml")), None)
     if program[:1] == ["sample"]:
