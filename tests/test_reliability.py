@@ -209,7 +209,10 @@ def test_one_process_reward_failure_stops_both_processes(tmp_path):
     # both processes stop with the same message, naming the failing process, reward, prompt ids and seeds
     errors = [ln for ln in out.splitlines() if "difrl train: error: iteration 2: process 1: reward 'reliability:fault' "
                                                 "raised RuntimeError: injected fault" in ln]
-    assert len(errors) == 2, out[-3000:]
+    # torchrun sends SIGTERM to the other process as soon as the first exits with the error; whether that one had
+    # printed its line by then is a race (seen 1 in ~5 runs under the suite's load): then the launcher's notice
+    # stands for it (it was still running the same stop, not hanging: the run ended well inside the timeout)
+    assert len(errors) == 2 or (len(errors) == 1 and "closing signal SIGTERM" in out), out[-3000:]
     assert all("prompt ids [" in ln and "seeds [" in ln for ln in errors)
     rows = [json.loads(ln)["iteration"] for ln in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert rows == [1] and (tmp_path / "r" / "checkpoints" / "iter-000001").is_dir()
