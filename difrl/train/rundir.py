@@ -82,10 +82,16 @@ def holds_run(run_dir: Path) -> list[str]:
     return [] if failed_start(run_dir) else found
 
 
+def checkpoint_dirs(root: Path) -> list[Path]:
+    """The complete checkpoints under root (renamed into place, so never half-written), newest first (here, not in
+    state.py, so that the run-directory checks before loading need no torch; state.py re-exports it)."""
+    found = [(int(p.name[5:]), p) for p in Path(root).glob("iter-*") if p.is_dir() and p.name[5:].isdigit()]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
 def checkpoint_iterations(run_dir: Path) -> list[int]:
-    """The iterations of the complete checkpoints in run_dir/checkpoints (iter-NNNNNN directories), oldest first."""
-    root = Path(run_dir) / "checkpoints"
-    return sorted(int(p.name[5:]) for p in root.glob("iter-*") if p.is_dir() and p.name[5:].isdigit())
+    """The iterations of the complete checkpoints in run_dir/checkpoints, oldest first."""
+    return [int(p.name[5:]) for p in reversed(checkpoint_dirs(Path(run_dir) / "checkpoints"))]
 
 
 def failed_start(run_dir: Path) -> list[str]:

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from difrl.train.manifest import MANIFEST, SHARED, all_gather_objects, check, file_record, verdict
+from difrl.train.rundir import checkpoint_dirs  # noqa: F401  (one parser of iter-* names; re-exported)
 from difrl.train.sharded_state import (CheckpointError, is_sharded_checkpoint, load_sharded, read_metadata,  # noqa: F401
                                        write_shards)
 from difrl.train.sharding import is_sharded, like, reshard
@@ -151,12 +152,6 @@ def verify_manifest(path: Path, allow_unverified: bool = False) -> bool:
     if problem is not None:
         raise CheckpointError(problem)
     return verified
-
-
-def checkpoint_dirs(root: Path) -> list[Path]:
-    """The complete checkpoints under root (renamed into place, so never half-written), newest first."""
-    found = [(int(p.name[5:]), p) for p in root.glob("iter-*") if p.is_dir() and p.name[5:].isdigit()]
-    return [p for _, p in sorted(found, reverse=True)]
 
 
 @dataclass
