@@ -1,6 +1,11 @@
 """Real-size runs simulated by `difrl plan`: per-GPU peak memory by phase and category, collectives, verdicts.
 
-    python benchmarks/bench_plan.py [--quick] [--json PATH] [--no-write] [--jobs N]
+    python benchmarks/bench_plan.py [--quick] [--json PATH] [--no-write] [--jobs N] [--families]
+
+Two blocks: without --families, the first families' rows (FLUX.1-dev, SD3.5-Large, Wan 2.1 14B, LLaDA-8B) at 1, 8 and
+16 GPUs ("Real size, simulated: difrl plan"); with --families, the families added since (SANA, FLUX.2 [dev] and
+[klein], SD3.5-Medium, Z-Image, Qwen-Image, Wan 2.2: FAMILY_PREFIXES) at 1 and 8 GPUs, the counts issue 47 asks
+for ("Real size, simulated: the newer families"). Each full run rewrites its own block only.
 
 Each row is `difrl plan` (difrl/train/planner.py) of a published recipe config at the size of the family's reference
 checkpoint (FLUX.1-dev, SD3.5-Large, Wan 2.1 T2V 14B, LLaDA-8B, SANA-1.6B, FLUX.2-dev, FLUX.2-klein-base-9B, Z-Image:
@@ -14,7 +19,7 @@ runs the LLaDA-8B command of docs/guides/dllm.md (configs/text_arithmetic.yaml w
 Simulated on a CPU, never measured on a GPU; not simulated: reward models, evaluation, checkpoint writes, CUDA
 allocator fragmentation and context, NCCL buffers (every row's `not_simulated`). A plan fits when its peak (setup's
 or the iteration's) is at most 90% of the GPU (`difrl.train.planner.FIT_MARGIN`). Byte counts, no timings: the numbers do not depend on the machine's load.
---quick: FLUX.1-dev and LLaDA-8B, LoRA and full fine-tuning, on 8 GPUs only.
+--quick: FLUX.1-dev and LLaDA-8B, LoRA and full fine-tuning, on 8 GPUs only (with --families: SANA-1.6B's two).
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import publish, standard_args  # noqa: E402
 
 BEGIN, END = "<!-- bench_plan:begin -->", "<!-- bench_plan:end -->"
+FAMILY_BEGIN, FAMILY_END = "<!-- bench_plan_families:begin -->", "<!-- bench_plan_families:end -->"
+# the cases of --families: a case belongs to them when its name starts with one of these
+FAMILY_PREFIXES = ("SANA", "FLUX.2", "SD3.5-Medium", "Z-Image", "Qwen-Image", "Wan 2.2")
+FAMILY_GPUS = (1, 8)
 ROOT = Path(__file__).resolve().parent.parent
 GPUS = (1, 8, 16)
 VERDICTS = (80, 141)  # H100 80 GB, H200 141 GB
@@ -160,10 +169,14 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     standard_args(ap, "FLUX.1-dev and LLaDA-8B, LoRA and full fine-tuning, on 8 GPUs only")
     ap.add_argument("--jobs", type=int, default=1, help="plans run at once, each in its own process")
+    ap.add_argument("--families", action="store_true", help="the families added since the first four (FAMILY_PREFIXES), "
+                    "at 1 and 8 GPUs, into their own block; --quick with it: SANA-1.6B's two cases on 8 GPUs")
     args = ap.parse_args(argv)
-    quick = ("FLUX.1-dev full, EMA + KL ref, micro-batch 15", "FLUX.1-dev LoRA r32, EMA")
-    cases = [c for c in CASES if c[0] in quick or c[0].startswith("LLaDA")] if args.quick else CASES
-    gpus = (8,) if args.quick else GPUS
+    mine = [c for c in CASES if c[0].startswith(FAMILY_PREFIXES) == args.families]
+    quick = ({"FLUX.1-dev full, EMA + KL ref, micro-batch 15", "FLUX.1-dev LoRA r32, EMA"}, "LLaDA")
+    quick = (set(), "SANA") if args.families else quick  # (these cases, and those starting with this)
+    cases = [c for c in mine if c[0] in quick[0] or c[0].startswith(quick[1])] if args.quick else mine
+    gpus = (8,) if args.quick else FAMILY_GPUS if args.families else GPUS
     runs = [(name, config, overrides, numerator, n) for name, config, overrides, numerator, *own in cases
             for n in (gpus if args.quick else (own[0] if own else gpus))]
     # each plan in a process of its own (a fresh simulated cluster), --jobs at a time: byte counts, no timings
@@ -184,7 +197,11 @@ def main(argv: list[str] | None = None) -> None:
              "gathered network fits half of an 80 GiB GPU's free memory); a rollout copy is synced with one all-gather "
              "per unit; the rollout's forward batches and the update's micro-steps beyond the simulated ones are "
              "counted as repeats of them:", "", *collectives_table(rows), "", *sentences(rows)]
-    publish(args, BEGIN, END, "Real size, simulated: difrl plan", "bench_plan.py", argv, lines, rows)
+    if args.families:
+        publish(args, FAMILY_BEGIN, FAMILY_END, "Real size, simulated: the newer families", "bench_plan.py", argv,
+                lines, rows)
+    else:
+        publish(args, BEGIN, END, "Real size, simulated: difrl plan", "bench_plan.py", argv, lines, rows)
 
 
 if __name__ == "__main__":

@@ -717,6 +717,17 @@ def test_bench_plan_table_and_sentences_come_from_the_rows():
     assert len(bench.collectives_table(rows)) == 2 + 2  # the one-GPU row has no collectives
 
 
+def test_bench_plan_families_are_their_own_block():
+    """--families runs the families added after the first four (each case in exactly one of the two blocks), at the
+    1 and 8 GPUs issue 47 asks for, into markers of its own (a full run of one block leaves the other)."""
+    bench = _load("bench_plan")
+    family = [c[0] for c in bench.CASES if c[0].startswith(bench.FAMILY_PREFIXES)]
+    first = [c[0] for c in bench.CASES if not c[0].startswith(bench.FAMILY_PREFIXES)]
+    assert family and first and len(family) + len(first) == len(bench.CASES)
+    assert all(n.startswith(("FLUX.1", "SD3.5-Large", "Wan 2.1", "LLaDA")) for n in first), first
+    assert bench.FAMILY_GPUS == (1, 8) and {bench.FAMILY_BEGIN, bench.FAMILY_END}.isdisjoint({bench.BEGIN, bench.END})
+
+
 # ---- benchmarks/bench_methods.py ---------------------------------------------------------------------------------
 
 def _nfe_clock(r: dict) -> float:
