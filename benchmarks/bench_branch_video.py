@@ -45,8 +45,8 @@ VARIANTS = {
     "forest 4 roots, splits 2,4 x2": [*TREE, "tree.split_steps=[2,4]", "tree.roots=4"],
     "forest 8 roots, split 4 x2": [*TREE, "tree.split_steps=[4]", "tree.roots=8"],
     # pruned: micro-batches sized on the kept edges (12 / 32 per tree or forest x 8 prompts), so that they too
-    # make 2 updates per rollout (auto sizes on the edges before pruning and would make 1; updates_per_epoch's
-    # check counts the edges before pruning, hence null)
+    # make 2 updates per rollout (set by hand when auto sized on the edges before pruning; auto now sizes on the
+    # kept edges and chooses the same 24 / 64, so these commands keep the recorded runs' numbers)
     "depth prune 5,6,7 (0,2,4,6 x2)": [*TREE, "tree.split_steps=[0,2,4,6]", "tree.depth_prune=[5,6,7]",
                                        "train.micro_batch=24", "train.updates_per_epoch=null"],
     "forest 8, depth prune 5,6,7": [*TREE, "tree.split_steps=[4]", "tree.roots=8", "tree.depth_prune=[5,6,7]",
