@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import publish, same_config, standard_args  # noqa: E402
+from common import publish, repo_path, same_config, standard_args  # noqa: E402
 
 from difrl.discrete.samplers import SAMPLERS  # noqa: E402
 from difrl.utils.rng import mix_seed  # noqa: E402
@@ -402,7 +402,7 @@ def main_digit_tokens(args, argv) -> list[dict]:
     rows = digit_rows(policy, args.seeds or ([0] if q else [0, 1, 2]),
                       args.gammas or ([1.0, 10.0] if q else [0.1, 1.0, 3.0, 10.0, 30.0]), 5 if q else 50, 1.0)
     for r in rows:
-        r["model"] = str(model_path)
+        r["model"] = repo_path(model_path)
     lines = digit_table(rows, model)
     if not args.model:  # the model line's figures, so that the JSON holds every number of the block
         rows.append({"section": "model", "iterations": info["iterations"], "eval_before": ev0, "eval_after": ev1})
@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       args.orders or (["entropy"] if q else ["entropy", "confidence", "margin"]), args.llada_k, args.count)
     rows += first_pass_rows(policy, args.blanks, args.count)
     for r in rows:
-        r["model"] = str(path)
+        r["model"] = repo_path(path)
         if info:
             r["training"] = {k: v for k, v in info.items() if k != "eval_before"}
     wall = time.perf_counter() - t0

@@ -88,6 +88,16 @@ def publish(args, begin: str, end: str, title: str, script: str, argv: list[str]
         write_block(Path(__file__).resolve().parent.parent / "BENCHMARKS.md", begin, end, body)
 
 
+def repo_path(p) -> str:
+    """A path for a result to record: relative to the repository when it lies inside it (a saved result must not
+    name the checkout it ran in), a relative one as given, any other as it is."""
+    p = Path(p)
+    root = Path(__file__).resolve().parent.parent
+    if p.is_absolute() and p.resolve().is_relative_to(root):
+        return str(p.resolve().relative_to(root))
+    return str(p)
+
+
 def cell(v, spec: str = ".2f", scale: float = 1.0, suffix: str = "") -> str:
     """A table cell: `scale * v` formatted with `spec`, or "-" where nothing was measured (None)."""
     return "-" if v is None else f"{scale * v:{spec}}{suffix}"

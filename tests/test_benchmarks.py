@@ -830,3 +830,25 @@ def test_bench_methods_calls_a_difference_only_beyond_the_seed_spread():
     assert t[3].startswith("| AWM | 0.20 | 1.00× | 300, 300, 300 | 0.950 ± 0.010 | 35.0 ± 1.0 |")
     assert bench.which_method_when([base, na])[0] == ("- **digits** (budget 56 s of training, 3 seeds): only Flow-GRPO "
                                                       "measured, nothing to rank.")
+
+
+def test_saved_results_name_no_path_of_the_machine_they_ran_on(tmp_path):
+    # a result records paths relative to the repository (common.repo_path), not the checkout it ran in
+    # ("/work/wt-branch41/configs/moving_digits.yaml" named another engineer's worktree)
+    def strings(x):
+        if isinstance(x, dict):
+            for v in x.values():
+                yield from strings(v)
+        elif isinstance(x, list):
+            for v in x:
+                yield from strings(v)
+        elif isinstance(x, str):
+            yield x
+
+    for path in sorted((ROOT / "benchmarks" / "results").glob("*.json")):
+        absolute = {s for s in strings(json.loads(path.read_text())) if s.startswith("/")}
+        assert not absolute, (path.name, sorted(absolute)[:3])
+    common = _load("common")
+    assert common.repo_path(ROOT / "configs" / "moving_digits.yaml") == "configs/moving_digits.yaml"
+    assert common.repo_path(Path("configs/digits.yaml")) == "configs/digits.yaml"  # as given on the command line
+    assert common.repo_path(tmp_path / "x.yaml") == str(tmp_path / "x.yaml")  # outside the repository: as it is
