@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import publish, same_config, standard_args  # noqa: E402
+from common import SPREAD_NOTE, publish, sample_std, same_config, standard_args  # noqa: E402
 
 from difrl.train.config import load_flow_config  # noqa: E402
 from difrl.train.flow import train  # noqa: E402
@@ -204,7 +204,7 @@ def learning_rows(methods: list[str], seeds: list[int], iterations: int, every: 
         eq = [at_budget(rows, s, budget_iters if name != "flat GRPO" else None) for rows, s in rs]
         fin = [at_budget(rows, s, None) for rows, s in rs]
         mean = lambda xs, k: statistics.mean(x[k] for x in xs)  # noqa: E731
-        std = lambda xs, k: statistics.pstdev(x[k] for x in xs)  # noqa: E731
+        std = lambda xs, k: sample_std(x[k] for x in xs)  # noqa: E731
         out_rows.append({
             "section": "learning", "method": name, "seeds": seeds, "iterations": rs[0][1]["iterations"],
             "budget_seconds": budget, "budget_iterations": budget_iters, "iterations_at_budget": mean(eq, "iteration"),
@@ -261,8 +261,9 @@ def tables(rows: list[dict]) -> list[str]:
     learn = [r for r in rows if r["section"] == "learning"]
     if learn:
         b = learn[0]
-        out += [f"### (b) Learning at equal wall-clock: mean ± std over seeds {b['seeds']}; budget = flat GRPO's "
-                    f"{b['budget_seconds']:.0f} s of training; base accuracy {b['accuracy_before']:.3f}, FD {b['fd_before']:.1f}", "",
+        out += [f"### (b) Learning at equal wall-clock: mean ± std over seeds {b['seeds']} (n={len(b['seeds'])}); budget = flat GRPO's "
+                    f"{b['budget_seconds']:.0f} s of training; base accuracy {b['accuracy_before']:.3f}, FD {b['fd_before']:.1f}. "
+                + SPREAD_NOTE, "",
                 "| method | iterations run | budget (iterations) | evaluated at | its training s | accuracy at budget | "
                 "FD at budget | final accuracy | final FD | final judge | final diversity | s at end |",
                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

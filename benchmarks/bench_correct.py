@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_correct.py --json benchmarks/results/bench_correct.json   # ~25 min, 2 cores
     .venv/bin/python benchmarks/bench_correct.py --quick --no-write                             # ~2 min
+    .venv/bin/python benchmarks/bench_correct.py --render-from benchmarks/results/bench_correct.json  # the block again
 
 Every run is configs/digits.yaml (Flow-GRPO, the demo) for a fixed budget of iterations, with the
 trained rollouts coming from a rollout copy that differs from the trained policy: by default an
@@ -11,7 +12,7 @@ trained policy; the corrector weighs (or masks) each transition by pi_old / mu (
 Rows: the on-policy run without any mismatch (reference), no correction, token TIS (cap 2), token
 MIS, sequence MIS, AIS, and GRPO-Guard (RatioNorm + 1/dt step weights) without an IS correction.
 Accuracy (the reward's classifier), judge accuracy (an unseen SVM) and Fréchet distance are those
-of the final evaluation, mean ± std over seeds; K3 and ESS/B are the mismatch the corrector saw.
+of the final evaluation, mean ± sample standard deviation over seeds (n printed); K3 and ESS/B are the mismatch the corrector saw.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import publish, standard_args  # noqa: E402
+from common import SPREAD_NOTE, publish, republish, sample_std, standard_args, write_json  # noqa: E402
 
 from difrl.train.config import load_flow_config  # noqa: E402
 from difrl.train.flow import train  # noqa: E402
@@ -71,7 +72,7 @@ def aggregate(per_seed: list[dict], **info) -> dict:
     for key in per_seed[0]:
         vals = [r[key] for r in per_seed if r[key] is not None]
         row[f"{key}_mean"] = statistics.mean(vals) if vals else None
-        row[f"{key}_std"] = statistics.pstdev(vals) if vals else None
+        row[f"{key}_std"] = sample_std(vals) if vals else None
     row["per_seed"] = per_seed
     return row
 
@@ -88,7 +89,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--methods", nargs="+", choices=list(METHODS), help="default all (--quick: 3)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_correct")
     ap.add_argument("--threads", type=int, default=min(2, torch.get_num_threads()))
+    ap.add_argument("--render-from", type=Path, help="re-render the published block from a full run's saved rows "
+                    "(their per-seed values) instead of running")
     args = ap.parse_args(argv)
+    if args.render_from:
+        saved = json.loads(args.render_from.read_text())
+        rows = [aggregate(r["per_seed"], **{k: v for k, v in r.items() if k != "per_seed" and not k.endswith(("_mean", "_std"))})
+                for r in saved]  # the means and standard deviations again, from the per-seed values
+        write_json(args.json or args.render_from, rows)
+        mismatch = next((r["mismatch"] for r in rows if r["mismatch"] != "none"), " ".join(args.mismatch))
+        republish(BEGIN, END, render(rows, mismatch, rows[0]["iterations"], rows[0]["seeds"]), args.render_from,
+                  "bench_correct.py")
+        return rows
     torch.set_num_threads(args.threads)
     seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
     iterations = args.iterations or (20 if args.quick else 100)
@@ -107,6 +119,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"{scenario:4s} {name:32s} accuracy {r['accuracy_mean']:.3f} ± {r['accuracy_std']:.3f}  FD "
                   f"{r['fd_mean']:.1f} ± {r['fd_std']:.1f}  K3 {r['kl_k3_mean'] or 0:.2e}", flush=True)
 
+    publish(args, BEGIN, END, "Correctors under a rollout/train mismatch (digits, Flow-GRPO)", "bench_correct.py", argv,
+            render(rows, " ".join(args.mismatch), iterations, seeds), rows)
+    return rows
+
+
+def render(rows: list[dict], mismatch: str, iterations: int, seeds: list[int]) -> list[str]:
+    """The block's lines from the rows (a run's, or saved ones: --render-from)."""
     fmt = lambda r, k, p: "–" if r[f"{k}_mean"] is None else f"{r[f'{k}_mean']:.{p}f} ± {r[f'{k}_std']:.{p}f}"
     table = ["| log-probs | method | accuracy | judge | FD | diversity | K3 per step | ESS/B | masked |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -114,10 +133,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         k3 = "–" if r["kl_k3_mean"] is None else f"{r['kl_k3_mean']:.2e}"
         table.append(f"| {r['scenario']} | {r['method']} | {fmt(r, 'accuracy', 3)} | {fmt(r, 'judge', 3)} | {fmt(r, 'fd', 1)} | "
                      f"{fmt(r, 'diversity', 3)} | {k3} | {fmt(r, 'ess_frac', 4)} | {fmt(r, 'masked_frac', 4)} |")
-    publish(args, BEGIN, END, "Correctors under a rollout/train mismatch (digits, Flow-GRPO)", "bench_correct.py", argv,
-            [f"Mismatch: `{' '.join(args.mismatch)}` (none for the on-policy rows); {iterations} iterations per run; seeds "
-             f"{seeds}; final evaluation (500 samples, 10 ODE steps); the FD stopping rule off.", "", *table], rows)
-    return rows
+    return [f"Mismatch: `{mismatch}` (none for the on-policy rows); {iterations} iterations per run; seeds {seeds} "
+            f"(n={len(seeds)}); final evaluation (500 samples, 10 ODE steps); the FD stopping rule off. {SPREAD_NOTE}",
+            "", *table]
 
 
 if __name__ == "__main__":

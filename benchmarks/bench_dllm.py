@@ -22,13 +22,12 @@ within 0.01 of the accuracy of one-token-per-step LLaDA decoding.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_masked import curve, table  # noqa: E402
-from common import publish, same_config, standard_args  # noqa: E402
+from common import SPREAD_NOTE, beyond_spread, publish, sample_std, same_config, standard_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- bench_dllm:start -->", "<!-- bench_dllm:end -->"
@@ -65,11 +64,11 @@ def spread_sentence(rows: list[dict], key: str, std: str, where: str) -> str:
     if best["seeds"] < 2:
         return (f"{where} {best['method']} has the highest pass@1 ({best[key]:.3f}); one seed only, so no "
                 "spread is known and no method is called better.")
-    beyond = [r["method"] for r in rest if best[key] - best[std] > r[key] + r[std]]
+    beyond = [r["method"] for r in rest if beyond_spread(best[key], best[std], r[key], r[std])]
     within = [r["method"] for r in rest if r["method"] not in beyond]
     out = f"{where} {best['method']} has the highest mean pass@1 ({best[key]:.3f} ± {best[std]:.3f})"
     if beyond:
-        out += f"; its lead over {', '.join(beyond)} holds beyond one standard deviation over seeds"
+        out += f"; its lead over {', '.join(beyond)} holds beyond the spread over seeds"
     if within:
         out += f"; against {', '.join(within)} it is within the spread over seeds (not better)"
     return out + "."
@@ -136,8 +135,9 @@ def main(argv: list[str] | None = None) -> dict:
     budget = train_rows[0]["budgets_s"][-1]
     for r in train_rows:  # the per-iteration comparison: every run's last evaluation, after the same iterations
         finals = [c["points"][-1][2]["pass@1"] for c in runs[r["method"]]]
-        r["pass@1_final_std"] = statistics.stdev(finals) if len(finals) > 1 else 0.0
+        r["pass@1_final_std"] = sample_std(finals)
         r["views_per_forward"] = VIEWS[r["method"]]
+    est_lines += [SPREAD_NOTE, ""]
     est_lines.append(spread_sentence(train_rows, f"pass@1@{budget:.0f}s", f"pass@1@{budget:.0f}s_std", f"At {budget:.0f} s"))
     est_lines.append(spread_sentence(train_rows, "pass@1_final", "pass@1_final_std", f"After {its} iterations"))
     spi = {r["method"]: r["s_per_iter"] for r in train_rows}

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import publish, standard_args  # noqa: E402
+from common import publish, sample_std, standard_args  # noqa: E402
 
 from difrl.eval.metrics import within_class_diversity  # noqa: E402
 from difrl.rewards import build_reward  # noqa: E402
@@ -66,7 +66,7 @@ def search_rows(policy, prompts, score, full, seeds, budgets, lam, root_children
         images = torch.stack([v[1] for v in vals])
         extra = full(images, [v[2] for v in vals])
         rows.append({"section": "search", "method": method, "budget": b, "reward": statistics.mean(v[0] for v in vals),
-                     "reward_std": statistics.pstdev(v[0] for v in vals), "digit_prob": float(extra["prob"].mean()),
+                     "reward_std": sample_std(v[0] for v in vals), "digit_prob": float(extra["prob"].mean()),
                      "accuracy": float(extra["correct"].mean()), "n": len(vals), "root_children": root_children})
     curve = sorted((r["budget"], r["reward"]) for r in rows if r["method"] == "best-of-N")
     for r in rows:
@@ -116,8 +116,8 @@ def tables(rows: list[dict], lam: float) -> list[str]:
     budgets = sorted({r["budget"] for r in s if r["method"] == "DTS*"})
     extra_bon = sorted({r["budget"] for r in s if r["method"] == "best-of-N"} - set(budgets))
     get = lambda m, b: next(r for r in s if r["method"] == m and r["budget"] == b)  # noqa: E731
-    out = [f"### (a) DTS* (lam = {lam:g}, {s[0]['root_children']} initial noises, 2 children per node) vs best-of-N at equal NFE: the best sample's reward (logit margin), mean ± std "
-           f"over {s[0]['n']} prompt x seed runs; its p(prompted digit) and accuracy", "",
+    out = [f"### (a) DTS* (lam = {lam:g}, {s[0]['root_children']} initial noises, 2 children per node) vs best-of-N at equal NFE: the best sample's reward (logit margin), mean ± sample std "
+           f"(n - 1) over n={s[0]['n']} prompt x seed runs; its p(prompted digit) and accuracy", "",
            "| NFE budget | best-of-N (N) | DTS* | DTS* = best-of-N at (NFE) | best-of-N p / acc | DTS* p / acc |",
            "|---:|---:|---:|---:|---:|---:|"]
     for b in budgets:

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import publish, same_config, standard_args  # noqa: E402
+from common import SPREAD_NOTE, beyond_spread, publish, repo_path, sample_std, same_config, standard_args  # noqa: E402
 
 from difrl.discrete.samplers import SAMPLERS  # noqa: E402
 from difrl.utils.rng import mix_seed  # noqa: E402
@@ -121,7 +121,7 @@ def sweep_rows(policy, blanks_list: list[int], temperatures: list[float], seeds:
             for label, sampler, kw in methods(blanks, gammas, orders, llada_k):
                 per = [evaluate(policy, blanks, count, sampler, s, temperature=temp, **kw) for s in run_seeds]
                 mean = lambda k: statistics.mean(p[k] for p in per)  # noqa: E731
-                std = lambda k: statistics.pstdev(p[k] for p in per)  # noqa: E731
+                std = lambda k: sample_std(p[k] for p in per)  # noqa: E731
                 group.append({"section": "sweep", "world": "sudoku", "blanks": blanks, "temperature": temp, "method": label,
                               "sampler": sampler, "gamma": kw.get("gamma"), "order": kw.get("order", "entropy" if sampler == "eb" else None),
                               "steps": kw.get("steps"), "seeds": run_seeds, "count": count,
@@ -279,7 +279,7 @@ def tables(all_rows: list[dict], model: str, notes: bool = False) -> list[str]:
     rows = [r for r in all_rows if r.get("section") == "sweep"]
     seeds = max((r["seeds"] for r in rows), key=len)
     out = [f"Model: {model}.", "",
-           f"{rows[0]['count']} fixed test puzzles per blank count; sampler seeds {seeds} (mean ± std over them; T = 0 is deterministic: one run).",
+           f"{rows[0]['count']} fixed test puzzles per blank count; sampler seeds {seeds} (n={len(seeds)}; mean ± sample std over them; T = 0 is deterministic: one run).",
            f"Goal: >= {GOAL_RATIO:g}x fewer NFE than {BASELINE} at <= {GOAL_LOSS:g} point of cell-accuracy loss.", ""]
     for temp in sorted({r["temperature"] for r in rows}):
         out += [f"### T = {temp:g}" + (" (greedy)" if temp == 0 else ""), "",
@@ -331,7 +331,7 @@ def digit_rows(policy, seeds: list[int], gammas: list[float], per_digit: int, te
                "seeds": seeds, "samples": ms[0]["samples"]}
         for k in ("nfe", "accuracy", "fd", "judge_accuracy"):
             row[k] = statistics.mean(m[k] for m in ms)
-            row[k + "_std"] = statistics.stdev(m[k] for m in ms) if len(ms) > 1 else 0.0
+            row[k + "_std"] = sample_std(m[k] for m in ms)
         rows.append(row)
         print(f"digit tokens {label}: nfe {row['nfe']:.2f} accuracy {row['accuracy']:.3f} fd {row['fd']:.1f}", flush=True)
     base = rows[0]
@@ -345,9 +345,10 @@ def digit_rows(policy, seeds: list[int], gammas: list[float], per_digit: int, te
 def digit_table(rows: list[dict], model: str) -> list[str]:
     pm = lambda r, k, f: f"{r[k]:{f}} ± {r[k + '_std']:{f}}"  # noqa: E731
     out = [f"Model: {model}.", "",
-           f"{rows[0]['samples']} samples ({rows[0]['samples'] // 10} per digit, fixed seeds) per decoder and sampler seed, seeds {rows[0]['seeds']}, "
+           f"{rows[0]['samples']} samples ({rows[0]['samples'] // 10} per digit, fixed seeds) per decoder and sampler seed, seeds {rows[0]['seeds']} (n={len(rows[0]['seeds'])}; mean ± sample std), "
            f"T = {rows[0]['temperature']:g}; one token per step = 64 forwards. Goal: >= {GOAL_RATIO:g}x fewer NFE than "
            f"{BASELINE} at <= {GOAL_LOSS:g} point of accuracy loss (FD reported alongside).", "",
+           SPREAD_NOTE, "",
            "| decoder | NFE / sample | × fewer NFE | accuracy | Δ accuracy (pts) | FD | judge accuracy |",
            "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -365,7 +366,8 @@ def digit_table(rows: list[dict], model: str) -> list[str]:
 
 def strongest_comparison(rows: list[dict]) -> list[str]:
     """Each EB row against the most accurate other decoder that spends no more NFE (the accuracy-vs-NFE curve of the
-    non-EB decoders): better / worse only when the gap exceeds the sum of the two seed standard deviations."""
+    non-EB decoders): better / worse only beyond the spread (common.beyond_spread: the gap exceeds the sum of the two
+    sample standard deviations over seeds)."""
     others = [r for r in rows if r["sampler"] != "eb"]
     out = ["Against the strongest decoder at the same budget (the most accurate non-EB decoder with no more NFE):"]
     for r in (r for r in rows if r["sampler"] == "eb"):
@@ -375,7 +377,9 @@ def strongest_comparison(rows: list[dict]) -> list[str]:
             continue
         best = max(cheaper, key=lambda o: o["accuracy"])
         gap, spread = r["accuracy"] - best["accuracy"], r["accuracy_std"] + best["accuracy_std"]
-        word = "better than" if gap > spread else "worse than" if gap < -spread else "level with (within the spread)"
+        word = ("level with (within the spread)" if not beyond_spread(r["accuracy"], r["accuracy_std"], best["accuracy"],
+                                                                      best["accuracy_std"]) else "better than" if gap > 0
+                else "worse than")
         out.append(f"- {r['method']} ({r['nfe']:.1f} NFE, accuracy {r['accuracy']:.3f}) is {word} {best['method']} "
                    f"({best['nfe']:.1f} NFE, {best['accuracy']:.3f}): {100 * gap:+.1f} points, spread {100 * spread:.1f}.")
     return out
@@ -402,7 +406,7 @@ def main_digit_tokens(args, argv) -> list[dict]:
     rows = digit_rows(policy, args.seeds or ([0] if q else [0, 1, 2]),
                       args.gammas or ([1.0, 10.0] if q else [0.1, 1.0, 3.0, 10.0, 30.0]), 5 if q else 50, 1.0)
     for r in rows:
-        r["model"] = str(model_path)
+        r["model"] = repo_path(model_path)
     lines = digit_table(rows, model)
     if not args.model:  # the model line's figures, so that the JSON holds every number of the block
         rows.append({"section": "model", "iterations": info["iterations"], "eval_before": ev0, "eval_after": ev1})
@@ -460,7 +464,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       args.orders or (["entropy"] if q else ["entropy", "confidence", "margin"]), args.llada_k, args.count)
     rows += first_pass_rows(policy, args.blanks, args.count)
     for r in rows:
-        r["model"] = str(path)
+        r["model"] = repo_path(path)
         if info:
             r["training"] = {k: v for k, v in info.items() if k != "eval_before"}
     wall = time.perf_counter() - t0

@@ -38,7 +38,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import publish, same_config, standard_args  # noqa: E402
+from common import mean_std as seed_mean_std  # noqa: E402
+from common import publish, sample_std, same_config, standard_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- bench_masked:start -->", "<!-- bench_masked:end -->"
@@ -118,7 +119,8 @@ def at_budget(points: list, budget: float, s_per_iter: float) -> dict:
 def mean_std(xs: list[float]) -> str:
     if len(xs) == 1:
         return f"{xs[0]:.3f}"
-    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}"
+    m, s = seed_mean_std(xs)  # the sample standard deviation (common.sample_std)
+    return f"{m:.3f} ± {s:.3f}"
 
 
 def table(title: str, methods: dict, runs: dict, keys: tuple[str, ...], part: str) -> tuple[list[str], list[dict]]:
@@ -142,7 +144,7 @@ def table(title: str, methods: dict, runs: dict, keys: tuple[str, ...], part: st
                 vals = [at_budget(c["points"], b, spi[m])[k] for c in cs]
                 cells.append(mean_std(vals))
                 row[f"{k}@{b:.0f}s"] = statistics.mean(vals)
-                row[f"{k}@{b:.0f}s_std"] = statistics.stdev(vals) if len(vals) > 1 else 0.0
+                row[f"{k}@{b:.0f}s_std"] = sample_std(vals)
         for k in keys:
             row[f"{k}_before"] = cs[0]["points"][0][2][k]
             row[f"{k}_final"] = statistics.mean(c["points"][-1][2][k] for c in cs)

@@ -135,7 +135,7 @@ def refusal(world: str, method: str) -> str | None:
 
 def sample_std(xs: list[float]) -> float | None:
     """The sample standard deviation (n - 1) over seeds; None for one seed (no spread measured)."""
-    return statistics.stdev(xs) if len(xs) > 1 else None
+    return common.sample_std(xs) if len(xs) > 1 else None
 
 
 class InProcess:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import publish, standard_args  # noqa: E402
+from common import mean_std, publish, standard_args  # noqa: E402
 
 BEGIN, END = "<!-- bench_models:begin -->", "<!-- bench_models:end -->"
 KINDS = ("flux", "sd3", "wan")
@@ -76,7 +76,7 @@ def tracked_iterations(a: Path, b: Path, tol: float = 1e-5) -> int:
 
 
 def _mean_std(xs: list[float]) -> tuple[float, float]:
-    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+    return mean_std(xs)  # mean and sample standard deviation (common.sample_std)
 
 
 def summary_row(kind: str, one: list[dict], two: dict | None) -> dict:

@@ -31,7 +31,7 @@ in this process scoring the same float images in the same `--batch`-image calls,
 and then, in a rotated order, each encoding with `--b-clients` concurrent `remote` reward clients
 (`build_reward("remote", ...)`, what a trainer uses; built and warmed up before timing) plus raw with one
 client (a single trainer's view), each run sending `--b-requests` requests in all. Reported: images per
-second overall (wall clock from the barrier to the last answer; mean ± std over repeats), p50 / p99
+second overall (wall clock from the barrier to the last answer; mean ± sample std over repeats), p50 / p99
 request latency over all repeats (nearest rank), bytes per image on the wire, client-side encoding ms
 per image and the server's own `timing_ms` per request (body read, decode, queueing and scoring), and
 the ratio remote / in-process images/s computed per repeat against that repeat's baseline. A "faster" /
@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import publish, standard_args  # noqa: E402
+from common import publish, sample_std, standard_args  # noqa: E402
 
 from difrl.rewards import build_reward  # noqa: E402
 from difrl.rewards.wire import ENCODINGS, decode_sample, encode_sample, pack_request, unpack  # noqa: E402
@@ -426,7 +426,7 @@ def throughput(server: Server, options: dict, pool: torch.Tensor, refs: dict, ar
             row = {"part": "B", "reward": name, "scoring": "in-process" if cfg == "in-process" else "remote",
                    "encoding": enc, "clients": n_cl, "batch": args.batch, "requests": args.b_requests,
                    "repeats": args.repeats, "images_per_s": round(statistics.mean(rates), 2),
-                   "images_per_s_std": round(statistics.pstdev(rates), 2), "images_per_s_min": round(min(rates), 2),
+                   "images_per_s_std": round(sample_std(rates), 2), "images_per_s_min": round(min(rates), 2),
                    "images_per_s_max": round(max(rates), 2), "latency_samples": len(lat),
                    "p50_ms": round(percentile(lat, 50), 1), "p99_ms": round(percentile(lat, 99), 1),
                    "server_ms_p50": round(percentile(srv, 50), 1) if srv else None,
@@ -521,7 +521,7 @@ def report(rtt: dict, a_rows: list[dict], b_rows: list[dict], args, jpeg_shift: 
                   f"{total['served_delta']} for {total['answered']} answered, {total['in_flight_after']} left in flight; "
                   f"e.g. {total['problems'][:2]}"]
     lines += ["", f"Part B, throughput: {args.b_requests} requests of {args.batch} {SIZE}² images per run, "
-              f"{args.repeats} repeats (encodings in rotated order); images/s mean ± std over repeats; latency "
+              f"{args.repeats} repeats (encodings in rotated order); images/s mean ± sample std (n - 1) over the n={args.repeats} repeats; latency "
               f"percentiles (nearest rank) over all {args.b_requests * args.repeats} requests of the repeats; server ms: "
               "the server's own `timing_ms` (body read, decode, queueing, scoring), median; encode / decode ms per "
               "image measured single-threaded in this process. Ratio: remote / in-process images/s per repeat, "

@@ -16,7 +16,7 @@ samples), the two modes run back to back per seed. The measure is the seconds an
 sampling and waiting for its rewards (`seconds_rollout + seconds_reward`: the phases overlap can
 change; the policy update after them is the same work either way and on a shared CPU its timing
 noise would swamp the difference), median over iterations after the first, per seed, then mean ±
-std over seeds, and the ratio overlapped / serial per seed; whole seconds per iteration are
+sample standard deviation over seeds, and the ratio overlapped / serial per seed; whole seconds per iteration are
 reported beside it. Two rewards: the digits world's
 own classifier (cheap: a few ms per iteration) and the same classifier behind a simulated 40 ms
 latency per chunk (`time.sleep`, a stand-in for a remote reward server; it holds no CPU). The
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import publish, standard_args  # noqa: E402
+from common import publish, sample_std, standard_args  # noqa: E402
 
 from difrl.rewards import REWARDS, build_reward, register_reward  # noqa: E402
 
@@ -162,9 +162,9 @@ def overlap_runs(seeds: list[int], iterations: int, chunks: int) -> list[dict]:
                      f"digit_prob + {LATENCY_S * 1000:.0f} ms simulated latency per chunk",
                      "chunks": chunks, "iterations": iterations, "seeds": len(seeds),
                      "serial_rollout_reward_s": round(statistics.mean(serial), 4),
-                     "serial_std": round(statistics.pstdev(serial), 4),
+                     "serial_std": round(sample_std(serial), 4),
                      "overlap_rollout_reward_s": round(statistics.mean(over), 4),
-                     "overlap_std": round(statistics.pstdev(over), 4),
+                     "overlap_std": round(sample_std(over), 4),
                      "serial_s_per_iter": round(whole["False"], 4), "overlap_s_per_iter": round(whole["True"], 4),
                      "ratio_mean": round(statistics.mean(ratios), 3), "ratio_min": round(min(ratios), 3),
                      "ratio_max": round(max(ratios), 3), "metrics_identical": same})
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
               for r in tp]
     lines += ["", f"Part 2: `configs/digits.yaml`, rollout in {args.chunks} chunks, {args.iterations} iterations, "
               f"{args.seeds} seeds, serial and overlapped back to back per seed; seconds per iteration spent sampling "
-              "and waiting for rewards (median over iterations 2+, mean ± std over seeds); whole iterations (with "
+              f"and waiting for rewards (median over iterations 2+, mean ± sample std over the n={args.seeds} seeds); whole iterations (with "
               "the unchanged policy update) beside it.", "",
               "| reward | serial rollout + reward s | overlapped rollout + reward s | overlapped / serial (min-max over "
               "seeds) | whole s/iter serial → overlapped | metrics identical |", "|---|---:|---:|---:|---:|---|"]

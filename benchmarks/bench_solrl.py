@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import publish, same_config, standard_args  # noqa: E402
+from common import SPREAD_NOTE, beyond_spread, publish, sample_std, same_config, standard_args  # noqa: E402
 
 from difrl.quant import QUANT_PRESETS, RolloutCopy  # noqa: E402
 from difrl.rewards import build_reward  # noqa: E402
@@ -162,8 +162,8 @@ def learning_rows(seeds: list[int], grpo_iters: int, nft_iters: int, every: int,
         rows.append({
             "section": "learning", "method": name, "seeds": [r["seed"] for r in rs], "iterations": finals[0]["iteration"],
             "accuracy_mean": statistics.mean(f["accuracy"] for f in finals),
-            "accuracy_std": statistics.pstdev(f["accuracy"] for f in finals),
-            "fd_mean": statistics.mean(f["fd"] for f in finals), "fd_std": statistics.pstdev(f["fd"] for f in finals),
+            "accuracy_std": sample_std(f["accuracy"] for f in finals),
+            "fd_mean": statistics.mean(f["fd"] for f in finals), "fd_std": sample_std(f["fd"] for f in finals),
             "judge_mean": statistics.mean(f["judge_accuracy"] for f in finals),
             "nfe_full": statistics.mean(f["nfe_full"] for f in finals),
             "nfe_lowprec": statistics.mean(f["nfe_lowprec"] for f in finals),
@@ -202,8 +202,8 @@ def tables(rows: list[dict]) -> list[str]:
     learn = [r for r in rows if r["section"] == "learning"]
     if learn:
         target = learn[0]["target_accuracy"]
-        out += ["", f"### (c) Learning: mean ± std over seeds {learn[0]['seeds']}; target = plain GRPO's final accuracy"
-                    f" {target:.3f}" if target is not None else "", "",
+        out += ["", f"### (c) Learning: mean ± std over seeds {learn[0]['seeds']} (n={len(learn[0]['seeds'])}); target = "
+                    f"plain GRPO's final accuracy {target:.3f}" if target is not None else "", "", SPREAD_NOTE, "",
                 "| method | iterations | accuracy | FD | judge | full-prec. NFEs | low-prec. NFEs | s / iter | "
                 "full-prec. NFEs to target (× plain GRPO's) | low-prec. NFEs to target | FD there | train Spearman |",
                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -222,7 +222,7 @@ def tables(rows: list[dict]) -> list[str]:
 def cost_reading(rows: list[dict], fp4_cost: float) -> list[str]:
     """Sentences computed from the learning rows: total rollout cost to the target with low-precision NFEs
     priced at `fp4_cost` full-precision NFEs (an assumption, stated), and what Sol-RL's pool buys over
-    DiffusionNFT without one. Differences count only beyond the sum of the two seed standard deviations."""
+    DiffusionNFT without one. Differences count only beyond the spread (common.beyond_spread)."""
     learn = {r["method"]: r for r in rows if r["section"] == "learning"}
     if not learn:
         return []
@@ -239,12 +239,13 @@ def cost_reading(rows: list[dict], fp4_cost: float) -> list[str]:
     sol, nft = learn.get("Sol-RL"), learn.get("DiffusionNFT")
     if sol and nft and sol["nfe_full_to_target"] is not None and nft["nfe_full_to_target"] is not None:
         saved = sol["nfe_full_to_target"] < nft["nfe_full_to_target"]
-        gap, spread = nft["fd_mean"] - sol["fd_mean"], sol["fd_std"] + nft["fd_std"]
-        fd_word = (f"a lower final FD ({sol['fd_mean']:.1f} vs {nft['fd_mean']:.1f}, beyond the summed spread {spread:.1f})"
-                   if gap > spread else f"a final FD of {sol['fd_mean']:.1f} vs {nft['fd_mean']:.1f}, within the summed "
-                   f"spread {spread:.1f}")
-        acc_gap = abs(sol["accuracy_mean"] - nft["accuracy_mean"])
-        acc_word = ("level" if acc_gap <= sol["accuracy_std"] + nft["accuracy_std"] else "different")
+        spread = sol["fd_std"] + nft["fd_std"]
+        fd_word = (f"a {'lower' if sol['fd_mean'] < nft['fd_mean'] else 'higher'} final FD ({sol['fd_mean']:.1f} vs "
+                   f"{nft['fd_mean']:.1f}, beyond the spread {spread:.1f})"
+                   if beyond_spread(sol["fd_mean"], sol["fd_std"], nft["fd_mean"], nft["fd_std"]) else
+                   f"a final FD of {sol['fd_mean']:.1f} vs {nft['fd_mean']:.1f}, within the spread {spread:.1f}")
+        acc_word = ("different" if beyond_spread(sol["accuracy_mean"], sol["accuracy_std"], nft["accuracy_mean"],
+                                                 nft["accuracy_std"]) else "level")
         out.append(f"Sol-RL against DiffusionNFT without a pool: full-precision NFEs to the target "
                    f"{sol['nfe_full_to_target']:.3g} vs {nft['nfe_full_to_target']:.3g} "
                    f"({'fewer' if saved else 'no saving'}), plus {sol['nfe_lowprec_to_target']:.3g} low-precision NFEs; "

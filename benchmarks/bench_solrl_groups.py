@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import mean_std, publish, same_config, standard_args  # noqa: E402
+from common import SPREAD_NOTE, beyond_spread, mean_std, publish, same_config, standard_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- bench_solrl_groups:start -->", "<!-- bench_solrl_groups:end -->"
@@ -52,11 +52,12 @@ def one_run(group: int, ref_beta: float, rule: str, seed: int, iterations: int, 
 
 
 def verdict(a: tuple[float, float], b: tuple[float, float], n_seeds: int, lower_is_better: bool = False) -> str:
-    """best_worst (a) against random (b), mean ± std over seeds: better / worse only beyond both spreads."""
+    """best_worst (a) against random (b), mean ± sample std over seeds: better / worse only beyond the spread
+    (common.beyond_spread)."""
     (ma, sa), (mb, sb) = a, b
     if n_seeds < 2:
         return f"{ma:.3f} vs {mb:.3f} (one seed: no claim)"
-    if abs(ma - mb) <= sa + sb:
+    if not beyond_spread(ma, sa, mb, sb):
         return f"level, within the seed spread ({ma:.3f} ± {sa:.3f} vs {mb:.3f} ± {sb:.3f})"
     better = (ma < mb) if lower_is_better else (ma > mb)
     return f"{'better' if better else 'worse'} beyond the seed spread ({ma:.3f} ± {sa:.3f} vs {mb:.3f} ± {sb:.3f})"
@@ -99,9 +100,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     lines = [f"Digits world, configs/digits_solrl.yaml with `rollout.group_size`, `nft.ref_beta` (the pull toward "
              f"the base; the config's {CONFIG_REF_BETA:g}) and `solrl.select` changed, {iterations} iterations, seeds "
-             f"{seeds}, mean ± std over seeds. Base: accuracy {table[0]['accuracy_before']:.3f}, FD "
+             f"{seeds} (n={len(seeds)}), mean ± sample std over seeds. Base: accuracy {table[0]['accuracy_before']:.3f}, FD "
              f"{table[0]['fd_before']:.1f}. The two rules of one group size spend the same NFEs (the columns); 'groups "
-             "without contrast' is the share of trained groups whose digit does not vary, over the run.", "",
+             "without contrast' is the share of trained groups whose digit does not vary, over the run. " + SPREAD_NOTE, "",
              f"| trained / prompt | ref_beta | selection | full-prec. NFE / iter | low-prec. NFE / iter | groups without "
              f"contrast | accuracy at {every} | accuracy at {iterations} | FD at {iterations} | judge at {iterations} |",
              "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]

@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import at_budget as common_at_budget  # noqa: E402
-from common import beyond_spread, budget_run, publish, standard_args, train_seconds  # noqa: E402
+from common import SPREAD_NOTE, beyond_spread, budget_run, publish, sample_std, standard_args, train_seconds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- bench_video:start -->", "<!-- bench_video:end -->"
@@ -138,22 +138,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
                "seconds_at_budget": [e["seconds"] for e in eq]}
         for k in METRICS:
             row[f"{k}_mean"] = statistics.mean(e[k] for e in eq)
-            row[f"{k}_std"] = statistics.pstdev(e[k] for e in eq)
+            row[f"{k}_std"] = sample_std(e[k] for e in eq)
             row[f"{k}_before"] = rs[0]["summary"]["eval_before"][k]
             row[f"{k}_final"] = statistics.mean(run["summary"]["eval_after"][k] for run in rs)
-            row[f"{k}_final_std"] = statistics.pstdev(run["summary"]["eval_after"][k] for run in rs)
+            row[f"{k}_final_std"] = sample_std(run["summary"]["eval_after"][k] for run in rs)
         table[name] = row
     flat = table["flat GRPO"]
     for row in table.values():
         row["seconds_ratio"] = row["seconds_per_iter"] / flat["seconds_per_iter"]
         row["nfe_ratio"] = row["nfe_per_iter"] / flat["nfe_per_iter"]
 
-    lines = [f"Moving-digits world (configs/moving_digits.yaml), {iterations} iterations per run, seeds {seeds}, "
+    lines = [f"Moving-digits world (configs/moving_digits.yaml), {iterations} iterations per run, seeds {seeds} (n={len(seeds)}), "
              f"evaluation every {every}; budget = flat GRPO's {budget:.0f} s of training (mean over seeds of its {iterations} "
              "iterations). A method cheaper per iteration is resumed past them (`resume=`, exact) until an evaluation "
              "past the budget, and read at its last evaluation inside it. "
              f"Base: accuracy {flat['accuracy_before']:.3f}, motion accuracy {flat['motion_accuracy_before']:.3f}, "
-             f"FD {flat['fd_before']:.1f}.", "",
+             f"FD {flat['fd_before']:.1f}. " + SPREAD_NOTE, "",
              "| method | s / iter | × flat | NFE / iter | × flat | iterations at budget | accuracy at budget | "
              f"motion accuracy at budget | FD at budget | judge (frames / motion) at budget | accuracy at {iterations} "
              f"iterations | motion accuracy at {iterations} iterations |",

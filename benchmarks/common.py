@@ -1,5 +1,6 @@
-"""Shared by the benchmark scripts: the machine line, the BENCHMARKS.md block writer, and the equal-wall-clock
-bookkeeping of bench_video.py and bench_methods.py (budget_run, at_budget, beyond_spread).
+"""Shared by the benchmark scripts: the machine line, the BENCHMARKS.md block writer (and its re-render from saved
+rows, republish), the statistics over seeds (sample_std, mean_std, pm, beyond_spread: one definition each), and the
+equal-wall-clock bookkeeping of bench_video.py and bench_methods.py (budget_run, at_budget).
 
     from common import publish, standard_args     # benchmarks/ on sys.path, as the scripts put it
 """
@@ -88,6 +89,33 @@ def publish(args, begin: str, end: str, title: str, script: str, argv: list[str]
         write_block(Path(__file__).resolve().parent.parent / "BENCHMARKS.md", begin, end, body)
 
 
+def repo_path(p) -> str:
+    """A path for a result to record: relative to the repository when it lies inside it (a saved result must not
+    name the checkout it ran in), a relative one as given, any other as it is."""
+    p = Path(p)
+    root = Path(__file__).resolve().parent.parent
+    if p.is_absolute() and p.resolve().is_relative_to(root):
+        return str(p.resolve().relative_to(root))
+    return str(p)
+
+
+def republish(begin: str, end: str, lines: list[str], source: Path, script: str, path: Path | None = None) -> list[str]:
+    """Re-render a published block from its full run's saved rows (`--render-from`): the block keeps its title and its
+    Command / Date / Machine lines (the run that measured it) and takes `lines` (the tables and sentences rendered by
+    today's code, e.g. sample standard deviations) plus one line saying when and from which file. Returns the block."""
+    path = path or Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+    text = path.read_text()
+    if begin not in text or end not in text:
+        raise SystemExit(f"{script} --render-from: no published block {begin} in {path} to re-render")
+    old = text.split(begin, 1)[1].split(end, 1)[0].strip("\n").splitlines()
+    head = old[:next(i for i, ln in enumerate(old) if ln.startswith("Machine:")) + 1]
+    when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+    body = [*head, "", *lines, "", f"Re-rendered {when} from the rows that run saved, {repo_path(source)} "
+            f"(`python benchmarks/{script} --render-from {repo_path(source)}`): the measurements are the run's."]
+    write_block(path, begin, end, body)
+    return body
+
+
 def cell(v, spec: str = ".2f", scale: float = 1.0, suffix: str = "") -> str:
     """A table cell: `scale * v` formatted with `spec`, or "-" where nothing was measured (None)."""
     return "-" if v is None else f"{scale * v:{spec}}{suffix}"
@@ -123,9 +151,25 @@ def same_config(cfg, run_dir: Path) -> bool:
     return strip(mine) == strip(theirs)
 
 
+def sample_std(xs) -> float:
+    """The sample standard deviation (n - 1) of values over seeds (or repeats): the "± s" of every benchmark table;
+    0.0 for a single value (no spread measured: the tables print n beside it)."""
+    xs = list(xs)
+    return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
 def mean_std(xs: list[float]) -> tuple[float, float]:
-    """(mean, population std) over seeds: the "m ± s" of the benchmark tables."""
-    return statistics.mean(xs), statistics.pstdev(xs)
+    """(mean, sample std) over seeds: the "m ± s" of the benchmark tables."""
+    return statistics.mean(xs), sample_std(xs)
+
+
+def pm(m: float, s: float, n: int, spec: str = ".3f") -> str:
+    """"m ± s (n=3)": a mean, its sample standard deviation and the number of seeds behind them."""
+    return f"{m:{spec}} ± {s:{spec}} (n={n})"
+
+
+SPREAD_NOTE = ("± is the sample standard deviation (n - 1) over the seeds; \"beyond the spread\" means the two means "
+               "differ by more than the sum of their two sample standard deviations (docs/guides/benchmarks.md).")
 
 
 # ---------------------------------------------------------------------------------- equal wall-clock (bench_video,
@@ -180,6 +224,7 @@ def at_budget(run: dict, budget: float, metrics: tuple[str, ...]) -> dict:
 
 
 def beyond_spread(ma: float, sa: float, mb: float, sb: float) -> bool:
-    """Two means over seeds differ beyond their spreads (|ma - mb| > sa + sb): the only difference a benchmark calls
-    better or worse."""
+    """Two means over seeds differ beyond their spreads (|ma - mb| > sa + sb, sa and sb their sample standard
+    deviations, sample_std): the only difference a benchmark calls better or worse, and the one meaning of "beyond
+    the spread" in every generated sentence (SPREAD_NOTE; docs/guides/benchmarks.md states it)."""
     return abs(ma - mb) > sa + sb

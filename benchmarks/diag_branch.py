@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_json  # noqa: E402
+from common import repo_path, write_json  # noqa: E402
 
 from difrl.algos.tree import tree_train_edges  # noqa: E402
 from difrl.branching import BranchSchedule  # noqa: E402
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
     grad_open = {"tree": open_share(gv_tree, open_steps), "flat": open_share(gv_flat, open_steps)}
     share_open = {k: sum(rows[i]["records_per_prompt"] for i in open_steps if i in rows)
                   / sum(r["records_per_prompt"] for r in rows.values()) for k, rows in (("tree", tree_rows), ("flat", flat_rows))}
-    res = {"config": str(args.config), "gradient_from_open_steps": grad_open, "share_of_records_at_open_steps": share_open, "overrides": args.overrides, "prompts": P, "splits": args.splits,
+    res = {"config": repo_path(args.config), "gradient_from_open_steps": grad_open, "share_of_records_at_open_steps": share_open, "overrides": args.overrides, "prompts": P, "splits": args.splits,
            "factor": args.factor, "roots": R, "decided_share_after_shared_steps": decided,
            "tree": tree_rows, "flat": flat_rows, "grad_norm_tree": grads_tree, "grad_norm_flat": grads_flat,
            "open_steps": open_steps, "motion_informative_records_per_prompt": {"tree": informative_tree,

@@ -841,3 +841,61 @@ def test_bench_methods_calls_a_difference_only_beyond_the_seed_spread():
     assert t[3].startswith("| AWM | 0.20 | 1.00× | 300, 300, 300 | 0.950 ± 0.010 | 35.0 ± 1.0 |")
     assert bench.which_method_when([base, na])[0] == ("- **digits** (budget 56 s of training, 3 seeds): only Flow-GRPO "
                                                       "measured, nothing to rank.")
+
+
+def test_saved_results_name_no_path_of_the_machine_they_ran_on(tmp_path):
+    # a result records paths relative to the repository (common.repo_path), not the checkout it ran in
+    # ("/work/wt-branch41/configs/moving_digits.yaml" named another engineer's worktree)
+    def strings(x):
+        if isinstance(x, dict):
+            for v in x.values():
+                yield from strings(v)
+        elif isinstance(x, list):
+            for v in x:
+                yield from strings(v)
+        elif isinstance(x, str):
+            yield x
+
+    for path in sorted((ROOT / "benchmarks" / "results").glob("*.json")):
+        absolute = {s for s in strings(json.loads(path.read_text())) if s.startswith("/")}
+        assert not absolute, (path.name, sorted(absolute)[:3])
+    common = _load("common")
+    assert common.repo_path(ROOT / "configs" / "moving_digits.yaml") == "configs/moving_digits.yaml"
+    assert common.repo_path(Path("configs/digits.yaml")) == "configs/digits.yaml"  # as given on the command line
+    assert common.repo_path(tmp_path / "x.yaml") == str(tmp_path / "x.yaml")  # outside the repository: as it is
+
+
+def test_benchmarks_print_the_sample_std_and_one_rule_for_beyond_the_spread(tmp_path, monkeypatch):
+    # "±" is the sample standard deviation (n - 1) through one helper of benchmarks/common.py, and a difference is
+    # "beyond the spread" by common.beyond_spread alone: no script computes either on its own
+    import functools
+    import re
+
+    common = _load("common")
+    m, s = common.mean_std([1.0, 2.0, 3.0])
+    assert (m, s) == (2.0, 1.0)  # the sample std of 1, 2, 3 is exactly 1 (the population one: 0.816)
+    assert common.sample_std([0.7]) == 0.0 and common.pm(0.7314, 0.0123, 3) == "0.731 ± 0.012 (n=3)"
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        src = path.read_text()
+        if path.name != "common.py":
+            assert not re.search(r"statistics\.(p?stdev|pvariance|variance)\(", src), path.name
+        # the rule by hand, e.g. `gap > spread` / `abs(ma - mb) <= sa + sb`: only beyond_spread states it
+        assert not re.search(r"abs\(\w+ - \w+\) <?[<>]=? ?\w+ \+ \w+|gap [<>] -?spread", src) or path.name == "common.py", \
+            path.name
+    # bench_correct's block re-rendered from the full run's saved per-seed values: sample stds, n printed, the run's
+    # own command, date and machine kept, the JSON rewritten to the same numbers
+    bench = _load("bench_correct")
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text((ROOT / "BENCHMARKS.md").read_text())
+    monkeypatch.setattr(bench, "republish", functools.partial(common.republish, path=md))
+    saved = json.loads((ROOT / "benchmarks" / "results" / "bench_correct.json").read_text())
+    (tmp_path / "rows.json").write_text(json.dumps(saved))
+    rows = bench.main(["--render-from", str(tmp_path / "rows.json")])
+    block = md.read_text().split(bench.BEGIN, 1)[1].split(bench.END, 1)[0]
+    assert "Command: `python benchmarks/bench_correct.py --json benchmarks/results/bench_correct.json`" in block
+    assert "Date: 2026-12-03 10:21 UTC" in block and "seeds [0, 1, 2] (n=3)" in block
+    first = rows[0]
+    acc = [p["accuracy"] for p in first["per_seed"]]
+    assert first["accuracy_std"] == pytest.approx(common.sample_std(acc), rel=1e-12)  # same formula: rounding only
+    assert f"{first['accuracy_mean']:.3f} ± {first['accuracy_std']:.3f}" in block
+    assert json.loads((tmp_path / "rows.json").read_text()) == rows

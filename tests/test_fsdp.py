@@ -316,6 +316,8 @@ def test_fsdp_reshard_after_forward_off_and_cpu_offload_equal_the_default_run(tm
     plan = [{"argv": ["train", config, *DIGITS_NFT, "--out", str(d)], "env": e} for d, e in (
         (default, {}), (kept, {"FSDP_RESHARD_AFTER_FORWARD": "false"}), (offload, {"FSDP_OFFLOAD_PARAMS": "true"}))]
     out = run(2, [str(ROOT / "tests" / "many_runs.py")], [json.dumps(plan)], tmp_path / "unused")
+    for i in (1, 2, 3):  # each run initialised a process group of its own, as a launch does (tests/many_runs.py)
+        assert f"many_runs: run {i}/3 on its own process group (1 rendezvous under many_runs/{i - 1}/)" in out, i
     for said in ("mixed precision no;", "mixed precision no, kept gathered after forward;",
                  "mixed precision no, offloaded to the CPU;"):
         assert out.count(said) == 1, said

@@ -73,7 +73,7 @@ def _t_and_records(cfg):
 def test_auto_tree_edges_split_into_the_updates():
     (_, _, T, _, micro), banner = plan(DIGITS, ["rollout.kind=tree", "tree.split_steps=[0,2,4,6]"])
     assert T == 1 and micro.transitions == micro.records == 76 and micro.updates == 2  # 760 edges / (2 x 5)
-    assert "auto = 76 transitions (tree edges: 760 per process before pruning in 2 update(s) x 5 micro-batch(es))" in banner
+    assert "auto = 76 transitions (tree edges: 760 per process trained in 2 update(s) x 5 micro-batch(es))" in banner
 
 
 def _options(message: str) -> list[list[str]]:

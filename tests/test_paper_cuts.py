@@ -99,6 +99,36 @@ def test_a_file_beside_resume_changes_nothing_unsaid_and_a_finished_run_has_noth
                                                                                              "eval.every"]
 
 
+def test_a_run_that_stopped_early_stays_stopped_on_resume(tmp_path, capsys):
+    # stop.fd_rise=0.5: every evaluation after the first (which sets the best FD) is "worse than the best", and
+    # patience 1 stops the run at the second one, after iteration 2 of 4
+    cfg, d = tiny_config(tmp_path / "tiny.yaml", "train.iterations=4", "eval.every=1", "stop.fd_rise=0.5",
+                         "stop.patience=1"), tmp_path / "run"
+    assert main(["train", str(cfg), "--out", str(d)]) == 0
+    assert [r["iteration"] for r in metrics(d)] == [1, 2]
+    capsys.readouterr()
+    written = files(d)
+    # resumed as it is, or with more iterations: the stop still holds (its rule is the same): one line, exit 0,
+    # nothing evaluated or written
+    for extra in ([], ["train.iterations=6"]):
+        assert main(["train", f"resume={d}", *extra]) == 0, extra
+        out = capsys.readouterr().out
+        assert f"difrl: resume={d}: the run stopped early after iteration 2 (Fréchet distance" in out, extra
+        assert "nothing to do" in out and "change its stop rule" in out and "eval after" not in out, extra
+        assert files(d) == written, extra
+    # stopped after its stop's checkpoint was written but before its summary (a kill in the final evaluation):
+    # resume finishes the run (evaluation after, summary, weights) without training past the stop
+    (d / "summary.json").unlink()
+    assert main(["train", f"resume={d}"]) == 0
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["iterations"] == 2 and "stop.fd_rise" in summary["stopped_early"]
+    assert [r["iteration"] for r in metrics(d)] == [1, 2]
+    # a changed stop rule (here none: stop.fd_rise=null) lifts the stop: the run continues to train.iterations
+    assert main(["train", f"resume={d}", "stop.fd_rise=null", "resume_override=true"]) == 0
+    assert [r["iteration"] for r in metrics(d)] == [1, 2, 3, 4]
+    assert json.loads((d / "summary.json").read_text())["stopped_early"] is None
+
+
 # ---------------------------------------------------------------------------------- export: the kept iterations
 
 

@@ -115,3 +115,30 @@ def test_tree_config_errors():
         load_flow_config(None, [*TINY, *TREE, "tree.depth_prune=[0]"])
     with pytest.raises(ConfigError, match="outside the 4 steps"):
         load_flow_config(None, [*TINY, *TREE[:1], "tree.split_steps=[0,4]"])
+
+
+def test_pruned_tree_updates_per_epoch_count_the_kept_edges(tmp_path, monkeypatch):
+    # 6 steps, splits at 0 and 1: 18 SDE edges per tree, 2 trees per process. train.updates_per_epoch counts the
+    # updates over the edges that pruning keeps (the ones trained), so micro_batch=auto sizes on them and an
+    # explicit micro_batch is checked against them
+    import difrl.train.flow as flow
+    from difrl.train.check import plan_summary
+
+    steps = []
+    step = flow.optimizer_step
+    monkeypatch.setattr(flow, "optimizer_step", lambda *a: (steps.append(1), step(*a)))
+    six = (*TREE, "sampler.num_steps=6", "train.grad_accum=1")
+    depth = ("tree.depth_prune=[3,4,5]", "train.updates_per_epoch=2")  # child depths 3-5 = steps 2-4: 6 kept per tree
+    width = ("tree.width_prune=per_branch", "train.updates_per_epoch=3")  # 6 + 4 kept per tree: 20 = 7 + 7 + 6
+    for i, (extra, kept, updates) in enumerate([((*depth, "train.micro_batch=auto"), 12, 2),
+                                                ((*depth, "train.micro_batch=6"), 12, 2),
+                                                ((*width, "train.micro_batch=auto"), 20, 3)]):
+        steps.clear()
+        cfg = load_flow_config(None, [*TINY, *six, *extra])
+        assert f"{updates} optimizer update(s) per rollout" in plan_summary(cfg, 1), extra
+        _, d = run(tmp_path / f"r{i}", *six, *extra)
+        assert metrics(d)[0]["tree/edges_trained"] == kept, extra
+        assert len(steps) == updates, extra  # optimizer steps in the one iteration (inner_epochs=1)
+    with pytest.raises(ValueError, match="make 3 optimizer update\\(s\\) per pass over each process's 12 edges "
+                                         "trained after pruning, but train.updates_per_epoch=2"):
+        plan_summary(load_flow_config(None, [*TINY, *six, *depth, "train.micro_batch=4"]), 1)

@@ -49,7 +49,7 @@ from difrl.train.reward_stage import (across_processes, build_rewards, probe_bat
 from difrl.train.metrics import Metrics, pooled_std
 from difrl.train.precision import refuse_fp16, trained_network
 from difrl.train.progress import progress_bar
-from difrl.train.rundir import finished
+from difrl.train.rundir import finished, held_stop
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, claim_run_dir,  # noqa: F401
                                   cores_available, fmt_eval, make_optimizer, record_eval, reference_policy,
                                   save_policy)
@@ -97,7 +97,8 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
     train_sigmas = trained_sigmas(cfg, sigmas)  # NFT's / AWM's / DPO's / DGPO's re-noising sigmas [T], else None
 
     run = Run.open(cfg, run_dir, unwrapped, optimizer, ema, extras, accelerator, overwrite=overwrite,
-                   state={"best_fd": None, "bad_evals": 0, **({"gardo": gardo.state} if gardo else {})})
+                   state={"best_fd": None, "bad_evals": 0, "stopped_early": None,
+                          **({"gardo": gardo.state} if gardo else {})})
     if gardo is not None:
         gardo.state = run.state["gardo"]  # resumed: the checkpoint's controller and last refresh
     if run.state["eval_before"] is None:
@@ -107,7 +108,11 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
     bar = progress_bar(run.start, cfg.train.iterations, accelerator.is_main_process)  # plain lines off a terminal
     stopped, done = None, run.start  # iterations completed
     iterations = bar
-    if cfg.train.objective in BACKPROP_OBJECTIVES:  # DRaFT / ReFL: their own loop phase (train/reward_backprop.py)
+    if (held := held_stop(cfg, run.state)) is not None:  # resumed after an early stop that holds: finish, no training
+        stopped, iterations = held["reason"], ()
+        accelerator.print(f"difrl: the run stopped early after iteration {held['iteration']} ({stopped}): finishing "
+                          "it without training (another stop rule on the command line continues it)")
+    elif cfg.train.objective in BACKPROP_OBJECTIVES:  # DRaFT / ReFL: their own loop phase (train/reward_backprop.py)
         done, stopped = reward_backprop_loop(cfg, world, policy, trainee, accelerator, run, bar, rewards, weights, sigmas,
                                              per_proc, evaluate, should_stop)
         iterations = ()

@@ -9,7 +9,9 @@ in transitions, i.e. sample-steps, whatever the rollout kind: switching rollout.
 keeps it), train.grad_accum (micro-batches per update) and train.updates_per_epoch (updates per pass over the
 rollout). For one process with S samples of T trained steps each
 
-    micro_batch x grad_accum x updates_per_epoch = S x T      (a tree: its edges instead of S x T)
+    micro_batch x grad_accum x updates_per_epoch = S x T      (a tree: its trained edges instead of S x T)
+
+(a tree's trained edges are those its depth and width pruning keep: the edges it trains, not the ones it samples).
 
 so two of them fix the third. ``train.micro_batch=auto`` (micro_batching) fixes the two that carry the learning
 meaning, updates_per_epoch (default 1: one on-policy update per rollout) and grad_accum, and derives the micro-batch
@@ -64,15 +66,15 @@ def micro_batching(cfg: FlowConfig, T: int, tree_mode: bool, n_records: int) -> 
     unit "records" a tree's 1-step edges ran 3.3x slower than flat's whole samples). A tree's record is one edge; a
     flat sample holds its T trained transitions and is kept whole when micro_batch is a multiple of T, else
     split into transitions (per-step losses only: a sequence-level loss needs every step of a sample together).
-    `n_records`: this process's records per pass (samples; a tree's SDE edges before pruning). auto: the module
-    docstring."""
+    `n_records`: this process's records per pass (samples; a tree's SDE edges kept by its pruning, the most over
+    the pruned-depth sets the run reaches). auto: the module docstring."""
     mb, ga, want = cfg.train.micro_batch, cfg.train.grad_accum, cfg.train.updates_per_epoch
     if mb == "auto":
         U = want or 1
         if tree_mode:  # edges per micro-batch; a last, smaller update takes the remainder
             per = -(-n_records // (U * ga))
             return MicroBatching(per, per, False, -(-n_records // (per * ga)),
-                                 f"auto = {per} transitions (tree edges: {n_records} per process before pruning in "
+                                 f"auto = {per} transitions (tree edges: {n_records} per process trained in "
                                  f"{U} update(s) x {ga} micro-batch(es))")
         if n_records % (U * ga):
             raise ValueError(_auto_problem(n_records, U, ga, want))
@@ -166,7 +168,8 @@ def _updates_problem(cfg: FlowConfig, T: int, tree_mode: bool, n_records: int, w
     if auto := ("train.micro_batch=auto" if tree_mode else _auto_choice(n_records, T, want, ga)):
         options.append(auto)
     return (f"train.micro_batch x train.grad_accum = {mb} x {ga} = {mb * ga} transitions per update make {got} "
-            f"optimizer update(s) per pass over each process's {X} {'edges' if tree_mode else 'transitions'}, but "
+            f"optimizer update(s) per pass over each process's {X} "
+            f"{'edges trained after pruning' if tree_mode else 'transitions'}, but "
             f"train.updates_per_epoch={want}: use " + ", or ".join(options + [f"train.updates_per_epoch={got} (or null) to "
                                                                        "take these"]))
 
@@ -209,10 +212,12 @@ def plan(cfg: FlowConfig, world, world_size: int, run_dir: Path, say) -> tuple[i
     if tree_mode:  # ... or one per tree edge (a record of its own)
         schedule, T = cfg.tree.schedule(cfg.sampler.num_steps), 1
         edges = num_trained_edges(schedule, cfg.sampler.num_steps, sde_mask0)
-        n_records = edges * cfg.tree.roots * cfg.rollout.prompts_per_iter // world_size
+        kept = _tree_edges_kept(cfg, schedule, sde_mask0)  # per tree, for each pruned-depth set the run reaches
+        n_records = max(kept) * cfg.tree.roots * cfg.rollout.prompts_per_iter // world_size  # the trained ones
         what = (f"step per record, SDE steps {cfg.steps.mode} + splits; trees: {cfg.tree.roots} per prompt, splits at "
-                f"{list(schedule.split_steps)} x{schedule.factor}, {edges} SDE edges per tree before pruning (records "
-                "of 1 step); ")
+                f"{list(schedule.split_steps)} x{schedule.factor}, {edges} SDE edges per tree"
+                + (f", {'/'.join(map(str, sorted(set(kept))))} trained after pruning" if kept != [edges] else "")
+                + " (records of 1 step); ")
     micro = micro_batching(cfg, T, tree_mode, n_records)
     updates = cfg.train.inner_epochs * micro.updates
     if cfg.rollout.kind == "solrl":
@@ -268,11 +273,11 @@ def forward_counts(cfg: FlowConfig, world_size: int, schedule=None, sde_mask: to
             counts["trees"] = trees  # whole trees per process (the trainer cuts the leaves in tree-sized slices)
             offsets = build_tree(schedule, N, 1, sde_mask).depth_offsets  # live nodes of one tree per step
             counts["tree rollout"] = sum(chunks(trees * int(offsets[i + 1] - offsets[i]), rb) for i in range(N))
-            mb = cfg.train.micro_batch
-            if not isinstance(mb, int):  # auto: micro_batching's edges per micro-batch
+            mb, kept = cfg.train.micro_batch, _tree_edges_kept(cfg, schedule, sde_mask)
+            if not isinstance(mb, int):  # auto: micro_batching's edges per micro-batch (sized on the kept edges)
                 U = (cfg.train.updates_per_epoch or 1) * cfg.train.grad_accum
-                mb = max(1, -(-trees * num_trained_edges(schedule, N, sde_mask) // U))
-            counts["trained-edge micro-batches"] = [chunks(trees * k, mb) for k in _tree_edges_kept(cfg, schedule, sde_mask)]
+                mb = max(1, -(-trees * max(kept) // U))
+            counts["trained-edge micro-batches"] = [chunks(trees * k, mb) for k in kept]
         else:
             samples = _split(r.prompts_per_iter * r.group_size, world_size)[rank]
             counts["rollout"] = N * sum(chunks(len(range(*sl.indices(samples))), rb) for sl in _chunk_slices(samples, r.chunks))

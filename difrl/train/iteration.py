@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from difrl.train.rundir import stop_rule
 from difrl.train.scaffold import clip_and_step, progress
 from difrl.train.sharded_step import clip_sharded_grad_norm_
 
@@ -43,6 +44,8 @@ def close_iteration(cfg, run, row: dict, it: int, t_iter: float, bar, world, pol
     run.log(row)
     done = it + 1
     progress(bar, row, run.state["last_eval"], world.headline)  # the bar, or a plain line off a terminal
+    if stopped:  # into the checkpoint: resume= of it stays stopped while the stop rule is the same (rundir.held_stop)
+        run.state["stopped_early"] = {"iteration": done, "reason": stopped, "rule": stop_rule(cfg)}
     if stopped or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
         run.checkpoint(done)
     if stopped:

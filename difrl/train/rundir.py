@@ -18,7 +18,12 @@ names must be installed (check_trackers): that is checked here too, before anyth
 
 **A finished run has nothing left to do**: ``resume=DIR`` of a run whose summary.json covers its newest
 checkpoint and whose train.iterations the command does not raise returns that summary (``finished``) after one
-line saying so; nothing is loaded, evaluated or written.
+line saying so; nothing is loaded, evaluated or written. **A run that stopped early stays stopped**: the stop
+(iteration, reason and the stop.* rule that made it) is in the checkpoint it wrote (state.json, ``stopped_early``),
+so ``resume=`` of it, with or without more train.iterations, says so and does nothing, or, when the run was
+killed before its summary, finishes it (evaluation after, summary, weights) without training (``held_stop``).
+Only another stop rule on the command line (stop.fd_rise higher or null, stop.patience, stop.min_accuracy, with
+``resume_override=true``: they change the run's recipe) lifts it, and the run continues under that rule.
 
 **Resume is the run's own config.yaml.** ``difrl train resume=R`` loads R/config.yaml; key=value overrides and a
 config file given beside it are compared with it key by key. A key in RESUME_SAFE may change (said on the
@@ -161,10 +166,44 @@ def claim_run_dir(cfg, out_dir, overwrite: bool, default: str) -> Path:
     return run
 
 
+def stop_rule(cfg) -> dict | None:
+    """The early-stopping rule in force (the stop section as a dict), None for a trainer without one. A stop
+    records it: on resume the stop holds while the rule is the same (held_stop)."""
+    stop = getattr(cfg, "stop", None)
+    return None if stop is None else dataclasses.asdict(stop)
+
+
+def held_stop(cfg, state: dict) -> dict | None:
+    """A resumed run's early stop, state["stopped_early"] = {iteration, reason, rule} (written into the checkpoint
+    of the iteration it stopped after), when cfg's stop rule is still the one that made it: the run stays stopped.
+    Another rule lifts it: the record and the count of evaluations above the threshold are cleared in `state` (that
+    count was against the old rule; the best FD is kept) and the run continues. None when it continues."""
+    stop = state.get("stopped_early")
+    if not stop:
+        return None
+    if stop.get("rule") == stop_rule(cfg):
+        return stop
+    state["stopped_early"], state["bad_evals"] = None, 0
+    return None
+
+
+def _newest_state(run_dir: Path) -> dict:
+    """The newest checkpoint's state.json ({} when there is none or it does not read: loading it will say why)."""
+    import json
+
+    for ckpt in checkpoint_dirs(Path(run_dir) / "checkpoints")[:1]:
+        try:
+            return json.loads((ckpt / "state.json").read_text())
+        except (OSError, ValueError):
+            return {}
+    return {}
+
+
 def finished(cfg, run_dir: Path) -> dict | None:
     """`resume=` of a run with nothing left to do: its summary.json (said in one line, by the main process) when
-    the run finished (or stopped early) at its newest checkpoint and cfg.train.iterations asks for no iteration
-    past it (an early-stopped run: no more than its config.yaml's); else None, and the run continues."""
+    the run finished at its newest checkpoint and cfg.train.iterations asks for no iteration past it, or stopped
+    early there and its stop still holds (held_stop: the same stop rule, whatever train.iterations says); else
+    None, and the run continues (a held stop without its summary: the trainer finishes it without training)."""
     import json
     import os
 
@@ -175,7 +214,14 @@ def finished(cfg, run_dir: Path) -> dict | None:
     done, asked = int(summary.get("iterations", -1)), cfg.train.iterations
     if any(it > done for it in checkpoint_iterations(run_dir)):  # resumed past its end since (summary.json is old)
         return None
-    if summary.get("stopped_early"):  # it stopped before its train.iterations: only raising them continues it
+    further = None  # how to train it further, when not by raising train.iterations
+    if (state := _newest_state(run_dir)).get("stopped_early"):  # the stop is in its checkpoint: held_stop
+        if (stop := held_stop(cfg, state)) is None:
+            return None  # another stop rule: the run continues under it
+        limit, what = asked, f"stopped early after iteration {stop['iteration']} ({stop['reason']})"
+        further = ("change its stop rule on the command line with resume_override=true (stop.fd_rise higher, or "
+                   "null to stop no more; stop.patience; stop.min_accuracy)")
+    elif summary.get("stopped_early"):  # stopped before stops were recorded: only raising iterations continues it
         limit = (yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}).get("train", {}).get("iterations", done)
         what = f"stopped early after iteration {done} ({summary['stopped_early']})"
     else:
@@ -186,7 +232,7 @@ def finished(cfg, run_dir: Path) -> dict | None:
         return None
     if int(os.environ.get("RANK", "0")) == 0:  # under a launcher, every process returns; one says it
         print(f"difrl: resume={run_dir}: the run {what}; nothing to do (its results: {path}). To train it further, "
-              f"pass train.iterations=N with N above {limit}")
+              + (further or f"pass train.iterations=N with N above {limit}"))
     return {**summary, "run_dir": str(run_dir)}  # where it is now (the closing line lists its files)
 
 
