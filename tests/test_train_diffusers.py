@@ -267,7 +267,8 @@ LEARNING_KINDS = [k for k in KINDS if (ROOT / "configs" / f"{k}_tiny.yaml").is_f
 # wan 12: +0.0086 / 0.0022 (3.9x; 11 s; at 10 3.2x). A family that needs more states its own number here.
 # qwenimage: +0.0021 at 12 (below 2x its noise), 2.4x at 40, 60: +0.0034 / 0.00085 (3.9x; seed 0, this session's
 # shared machine): its tiny red reward moves slowly (0.030 -> 0.034)
-LEARN_ITERATIONS: dict[str, int] = {"qwenimage": 60}
+# qwenimage_edit (the bundled tiny edit set): -0.0007 at 12, 40: +0.0023 / 0.00095 (2.4x), 80: +0.0030 / 0.00086 (3.4x)
+LEARN_ITERATIONS: dict[str, int] = {"qwenimage": 60, "qwenimage_edit": 60}
 
 
 @pytest.mark.slow  # 12 iterations of 32 samples: several seconds a family
@@ -275,7 +276,8 @@ LEARN_ITERATIONS: dict[str, int] = {"qwenimage": 60}
 def test_tiny_config_raises_its_reward_beyond_the_sampling_noise(kind, tiny_dirs, tmp_path):
     iterations = LEARN_ITERATIONS.get(kind, 12)
     cfg = load_flow_config(ROOT / "configs" / f"{kind}_tiny.yaml",
-                           [f"model.path={tiny_dirs(kind)}", f"train.iterations={iterations}", "threads=1"])
+                           [f"model.path={tiny_dirs(kind)}", f"train.iterations={iterations}", "threads=1",
+                            *([f"model.prompt_file={EDIT_SET / 'prompts.jsonl'}"] if edits(kind) else [])])
     assert cfg.model.kind == kind
     summary = train(cfg, tmp_path / "learn")
     change = summary["reward_change"]

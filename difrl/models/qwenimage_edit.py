@@ -58,6 +58,9 @@ class QwenImageEditPolicy(QwenImagePolicy):
         from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as edit
 
         w, h, _ = edit.calculate_dimensions(self.source_size ** 2, size[0] / size[1])
+        if min(w, h) <= 0:
+            raise ValueError(f"a {size[0]}x{size[1]} source resizes to a side of 0 pixels at source_size="
+                             f"{self.source_size} (sides are rounded to multiples of 32): raise model.source_size")
         return int(h), int(w)
 
     def check_sources(self, prompts: list) -> None:
