@@ -143,8 +143,9 @@ def flow_world(kind: str, model_path: str | None, cfg=None, policy=None) -> Worl
         eval_prompts, eval_meta = read_prompts(SimpleNamespace(prompts=None, prompt_file=mc.eval_prompt_file),
                                                "model.eval_prompt_file", sources)
         meta_by_prompt.update(zip(eval_prompts, eval_meta))
-    if sources:  # one size for every source image, said now rather than at the first batch that mixes two
-        policy.check_sources([*prompts, *eval_prompts])
+    check = getattr(policy, "check_sources", None)  # Qwen-Image-Edit: one size for every source image, said now
+    if sources and check is not None:               # rather than at the first batch that mixes two
+        check([*prompts, *eval_prompts])
 
     def sigmas(num_steps: int, shift: float) -> torch.Tensor:
         if mc.schedule == "pipeline":  # the scheduler's own shift (FLUX: dynamic, from the image sequence length)
