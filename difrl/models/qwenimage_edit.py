@@ -22,7 +22,8 @@ Guidance: Qwen-Image's true CFG with the norm rescale (`guidance` = the pipeline
 the negative prompt with each row's source image, so cond carries those rows too (negative_prompt_embeds, _mask), and
 `uncond` returns them. Text: each row zero-padded to its image's vision tokens (+ 2 markers) + max_sequence_length (the
 instruction's tokens) + 5 (the template's end) with a mask (Qwen-Image's static shapes); the pipeline never truncates an
-instruction, this cuts one longer than max_sequence_length tokens (noted once). Latent shape and timesteps: Qwen-Image's (qwenimage.py).
+instruction, this cuts one longer than max_sequence_length tokens (noted once). Latent shape and timesteps:
+Qwen-Image's (qwenimage.py).
 """
 
 from __future__ import annotations

@@ -237,15 +237,15 @@ def tiny_qwen2_tokenizer(words: tuple[str, ...] = QWEN_TEMPLATE_WORDS):
     return tok
 
 
-# the words of the Qwen-Image-Edit prompt template's system part (diffusers' QwenImageEditPipeline.prompt_template_encode),
-# and "assistant" of its end, one token each as the real Qwen2 BPE makes them (longest first, so no merge of a shorter
-# word splits a longer one): the part up to the image is 64 tokens here too, the pipeline's prompt_template_encode_start_idx, so what it keeps starts at
-# the vision tokens
+# the words of the Qwen-Image-Edit prompt template's system part (diffusers' QwenImageEditPipeline.prompt_template_encode)
+# and the "assistant" of its end, one token each as the real Qwen2 BPE makes them (longest first, so no merge of a
+# shorter word splits a longer one): the part up to the image is 64 tokens here too, the pipeline's
+# prompt_template_encode_start_idx, so what it keeps starts at the vision tokens
 QWEN_EDIT_TEMPLATE_WORDS = (" requirements", " instruction", " maintaining", " consistency", " appropriate",
-                            " background", " features", " Generate", " original", "assistant", "Describe", " texture", " objects",
-                            " explain", " should", " modify", "system", " input", " image", " shape", " alter", " meets",
-                            " while", " where", "color", " size", " then", " user", " text", " that", " with", " the",
-                            " key", " how", " new", "user", " of", " or", " (", "),", "'s", " a")
+                            " background", " features", " Generate", " original", "assistant", "Describe", " texture",
+                            " objects", " explain", " should", " modify", "system", " input", " image", " shape",
+                            " alter", " meets", " while", " where", "color", " size", " then", " user", " text",
+                            " that", " with", " the", " key", " how", " new", "user", " of", " or", " (", "),", "'s", " a")
 
 
 def tiny_qwen2vl_processor(tokenizer, pixels: int = 56 * 56):
