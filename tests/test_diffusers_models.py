@@ -29,7 +29,7 @@ peft = pytest.importorskip("peft")
 import model_plugins  # noqa: E402,F401  (tests/ is on sys.path: registers the "example" family)
 from difrl.models.base import FlowPolicy  # noqa: E402
 from difrl.models.adapters import ADAPTERS, BUILTIN_ADAPTERS, load_flow_policy  # noqa: E402
-from difrl.models.diffusers_base import ModelKindError, PipelineDirError, check_pipeline_dir  # noqa: E402
+from difrl.models.diffusers_base import ImagePrompt, ModelKindError, PipelineDirError, check_pipeline_dir  # noqa: E402
 from difrl.models.lora_io import LORA_MARKER, load_lora, save_lora  # noqa: E402
 from difrl.models.adapters import make_tiny_pipeline  # noqa: E402
 from difrl.rollout import INIT_STEP, rollout, sample_noise  # noqa: E402
@@ -41,21 +41,26 @@ SIZE = dict(height=32, width=32)
 FRAMES = 5
 TEXT_LEN = 16  # max_sequence_length for T5 / UMT5 (the real defaults, 256-512, only cost time here)
 PROMPTS = ["a photo of a cat", "a red dog"]
+# an editing family's prompts carry source images (the bundled tiny edit set's), resized to SOURCE_SIZE^2 pixels
+EDIT_SET = Path(__file__).resolve().parent.parent / "difrl" / "assets" / "edit_tiny"
+SOURCE_SIZE = 32
 SEEDS = torch.tensor([11, 12])
 N_STEPS = 3
 # guidance off / on for each model (default: true CFG's 1 and 4); Flux's value is the embedded distilled guidance
-GUIDANCE = {"flux": [1.0, 3.5], "flux2": [1.0, 4.0], "zimage": [0.0, 4.0], "qwenimage": [1.0, 4.0]}  # Z-Image: w > 0 is CFG, 0 one forward
+GUIDANCE = {"flux": [1.0, 3.5], "flux2": [1.0, 4.0], "zimage": [0.0, 4.0], "qwenimage": [1.0, 4.0],
+            "qwenimage_edit": [1.0, 4.0]}  # Z-Image: w > 0 is CFG, 0 one forward
 # one sample's latent at 32x32 (Wan: 5 frames), see the family files' docstrings; another family: its pipeline's own
 LATENT_SHAPE = {"flux": (64, 16), "sd3": (4, 16, 16), "wan": (16, 2, 4, 4), "sana": (4, 16, 16),
                 "flux2": (16, 8, 8),
                 "flux2_klein": (16, 8, 8), "zimage": (4, 16, 16),
-                "qwenimage": (16, 16), "wan22": (48, 2, 2, 2)}
+                "qwenimage": (16, 16), "wan22": (48, 2, 2, 2), "qwenimage_edit": (16, 16)}
 # a policy latent as its pipeline returns it for output_type="latent" (default: the same tensor): FLUX.2 [dev] returns
 # its tokens [B, h w, 4C], [klein] the VAE latent (batch norm undone, patches unfolded) [B, C, 2h, 2w]
 PIPELINE_LATENT = {"flux2": lambda policy, x: policy.pack(x), "flux2_klein": lambda policy, x: policy._vae_latents(x)}
 # how a kind's pipeline takes difrl's `guidance` (default: guidance_scale=); Qwen-Image: true_cfg_scale with a negative
 # prompt (the policy's default "", which the pipeline needs to do CFG at all)
-PIPE_GUIDANCE = {"qwenimage": lambda g: {"true_cfg_scale": g, "negative_prompt": ""}}
+PIPE_GUIDANCE = {"qwenimage": lambda g: {"true_cfg_scale": g, "negative_prompt": ""},
+                 "qwenimage_edit": lambda g: {"true_cfg_scale": g, "negative_prompt": ""}}
 ATOL = 1e-5
 
 
@@ -67,8 +72,37 @@ def video(kind: str) -> bool:
     return "num_frames" in ADAPTERS[kind].model_options
 
 
+def edits(kind: str) -> bool:
+    return ADAPTERS[kind].source_images
+
+
+def prompts_of(kind: str) -> list[str]:
+    """PROMPTS; an editing family's carry a source image each (ImagePrompt)."""
+    if edits(kind):
+        return [ImagePrompt(t, EDIT_SET / f) for t, f in zip(PROMPTS, ("square.png", "circle.png"))]
+    return list(PROMPTS)
+
+
 def policy_options(kind: str) -> dict:
-    return dict(SIZE, max_sequence_length=TEXT_LEN, **({"num_frames": FRAMES} if video(kind) else {}))
+    return dict(SIZE, max_sequence_length=TEXT_LEN, **({"num_frames": FRAMES} if video(kind) else {}),
+                **({"source_size": SOURCE_SIZE} if edits(kind) else {}))
+
+
+def edit_pipe_output(pipe, prompts, kw) -> torch.Tensor:
+    """An editing pipeline's own call, row by row (the pipeline sizes a batch by its first image), with its source area
+    1024^2 replaced by SOURCE_SIZE^2 (the adapter's source_size; the tiny VAE takes seconds for a 1024^2 image): the
+    pipeline module's calculate_dimensions is patched for the call, every other step is the pipeline's."""
+    from PIL import Image
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as edit
+
+    latents, orig, out = kw.pop("latents"), edit.calculate_dimensions, []
+    edit.calculate_dimensions = lambda area, ratio: orig(SOURCE_SIZE ** 2, ratio)
+    try:
+        for i, p in enumerate(prompts):
+            out.append(pipe(image=Image.open(p.image).convert("RGB"), prompt=str(p), latents=latents[i:i + 1], **kw).images)
+    finally:
+        edit.calculate_dimensions = orig
+    return torch.cat(out)
 
 
 def dead_lora(policy) -> set[str]:
@@ -130,6 +164,8 @@ def pipe_output(kind, pipe, latents, guidance, output_type, **extra):
               max_sequence_length=TEXT_LEN, **PIPE_GUIDANCE.get(kind, lambda g: {"guidance_scale": g})(guidance), **extra)
     if video(kind):
         return pipe(prompt=list(PROMPTS), num_frames=FRAMES, **kw).frames  # [B, F, C, H, W]: difrl's video layout too
+    if edits(kind):
+        return edit_pipe_output(pipe, prompts_of(kind), kw)
     # by name: FLUX.2's first argument is a conditioning image; a copy: ZImagePipeline rewrites the list in place
     return pipe(prompt=list(PROMPTS), **kw).images
 
@@ -143,7 +179,7 @@ def test_loads_from_path_with_protocol_shapes(kind, policies):
     if kind in LATENT_SHAPE:  # a registered family's: test_ode_rollout_equals_pipeline checks it against the pipeline
         assert tuple(policy.latent_shape) == LATENT_SHAPE[kind]
     assert policy.lora_target_modules and all(isinstance(t, str) for t in policy.lora_target_modules)
-    cond = policy.encode(PROMPTS)
+    cond = policy.encode(prompts_of(kind))
     assert all(v.shape[0] == 2 for v in cond.values())
     x = torch.randn(2, *policy.latent_shape)
     v = policy.velocity(x, torch.tensor([0.9, 0.4]), cond, guidance=guidances(kind)[1])
@@ -196,7 +232,7 @@ def test_ode_rollout_equals_pipeline(kind, policies):
     sigmas = policy.sigma_schedule(N_STEPS)
     latents0 = sample_noise(SEEDS, INIT_STEP, tuple(policy.latent_shape))  # the rollout's initial noise
     for guidance in guidances(kind):
-        batch = rollout(policy, PROMPTS, SEEDS, sigmas, kernel="ode", guidance=guidance)
+        batch = rollout(policy, prompts_of(kind), SEEDS, sigmas, kernel="ode", guidance=guidance)
         lat = pipe_output(kind, policy.pipe, latents0, guidance, "latent")
         final = PIPELINE_LATENT.get(kind, lambda policy, x: x)(policy, batch.x_final)
         assert lat.shape == final.shape, (kind, lat.shape)  # latent_shape is the pipeline's latent
@@ -227,8 +263,8 @@ def test_bf16_model_returns_fp32_velocity(kind, tiny_dirs, policies):
     full = policies(kind)
     x = sample_noise(SEEDS, 0, tuple(full.latent_shape))
     sigma, guidance = torch.tensor([0.9, 0.3]), guidances(kind)[-1]
-    v_low = low.velocity(x, sigma, low.encode(PROMPTS), guidance)
-    v_full = full.velocity(x, sigma, full.encode(PROMPTS), guidance)
+    v_low = low.velocity(x, sigma, low.encode(prompts_of(kind)), guidance)
+    v_full = full.velocity(x, sigma, full.encode(prompts_of(kind)), guidance)
     assert v_low.dtype == torch.float32
     assert (v_low - v_full).abs().max() < 0.1 * v_full.abs().max()  # bf16 rounding, not a different model
     assert low.decode(x).dtype == torch.float32
@@ -261,7 +297,7 @@ def test_rescored_sde_transitions_have_ratio_one(kind, policies):
     sigmas = policy.sigma_schedule(N_STEPS)
     window = fixed_window(N_STEPS, 0, 2)
     for guidance in guidances(kind):
-        batch = rollout(policy, PROMPTS, SEEDS, sigmas, kernel="flow_sde", kernel_kwargs={"noise_level": 0.7},
+        batch = rollout(policy, prompts_of(kind), SEEDS, sigmas, kernel="flow_sde", kernel_kwargs={"noise_level": 0.7},
                         sde_mask=window, train_mask=window, guidance=guidance)
         assert batch.log_prob_old.shape == (2, 2) and (batch.log_prob_old != 0).all()
         for t in range(batch.x.shape[1]):
@@ -287,7 +323,7 @@ def _two_lora_steps(policy, net, lora: dict, guidance: float) -> tuple[dict, set
     """Two AdamW steps on the squared velocity (B starts at 0, so A gets its first gradient in the second step).
     Returns the parameters after and the LoRA-wrapped modules none of whose LoRA weights changed (exactly equal)."""
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
-    cond, x = policy.encode(PROMPTS), sample_noise(SEEDS, 0, tuple(policy.latent_shape))
+    cond, x = policy.encode(prompts_of(policy.kind)), sample_noise(SEEDS, 0, tuple(policy.latent_shape))
     for _ in range(2):
         loss = policy.velocity(x, torch.tensor([0.8, 0.5]), cond, guidance).pow(2).mean()
         opt.zero_grad()
@@ -319,7 +355,7 @@ def test_lora_trains_only_lora_and_round_trips(kind, tiny_dirs, policies, tmp_pa
     assert (lora_dir / "pytorch_lora_weights.safetensors").is_file() and (lora_dir / LORA_MARKER).is_file()
     sigmas = policy.sigma_schedule(N_STEPS)
     with torch.no_grad():
-        trained = policy.decode(rollout(policy, PROMPTS, SEEDS, sigmas, kernel="ode", guidance=guidance).x_final)
+        trained = policy.decode(rollout(policy, prompts_of(kind), SEEDS, sigmas, kernel="ode", guidance=guidance).x_final)
 
     # a fresh pipeline + diffusers' own load_lora_weights gives the trained policy's images (alpha kept)
     pipe = fresh_pipe(kind, path)
@@ -337,7 +373,7 @@ def test_lora_trains_only_lora_and_round_trips(kind, tiny_dirs, policies, tmp_pa
             _lora_wrap(other, seed=1)
         load_lora(other, lora_dir)
         with torch.no_grad():
-            again = other.decode(rollout(other, PROMPTS, SEEDS, sigmas, kernel="ode", guidance=guidance).x_final)
+            again = other.decode(rollout(other, prompts_of(kind), SEEDS, sigmas, kernel="ode", guidance=guidance).x_final)
         assert (again - trained).abs().max() < ATOL, wrap
 
 
@@ -435,7 +471,7 @@ def test_forwards_per_step_counts_the_rows_the_transformer_sees(kind, tiny_dirs,
             with_kwargs=True)  # Z-Image's transformer takes a list of samples, x
         try:
             x = sample_noise(SEEDS, INIT_STEP, tuple(policy.latent_shape))
-            policy.velocity(x, torch.full((len(SEEDS),), 0.5), policy.encode(PROMPTS), guidance=guidance)
+            policy.velocity(x, torch.full((len(SEEDS),), 0.5), policy.encode(prompts_of(policy.kind)), guidance=guidance)
         finally:
             hook.remove()
         return sum(seen) // len(SEEDS)

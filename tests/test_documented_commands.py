@@ -104,6 +104,9 @@ SKIP = {
     "configs/qwenimage_flow_grpo.yaml model.path=/models/Qwen-Image model.prompt_file=/data/prompts.txt": GPU_MODEL,
     "accelerate launch --config_file configs/accelerate/fsdp.yaml scripts/train_qwenimage.py configs/qwenimage_flow_grpo.yaml "
     "model.path=/models/Qwen-Image model.prompt_file=prompts.txt train.grad_accum=16": GPU_MODEL,
+    "accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes 8 scripts/train_qwenimage_edit.py "
+    "configs/qwenimage_edit_flow_grpo.yaml model.path=/models/Qwen-Image-Edit model.prompt_file=/data/edits/train.jsonl":
+        GPU_MODEL,
     "python benchmarks/bench_gpu.py": "needs a CUDA GPU (~8 min on an H200); its --quick run is "
                                       "tests/test_benchmarks.py::test_bench_gpu_quick_rows",
     "difrl reward-server --reward hpsv2,ocr --options rewards.yaml": "serves HPSv2 and OCR from checkpoint files a "
@@ -457,7 +460,7 @@ def _phase(c: Documented) -> int:
 def _workdir(tmp: Path) -> Path:
     work = tmp / "work"
     work.mkdir()
-    for name in ("configs", "scripts", "benchmarks"):
+    for name in ("configs", "scripts", "benchmarks", "difrl"):  # difrl/assets: the tiny edit set configs name
         (work / name).symlink_to(ROOT / name)
     return work
 

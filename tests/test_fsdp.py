@@ -388,7 +388,8 @@ def test_block_classes_and_tied_weights():
         model_cls = {"flux": "FluxTransformer2DModel", "sd3": "SD3Transformer2DModel", "wan": "WanTransformer3DModel",
                      "sana": "SanaTransformer2DModel", "flux2": "Flux2Transformer2DModel",
                      "flux2_klein": "Flux2Transformer2DModel", "zimage": "ZImageTransformer2DModel",
-                     "qwenimage": "QwenImageTransformer2DModel", "wan22": "WanTransformer3DModel"}[kind]
+                     "qwenimage": "QwenImageTransformer2DModel", "wan22": "WanTransformer3DModel",
+                     "qwenimage_edit": "QwenImageTransformer2DModel"}[kind]
         assert set(cls.block_classes) <= set(getattr(diffusers, model_cls)._no_split_modules), kind
 
     class Block(nn.Module):

@@ -1,5 +1,5 @@
-"""SD3 (SD3.5-Medium's shape), Wan 2.1, SANA, FLUX.2 [dev] and [klein], Z-Image, Qwen-Image and Wan 2.2
-TI2V (tiny diffusers pipelines) under FSDP2 on 2 CPU processes (gloo) equal one unsharded process.
+"""SD3 (SD3.5-Medium's shape), Wan 2.1, SANA, FLUX.2 [dev] and [klein], Z-Image, Qwen-Image, Wan 2.2 TI2V and
+Qwen-Image-Edit (tiny diffusers pipelines) under FSDP2 on 2 CPU processes (gloo) equal one unsharded process.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_fsdp_families.py -q           # the launch's tests are slow: one launch, ~2 min
 
@@ -58,6 +58,10 @@ FAMILIES = {  # kind -> (config, diffusers transformer class, pipeline class, bl
     "qwenimage": ("qwenimage_tiny.yaml", "QwenImageTransformer2DModel", "QwenImagePipeline", "QwenImageTransformerBlock",
                   ["sampler.guidance=4.0"]),  # true CFG with the norm rescale, [uncond; cond] in one forward
     "wan22": ("wan22_tiny.yaml", "WanTransformer3DModel", "WanPipeline", "WanTransformerBlock", []),
+    # Qwen-Image-Edit: the source image's latents beside the noisy ones, true CFG with the negative read with the image
+    "qwenimage_edit": ("qwenimage_edit_tiny.yaml", "QwenImageTransformer2DModel", "QwenImageEditPipeline",
+                       "QwenImageTransformerBlock",
+                       ["sampler.guidance=4.0", f"model.prompt_file={ROOT / 'difrl/assets/edit_tiny/prompts.jsonl'}"]),
 }
 # a family's tiny_pipeline options: SD3 runs SD3.5-Medium's shape (RMS qk-norm, a dual-attention block), which holds
 # every module of the plain SD3 one

@@ -44,14 +44,23 @@ CONFIG = ROOT / "configs" / "flux_tiny.yaml"
 KINDS = list(ADAPTERS)  # the built-in families and every registered one
 # FLUX: embedded guidance (one forward); SD3 (and by default a registered family): true CFG (the [uncond; cond]
 # forward in rollout and training); Wan: off
-GUIDANCE = {"flux": 3.5, "sd3": 4.0, "wan": 1.0, "sana": 4.0, "flux2": 4.0, "flux2_klein": 4.0, "zimage": 4.0, "qwenimage": 4.0, "wan22": 1.0}
+GUIDANCE = {"flux": 3.5, "sd3": 4.0, "wan": 1.0, "sana": 4.0, "flux2": 4.0, "flux2_klein": 4.0, "zimage": 4.0, "qwenimage": 4.0, "wan22": 1.0,
+            "qwenimage_edit": 4.0}
 # how a kind's pipeline takes the guidance (default: guidance_scale=); Qwen-Image: true_cfg_scale with a negative prompt
-PIPE_GUIDANCE = {"qwenimage": lambda g: {"true_cfg_scale": g, "negative_prompt": ""}}
+PIPE_GUIDANCE = {"qwenimage": lambda g: {"true_cfg_scale": g, "negative_prompt": ""},
+                 "qwenimage_edit": lambda g: {"true_cfg_scale": g, "negative_prompt": ""}}
+# an editing family (source_images) trains on the bundled tiny edit set, its sources resized to 32 x 32
+EDIT_SET = ROOT / "difrl" / "assets" / "edit_tiny"
+EDIT_OPTIONS = ["model.prompts=null", f"model.prompt_file={EDIT_SET / 'prompts.jsonl'}", "model.source_size=32"]
 N_STEPS = 3
 
 
 def video(kind: str) -> bool:
     return "num_frames" in ADAPTERS[kind].model_options
+
+
+def edits(kind: str) -> bool:
+    return ADAPTERS[kind].source_images
 
 
 def dead_lora(policy) -> set[str]:
@@ -88,13 +97,16 @@ def tiny_cfg(kind: str, path: Path, *overrides: str):
     extra = [*SMALL, f"model.kind={kind}", f"model.path={path}", f"sampler.guidance={GUIDANCE.get(kind, 4.0)}"]
     if video(kind):
         extra.append("model.num_frames=5")
+    if edits(kind):
+        extra += EDIT_OPTIONS
     return load_flow_config(CONFIG, [*extra, "threads=1", *overrides])
 
 
 def policy_options(cfg) -> dict:
     mc = cfg.model
     return dict(height=mc.height, width=mc.width, max_sequence_length=mc.max_sequence_length,
-                **({"num_frames": mc.num_frames} if video(cfg.model.kind) else {}))
+                **({"num_frames": mc.num_frames} if video(cfg.model.kind) else {}),
+                **({"source_size": mc.source_size} if edits(cfg.model.kind) else {}))
 
 
 def pipe_images(kind: str, pipe, prompts, latents, guidance, cfg) -> torch.Tensor:
@@ -104,6 +116,11 @@ def pipe_images(kind: str, pipe, prompts, latents, guidance, cfg) -> torch.Tenso
               **PIPE_GUIDANCE.get(kind, lambda g: {"guidance_scale": g})(guidance))
     if video(kind):
         return pipe(prompt=list(prompts), num_frames=cfg.model.num_frames, **kw).frames
+    if edits(kind):  # row by row, the source area patched to model.source_size^2 (tests/test_diffusers_models.py)
+        from test_diffusers_models import SOURCE_SIZE, edit_pipe_output
+
+        assert cfg.model.source_size == SOURCE_SIZE
+        return edit_pipe_output(pipe, prompts, kw)
     # by name: FLUX.2's first argument is an image; a copy: ZImagePipeline rewrites the prompt list in place
     return pipe(prompt=list(prompts), **kw).images
 
@@ -159,7 +176,7 @@ def test_two_iterations_train_every_lora_param_and_the_lora_dir_reproduces(kind,
     # the saved diffusers LoRA dir in a fresh pipeline == the trained policy, same seeds and sigmas
     lora_dir = run / "lora"
     assert (lora_dir / "pytorch_lora_weights.safetensors").is_file()
-    prompts, seeds = ["a photo of a cat", "a red dog"], torch.tensor([5, 6])
+    prompts, seeds = world.prompts[:2], torch.tensor([5, 6])  # an editing family's carry their source images
     sigmas = policy.sigma_schedule(N_STEPS)
     with torch.no_grad():
         trained = policy.decode(rollout(policy, prompts, seeds, sigmas, kernel="ode", guidance=cfg.sampler.guidance).x_final)
@@ -250,7 +267,8 @@ LEARNING_KINDS = [k for k in KINDS if (ROOT / "configs" / f"{k}_tiny.yaml").is_f
 # wan 12: +0.0086 / 0.0022 (3.9x; 11 s; at 10 3.2x). A family that needs more states its own number here.
 # qwenimage: +0.0021 at 12 (below 2x its noise), 2.4x at 40, 60: +0.0034 / 0.00085 (3.9x; seed 0, this session's
 # shared machine): its tiny red reward moves slowly (0.030 -> 0.034)
-LEARN_ITERATIONS: dict[str, int] = {"qwenimage": 60}
+# qwenimage_edit (the bundled tiny edit set): -0.0007 at 12, 40: +0.0023 / 0.00095 (2.4x), 80: +0.0030 / 0.00086 (3.4x)
+LEARN_ITERATIONS: dict[str, int] = {"qwenimage": 60, "qwenimage_edit": 60}
 
 
 @pytest.mark.slow  # 12 iterations of 32 samples: several seconds a family
@@ -258,7 +276,8 @@ LEARN_ITERATIONS: dict[str, int] = {"qwenimage": 60}
 def test_tiny_config_raises_its_reward_beyond_the_sampling_noise(kind, tiny_dirs, tmp_path):
     iterations = LEARN_ITERATIONS.get(kind, 12)
     cfg = load_flow_config(ROOT / "configs" / f"{kind}_tiny.yaml",
-                           [f"model.path={tiny_dirs(kind)}", f"train.iterations={iterations}", "threads=1"])
+                           [f"model.path={tiny_dirs(kind)}", f"train.iterations={iterations}", "threads=1",
+                            *([f"model.prompt_file={EDIT_SET / 'prompts.jsonl'}"] if edits(kind) else [])])
     assert cfg.model.kind == kind
     summary = train(cfg, tmp_path / "learn")
     change = summary["reward_change"]
@@ -336,7 +355,12 @@ def test_compile_blocks_compiles_every_repeated_block_and_keeps_the_velocity(kin
     cfg = tiny_cfg(kind, tiny_dirs(kind))
     policy = load_flow_policy(kind, tiny_dirs(kind), **policy_options(cfg))
     x = torch.randn(2, *policy.latent_shape, generator=torch.Generator().manual_seed(0))
-    sigma, cond = torch.full((2,), 0.7), policy.encode(["a photo of a cat", "a red dog"])
+    prompts = ["a photo of a cat", "a red dog"]
+    if edits(kind):
+        from difrl.worlds.diffusers import read_prompts
+
+        prompts = read_prompts(cfg.model, sources=True)[0][:2]  # the edit set's, with their source images
+    sigma, cond = torch.full((2,), 0.7), policy.encode(prompts)
     with torch.no_grad():
         before = policy.velocity(x, sigma, cond)
     blocks = [m for m in policy.pipe.transformer.modules() if type(m).__name__ in policy.block_classes]

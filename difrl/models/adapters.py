@@ -35,6 +35,7 @@ from difrl.models.diffusers_base import DiffusersFlowPolicy
 from difrl.models.flux import FluxPolicy
 from difrl.models.flux2 import Flux2KleinPolicy, Flux2Policy
 from difrl.models.qwenimage import QwenImagePolicy
+from difrl.models.qwenimage_edit import QwenImageEditPolicy
 from difrl.models.sana import SanaPolicy
 from difrl.models.sd3 import SD3Policy
 from difrl.models.wan import WanPolicy
@@ -44,7 +45,8 @@ from difrl.models.zimage import ZImagePolicy
 BUILTIN_ADAPTERS: dict[str, type[DiffusersFlowPolicy]] = {"flux": FluxPolicy, "sd3": SD3Policy, "wan": WanPolicy,
                                                        "sana": SanaPolicy, "flux2": Flux2Policy,
                                                        "flux2_klein": Flux2KleinPolicy, "zimage": ZImagePolicy,
-                                                       "qwenimage": QwenImagePolicy, "wan22": Wan22Policy}
+                                                       "qwenimage": QwenImagePolicy, "wan22": Wan22Policy,
+                                                       "qwenimage_edit": QwenImageEditPolicy}
 # every kind known in this process: the built-in ones, then those registered (@register_model, a loaded entry point)
 ADAPTERS: dict[str, type[DiffusersFlowPolicy]] = dict(BUILTIN_ADAPTERS)
 ENTRY_POINT_GROUP = "difrl.models"

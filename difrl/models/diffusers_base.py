@@ -51,6 +51,33 @@ class ModelKindError(ValueError):
     """A directory holds another model kind than the one asked for."""
 
 
+class ImagePrompt(str):
+    """A prompt with its source image, for an image-editing family (`source_images = True`): the text itself (what
+    rewards, logs and metadata read: it is a str) carrying `image`, the source image's path. Two ImagePrompts are equal
+    (and hash alike: the prompt cache's key) only when text and image both are, so one instruction on two images is two
+    prompts. The worlds and the trainer pass prompts through unchanged, so the image reaches `policy.encode`."""
+
+    def __new__(cls, text: str, image):
+        self = super().__new__(cls, text)
+        self.image = str(image)
+        return self
+
+    def __eq__(self, other):
+        return isinstance(other, ImagePrompt) and str.__eq__(self, other) and self.image == other.image
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __hash__(self):
+        return hash((str(self), self.image))
+
+    def __reduce__(self):  # pickles (a reward process, a spawned worker) as text + path
+        return ImagePrompt, (str(self), self.image)
+
+    def __repr__(self):
+        return f"ImagePrompt({str(self)!r}, image={self.image!r})"
+
+
 @functools.lru_cache(maxsize=1)
 def dtype_keyword() -> str:
     """diffusers >= 0.42 takes `dtype=` in from_pretrained and warns on the older `torch_dtype=`."""
@@ -145,6 +172,9 @@ class DiffusersFlowPolicy(ComputeDevice):
     fsdp_fp32_inputs: tuple[str, ...] = ()
     # pipeline components from_pretrained loads in fp32 whatever model.dtype is (Wan's VAE); difrl plan builds them so
     fp32_components: tuple[str, ...] = ()
+    # an image-editing family: each prompt is an ImagePrompt carrying its source image (the diffusers world reads them
+    # from model.prompt_file's records, {"prompt": ..., "image": path}); a plain str prompt is refused by its encode
+    source_images: bool = False
 
     def __init__(self, pipe, *, height: int, width: int, negative_prompt: str = "", max_sequence_length: int = 512,
                  cache_prompts: bool = False):
@@ -249,6 +279,12 @@ class DiffusersFlowPolicy(ComputeDevice):
                 self._negative = self._encode_batch([self.negative_prompt])
         return {k: v.expand(batch, *v.shape[1:]) for k, v in self._negative.items()}
 
+    def uncond(self, cond: Cond, batch: int) -> Cond:
+        """CFG's unconditional rows for the `batch` rows of `cond` (the same keys): the negative prompt's embeddings,
+        alike for every row. A family whose negative depends on the row (Qwen-Image-Edit: the negative prompt read
+        with each row's source image) carries it in `cond` and overrides this."""
+        return self.negative_cond(batch)
+
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Cond, guidance: float = 1.0) -> torch.Tensor:
         """v = eps - x0, fp32 [B, *latent_shape]; true CFG in one batched forward over [uncond; cond]
         when _cfg_scale(guidance) gives a scale (the combination in fp32)."""
@@ -258,7 +294,7 @@ class DiffusersFlowPolicy(ComputeDevice):
         scale = self._cfg_scale(guidance)
         if scale is not None:
             scale = self._row_scale(scale, sigma)
-            both = {k: torch.cat([u, cond[k]]) for k, u in self.negative_cond(x.shape[0]).items()}
+            both = {k: torch.cat([u, cond[k]]) for k, u in self.uncond(cond, x.shape[0]).items()}
             with autocast_to(self.autocast_dtype, dev):
                 out = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), both, guidance)
             v_u, v_c = out.float().chunk(2)

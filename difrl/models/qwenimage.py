@@ -39,6 +39,21 @@ from difrl.models.diffusers_base import DiffusersFlowPolicy, as_dtype, check_pip
 from difrl.quant.linear import QUANT_PRESETS
 
 
+def real_tokens(hidden: torch.Tensor, attention_mask: torch.Tensor, drop: int, length: int):
+    """The pipeline's `_extract_masked_hidden` + `[drop:]` + zero padding, with static shapes: each row's real tokens
+    (attention_mask 1) in order, the first `drop` left out, the next at most `length` kept, zero-padded to `length`.
+    hidden [B, T, D], attention_mask [B, T] -> (embeds [B, length, D], mask [B, length] long, 1 = a real token)."""
+    real = attention_mask.bool()  # [B, T]
+    # each row's real tokens first, in order (a stable sort moves the padding back, whichever side it was on)
+    order = torch.sort((~real).to(torch.uint8), dim=1, stable=True).indices  # [B, T]
+    idx = order[:, drop:drop + length]  # [B, <= length]
+    mask = real.gather(1, idx)  # [B, <= length]
+    embeds = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, <= length, D]
+    embeds = torch.where(mask[..., None], embeds, torch.zeros((), dtype=embeds.dtype, device=embeds.device))
+    pad = length - idx.shape[1]  # every row padded to length: conditions of any prompts concatenate
+    return F.pad(embeds, (0, 0, 0, pad)), F.pad(mask.long(), (0, pad))
+
+
 class QwenImagePolicy(DiffusersFlowPolicy):
     """Qwen-Image (`QwenImagePipeline`): packed latents, Qwen2.5-VL embeddings with a mask, true CFG + norm rescale."""
 
@@ -85,16 +100,8 @@ class QwenImagePolicy(DiffusersFlowPolicy):
                                 return_tensors="pt").to(self.device)
         hidden = pipe.text_encoder(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
                                    output_hidden_states=True).hidden_states[-1]  # [B, T, D]
-        real = tokens.attention_mask.bool()  # [B, T]
-        # each row's real tokens first, in order (a stable sort moves the padding back, whichever side it was on)
-        order = torch.sort((~real).to(torch.uint8), dim=1, stable=True).indices  # [B, T]
-        idx = order[:, drop:drop + L]  # after the system part, at most L tokens (the pipeline's max_sequence_length)
-        mask = real.gather(1, idx)  # [B, <= L]
-        embeds = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, <= L, D]
-        embeds = torch.where(mask[..., None], embeds, torch.zeros((), dtype=embeds.dtype, device=embeds.device))
-        pad = L - idx.shape[1]  # every prompt padded to L: conditions of any prompts concatenate
-        return {"prompt_embeds": F.pad(embeds, (0, 0, 0, pad)).to(pipe.text_encoder.dtype),  # [B, L, D], zeros after it
-                "prompt_embeds_mask": F.pad(mask.long(), (0, pad))}  # [B, L], 1 = a token of the prompt
+        embeds, mask = real_tokens(hidden, tokens.attention_mask, drop, L)
+        return {"prompt_embeds": embeds.to(pipe.text_encoder.dtype), "prompt_embeds_mask": mask}
 
     def _set_timesteps(self, sched, num_steps: int) -> None:
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift

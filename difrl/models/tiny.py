@@ -235,3 +235,24 @@ def tiny_qwen2_tokenizer(words: tuple[str, ...] = QWEN_TEMPLATE_WORDS):
         vocab[s] = len(vocab)
     tok = Qwen2Tokenizer(vocab=vocab, merges=merges, additional_special_tokens=specials[1:])
     return tok
+
+
+# the words of the Qwen-Image-Edit prompt template's system part (diffusers' QwenImageEditPipeline.prompt_template_encode)
+# and the "assistant" of its end, one token each as the real Qwen2 BPE makes them (longest first, so no merge of a
+# shorter word splits a longer one): the part up to the image is 64 tokens here too, the pipeline's
+# prompt_template_encode_start_idx, so what it keeps starts at the vision tokens
+QWEN_EDIT_TEMPLATE_WORDS = (" requirements", " instruction", " maintaining", " consistency", " appropriate",
+                            " background", " features", " Generate", " original", "assistant", "Describe", " texture",
+                            " objects", " explain", " should", " modify", "system", " input", " image", " shape",
+                            " alter", " meets", " while", " where", "color", " size", " then", " user", " text",
+                            " that", " with", " the", " key", " how", " new", "user", " of", " or", " (", "),", "'s", " a")
+
+
+def tiny_qwen2vl_processor(tokenizer, pixels: int = 56 * 56):
+    """A Qwen2VLProcessor (Qwen-Image-Edit's `processor`) over `tokenizer`: its image processor resizes every image to
+    about `pixels` pixels (min = max: 56 x 56, a 4 x 4 grid of 14-pixel patches merged 2 x 2 into 4 image tokens; the
+    real one keeps up to 12.8M pixels)."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    images = Qwen2VLImageProcessor(min_pixels=pixels, max_pixels=pixels)
+    return Qwen2VLProcessor(image_processor=images, tokenizer=tokenizer, video_processor=Qwen2VLVideoProcessor())

@@ -218,6 +218,8 @@ class FlowModelConfig(ModelConfig):
     guidance_scale_2: float | None = cfg_field(None, help="wan22 A14B: the low-noise expert's CFG scale (WanPipeline's "
                                                           "guidance_scale_2); None: sampler.guidance")
     train_experts: str = cfg_field("both", choices=("both", "high", "low"), help="wan22 A14B: the experts trained")
+    source_size: int = cfg_field(1024, ge=32, help="qwenimage_edit: source images are resized to about source_size^2 "
+                                                   "pixels at their aspect ratio (the pipeline: 1024)")
     dtype: str = cfg_field("fp32", choices=("fp32", "bf16", "fp16"),
                            help="diffusers models: transformer and text-encoder dtype (step math stays fp32)")
     schedule: str = cfg_field("pipeline", choices=("pipeline", "shift"),

@@ -7,7 +7,10 @@
 
 The policy is `load_flow_policy(kind, model.path, ...)` (difrl/models/adapters.py), on this
 process's GPU when there is one. Training prompts come from `model.prompts` or `model.prompt_file`
-(one per line, or .jsonl with metadata); prompt id = index. The evaluation is a fixed-seed ODE
+(one per line, or .jsonl with metadata); prompt id = index. An image-editing model (the adapter's `source_images`:
+Qwen-Image-Edit) takes a .jsonl of {"prompt": ..., "image": <path relative to the file>} records: each prompt is an
+ImagePrompt carrying its source image (difrl.models.diffusers_base), checked to open now; the rewards score the edited
+images as any others (the record, "image" included, is their metadata). The evaluation is a fixed-seed ODE
 rollout of `eval.per_digit` samples for each evaluation prompt, scored by the run's own rewards
 (`reward.weights`): a mean weighted reward with its standard error over the samples (`reward_sem`;
 the run's summary reports after - before against it, difrl.eval.metrics.change_over_noise) and each reward's mean. The evaluation panel
@@ -38,6 +41,7 @@ from pathlib import Path
 import torch
 
 from difrl.eval.panel import EvalPanel
+from difrl.models.diffusers_base import ImagePrompt
 from difrl.rewards import build_reward, reward_key, score_all
 from difrl.rollout import rollout
 from difrl.samplers.schedules import sigma_schedule
@@ -48,10 +52,15 @@ from difrl.worlds import World
 MAX_EVAL_PROMPTS = 8  # model.eval_prompts = None: the first this many training prompts
 
 
-def read_prompts(mc, key: str = "model.prompt_file") -> tuple[list[str], list[dict]]:
+def read_prompts(mc, key: str = "model.prompt_file", sources: bool = False) -> tuple[list[str], list[dict]]:
     """(prompts, each prompt's metadata) from model.prompts, or model.prompt_file: a text file (one prompt per
     line, metadata {}) or a .jsonl file of objects with a "prompt" key, the rest of each object being its
-    metadata (GenEval's evaluation_metadata.jsonl, an OCR set's {"prompt": ..., "text": ...})."""
+    metadata (GenEval's evaluation_metadata.jsonl, an OCR set's {"prompt": ..., "text": ...}). `sources` (an editing
+    model's world, the adapter's source_images): each record names its source image, "image": a path (relative: to the
+    file's folder), and each prompt is an ImagePrompt carrying that file's path."""
+    if sources and (mc.prompts is not None or Path(mc.prompt_file).suffix != ".jsonl"):
+        raise ValueError(f"{key}: this model edits a source image per prompt: give a .jsonl file of "
+                         "{\"prompt\": ..., \"image\": <path>} records (model.prompts cannot carry images)")
     if mc.prompts is not None:
         prompts, meta = [str(p) for p in mc.prompts], [{} for _ in mc.prompts]
         source = "model.prompts"
@@ -71,8 +80,11 @@ def read_prompts(mc, key: str = "model.prompt_file") -> tuple[list[str], list[di
                     raise ValueError(f"{source}, line {n}: not JSON ({e})") from e
                 if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
                     raise ValueError(f"{source}, line {n}: expected an object with a string \"prompt\"")
+                if sources and not (isinstance(rec.get("image"), str) and (path.parent / rec["image"]).is_file()):
+                    raise ValueError(f"{source}, line {n}: \"image\" must name the source image's file (relative to "
+                                     f"{path.parent}); got {rec.get('image')!r}")
                 meta.append(rec)
-            prompts = [m["prompt"] for m in meta]
+            prompts = [ImagePrompt(m["prompt"], path.parent / m["image"]) if sources else m["prompt"] for m in meta]
         else:
             prompts, meta = [ln for _, ln in lines], [{} for _ in lines]
     if not prompts:
@@ -123,13 +135,17 @@ def flow_world(kind: str, model_path: str | None, cfg=None, policy=None) -> Worl
         policy.enable_gradient_checkpointing()
     if mc.compile:
         policy.compile_blocks()
-    prompts, prompt_meta = read_prompts(mc)
+    sources = policy.source_images  # an editing model: prompts carry their source images (ImagePrompt)
+    prompts, prompt_meta = read_prompts(mc, sources=sources)
     meta_by_prompt = dict(zip(prompts, prompt_meta))
     eval_prompts = list(mc.eval_prompts) if mc.eval_prompts is not None else prompts[:MAX_EVAL_PROMPTS]
     if getattr(mc, "eval_prompt_file", None):  # held-out prompts with their own metadata (GenEval records, OCR text)
         eval_prompts, eval_meta = read_prompts(SimpleNamespace(prompts=None, prompt_file=mc.eval_prompt_file),
-                                               "model.eval_prompt_file")
+                                               "model.eval_prompt_file", sources)
         meta_by_prompt.update(zip(eval_prompts, eval_meta))
+    check = getattr(policy, "check_sources", None)  # Qwen-Image-Edit: one size for every source image, said now
+    if sources and check is not None:               # rather than at the first batch that mixes two
+        check([*prompts, *eval_prompts])
 
     def sigmas(num_steps: int, shift: float) -> torch.Tensor:
         if mc.schedule == "pipeline":  # the scheduler's own shift (FLUX: dynamic, from the image sequence length)
@@ -196,6 +212,13 @@ def check_config(cfg) -> None:
     if (mc.prompts is None) == (mc.prompt_file is None):
         raise config_error("model.prompts", f"model.kind={mc.kind} needs training prompts: give model.prompts "
                                             "or model.prompt_file (one of them)")
+    from difrl.models.adapters import ADAPTERS
+
+    family = ADAPTERS.get(mc.kind)  # an entry point's family is not imported for a check: its world says it
+    if family is not None and family.source_images and (mc.prompts is not None or mc.eval_prompts is not None):
+        key = "model.prompts" if mc.prompts is not None else "model.eval_prompts"
+        raise config_error(key, f"model.kind={mc.kind} edits a source image per prompt: give model.prompt_file (and "
+                                "model.eval_prompt_file), .jsonl files of {\"prompt\": ..., \"image\": <path>} records")
     if mc.schedule == "pipeline" and cfg.sampler.shift != 1.0:
         raise config_error("sampler.shift", "model.schedule=pipeline samples on the pipeline scheduler's own "
                                             "shift; set model.schedule=shift to use sampler.shift")
