@@ -116,6 +116,23 @@ def test_gathered_and_snapshot_keep_full_tensors_only_where_asked(one_process_gr
     assert {k: tuple(v.shape) for k, v in snap.trainable.items()} == {k: tuple(v.shape) for k, v in plain.state_dict().items()}
 
 
+def test_gather_to_host_is_a_host_copy_of_a_shard_and_a_plain_tensor_as_is(one_process_group):
+    # the name says what happens: DTensor's full_tensor() stays on the shard's device; this one comes to the host
+    from difrl.train.sharding import FSDPSettings, gather_to_host, is_sharded, shard
+
+    torch.manual_seed(0)
+    plain = Net()
+    torch.manual_seed(0)
+    net = shard(Net(), ["Block"], FSDPSettings())
+    for (k, p), ref in zip(net.named_parameters(), plain.parameters()):
+        assert is_sharded(p), k
+        full = gather_to_host(p)
+        assert not is_sharded(full) and full.device.type == "cpu" and torch.equal(full, ref.detach()), k  # exact: a copy
+        assert gather_to_host(p, keep=False) is None  # took part in the all-gather, kept nothing
+    t = torch.ones(3)
+    assert gather_to_host(t) is t and gather_to_host(t, keep=False) is None  # a plain tensor: as is, nothing copied
+
+
 # ---------------------------------------------------------------------------------- 2 processes
 
 DRIVER = """import sys

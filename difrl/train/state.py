@@ -171,18 +171,18 @@ def snapshot(module: nn.Module, optimizer, ema: EMA | None, extras: dict[str, EM
     checkpoint keeps them: `keep` (default: this is the main process, rank 0, or there is no process group); the
     others drop each gathered tensor as soon as its all-gather returns and get None (no process but the writer ever
     holds the full model, its EMA and AdamW's moments: about 190 GB for a 12B FLUX)."""
-    from difrl.train.sharding import full_tensor
+    from difrl.train.sharding import gather_to_host
 
     if keep is None:
         keep = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
     def full(tensors: dict) -> dict:
-        return {k: full_tensor(v, keep) for k, v in tensors.items()}
+        return {k: gather_to_host(v, keep) for k, v in tensors.items()}
 
     reshard(module)  # its parameters are the shards again, not what a forward left gathered
 
     opt = optimizer.state_dict()
-    opt = {**opt, "state": {i: {k: full_tensor(v, keep) if torch.is_tensor(v) else v for k, v in st.items()}
+    opt = {**opt, "state": {i: {k: gather_to_host(v, keep) if torch.is_tensor(v) else v for k, v in st.items()}
                             for i, st in sorted(opt["state"].items())}}
     trained = full(trainable_params(module))
     ema_full = None if ema is None else (full(ema.shadow), ema.num_updates)
