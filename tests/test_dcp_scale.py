@@ -49,7 +49,7 @@ def local(t):
 @pytest.mark.parametrize("kind", ["plain", "sharded", "cuda"])
 def test_foreach_ema_equals_the_per_tensor_loop(kind, request, monkeypatch):
     # cuda (where there is one): the fused foreach kernel against the per-tensor one, the same lerp formula
-    from difrl.train import state as state_mod
+    from difrl.train import ema as ema_mod
     from difrl.train.sharding import FSDPSettings, shard
     from difrl.train.state import EMA
 
@@ -80,8 +80,8 @@ def test_foreach_ema_equals_the_per_tensor_loop(kind, request, monkeypatch):
             assert torch.equal(local(ema.shadow[k]), local(reference[k])), k
     assert calls == [len(params)] * 3  # one foreach call per update over every tensor, not one op per tensor
     # the swap exchanges live and EMA weights exactly, also when cut into several buckets (bounded temporary memory)
-    for bucket in (state_mod.SWAP_BUCKET_BYTES, 64):
-        monkeypatch.setattr(state_mod, "SWAP_BUCKET_BYTES", bucket)
+    for bucket in (ema_mod.SWAP_BUCKET_BYTES, 64):
+        monkeypatch.setattr(ema_mod, "SWAP_BUCKET_BYTES", bucket)
         live = {k: local(p).clone() for k, p in params.items()}
         shadow = {k: local(v).clone() for k, v in ema.shadow.items()}
         ema.swap()
