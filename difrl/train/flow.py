@@ -187,7 +187,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
         scores, bad = score_rewards(lambda: scoring.result(prompt_ids, seeds), len(prompts), cfg.reward.on_error,
                                     lambda: run.checkpoint(it), f"iteration {it + 1}", run_dir, accelerator.print,
                                     run.carrying(across_processes(accelerator)))  # a failure or signal on any process stops all
-        if run.interrupted():  # SIGINT / SIGTERM on any process: this iteration is abandoned before its update
+        if run.agree_interrupted():  # SIGINT / SIGTERM on any process: this iteration is abandoned before its update
             break
         t_adv = time.perf_counter()
 

@@ -169,7 +169,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
                                                       prompt_ids), S, cfg.reward.on_error, lambda: run.checkpoint(it),
                                     f"iteration {it + 1}", run_dir, say,
                                     run.carrying(across_processes(accelerator)))  # the signals too: the poll below
-        if run.interrupted():  # SIGINT / SIGTERM on any process: this iteration is abandoned before its update
+        if run.agree_interrupted():  # SIGINT / SIGTERM on any process: this iteration is abandoned before its update
             break
         t_adv = time.perf_counter()
 
@@ -232,7 +232,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
         # ==================================================================== checkpoint
         if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
             run.checkpoint(done)
-        if run.interrupted():  # a signal during the update: stop after this iteration
+        if run.agree_interrupted():  # a signal during the update: stop after this iteration
             break
     bar.close()
 
