@@ -59,7 +59,7 @@ from difrl.train.sharding import fsdp_settings, gathered, process_group_kwargs
 from difrl.train.state import EMA, trainable_params
 from difrl.train.unit_gather import device_free_bytes, rollout_gather, units_gathered
 from difrl.tree_rollout import tree_rollout
-from difrl.utils.collectives import gather, process_max, split_rows
+from difrl.utils.collectives import gather, gather_max, split_rows
 from difrl.utils.rng import mix_seed
 from difrl.worlds import build_world
 
@@ -396,7 +396,7 @@ def policy_update(cfg: FlowConfig, policy, tr: Trainee, accelerator, batch, adva
                     policy, sub, advantages[idx], keep[idx].float(),
                     None if correction is None else (correction.weights[idx], correction.keep[idx]),
                     m, first and cfg.train.ratio_check, denom, cfg, tr.reference_ctx,
-                    lambda x: process_max(accelerator, x))  # all processes stop together
+                    lambda x: gather_max(accelerator, x))  # all processes stop together
             first = False
             accelerator.backward(loss)
         if sync:

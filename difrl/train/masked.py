@@ -53,7 +53,7 @@ from difrl.discrete.samplers import SAMPLERS, merge_rollouts
 from difrl.rewards import score_all
 from difrl.train.flow_plan import thread_note
 from difrl.train.masked_config import MaskedConfig
-from difrl.train.masked_plan import (busiest, external_correction, gather_rows, local_device, plan, process_max,
+from difrl.train.masked_plan import (busiest, external_correction, gather_max, gather_rows, local_device, plan,
                                      processes, rollout_forwards, update_tokens)
 from difrl.train.reward_stage import (across_processes, build_rewards, finite_mean_std, probe_batch, reward_stats,
                                      score_rewards, track_reward_failures, valid_group_advantages)
@@ -360,7 +360,7 @@ def policy_update(cfg: MaskedConfig, policy, tr: MaskedTrainee, accelerator, spl
                     on = rm.loss_mask  # [b, L]; 0 - 0 outside it (a micro-batch may have no loss token)
                     m.add("first_step_max_abs_log_ratio", torch.tensor(check_ratio(  # all stop together
                         torch.where(on, logp, 0.0), torch.where(on, r.logp_old[n - 1, idx], 0.0),
-                        cfg.train.ratio_tol, lambda x: process_max(accelerator, x))))
+                        cfg.train.ratio_tol, lambda x: gather_max(accelerator, x))))
                 first = False
                 pg, pm = ppo_clip_loss(logp, r.logp_old[n - 1, idx], advantages[idx], cfg.train.clip_low,
                                        cfg.train.clip_high)

@@ -45,7 +45,7 @@ import torch
 from difrl.config import ConfigError
 from difrl.train.flow_plan import _divisors, _either, _nearest
 from difrl.train.unit_gather import units_gathered as rollout_forwards  # noqa: F401 (the masked trainer's name)
-from difrl.utils.collectives import gather, process_max, reduce
+from difrl.utils.collectives import gather, gather_max, reduce
 
 
 class MaskedPlan(NamedTuple):
@@ -154,7 +154,7 @@ def busiest(accelerator, nfe: int) -> int:
     """The largest of the processes' counts (a rollout's forward passes: what the slowest process waits for; on one
     process the batch's own). LLaDA and EB give one process's count exactly (a sample's forwards do not depend on its
     batch); MDLM/emerge skips a step only when no sample of the batch unmasks, so a split batch may skip more."""
-    return int(process_max(accelerator, nfe))
+    return int(gather_max(accelerator, nfe))
 
 
 def external_correction(accelerator, corrector, options: dict, lp_pi: torch.Tensor, mu: torch.Tensor,

@@ -11,7 +11,7 @@ Each loss is summed over its micro-batch's elements and divided by a denominator
 update (the update's records x steps), so gradient accumulation 1x8 equals 8x1; metrics go into `m`
 (difrl.train.metrics.Metrics). `reference_ctx()` is the context in which the policy computes the
 reference (difrl.train.scaffold.reference_policy). `agree` (x -> the largest x over processes,
-difrl.utils.collectives.process_max) makes the ratio checks one decision of all processes: all raise or none.
+difrl.utils.collectives.gather_max) makes the ratio checks one decision of all processes: all raise or none.
 """
 
 from __future__ import annotations

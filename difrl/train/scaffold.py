@@ -118,7 +118,7 @@ class RatioCheckError(RuntimeError):
 
 def check_ratio(log_prob: torch.Tensor, log_prob_old: torch.Tensor, tol: float, agree=None) -> float:
     """max |log_prob - log_prob_old| of the first on-policy micro-step, the largest over processes through `agree`
-    (collectives.process_max: all raise together, none alone, which would hang backward); raises if expm1 > tol."""
+    (collectives.gather_max: all raise together, none alone, which would hang backward); raises if expm1 > tol."""
     err = (agree or float)(float((log_prob.detach() - log_prob_old).abs().max()))  # agree: collective, same on all
     if not math.isfinite(err) or math.expm1(err) > tol:
         raise RatioCheckError(
