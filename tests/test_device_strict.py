@@ -69,12 +69,17 @@ def test_a_host_tensor_in_a_collective_fails_and_the_helper_moves_it():
     assert acc.calls == {"gather": 1, "reduce": 1}
 
 
-def test_gather_max_is_a_collective_through_the_device():
-    # a host float: every process calls it and gets the largest (NaN if any is NaN), the gather on the device
+def test_gather_max_and_gather_busiest_are_collectives_through_the_device():
+    # a host float: every process calls it and gets the largest (NaN if any is NaN), the gather on the device;
+    # gather_busiest: the rollout forwards of the busiest process (masked trainer's nfe_rollout), an int
+    from difrl.train.masked_plan import gather_busiest
+
     acc = StrictAccelerator()
     with emulated_device():
         assert gather_max(acc, 2.5) == 2.5 and math.isnan(gather_max(acc, float("nan")))  # one process: its own, exactly
-    assert acc.calls == {"gather": 2}
+        busiest = gather_busiest(acc, 7)
+        assert busiest == 7 and isinstance(busiest, int)
+    assert acc.calls == {"gather": 3}
 
 
 # ------------------------------------------------------------------------------------------ host reads (GPU syncs)

@@ -53,7 +53,7 @@ from difrl.discrete.samplers import SAMPLERS, merge_rollouts
 from difrl.rewards import score_all
 from difrl.train.flow_plan import thread_note
 from difrl.train.masked_config import MaskedConfig
-from difrl.train.masked_plan import (busiest, external_correction, gather_max, gather_rows, local_device, plan,
+from difrl.train.masked_plan import (external_correction, gather_busiest, gather_max, gather_rows, local_device, plan,
                                      processes, rollout_forwards, update_tokens)
 from difrl.train.reward_stage import (across_processes, build_rewards, finite_mean_std, probe_batch, reward_stats,
                                      score_rewards, track_reward_failures, valid_group_advantages)
@@ -206,7 +206,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
             "zero_spread_groups": int(all_groups[adv.zero_spread].unique().numel()),
             "failed_reward_groups": int(bad_groups.numel()), "failed_reward_frac": failed_frac,
             "trained_samples": int(keep_all.sum()),
-            "nfe_rollout": busiest(accelerator, out.nfe),
+            "nfe_rollout": gather_busiest(accelerator, out.nfe),
             **upd,
             "ratio_mean": upd.get("ratio", 1.0),
             "lr": optimizer.param_groups[0]["lr"],

@@ -3,7 +3,7 @@
     accelerator, fsdp = processes(policy)             # 1 process, DDP, or FSDP2 (accelerate launch --config_file ...)
     p = plan(cfg, accelerator.num_processes, accelerator.process_index, say)   # ConfigError if it does not split
     with rollout_forwards(net, fsdp): out = sampler(...)   # FSDP: any number of forwards per process
-    nfe = busiest(accelerator, out.nfe)                # the rollout's forward passes on the busiest process
+    nfe = gather_busiest(accelerator, out.nfe)         # the rollout's forward passes on the busiest process
 
 Data parallelism as in the flow trainer (difrl/train/flow.py): the sample list of an iteration is global (sample k
 belongs to group k // group_size, its seed is mix_seed(seed, iteration, 0, k)), each process rolls out, scores and
@@ -150,10 +150,11 @@ def gather_rows(accelerator, t: torch.Tensor) -> torch.Tensor:
     return gather(accelerator, t)
 
 
-def busiest(accelerator, nfe: int) -> int:
-    """The largest of the processes' counts (a rollout's forward passes: what the slowest process waits for; on one
-    process the batch's own). LLaDA and EB give one process's count exactly (a sample's forwards do not depend on its
-    batch); MDLM/emerge skips a step only when no sample of the batch unmasks, so a split batch may skip more."""
+def gather_busiest(accelerator, nfe: int) -> int:
+    """The largest of the processes' counts, on every process (a collective: every process calls it), e.g. a
+    rollout's forward passes: what the slowest process waits for; on one process the batch's own. LLaDA and EB give
+    one process's count exactly (a sample's forwards do not depend on its batch); MDLM/emerge skips a step only when
+    no sample of the batch unmasks, so a split batch may skip more."""
     return int(gather_max(accelerator, nfe))
 
 
