@@ -37,7 +37,7 @@ from difrl.rewards import Scoring
 from difrl.rollout import cat_rollouts, chunk_slices, per_transition, rollout
 from difrl.solrl import candidate_pool, rank_agreement
 from difrl.train.config import FlowConfig
-from difrl.train.flow_plan import plan, step_masks
+from difrl.train.flow_plan import plan_flow_iteration, step_masks
 from difrl.train.iteration import close_iteration, optimizer_step
 from difrl.train.matching_objectives import (MATCHING_OBJECTIVES, matching_micro_loss, needs_old, needs_reference,
                                              old_decay, prepare_update, trained_sigmas)
@@ -82,7 +82,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
     world_size, rank = accelerator.num_processes, accelerator.process_index
     torch.set_num_threads(cfg.threads or max(1, cores_available() // world_size))
     tree_mode, solrl, nft = cfg.rollout.kind == "tree", cfg.rollout.kind == "solrl", cfg.train.objective == "nft"
-    n_total, per_proc, T, schedule, micro = plan(cfg, world, world_size, run_dir, accelerator.print)
+    n_total, per_proc, T, schedule, micro = plan_flow_iteration(cfg, world, world_size, run_dir, accelerator.print)
 
     policy = world.policy
     rewards, weights = build_rewards(cfg.reward, world.default_reward, probe_batch(world))  # a misfit stops here

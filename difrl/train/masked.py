@@ -53,8 +53,8 @@ from difrl.discrete.samplers import SAMPLERS, merge_rollouts
 from difrl.rewards import score_all
 from difrl.train.flow_plan import thread_note
 from difrl.train.masked_config import MaskedConfig
-from difrl.train.masked_plan import (external_correction, gather_busiest, gather_max, gather_rows, local_device, plan,
-                                     processes, rollout_forwards, update_tokens)
+from difrl.train.masked_plan import (external_correction, gather_busiest, gather_max, gather_rows, local_device,
+                                     plan_masked_iteration, processes, rollout_forwards, update_tokens)
 from difrl.train.reward_stage import (across_processes, build_rewards, finite_mean_std, probe_batch, reward_stats,
                                      score_rewards, track_reward_failures, valid_group_advantages)
 from difrl.train.metrics import Metrics
@@ -87,7 +87,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
     world_size, rank, main, say = (accelerator.num_processes, accelerator.process_index, accelerator.is_main_process,
                                    accelerator.print)
     torch.set_num_threads(cfg.threads or max(1, cores_available() // world_size))
-    split = plan(cfg, world_size, rank)  # a batch that does not split stops here (ConfigError)
+    split = plan_masked_iteration(cfg, world_size, rank)  # a batch that does not split stops here (ConfigError)
     P, G, mu, ga = cfg.rollout.prompts_per_iter, cfg.rollout.group_size, cfg.train.inner_updates, cfg.train.grad_accum
     N, S, mbs, updates_per_inner = split.n_total, split.per_proc, split.micro, split.updates
     sampler = SAMPLERS[cfg.sampler.kind]

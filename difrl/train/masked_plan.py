@@ -1,7 +1,7 @@
 """How a masked iteration splits over processes and into optimizer updates, checked before the first one.
 
     accelerator, fsdp = processes(policy)             # 1 process, DDP, or FSDP2 (accelerate launch --config_file ...)
-    p = plan(cfg, accelerator.num_processes, accelerator.process_index, say)   # ConfigError if it does not split
+    p = plan_masked_iteration(cfg, accelerator.num_processes, accelerator.process_index)  # ConfigError: no split
     with rollout_forwards(net, fsdp): out = sampler(...)   # FSDP: any number of forwards per process
     nfe = gather_busiest(accelerator, out.nfe)         # the rollout's forward passes on the busiest process
 
@@ -81,7 +81,7 @@ def processes(policy):
     return accelerator, fsdp_settings(accelerator)
 
 
-def plan(cfg, world_size: int, rank: int) -> MaskedPlan:
+def plan_masked_iteration(cfg, world_size: int, rank: int) -> MaskedPlan:
     """Check that an iteration splits over `world_size` processes and into optimizer updates (ConfigError naming
     the keys and the nearest values that work), and return the split."""
     P, G = cfg.rollout.prompts_per_iter, cfg.rollout.group_size

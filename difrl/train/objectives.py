@@ -188,7 +188,7 @@ def proximal_correction(policy, batch: Rollout, cfg, micro_batch: int | None = N
     Returns (batch with log_prob_old / mean_old replaced, the Correction)."""
     micro_batch = cfg.train.micro_batch if micro_batch is None else micro_batch
     if not isinstance(micro_batch, int):
-        raise ValueError("proximal_correction needs train.micro_batch resolved (difrl.train.flow_plan.plan)")
+        raise ValueError("proximal_correction needs train.micro_batch resolved (difrl.train.flow_plan.plan_flow_iteration)")
     per = max(1, micro_batch // max(1, batch.step.shape[1]))  # records of about micro_batch transitions
     parts = [transition_log_prob(policy, batch.select(torch.arange(lo, min(lo + per, len(batch)))), cfg)
              for lo in range(0, len(batch), per)]
