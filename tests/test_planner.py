@@ -387,7 +387,7 @@ def test_plan_of_the_masked_trainer_has_every_category_and_fits(tmp_path):
     fine-tune with a KL reference under FSDP2, the sampler's configured forwards and the verdict."""
     import argparse
 
-    from difrl.cli import _load
+    from difrl.cli.args import load as _load
     from difrl.train.plan_command import main
 
     out = tmp_path / "plan.json"
