@@ -233,3 +233,25 @@ def test_resume_past_a_damaged_checkpoint_is_bit_identical(tmp_path, capsys):
                  "checkpoints/iter-000004/ema.safetensors"):
         a, b = (load_safetensors_checked(d / name, "test")[0] for d in (full, part))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_a_weight_snapshot_holds_the_weights_of_its_last_take_and_a_checkpoint_keeps_it(tmp_path):
+    # GARDO's reference and the stale rollout copy's source: the weights as they were when taken, not an average
+    from difrl.train.ema import WeightSnapshot
+
+    net = torch.nn.Linear(4, 3)
+    snap = WeightSnapshot(dict(net.named_parameters()))
+    taken = {k: p.detach().clone() for k, p in net.named_parameters()}
+    with torch.no_grad():
+        net.weight.add_(1.0)
+    assert all(torch.equal(snap.shadow[k], v) for k, v in taken.items())  # unchanged until taken (exact: copies)
+    snap.take()
+    taken = {k: p.detach().clone() for k, p in net.named_parameters()}
+    assert all(torch.equal(snap.shadow[k], v) for k, v in taken.items())  # the live weights exactly, no averaging
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+    save_checkpoint(tmp_path, 1, net, opt, None, {}, extras={"source": snap})
+    fresh = torch.nn.Linear(4, 3)
+    again = WeightSnapshot(dict(fresh.named_parameters()))
+    restore_checkpoint(load_latest_checkpoint(tmp_path), fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1), None,
+                       {"source": again})
+    assert all(torch.equal(again.shadow[k], v) for k, v in taken.items()) and again.num_updates == 1  # bit-exact file

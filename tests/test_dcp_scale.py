@@ -49,7 +49,7 @@ def local(t):
 @pytest.mark.parametrize("kind", ["plain", "sharded", "cuda"])
 def test_foreach_ema_equals_the_per_tensor_loop(kind, request, monkeypatch):
     # cuda (where there is one): the fused foreach kernel against the per-tensor one, the same lerp formula
-    from difrl.train import state as state_mod
+    from difrl.train import ema as ema_mod
     from difrl.train.sharding import FSDPSettings, shard
     from difrl.train.state import EMA
 
@@ -80,8 +80,8 @@ def test_foreach_ema_equals_the_per_tensor_loop(kind, request, monkeypatch):
             assert torch.equal(local(ema.shadow[k]), local(reference[k])), k
     assert calls == [len(params)] * 3  # one foreach call per update over every tensor, not one op per tensor
     # the swap exchanges live and EMA weights exactly, also when cut into several buckets (bounded temporary memory)
-    for bucket in (state_mod.SWAP_BUCKET_BYTES, 64):
-        monkeypatch.setattr(state_mod, "SWAP_BUCKET_BYTES", bucket)
+    for bucket in (ema_mod.SWAP_BUCKET_BYTES, 64):
+        monkeypatch.setattr(ema_mod, "SWAP_BUCKET_BYTES", bucket)
         live = {k: local(p).clone() for k, p in params.items()}
         shadow = {k: local(v).clone() for k, v in ema.shadow.items()}
         ema.swap()
@@ -114,6 +114,23 @@ def test_gathered_and_snapshot_keep_full_tensors_only_where_asked(one_process_gr
     assert snapshot(net, opt, ema, keep=False) is None
     snap = snapshot(net, opt, ema)  # rank 0 of the group: the main process keeps
     assert {k: tuple(v.shape) for k, v in snap.trainable.items()} == {k: tuple(v.shape) for k, v in plain.state_dict().items()}
+
+
+def test_gather_to_host_is_a_host_copy_of_a_shard_and_a_plain_tensor_as_is(one_process_group):
+    # the name says what happens: DTensor's full_tensor() stays on the shard's device; this one comes to the host
+    from difrl.train.sharding import FSDPSettings, gather_to_host, is_sharded, shard
+
+    torch.manual_seed(0)
+    plain = Net()
+    torch.manual_seed(0)
+    net = shard(Net(), ["Block"], FSDPSettings())
+    for (k, p), ref in zip(net.named_parameters(), plain.parameters()):
+        assert is_sharded(p), k
+        full = gather_to_host(p)
+        assert not is_sharded(full) and full.device.type == "cpu" and torch.equal(full, ref.detach()), k  # exact: a copy
+        assert gather_to_host(p, keep=False) is None  # took part in the all-gather, kept nothing
+    t = torch.ones(3)
+    assert gather_to_host(t) is t and gather_to_host(t, keep=False) is None  # a plain tensor: as is, nothing copied
 
 
 # ---------------------------------------------------------------------------------- 2 processes

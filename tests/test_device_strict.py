@@ -12,6 +12,7 @@ same run on the CPU: the emulation changes where tensors are, not their values.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ pytest.importorskip("diffusers")
 from difrl.models.adapters import make_tiny_pipeline  # noqa: E402
 from difrl.train.config import load_flow_config  # noqa: E402
 from difrl.train.scaffold import TIMING_KEYS  # noqa: E402
-from difrl.utils.collectives import gather, reduce  # noqa: E402
+from difrl.utils.collectives import gather, gather_max, reduce  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,6 +67,19 @@ def test_a_host_tensor_in_a_collective_fails_and_the_helper_moves_it():
         on_dev = reduce(acc, torch.ones(2).to(DEVICE))
         assert isinstance(on_dev, OnDevice)
     assert acc.calls == {"gather": 1, "reduce": 1}
+
+
+def test_gather_max_and_gather_busiest_are_collectives_through_the_device():
+    # a host float: every process calls it and gets the largest (NaN if any is NaN), the gather on the device;
+    # gather_busiest: the rollout forwards of the busiest process (masked trainer's nfe_rollout), an int
+    from difrl.train.masked_plan import gather_busiest
+
+    acc = StrictAccelerator()
+    with emulated_device():
+        assert gather_max(acc, 2.5) == 2.5 and math.isnan(gather_max(acc, float("nan")))  # one process: its own, exactly
+        busiest = gather_busiest(acc, 7)
+        assert busiest == 7 and isinstance(busiest, int)
+    assert acc.calls == {"gather": 3}
 
 
 # ------------------------------------------------------------------------------------------ host reads (GPU syncs)

@@ -495,20 +495,20 @@ def _plan(program: list[str], procs: int) -> str:
     """Load a training command's config with its overrides and plan its iteration on `procs` processes."""
     from difrl.samplers import sigma_schedule
     from difrl.train.config import FlowConfig
-    from difrl.train.flow_plan import plan
+    from difrl.train.flow_plan import plan_flow_iteration
     from difrl.train.recipes import load_train_config
 
     config, overrides = _train_parts("difrl", ["train", *program[1:]] if program[0].endswith(".py") else program)
     overrides = [re.sub(r"=\.\.\.$", "=/placeholder", o) for o in overrides]  # model.path=... (a placeholder)
     cfg = load_train_config(ROOT / config, overrides)
     if not isinstance(cfg, FlowConfig):  # the masked trainer's split (difrl/train/masked_plan.py)
-        from difrl.train.masked_plan import plan as masked_plan
+        from difrl.train.masked_plan import plan_masked_iteration
 
-        split = masked_plan(cfg, procs, 0)
+        split = plan_masked_iteration(cfg, procs, 0)
         return (f"masked: {split.per_proc} samples per process, {split.updates} update(s) of {split.micro} x "
                 f"{cfg.train.grad_accum} per pass")
     lines = []
-    plan(cfg, SimpleNamespace(sigmas=lambda n, shift: sigma_schedule(n, shift)), procs, Path("/tmp/plan"), lines.append)
+    plan_flow_iteration(cfg, SimpleNamespace(sigmas=lambda n, shift: sigma_schedule(n, shift)), procs, Path("/tmp/plan"), lines.append)
     return lines[0]
 
 

@@ -490,7 +490,7 @@ def test_gather_copy_and_restore_in_one_process(tmp_path):
 
 
 def test_cpu_offload_needs_a_process_group_with_a_cpu_backend(monkeypatch):
-    # offloaded shards and gradients are CPU tensors that gradient clipping and full_tensor send through the process
+    # offloaded shards and gradients are CPU tensors that gradient clipping and gather_to_host send through the process
     # group: on a GPU mesh the group needs a CPU backend next to NCCL, which refuses CPU tensors. A cuda:gloo group
     # is in the same position on this CPU machine (its only backend is for CUDA tensors): refused with the reason.
     import torch.distributed as dist
@@ -540,7 +540,7 @@ def swap_and_restore_worker(out: str) -> None:
     from peft import LoraConfig, get_peft_model
 
     from difrl.train.scaffold import adapter_disabled
-    from difrl.train.sharding import FSDPSettings, full_tensor, is_sharded, reshard, shard
+    from difrl.train.sharding import FSDPSettings, gather_to_host, is_sharded, reshard, shard
     from difrl.train.state import EMA, load_latest_checkpoint, restore_checkpoint, snapshot, trainable_params, write_checkpoint
     from difrl.utils.io import save_safetensors
 
@@ -570,8 +570,8 @@ def swap_and_restore_worker(out: str) -> None:
             with ema.swapped():
                 saved["ema_y"] = net(x)
             saved["back_y"] = net(x)
-        saved |= {f"live/{k}": full_tensor(p) for k, p in params.items()}
-        saved |= {f"ema/{k}": full_tensor(v) for k, v in ema.shadow.items()}
+        saved |= {f"live/{k}": gather_to_host(p) for k, p in params.items()}
+        saved |= {f"ema/{k}": gather_to_host(v) for k, v in ema.shadow.items()}
         run_dir = out / f"run-offload{offload}"
         snap = snapshot(net, opt, ema, keep=True)  # every process (collective) keeps it here; rank 0 writes
         if rank == 0:

@@ -143,7 +143,7 @@ class _NoForward:
 def test_uneven_forward_counts_are_refused_before_any_forward(tmp_path):
     from difrl.config import ConfigError
     from difrl.train.config import load_flow_config
-    from difrl.train.flow_plan import plan
+    from difrl.train.flow_plan import plan_flow_iteration
 
     digits = ROOT / "configs" / "digits.yaml"
     say = lambda msg: None  # noqa: E731
@@ -156,21 +156,21 @@ def test_uneven_forward_counts_are_refused_before_any_forward(tmp_path):
                                           r"\(process 0: trees 2, trained-edge micro-batches \[17\]; process 1: trees 1, trained-edge micro-batches "
                                           r"\[9\]\)\. Every process must run the same forwards: "
                                           r"under FSDP each forward all-gathers") as e:
-        plan(cfg, _NoForward(), 2, tmp_path, say)
+        plan_flow_iteration(cfg, _NoForward(), 2, tmp_path, say)
     assert e.value.key == "rollout.prompts_per_iter"
     # the same plan on 3 processes splits evenly
-    plan(cfg, _NoForward(), 3, tmp_path, say)
+    plan_flow_iteration(cfg, _NoForward(), 3, tmp_path, say)
     # a forest (tree.roots=2): 4 prompts x 2 trees split over 4 processes, one forest each (a forest split over
     # processes is refused: tests/test_scale_agreement.py); 3 x 2 trees over 4 do not split evenly, even where one
     # micro-batch holds a process's edges whatever its trees (only the count of trees differs)
     forest = ["rollout.kind=tree", "tree.split_steps=[1]", "tree.roots=2", "rollout.group_size=4", "train.micro_batch=64",
               "train.updates_per_epoch=null"]
-    plan(load_flow_config(digits, [*forest, "rollout.prompts_per_iter=4"]), _NoForward(), 4, tmp_path, say)
+    plan_flow_iteration(load_flow_config(digits, [*forest, "rollout.prompts_per_iter=4"]), _NoForward(), 4, tmp_path, say)
     with pytest.raises(ConfigError, match=r"6 trees \(rollout.prompts_per_iter x tree.roots\) per iteration do not split "
                                           r"evenly over 4 processes.*process 0: trees 2; process 1: trees 2; process 2: "
                                           r"trees 1; process 3: trees 1.*Use a multiple of 4 for rollout.prompts_per_iter x "
                                           r"tree.roots"):
-        plan(load_flow_config(digits, [*forest, "rollout.prompts_per_iter=3"]), _NoForward(), 4, tmp_path, say)
+        plan_flow_iteration(load_flow_config(digits, [*forest, "rollout.prompts_per_iter=3"]), _NoForward(), 4, tmp_path, say)
     # Sol-RL: 2 prompts x 5 candidates over 4 processes (the samples split, the candidates do not)
     cfg = load_flow_config(digits, ["rollout.kind=solrl", "solrl.candidates=5", "rollout.group_size=4",
                                     "rollout.prompts_per_iter=2", "train.micro_batch=auto", "train.grad_accum=1"])
@@ -178,7 +178,7 @@ def test_uneven_forward_counts_are_refused_before_any_forward(tmp_path):
                                           r"iteration do not split evenly over 4 processes.*process 0: Sol-RL "
                                           r"candidates \d+.*Use a multiple of 4 for rollout.prompts_per_iter x "
                                           r"solrl.candidates") as e:
-        plan(cfg, _NoForward(), 4, tmp_path, say)
+        plan_flow_iteration(cfg, _NoForward(), 4, tmp_path, say)
     assert e.value.key == "solrl.candidates"
 
 

@@ -125,21 +125,21 @@ def test_a_poll_rides_on_the_reward_gather_or_is_one_all_reduce(tmp_path):
     run = Run(tmp_path, torch.nn.Linear(1, 1), None, None, {}, acc, {}, 0, total=3)
     interrupt.training(tmp_path)
     assert run.carrying(acc.gather_object)(["verdict"]) == ["verdict", "verdict"]  # the reward stage's result
-    assert not run.interrupted() and acc.calls == ["gather_object"]
-    assert not run.interrupted() and acc.calls == ["gather_object", "all_reduce(sum)"]  # the iteration's end
+    assert not run.agree_interrupted() and acc.calls == ["gather_object"]
+    assert not run.agree_interrupted() and acc.calls == ["gather_object", "all_reduce(sum)"]  # the iteration's end
 
     acc.calls, acc.theirs = [], signal.SIGTERM  # the other process got SIGTERM during the next rollout
     run.carrying(acc.gather_object)(["verdict"])
-    assert run.interrupted() and run.signal == signal.SIGTERM and acc.calls == ["gather_object"]
-    assert run.interrupted() and acc.calls == ["gather_object"]  # agreed once: end_loop's poll needs nothing more
+    assert run.agree_interrupted() and run.signal == signal.SIGTERM and acc.calls == ["gather_object"]
+    assert run.agree_interrupted() and acc.calls == ["gather_object"]  # agreed once: end_loop's poll needs nothing more
 
     run = Run(tmp_path, torch.nn.Linear(1, 1), None, None, {}, acc, {}, 0, total=3)
     interrupt.training(tmp_path)
     acc.calls, acc.theirs = [], signal.SIGINT  # ... during an update: the end poll's all-reduce says so
-    assert run.interrupted() and run.signal == signal.SIGINT and acc.calls == ["all_reduce(sum)"]
+    assert run.agree_interrupted() and run.signal == signal.SIGINT and acc.calls == ["all_reduce(sum)"]
 
     one = Run(tmp_path, torch.nn.Linear(1, 1), None, None, {}, None, {}, 0, total=3)
-    assert one.carrying(None) is None and not one.interrupted()  # one process: the handler's flag, no collective
+    assert one.carrying(None) is None and not one.agree_interrupted()  # one process: the handler's flag, no collective
 
 
 # ---------------------------------------------------------------------------------- the masked trainer, in process

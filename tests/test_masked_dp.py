@@ -35,7 +35,7 @@ from test_fsdp import ACCELERATE, ROOT, assert_same_runs, checkpoint_tensors, en
 
 from difrl.config import ConfigError
 from difrl.train.masked_config import load_masked_config
-from difrl.train.masked_plan import plan
+from difrl.train.masked_plan import plan_masked_iteration
 from difrl.utils.io import load_safetensors_checked
 
 COMMON = ["seed=3", "threads=1", "train.micro_batch=auto", "train.updates_per_epoch=1", "train.grad_accum=1",
@@ -135,7 +135,7 @@ def test_the_bundled_configs_keep_their_updates_on_any_number_of_processes():
     for name in ("sudoku", "digit_tokens", "text_arithmetic"):
         cfg = load_masked_config(ROOT / "configs" / f"{name}.yaml")
         for procs in (1, 2, 4, 8):
-            split = plan(cfg, procs, procs - 1)
+            split = plan_masked_iteration(cfg, procs, procs - 1)
             assert (split.per_proc, split.micro, split.updates) == (128 // procs, 64 // procs, 2), (name, procs)
             assert split.rows.tolist() == list(range(128 - 128 // procs, 128))  # the last process's slice
 
@@ -144,19 +144,19 @@ def test_a_batch_that_does_not_split_names_the_keys_and_the_nearest_values():
     with pytest.raises(ConfigError, match=r"128 samples per iteration \(rollout.prompts_per_iter x rollout.group_size "
                                           r"= 16 x 8\) do not split over 3 processes: use rollout.prompts_per_iter=15 "
                                           r"or 18 \(with rollout.group_size=8\), or rollout.group_size=6 or 9"):
-        plan(_cfg(), 3, 0)
+        plan_masked_iteration(_cfg(), 3, 0)
     with pytest.raises(ConfigError, match=r"each of the 2 processes has 64 samples .* not a multiple of "
                                           r"train.micro_batch x train.grad_accum = 48 x 1 = 48: use "
                                           r"train.micro_batch=32 or 64 \(with train.grad_accum=1\), or train.micro_batch=auto"):
-        plan(_cfg("train.micro_batch=48", "train.updates_per_epoch=null"), 2, 0)
+        plan_masked_iteration(_cfg("train.micro_batch=48", "train.updates_per_epoch=null"), 2, 0)
     with pytest.raises(ConfigError, match=r"train.micro_batch=auto takes whole sequences, but each of the 2 processes "
                                           r"has 64 samples, .* 2 x 3 micro-batches: use train.grad_accum=2 or 4"):
-        plan(_cfg("train.grad_accum=3"), 2, 0)
+        plan_masked_iteration(_cfg("train.grad_accum=3"), 2, 0)
     with pytest.raises(ConfigError, match=r"32 x 1 make 4 optimizer update\(s\) per pass when the process has 128 "
                                           r"samples, but train.updates_per_epoch=2: use train.grad_accum=2 \(with "
                                           r"train.micro_batch=32\), or train.micro_batch=64"):
-        plan(_cfg("train.micro_batch=32"), 1, 0)
-    split = plan(_cfg("train.micro_batch=32", "train.updates_per_epoch=null"), 2, 1)  # explicit: its own updates
+        plan_masked_iteration(_cfg("train.micro_batch=32"), 1, 0)
+    split = plan_masked_iteration(_cfg("train.micro_batch=32", "train.updates_per_epoch=null"), 2, 1)  # explicit: its own updates
     assert (split.micro, split.updates, split.rows[0].item()) == (32, 2, 64)
 
 

@@ -21,7 +21,7 @@ from difrl.train.config import load_flow_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = ROOT / "configs" / "digits.yaml"
-WORLD = SimpleNamespace(sigmas=lambda n, shift: sigma_schedule(n, shift))  # all plan() needs of a world (NFT's T)
+WORLD = SimpleNamespace(sigmas=lambda n, shift: sigma_schedule(n, shift))  # all plan_flow_iteration() needs of a world (NFT's T)
 NFT = ["train.objective=nft", "nft.ref_beta=0.1", "train.kl_beta=0", "train.clip_low=1e-4", "train.clip_high=1e-4"]
 # every way to change the number of trained steps T on the demo's config (the commands of docs/guides/methods.md and docs/guides/scale.md)
 T_CHANGES = {
@@ -36,7 +36,7 @@ T_CHANGES = {
 
 def plan(config, overrides, processes=1):
     lines = []
-    out = flow_plan.plan(load_flow_config(config, overrides), WORLD, processes, Path("/tmp/unused"), lines.append)
+    out = flow_plan.plan_flow_iteration(load_flow_config(config, overrides), WORLD, processes, Path("/tmp/unused"), lines.append)
     return out, lines[0]
 
 

@@ -123,13 +123,13 @@ def test_an_entry_point_family_is_imported_only_when_its_kind_is_built(tmp_path)
     (dist / "entry_points.txt").write_text("[difrl.models]\nexample = model_plugins:ExamplePolicy\n")
     script = textwrap.dedent(f"""
         import sys
-        import difrl, difrl.models, difrl.worlds, difrl.train.config, difrl.cli
+        import difrl, difrl.models, difrl.worlds, difrl.train.config, difrl.cli.weights
         from difrl.train.recipes import load_train_config
         assert "model_plugins" not in sys.modules, "imported with difrl"
         cfg = load_train_config({str(CONFIG)!r}, ["model.kind=example"])
         from difrl.models.adapters import model_kinds, adapter_class
         assert cfg.model.kind == "example" and "example" in model_kinds()
-        assert difrl.cli._diffusers("example")  # difrl eval / sample: a run's lora/ or transformer/, not a bundled world
+        assert difrl.cli.weights.is_diffusers("example")  # difrl eval / sample: a run's lora/ or transformer/, not a bundled world
         assert "model_plugins" not in sys.modules, "imported by the config"
         cls = adapter_class("example")
         assert "model_plugins" in sys.modules and cls.__name__ == "ExamplePolicy" and cls.kind == "example"

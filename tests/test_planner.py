@@ -110,7 +110,7 @@ import torch
 from accelerate import Accelerator
 from difrl.rollout import rollout
 from difrl.train.flow import policy_update, setup_training
-from difrl.train.flow_plan import plan, step_masks
+from difrl.train.flow_plan import plan_flow_iteration, step_masks
 from difrl.train.metrics import Metrics
 from difrl.train.simulation import module_bytes, steady_optimizer_state, tensor_bytes
 from difrl.train.recipes import load_train_config
@@ -122,7 +122,7 @@ cfg = load_train_config("configs/flux_tiny.yaml", [f"model.path={path}", *over, 
 accelerator = Accelerator(cpu=True)
 take_fsdp_branches(accelerator)
 world = build_world("flux", path, cfg)
-n_total, per_proc, T, _, micro = plan(cfg, world, 2, None, lambda *a: None)
+n_total, per_proc, T, _, micro = plan_flow_iteration(cfg, world, 2, None, lambda *a: None)
 tr = setup_training(cfg, world.policy, accelerator)
 steady_optimizer_state(tr.optimizer, tr.params)
 sigmas = world.sigmas(cfg.sampler.num_steps, cfg.sampler.shift)
@@ -387,7 +387,7 @@ def test_plan_of_the_masked_trainer_has_every_category_and_fits(tmp_path):
     fine-tune with a KL reference under FSDP2, the sampler's configured forwards and the verdict."""
     import argparse
 
-    from difrl.cli import _load
+    from difrl.cli.args import load as _load
     from difrl.train.plan_command import main
 
     out = tmp_path / "plan.json"
@@ -440,7 +440,7 @@ import json, sys
 import torch
 from difrl.discrete.samplers import SAMPLERS
 from difrl.train.masked import old_log_probs, policy_update, setup_training
-from difrl.train.masked_plan import plan, processes, rollout_forwards
+from difrl.train.masked_plan import plan_masked_iteration, processes, rollout_forwards
 from difrl.train.metrics import Metrics
 from difrl.train.recipes import load_train_config
 from difrl.train.simulation import module_bytes, steady_optimizer_state, tensor_bytes
@@ -452,7 +452,7 @@ cfg = load_train_config("configs/text_arithmetic.yaml", [*over, "train.ratio_che
 world = build_masked_world(cfg)
 policy = world.policy
 accelerator, fsdp = processes(policy)
-split = plan(cfg, accelerator.num_processes, accelerator.process_index)
+split = plan_masked_iteration(cfg, accelerator.num_processes, accelerator.process_index)
 tr = setup_training(cfg, policy, accelerator, fsdp)
 steady_optimizer_state(tr.optimizer, tr.params)
 P, G = cfg.rollout.prompts_per_iter, cfg.rollout.group_size

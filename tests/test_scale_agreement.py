@@ -21,7 +21,7 @@ import pytest
 
 from difrl.config import ConfigError
 from difrl.train.config import load_flow_config
-from difrl.train.flow_plan import plan
+from difrl.train.flow_plan import plan_flow_iteration
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = ROOT / "configs" / "digits.yaml"
@@ -45,7 +45,7 @@ def test_a_forest_split_over_processes_is_refused_by_the_plan(tmp_path):
     # a prompt's 4 trees are one group of depthwise_advantages and would sit on 4 processes
     cfg = load_flow_config(DIGITS, FOREST)
     with pytest.raises(ConfigError) as e:
-        plan(cfg, _NoWorld(), 8, tmp_path, lambda msg: None)
+        plan_flow_iteration(cfg, _NoWorld(), 8, tmp_path, lambda msg: None)
     msg = str(e.value)
     assert e.value.key == "rollout.prompts_per_iter"
     assert "tree.roots=4" in msg and "rollout.prompts_per_iter=2" in msg and "8 processes" in msg
@@ -54,11 +54,11 @@ def test_a_forest_split_over_processes_is_refused_by_the_plan(tmp_path):
     assert "rollout.prompts_per_iter=8" in msg and "1 or 2 processes" in msg
     # the same forest on 2 processes (one prompt's 4 trees on each) and on 1 plans
     for world_size in (1, 2):
-        n_total, per_proc, _, _, _ = plan(cfg, _NoWorld(), world_size, tmp_path, lambda msg: None)
+        n_total, per_proc, _, _, _ = plan_flow_iteration(cfg, _NoWorld(), world_size, tmp_path, lambda msg: None)
         assert (n_total, per_proc) == (16, 16 // world_size)
     # 4 prompts over 8 processes: refused as well (half a forest each), with 8 as the nearest prompts that work
     with pytest.raises(ConfigError, match=r"rollout.prompts_per_iter=8 .*or 1, 2 or 4 processes"):
-        plan(load_flow_config(DIGITS, [*FOREST, "rollout.prompts_per_iter=4"]), _NoWorld(), 8, tmp_path, print)
+        plan_flow_iteration(load_flow_config(DIGITS, [*FOREST, "rollout.prompts_per_iter=4"]), _NoWorld(), 8, tmp_path, print)
 
 
 # ---------------------------------------------------------------------------------- the ratio check over processes

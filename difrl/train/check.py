@@ -18,8 +18,8 @@ no model, weights file or reward model is loaded and no run directory is made; w
    directories they name exist, its optional packages are installed (difrl.rewards.preflight: the messages the
    reward gives when it is built);
 4. the micro-batch plan on N processes (--gpus; default: WORLD_SIZE under a launcher, else 1): the trainers' own
-   solver, difrl.train.flow_plan.plan / masked_plan.plan, whose errors name the values that work. It is not
-   checked while a key it reads was refused in step 1.
+   solver, difrl.train.flow_plan.plan_flow_iteration / masked_plan.plan_masked_iteration, whose errors name the
+   values that work. It is not checked while a key it reads was refused in step 1.
 `difrl train` and the entry scripts run the same checks first (checked_config) and stop with the same list, exit
 status 2; one problem reads as the single error it always was. What only loading can tell (a directory that holds
 another model, a reward server that is down) is still found at start-up.
@@ -178,21 +178,21 @@ def plan_summary(cfg, gpus: int) -> str:
     """The trainer's own micro-batch plan on `gpus` processes in one line; ValueError / ConfigError when the
     iteration does not split (the solver's message)."""
     if cfg.trainer == "masked":
-        from difrl.train.masked_plan import plan
+        from difrl.train.masked_plan import plan_masked_iteration
 
-        p = plan(cfg, gpus, 0)
+        p = plan_masked_iteration(cfg, gpus, 0)
         return (f"{p.n_total} samples/iteration ({cfg.rollout.prompts_per_iter} prompts x {cfg.rollout.group_size}), "
                 f"{p.per_proc} per process; {p.updates} optimizer update(s) per pass of {cfg.train.grad_accum} "
                 f"micro-batch(es) of {p.micro} sequence(s)")
     from types import SimpleNamespace
 
     from difrl.samplers.schedules import sigma_schedule
-    from difrl.train.flow_plan import plan
+    from difrl.train.flow_plan import plan_flow_iteration
 
     said: list[str] = []
     # the world only gives the sigmas, and only their number counts here (NFT's and the matching objectives' trained
     # sigmas are a prefix of the schedule): difrl's own schedule stands in for the pipeline's, nothing is loaded
-    plan(cfg, SimpleNamespace(sigmas=sigma_schedule), gpus, Path(cfg.out or "runs"), said.append)
+    plan_flow_iteration(cfg, SimpleNamespace(sigmas=sigma_schedule), gpus, Path(cfg.out or "runs"), said.append)
     banner = said[0].removeprefix("difrl: ")
     return re.sub(r"; run dir .*$", "", re.sub(r"^\d+ process\(es\) x \d+ thread\(s\); ", "", banner))
 

@@ -37,7 +37,7 @@ from difrl.rewards import Scoring
 from difrl.rollout import cat_rollouts, chunk_slices, per_transition, rollout
 from difrl.solrl import candidate_pool, rank_agreement
 from difrl.train.config import FlowConfig
-from difrl.train.flow_plan import plan, step_masks
+from difrl.train.flow_plan import plan_flow_iteration, step_masks
 from difrl.train.iteration import close_iteration, optimizer_step
 from difrl.train.matching_objectives import (MATCHING_OBJECTIVES, matching_micro_loss, needs_old, needs_reference,
                                              old_decay, prepare_update, trained_sigmas)
@@ -59,7 +59,7 @@ from difrl.train.sharding import fsdp_settings, gathered, process_group_kwargs
 from difrl.train.state import EMA, trainable_params
 from difrl.train.unit_gather import device_free_bytes, rollout_gather, units_gathered
 from difrl.tree_rollout import tree_rollout
-from difrl.utils.collectives import gather, process_max, split_rows
+from difrl.utils.collectives import gather, gather_max, split_rows
 from difrl.utils.rng import mix_seed
 from difrl.worlds import build_world
 
@@ -82,7 +82,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
     world_size, rank = accelerator.num_processes, accelerator.process_index
     torch.set_num_threads(cfg.threads or max(1, cores_available() // world_size))
     tree_mode, solrl, nft = cfg.rollout.kind == "tree", cfg.rollout.kind == "solrl", cfg.train.objective == "nft"
-    n_total, per_proc, T, schedule, micro = plan(cfg, world, world_size, run_dir, accelerator.print)
+    n_total, per_proc, T, schedule, micro = plan_flow_iteration(cfg, world, world_size, run_dir, accelerator.print)
 
     policy = world.policy
     rewards, weights = build_rewards(cfg.reward, world.default_reward, probe_batch(world))  # a misfit stops here
@@ -192,7 +192,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
         scores, bad = score_rewards(lambda: scoring.result(prompt_ids, seeds), len(prompts), cfg.reward.on_error,
                                     lambda: run.checkpoint(it), f"iteration {it + 1}", run_dir, accelerator.print,
                                     run.carrying(across_processes(accelerator)))  # a failure or signal on any process stops all
-        if run.interrupted():  # SIGINT / SIGTERM on any process: this iteration is abandoned before its update
+        if run.agree_interrupted():  # SIGINT / SIGTERM on any process: this iteration is abandoned before its update
             break
         t_adv = time.perf_counter()
 
@@ -401,7 +401,7 @@ def policy_update(cfg: FlowConfig, policy, tr: Trainee, accelerator, batch, adva
                     policy, sub, advantages[idx], keep[idx].float(),
                     None if correction is None else (correction.weights[idx], correction.keep[idx]),
                     m, first and cfg.train.ratio_check, denom, cfg, tr.reference_ctx,
-                    lambda x: process_max(accelerator, x))  # all processes stop together
+                    lambda x: gather_max(accelerator, x))  # all processes stop together
             first = False
             accelerator.backward(loss)
         if sync:

@@ -1,6 +1,6 @@
 """What one flow iteration does, checked before the first one: sizes per process, trained steps, micro-batching.
 
-    n_total, per_proc, T, schedule, micro = plan(cfg, world, world_size, run_dir, print)   # prints the banner
+    n_total, per_proc, T, schedule, micro = plan_flow_iteration(cfg, world, world_size, run_dir, print)  # prints the banner
     sde_mask, train_mask, window_start = step_masks(cfg, iteration, num_samples)
     forward_counts(cfg, world_size, schedule, sde_mask)    # per process: its policy forwards in an iteration
 
@@ -32,7 +32,7 @@ and of whole trees (BranchGRPO), and a tree's pruning (depth: by the edge's dept
 tail edges fixed by the tree's shape and tree.width_ratio, whichever edges the advantages pick) keeps the same number of
 edges in every tree of an iteration. `forward_counts` counts each process's forwards from those sizes (rollout
 chunks, candidates and their batches, tree steps' live nodes, trained edges after pruning for every pruned-depth set
-the run reaches) and `plan` refuses a config whose counts differ (ConfigError) before anything runs.
+the run reaches) and `plan_flow_iteration` refuses a config whose counts differ (ConfigError) before anything runs.
 """
 
 from __future__ import annotations
@@ -190,7 +190,8 @@ def thread_note(threads_set: bool) -> str:
             f"running, and {n} threads per process can be many times slower than threads=1 (docs/guides/scale.md, 'Threads')")
 
 
-def plan(cfg: FlowConfig, world, world_size: int, run_dir: Path, say) -> tuple[int, int, int, object, MicroBatching]:
+def plan_flow_iteration(cfg: FlowConfig, world, world_size: int, run_dir: Path,
+                        say) -> tuple[int, int, int, object, MicroBatching]:
     """Check that an iteration splits over the processes and into optimizer updates, and say what one does.
     Returns (samples per iteration, per process, trained steps per sample T (1 for trees: an edge per record),
     the tree's BranchSchedule or None, the micro-batching)."""

@@ -50,4 +50,4 @@ def close_iteration(cfg, run, row: dict, it: int, t_iter: float, bar, world, pol
         run.checkpoint(done)
     if stopped:
         say(f"difrl: stopping after iteration {done}: {stopped}")
-    return done, stopped, bool(stopped) or run.interrupted()  # a signal during the update: stop after this iteration
+    return done, stopped, bool(stopped) or run.agree_interrupted()  # a signal during the update: stop after this iteration

@@ -53,8 +53,8 @@ from difrl.discrete.samplers import SAMPLERS, merge_rollouts
 from difrl.rewards import score_all
 from difrl.train.flow_plan import thread_note
 from difrl.train.masked_config import MaskedConfig
-from difrl.train.masked_plan import (busiest, external_correction, gather_rows, local_device, plan, process_max,
-                                     processes, rollout_forwards, update_tokens)
+from difrl.train.masked_plan import (external_correction, gather_busiest, gather_max, gather_rows, local_device,
+                                     plan_masked_iteration, processes, rollout_forwards, update_tokens)
 from difrl.train.reward_stage import (across_processes, build_rewards, finite_mean_std, probe_batch, reward_stats,
                                      score_rewards, track_reward_failures, valid_group_advantages)
 from difrl.train.metrics import Metrics
@@ -87,7 +87,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
     world_size, rank, main, say = (accelerator.num_processes, accelerator.process_index, accelerator.is_main_process,
                                    accelerator.print)
     torch.set_num_threads(cfg.threads or max(1, cores_available() // world_size))
-    split = plan(cfg, world_size, rank)  # a batch that does not split stops here (ConfigError)
+    split = plan_masked_iteration(cfg, world_size, rank)  # a batch that does not split stops here (ConfigError)
     P, G, mu, ga = cfg.rollout.prompts_per_iter, cfg.rollout.group_size, cfg.train.inner_updates, cfg.train.grad_accum
     N, S, mbs, updates_per_inner = split.n_total, split.per_proc, split.micro, split.updates
     sampler = SAMPLERS[cfg.sampler.kind]
@@ -169,7 +169,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
                                                       prompt_ids), S, cfg.reward.on_error, lambda: run.checkpoint(it),
                                     f"iteration {it + 1}", run_dir, say,
                                     run.carrying(across_processes(accelerator)))  # the signals too: the poll below
-        if run.interrupted():  # SIGINT / SIGTERM on any process: this iteration is abandoned before its update
+        if run.agree_interrupted():  # SIGINT / SIGTERM on any process: this iteration is abandoned before its update
             break
         t_adv = time.perf_counter()
 
@@ -206,7 +206,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
             "zero_spread_groups": int(all_groups[adv.zero_spread].unique().numel()),
             "failed_reward_groups": int(bad_groups.numel()), "failed_reward_frac": failed_frac,
             "trained_samples": int(keep_all.sum()),
-            "nfe_rollout": busiest(accelerator, out.nfe),
+            "nfe_rollout": gather_busiest(accelerator, out.nfe),
             **upd,
             "ratio_mean": upd.get("ratio", 1.0),
             "lr": optimizer.param_groups[0]["lr"],
@@ -232,7 +232,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
         # ==================================================================== checkpoint
         if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
             run.checkpoint(done)
-        if run.interrupted():  # a signal during the update: stop after this iteration
+        if run.agree_interrupted():  # a signal during the update: stop after this iteration
             break
     bar.close()
 
@@ -360,7 +360,7 @@ def policy_update(cfg: MaskedConfig, policy, tr: MaskedTrainee, accelerator, spl
                     on = rm.loss_mask  # [b, L]; 0 - 0 outside it (a micro-batch may have no loss token)
                     m.add("first_step_max_abs_log_ratio", torch.tensor(check_ratio(  # all stop together
                         torch.where(on, logp, 0.0), torch.where(on, r.logp_old[n - 1, idx], 0.0),
-                        cfg.train.ratio_tol, lambda x: process_max(accelerator, x))))
+                        cfg.train.ratio_tol, lambda x: gather_max(accelerator, x))))
                 first = False
                 pg, pm = ppo_clip_loss(logp, r.logp_old[n - 1, idx], advantages[idx], cfg.train.clip_low,
                                        cfg.train.clip_high)

@@ -156,7 +156,7 @@ class MaskedConfig(TrainerConfig):
     def validate(self) -> None:
         super().validate()
         # how the samples split over processes and into updates is checked where the number of processes is known
-        # (difrl.train.masked_plan.plan, at start-up)
+        # (difrl.train.masked_plan.plan_masked_iteration, at start-up)
         ext = self.external
         if ext.source != "none" and ext.per_group >= self.rollout.group_size:
             raise config_error("external.per_group", f"{ext.per_group} external rollouts leave no on-policy rollout in a "

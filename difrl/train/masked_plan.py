@@ -1,9 +1,9 @@
 """How a masked iteration splits over processes and into optimizer updates, checked before the first one.
 
     accelerator, fsdp = processes(policy)             # 1 process, DDP, or FSDP2 (accelerate launch --config_file ...)
-    p = plan(cfg, accelerator.num_processes, accelerator.process_index, say)   # ConfigError if it does not split
+    p = plan_masked_iteration(cfg, accelerator.num_processes, accelerator.process_index)  # ConfigError: no split
     with rollout_forwards(net, fsdp): out = sampler(...)   # FSDP: any number of forwards per process
-    nfe = busiest(accelerator, out.nfe)                # the rollout's forward passes on the busiest process
+    nfe = gather_busiest(accelerator, out.nfe)         # the rollout's forward passes on the busiest process
 
 Data parallelism as in the flow trainer (difrl/train/flow.py): the sample list of an iteration is global (sample k
 belongs to group k // group_size, its seed is mix_seed(seed, iteration, 0, k)), each process rolls out, scores and
@@ -45,7 +45,7 @@ import torch
 from difrl.config import ConfigError
 from difrl.train.flow_plan import _divisors, _either, _nearest
 from difrl.train.unit_gather import units_gathered as rollout_forwards  # noqa: F401 (the masked trainer's name)
-from difrl.utils.collectives import gather, process_max, reduce
+from difrl.utils.collectives import gather, gather_max, reduce
 
 
 class MaskedPlan(NamedTuple):
@@ -81,7 +81,7 @@ def processes(policy):
     return accelerator, fsdp_settings(accelerator)
 
 
-def plan(cfg, world_size: int, rank: int) -> MaskedPlan:
+def plan_masked_iteration(cfg, world_size: int, rank: int) -> MaskedPlan:
     """Check that an iteration splits over `world_size` processes and into optimizer updates (ConfigError naming
     the keys and the nearest values that work), and return the split."""
     P, G = cfg.rollout.prompts_per_iter, cfg.rollout.group_size
@@ -150,11 +150,12 @@ def gather_rows(accelerator, t: torch.Tensor) -> torch.Tensor:
     return gather(accelerator, t)
 
 
-def busiest(accelerator, nfe: int) -> int:
-    """The largest of the processes' counts (a rollout's forward passes: what the slowest process waits for; on one
-    process the batch's own). LLaDA and EB give one process's count exactly (a sample's forwards do not depend on its
-    batch); MDLM/emerge skips a step only when no sample of the batch unmasks, so a split batch may skip more."""
-    return int(process_max(accelerator, nfe))
+def gather_busiest(accelerator, nfe: int) -> int:
+    """The largest of the processes' counts, on every process (a collective: every process calls it), e.g. a
+    rollout's forward passes: what the slowest process waits for; on one process the batch's own. LLaDA and EB give
+    one process's count exactly (a sample's forwards do not depend on its batch); MDLM/emerge skips a step only when
+    no sample of the batch unmasks, so a split batch may skip more."""
+    return int(gather_max(accelerator, nfe))
 
 
 def external_correction(accelerator, corrector, options: dict, lp_pi: torch.Tensor, mu: torch.Tensor,

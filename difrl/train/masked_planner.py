@@ -105,7 +105,7 @@ def plan_masked(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str |
                 micro_steps: int = MICRO_STEPS, config_name: str = "") -> dict:
     """One row of the masked trainer (difrl.train.masked) on `gpus` simulated GPUs, in plan_row's schema.
 
-    setup: the text world around the architecture (difrl.worlds.text_tasks.masked_world), masked_plan.plan, and
+    setup: the text world around the architecture (difrl.worlds.text_tasks.masked_world), masked_plan.plan_masked_iteration, and
     masked.setup_training (LoRA or fp32 masters and the KL reference, FSDP2, AdamW). rollout: the configured sampler
     over the process's samples (the trainer samples them in one batch), inside masked_plan.rollout_forwards as the
     trainer runs it. update: masked.old_log_probs (the old policy's and the reference's log-probs of every inner
@@ -118,7 +118,7 @@ def plan_masked(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str |
 
     from difrl.discrete.samplers import SAMPLERS
     from difrl.train.masked import old_log_probs, policy_update, setup_training
-    from difrl.train.masked_plan import plan, rollout_forwards
+    from difrl.train.masked_plan import plan_masked_iteration, rollout_forwards
     from difrl.train.sharding import fsdp_settings
     from difrl.utils.rng import mix_seed
     from difrl.worlds.text_tasks import masked_world
@@ -138,7 +138,7 @@ def plan_masked(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str |
             policy = arch_masked_policy(path, cfg.model.dtype, cfg.model.gradient_checkpointing)
             with unset_fake_temporarily():  # the prompts and the split are the host's
                 world = masked_world(cfg, policy=policy)
-                split = plan(cfg, gpus, 0)
+                split = plan_masked_iteration(cfg, gpus, 0)
             trainee = setup_training(cfg, policy, accelerator, fsdp_settings(accelerator))
         memory.record("setup", setup_tracker, Memory.PLAIN, {})
         steady_optimizer_state(trainee.optimizer, trainee.params)

@@ -26,7 +26,8 @@ from difrl.algos.gardo import (
 from difrl.algos.pref import group_win_rates, sigmoid_judge
 from difrl.rewards import score_all
 from difrl.train.reward_stage import across_processes, score_rewards, valid_group_advantages
-from difrl.train.state import EMA, trainable_params
+from difrl.train.ema import WeightSnapshot
+from difrl.train.state import trainable_params
 from difrl.utils.collectives import reduce
 from difrl.utils.modules import use_module
 
@@ -68,15 +69,15 @@ class Gardo:
     """GARDO's state in a run: the adaptive reference, the flagged-fraction controller and the iteration of the last
     refresh (run.state["gardo"], so a resumed run continues them). The reference is a frozen copy of the trained
     network (a separate module: swapping weights in place while the policy's graph is held would invalidate that
-    graph) whose trainable weights come from `store`, an EMA of decay 0 that a refresh sets to the policy's weights
-    and the checkpoint keeps (extras)."""
+    graph) whose trainable weights come from `store`, a WeightSnapshot of the policy's weights that a refresh
+    takes again and the checkpoint keeps (extras)."""
 
     def __init__(self, cfg, policy, unwrapped, state: dict):
         import copy
 
         self.cfg, self.g, self.policy, self.unwrapped = cfg, cfg.gardo, policy, unwrapped
         self.reference = copy.deepcopy(unwrapped).requires_grad_(False)
-        self.store = EMA(trainable_params(unwrapped), 0.0)  # the policy's trainable weights at the last refresh
+        self.store = WeightSnapshot(trainable_params(unwrapped))  # the policy's trainable weights at the last refresh
         self._loaded = None  # the store.shadow dict the reference module holds (a resume replaces the dict)
         self.ctl = FracController(self.g.kl_frac, self.g.kl_frac_min, self.g.kl_frac_max, self.g.kl_frac_rate,
                                   self.g.window)
@@ -126,7 +127,7 @@ class Gardo:
         gardo.reset_kl or gardo.reset_every iterations passed since the last refresh. Returns the log's columns."""
         reset = (kl is not None and kl > self.g.reset_kl) or it + 1 - self.state["last_reset"] >= self.g.reset_every
         if reset:
-            self.store.update(0.0)
+            self.store.take()
             self.store.shadow = dict(self.store.shadow)  # a new dict: the reference module reloads it
             self.state["last_reset"] = it + 1
         return {"gardo/kl_frac": self.ctl.frac, "gardo/reference_reset": int(reset)}

@@ -11,7 +11,7 @@ Each loss is summed over its micro-batch's elements and divided by a denominator
 update (the update's records x steps), so gradient accumulation 1x8 equals 8x1; metrics go into `m`
 (difrl.train.metrics.Metrics). `reference_ctx()` is the context in which the policy computes the
 reference (difrl.train.scaffold.reference_policy). `agree` (x -> the largest x over processes,
-difrl.utils.collectives.process_max) makes the ratio checks one decision of all processes: all raise or none.
+difrl.utils.collectives.gather_max) makes the ratio checks one decision of all processes: all raise or none.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ def proximal_correction(policy, batch: Rollout, cfg, micro_batch: int | None = N
     Returns (batch with log_prob_old / mean_old replaced, the Correction)."""
     micro_batch = cfg.train.micro_batch if micro_batch is None else micro_batch
     if not isinstance(micro_batch, int):
-        raise ValueError("proximal_correction needs train.micro_batch resolved (difrl.train.flow_plan.plan)")
+        raise ValueError("proximal_correction needs train.micro_batch resolved (difrl.train.flow_plan.plan_flow_iteration)")
     per = max(1, micro_batch // max(1, batch.step.shape[1]))  # records of about micro_batch transitions
     parts = [transition_log_prob(policy, batch.select(torch.arange(lo, min(lo + per, len(batch)))), cfg)
              for lo in range(0, len(batch), per)]

@@ -14,7 +14,7 @@ Accelerator is made as `accelerate launch --config_file configs/accelerate/fsdp.
 FSDP branches taken as on GPUs (difrl.train.sharded_step.take_fsdp_branches). Then the functions `difrl train` calls run
 on it, not a replica of them:
 
-- setup: the world around the adapter (difrl.worlds.diffusers.flow_world), difrl.train.flow_plan.plan (the split and
+- setup: the world around the adapter (difrl.worlds.diffusers.flow_world), difrl.train.flow_plan.plan_flow_iteration (the split and
   micro-batching), difrl.train.flow.setup_training (LoRA or masters and reference, FSDP2, optimizer, EMA, copy);
 - sync (with a rollout copy): difrl.train.rollout_copy.sync_rollout_copy, the copy's refresh before a rollout (one
   all-gather per FSDP unit; its checks' flags read as zeros);
@@ -111,7 +111,7 @@ def plan_flow(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str | N
     from difrl.train.flow import policy_update, setup_training, training_records
     from difrl.train.rollout_copy import sync_rollout_copy
     from difrl.train.unit_gather import rollout_gather, units_gathered
-    from difrl.train.flow_plan import plan, step_masks
+    from difrl.train.flow_plan import plan_flow_iteration, step_masks
     from difrl.train.matching_objectives import trained_sigmas
     from difrl.utils.rng import mix_seed
     from difrl.worlds import world_file
@@ -135,7 +135,7 @@ def plan_flow(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str | N
             policy = arch_flow_policy(cfg.model.kind, path, **options)
             world = world_file(cfg.model.kind).flow_world(cfg.model.kind, None, cfg, policy=policy)
             with tempfile.TemporaryDirectory() as tmp, unset_fake_temporarily():
-                n_total, per_proc, T, _, micro = plan(cfg, world, gpus, Path(tmp), lambda *a: None)
+                n_total, per_proc, T, _, micro = plan_flow_iteration(cfg, world, gpus, Path(tmp), lambda *a: None)
                 sigmas = world.sigmas(cfg.sampler.num_steps, cfg.sampler.shift)
             with fake.zero_reads():  # the rollout copy's first sync reads its flags
                 trainee = setup_training(cfg, policy, accelerator)

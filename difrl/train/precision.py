@@ -15,7 +15,7 @@ give: fp32 master weights and optimizer state, half-precision compute.
 
 The design. `upcast_masters` makes the trained network's half-precision parameters fp32 in place (the master
 weights). Everything that follows the parameters' dtype is then fp32 with no further code: gradients, AdamW's
-moments, the EMA, DiffusionNFT's old policy and the stale rollout copy's source (difrl.train.state.EMA clones the
+moments, the EMA, DiffusionNFT's old policy and the stale rollout copy's source (difrl.train.ema.EMA clones the
 parameters), gradient all-reduce under DDP and the training checkpoints (exact resume). The adapter runs its forward
 under torch.autocast(model.dtype) (its ``autocast_dtype``, difrl.models.base.autocast_to): every rollout and every
 training forward go through the same adapter call, so they compute identically and the first on-policy

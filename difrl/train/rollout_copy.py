@@ -47,12 +47,13 @@ from difrl.quant import RolloutCopy
 from difrl.quant.sync import merged_state_dict
 from difrl.train.precision import MasterWeights
 from difrl.train.sharding import is_sharded, plain_copy, reshard
-from difrl.train.state import EMA, trainable_params
+from difrl.train.ema import WeightSnapshot
+from difrl.train.state import trainable_params
 from difrl.train.unit_gather import gather_full
 
 
 def build_rollout_copy(cfg, policy, unwrapped, masters: MasterWeights, say, device=None,
-                       sharded: bool = False) -> tuple[RolloutCopy | None, EMA | None]:
+                       sharded: bool = False) -> tuple[RolloutCopy | None, WeightSnapshot | None]:
     """The rollout copy (LoRA merged, linear layers in rollout.precision, re-synced before rollouts) or None, and
     for a stale copy (sync_every > 1) the weights it was last synced from (checkpointed, so resume is exact). The
     copy holds its high-precision tensors in the dtypes the model was loaded in (`masters.as_loaded`), its source
@@ -73,17 +74,18 @@ def build_rollout_copy(cfg, policy, unwrapped, masters: MasterWeights, say, devi
     say(f"difrl: rollout copy ({'stage-1 candidates' if cfg.rollout.kind == 'solrl' else 'rollouts'}, synced every "
         f"{cfg.rollout.sync_every} iteration(s){'; a full copy per process, built one FSDP unit at a time' if sharded else ''}): "
         + copy.report.summary())
-    return copy, EMA(trainable_params(unwrapped), 0.0, unwrapped) if cfg.rollout.sync_every > 1 else None
+    return copy, WeightSnapshot(trainable_params(unwrapped), unwrapped) if cfg.rollout.sync_every > 1 else None
 
 
-def sync_rollout_copy(copy: RolloutCopy | None, source: EMA | None, unwrapped, it: int, start: int, every: int) -> None:
+def sync_rollout_copy(copy: RolloutCopy | None, source: WeightSnapshot | None, unwrapped, it: int, start: int,
+                      every: int) -> None:
     """Refresh the copy every `every` iterations (after an update, a sync that changes nothing is a
     WeightSyncError); a run resumed between two syncs of a stale copy reloads it from the saved source."""
     if copy is None:
         return
     if it % every == 0:
         if source is not None:
-            source.update(0.0)  # remember what the copy was synced from
+            source.take()  # remember what the copy was synced from
         copy.sync(unwrapped, check=it > start)
     elif it == start:
         with source.swapped():

@@ -5,7 +5,7 @@
     summary = finished(cfg, run_dir)                               # resume= of a finished run: its summary, else None
 
 `said(key)` names who says a new value in a refusal ("the command line says", "configs/x.yaml says"; default
-"this config says"): `difrl train resume=R [CONFIG] [key=value ...]` passes it (difrl.cli.load_resume_config).
+"this config says"): `difrl train resume=R [CONFIG] [key=value ...]` passes it (difrl.train.entry.load_resume_config).
 
 **A directory that holds a run** (config.yaml, metrics.jsonl, summary.json or checkpoints/) is refused unless
 the command continues it (``resume=DIR``) or replaces it (``--overwrite``: Run.open removes the earlier run's

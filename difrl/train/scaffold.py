@@ -6,7 +6,7 @@
     run = Run.open(cfg, run_dir, net, optimizer, ema, extras, accelerator)   # resume, config.yaml, metrics cut back
     with reference_policy(policy, net, reference): ...                     # the KL's reference (LoRA off / frozen copy)
     run.log(row); run.checkpoint(iteration)
-    if run.interrupted(): break                                            # SIGINT / SIGTERM (difrl.train.interrupt)
+    if run.agree_interrupted(): break                                      # SIGINT / SIGTERM (difrl.train.interrupt)
     run.end_loop(done); run.finish(summary, headline)                      # final checkpoint; summary.json, report.html
 
 A recipe (the loop) calls these in its banner sections; none of them knows which method runs. The
@@ -118,7 +118,7 @@ class RatioCheckError(RuntimeError):
 
 def check_ratio(log_prob: torch.Tensor, log_prob_old: torch.Tensor, tol: float, agree=None) -> float:
     """max |log_prob - log_prob_old| of the first on-policy micro-step, the largest over processes through `agree`
-    (collectives.process_max: all raise together, none alone, which would hang backward); raises if expm1 > tol."""
+    (collectives.gather_max: all raise together, none alone, which would hang backward); raises if expm1 > tol."""
     err = (agree or float)(float((log_prob.detach() - log_prob_old).abs().max()))  # agree: collective, same on all
     if not math.isfinite(err) or math.expm1(err) > tol:
         raise RatioCheckError(
@@ -224,13 +224,14 @@ class Run:
                 write_checkpoint(self.dir, iteration, snap, self.state)
         self.barrier()
 
-    def interrupted(self) -> bool:
-        """Stop now? True once SIGINT / SIGTERM reached this process (difrl.train.interrupt) or, under several
-        processes, any of them: every process polls at the same points of its loop and the decision is agreed
-        (interrupt.agreed), so all stop at the same iteration boundary (one stopping alone would leave the others
-        waiting in the checkpoint's barrier). A trainer polls twice an iteration: after the reward stage, whose
-        gather carries the signals (Run.carrying: no collective of its own), and at the iteration's end, after its
-        metrics reached the host: one all-reduce of two int32. Once agreed, the signal is kept in self.signal."""
+    def agree_interrupted(self) -> bool:
+        """Stop now, agreed by all processes (a collective)? True once SIGINT / SIGTERM reached this process
+        (difrl.train.interrupt) or, under several processes, any of them: every process polls at the same points of
+        its loop and the decision is agreed (interrupt.agreed), so all stop at the same iteration boundary (one
+        stopping alone would leave the others waiting in the checkpoint's barrier). A trainer polls twice an
+        iteration: after the reward stage, whose gather carries the signals (Run.carrying: no collective of its own),
+        and at the iteration's end, after its metrics reached the host: one all-reduce of two int32. Once agreed,
+        the signal is kept in self.signal."""
         self.signal = self.signal or interrupt.agreed(self.accelerator)
         return bool(self.signal)
 
@@ -241,7 +242,7 @@ class Run:
         interrupt.Interrupted; otherwise the final checkpoint (an early stop, `stopped_early`, wrote it already
         and finishes the run whatever came). From here a signal exits at once (resume redoes what is left: the
         final evaluation, weights, report)."""
-        if not stopped_early and self.interrupted():
+        if not stopped_early and self.agree_interrupted():
             self.checkpoint(done)
             interrupt.finishing(self.dir, done)
             for t in self.trackers:  # flushed: TensorBoard's events of the iterations done

@@ -4,7 +4,7 @@
     settings = fsdp_settings(accelerator)            # None unless the launch asked for FSDP (ACCELERATE_USE_FSDP)
     net = shard(net, policy.block_classes, settings)   # fully_shard per transformer block, then the root
     with gathered(net, keep=is_main): save(net)     # every process gathers; the main one holds the full weights
-    full = full_tensor(p); p.copy_(like(p, full))  # one tensor gathered / put back into its shard
+    full = gather_to_host(p); p.copy_(like(p, full))  # one tensor gathered / put back into its shard
 
 Why difrl calls `torch.distributed.fsdp.fully_shard` itself instead of leaving it to
 `accelerator.prepare`: accelerate applies FSDP only on accelerator devices (on CPU processes its
@@ -49,7 +49,7 @@ it does not, from the first iteration).
 
 fsdp_offload_params: true (CPUOffloadPolicy). The shards, their gradients and the optimizer step live on the CPU.
 FSDP itself copies them to the device for its all-gather and reduce-scatter, but gradient clipping (the norm of
-sharded gradients is reduced over processes) and full_tensor / gathered (an all-gather) send the CPU tensors through
+sharded gradients is reduced over processes) and gather_to_host / gathered (an all-gather) send the CPU tensors through
 the process group, and NCCL refuses CPU tensors. So the Accelerator starts the group as cuda:nccl,cpu:gloo
 (process_group_kwargs; accelerate 1.16 does so on its own for an FSDP offload launch), a one-dimensional mesh
 over all processes uses that default group, and offload_policy refuses (ConfigError) a group without a CPU
@@ -110,7 +110,7 @@ def offload_policy(settings: FSDPSettings, device_type: str, group):
     fsdp_offload_params keeps each process's shards, their gradients and the optimizer step on the CPU
     (CPUOffloadPolicy; FSDP copies a unit's shards to the device for its all-gather and the reduced gradients back).
     Two things then touch CPU tensors through `group`: gradient clipping (torch's clip_grad_norm_ on the sharded
-    gradients yields a norm that is a partial sum over processes: it is all-reduced) and full_tensor / gathered (an
+    gradients yields a norm that is a partial sum over processes: it is all-reduced) and gather_to_host / gathered (an
     all-gather of the shards). NCCL refuses CPU tensors, so on an accelerator the group must have a CPU backend too
     (cuda:nccl,cpu:gloo, see process_group_kwargs); else this raises ConfigError before any work. Pinned host memory
     only where there is a device to copy to: pinning needs a GPU driver, so CPU processes would fail."""
@@ -336,10 +336,11 @@ def is_sharded(t) -> bool:
     return isinstance(t, DTensor)
 
 
-def full_tensor(t: torch.Tensor, keep: bool = True) -> torch.Tensor | None:
-    """A sharded tensor gathered (collective: every process calls it, in the same order), on the CPU; a plain one as
-    is. keep=False: take part in the all-gather only, drop the result at once and return None (a process that does
-    not write what is gathered: gathered, state.snapshot)."""
+def gather_to_host(t: torch.Tensor, keep: bool = True) -> torch.Tensor | None:
+    """A sharded tensor gathered (collective: every process calls it, in the same order) and copied to the host
+    (DTensor's own full_tensor leaves it on the shard's device); a plain one as is. keep=False: take part in the
+    all-gather only, drop the result at once and return None (a process that does not write what is gathered:
+    gathered, state.snapshot)."""
     if is_sharded(t):
         full = t.detach().full_tensor()
         return full.cpu() if keep else None
@@ -380,7 +381,7 @@ def gathered(module: nn.Module, keep: bool = True):
         for name, p in list(mod._parameters.items()):
             if p is not None and is_sharded(p):
                 if id(p) not in full_of:
-                    full = full_tensor(p, keep)
+                    full = gather_to_host(p, keep)
                     full_of[id(p)] = nn.Parameter(full if keep else torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                                   requires_grad=p.requires_grad)
                 swapped.append((mod, name, p))

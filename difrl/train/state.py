@@ -1,4 +1,5 @@
-"""Training state: EMA of trainable weights and atomic checkpoints that resume bit-exactly.
+"""Training state: atomic checkpoints of the trainable weights, their EMA (difrl.train.ema) and the optimizer
+that resume bit-exactly.
 
     ema = EMA(params_by_name, decay=0.9)
     save_checkpoint(run_dir, iteration, module, optimizer, ema, extra={...})
@@ -33,13 +34,13 @@ from __future__ import annotations
 
 import json
 import shutil
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from difrl.train.ema import EMA  # noqa: F401  (the averaged weights, checkpointed here; re-exported)
 from difrl.train.manifest import MANIFEST, SHARED, all_gather_objects, check, file_record, verdict
 from difrl.train.rundir import checkpoint_dirs  # noqa: F401  (one parser of iter-* names; re-exported)
 from difrl.train.sharded_state import (CheckpointError, is_sharded_checkpoint, load_sharded, read_metadata,  # noqa: F401
@@ -47,71 +48,6 @@ from difrl.train.sharded_state import (CheckpointError, is_sharded_checkpoint, l
 from difrl.train.sharding import is_sharded, like, reshard
 from difrl.utils.io import (atomic_write_json, atomic_write_text, load_safetensors_checked, load_torch_state,
                             save_safetensors, save_torch_state)
-
-
-class EMA:
-    """Exponential moving average of named tensors, decay warmed up as min(decay, (1 + n) / (10 + n)). `module`: the
-    network holding `params`; under FSDP give it, so that a swap reshards it (sharding.reshard).
-
-    Update and swap are `torch._foreach_*` calls over every tensor at once (a few fused kernels, not one op and one
-    Python dispatch per parameter: thousands at FLUX scale), on the local tensors (a DTensor's shard: the EMA is
-    elementwise, so each process averages its own rows, as the per-parameter DTensor ops did). The numbers are the
-    per-tensor loop's: the same lerp and copy kernels (tests/test_dcp_scale.py checks bit equality)."""
-
-    def __init__(self, params: dict[str, nn.Parameter], decay: float, module: nn.Module | None = None):
-        self.decay = decay
-        self.params = params
-        self.module = module
-        self.shadow = {k: p.detach().clone() for k, p in params.items()}
-        self.num_updates = 0
-
-    def _pairs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(live, shadow) as plain local tensors, in the params' order (a sharded one's local rows: its storage)."""
-        live = [_local(p.detach()) for p in self.params.values()]
-        return live, [_local(self.shadow[k]) for k in self.params]
-
-    @torch.no_grad()
-    def update(self, decay: float | None = None) -> None:
-        """shadow <- d shadow + (1 - d) live; d = `decay` if given, else the warmed-up self.decay."""
-        d = min(self.decay, (1 + self.num_updates) / (10 + self.num_updates)) if decay is None else decay
-        live, shadow = self._pairs()
-        if live:
-            torch._foreach_lerp_(shadow, live, 1.0 - d)
-        self.num_updates += 1
-
-    @torch.no_grad()
-    def swap(self) -> None:
-        """Exchange live and EMA weights (call twice to restore). The temporary copy of the live weights is made
-        SWAP_BUCKET_BYTES at a time (the per-parameter loop held one parameter; a copy of all of them would add a
-        whole shard of the model at once)."""
-        live, shadow = self._pairs()
-        start = 0
-        while start < len(live):
-            end, size = start, 0
-            while end < len(live) and (end == start or size + live[end].nbytes <= SWAP_BUCKET_BYTES):
-                size, end = size + live[end].nbytes, end + 1
-            held = torch._foreach_mul(live[start:end], 1.0)  # a copy: x * 1.0 is x exactly (IEEE, signed zeros too)
-            torch._foreach_copy_(live[start:end], shadow[start:end])
-            torch._foreach_copy_(shadow[start:end], held)
-            start = end
-        if self.module is not None:  # the next forward must gather the swapped shards (reshard_after_forward=False)
-            reshard(self.module)
-
-    @contextmanager
-    def swapped(self):
-        """The EMA weights live inside the block, the trained ones restored after it."""
-        self.swap()
-        try:
-            yield
-        finally:
-            self.swap()
-
-
-SWAP_BUCKET_BYTES = 1 << 28  # the most bytes EMA.swap copies aside at once (256 MiB)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if is_sharded(t) else t
 
 
 def trainable_params(module: nn.Module) -> dict[str, nn.Parameter]:
@@ -171,18 +107,18 @@ def snapshot(module: nn.Module, optimizer, ema: EMA | None, extras: dict[str, EM
     checkpoint keeps them: `keep` (default: this is the main process, rank 0, or there is no process group); the
     others drop each gathered tensor as soon as its all-gather returns and get None (no process but the writer ever
     holds the full model, its EMA and AdamW's moments: about 190 GB for a 12B FLUX)."""
-    from difrl.train.sharding import full_tensor
+    from difrl.train.sharding import gather_to_host
 
     if keep is None:
         keep = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
     def full(tensors: dict) -> dict:
-        return {k: full_tensor(v, keep) for k, v in tensors.items()}
+        return {k: gather_to_host(v, keep) for k, v in tensors.items()}
 
     reshard(module)  # its parameters are the shards again, not what a forward left gathered
 
     opt = optimizer.state_dict()
-    opt = {**opt, "state": {i: {k: full_tensor(v, keep) if torch.is_tensor(v) else v for k, v in st.items()}
+    opt = {**opt, "state": {i: {k: gather_to_host(v, keep) if torch.is_tensor(v) else v for k, v in st.items()}
                             for i, st in sorted(opt["state"].items())}}
     trained = full(trainable_params(module))
     ema_full = None if ema is None else (full(ema.shadow), ema.num_updates)

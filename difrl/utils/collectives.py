@@ -4,7 +4,7 @@ gather and reduce.
     all_scores = gather(accelerator, scores)          # [B] on this process -> [N * B], back where `scores` was
     totals = reduce(accelerator, sums, "sum")         # summed over processes, back where `sums` was
     score = lambda t: gather(accelerator, t)          # what Sol-RL's candidate pool takes
-    worst = process_max(accelerator, err)             # the largest of the processes' floats, on every process
+    worst = gather_max(accelerator, err)              # the largest of the processes' floats, on every process
     rows, finish = split_rows(accelerator, n)         # this process's share of n rows; finish(part) -> all n rows
 
 NCCL, the backend of every multi-GPU run, takes only tensors on the process's GPU ("Tensors must be CUDA and
@@ -37,7 +37,7 @@ def reduce(accelerator, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return accelerator.reduce(to_device(accelerator, t), op).to(t.device)
 
 
-def process_max(accelerator, x: float) -> float:
+def gather_max(accelerator, x: float) -> float:
     """The largest of the processes' `x`, the same float on every process (NaN if any is NaN). Collective: where
     every process must take the same decision from a local number (stop on a failed check, a loop's count), each
     calls it and decides on the result, so none raises or stops while another goes on into the next collective."""
