@@ -150,7 +150,7 @@ def test_fsdp_equals_one_process(runs, pipes, kind, mode):
         assert loaded.keys() == base.keys() == wb.keys()
         assert max(float((loaded[k] - base[k]).abs().max()) for k in base) > 1e-3
         for k, v in loaded.items():
-            torch.testing.assert_close(v, wb[k], rtol=0, atol=0, msg=k)
+            torch.testing.assert_close(v, wb[k], rtol=0, atol=0, msg=k)  # exact: the same gathered tensors, saved
     else:  # lora/ loads into a plain pipeline: its tensors are the gathered LoRA weights, B moved from zero
         assert max(float(v.abs().max()) for k, v in wb.items() if "lora_B" in k) > 1e-3
         pipe = getattr(diffusers, pipe_cls).from_pretrained(pipes[kind], local_files_only=True)
@@ -158,7 +158,7 @@ def test_fsdp_equals_one_process(runs, pipes, kind, mode):
         state = pipe.transformer.state_dict()
         for k, v in wb.items():  # transformer.X.lora_A.weight -> X.lora_A.default_0.weight
             name = k.removeprefix("transformer.").replace(".lora_A.", ".lora_A.default_0.").replace(".lora_B.", ".lora_B.default_0.")
-            torch.testing.assert_close(state[name], v, rtol=0, atol=0, msg=name)
+            torch.testing.assert_close(state[name], v, rtol=0, atol=0, msg=name)  # exact: saved and loaded
 
 
 @pytest.mark.slow  # the module's launch (shared)
