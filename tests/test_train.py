@@ -17,6 +17,7 @@ from difrl.rewards.digits import digit_prob
 from difrl.train.config import load_flow_config
 from difrl.train.flow import TIMING_KEYS, RatioCheckError, train
 from difrl.utils.io import load_safetensors_checked
+from tolerances import FLOW_FIRST_STEP_LOG_RATIO
 
 # 8 samples per iteration (2 prompts x 4), 4 steps, 2 optimizer updates per rollout, tiny evals
 TINY = [
@@ -83,7 +84,7 @@ def test_first_micro_step_is_on_policy(tmp_path, overrides):
     _, d = run(tmp_path / "r", *overrides)
     row = metrics(d)[0]
     # ratio check passed (it raises otherwise) and the log-prob recomputation is exact here
-    assert row["first_step_max_abs_log_ratio"] <= 1e-6
+    assert row["first_step_max_abs_log_ratio"] <= FLOW_FIRST_STEP_LOG_RATIO  # 0 here; another CPU may round apart
     assert row["trained_samples"] + 4 * row["dropped_groups"] == 8
 
 
