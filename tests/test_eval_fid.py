@@ -43,7 +43,7 @@ def test_fd_closed_form_commuting_covariances():
     assert got == pytest.approx(want, rel=1e-10)  # float64 eigendecompositions: ~1e-13 relative, kept apart by 1e3
     # identical distributions: 0 (up to round-off); a scaled copy: (1 - c)^2 tr S
     s = _spd(d, 1)
-    assert abs(frechet_distance_from_stats((mu_a, s), (mu_a, s))) < 1e-10
+    assert abs(frechet_distance_from_stats((mu_a, s), (mu_a, s))) < 1e-10  # float64 round-off of a sqrtm
     assert frechet_distance_from_stats((mu_a, s), (mu_a, 4 * s)) == pytest.approx(float(torch.trace(s)), rel=1e-10)
 
 
@@ -164,7 +164,7 @@ def test_digits_fd_and_kid_match_torchmetrics(digits, tmp_path):
     tm.update(real, real=True)
     tm.update(gen, real=False)
     tm_fd = float(tm.compute())
-    assert abs(rep["fd"] - tm_fd) / tm_fd < 1e-6, (rep["fd"], tm_fd)
+    assert abs(rep["fd"] - tm_fd) / tm_fd < 1e-6, (rep["fd"], tm_fd)  # as above: the same statistics, another sqrtm
 
     # KID: the same subsets (torchmetrics draws from the global generator, real first) and the same estimator
     tk = KernelInceptionDistance(feature=_DoubleFeatures(clf), subsets=20, subset_size=100)

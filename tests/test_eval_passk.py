@@ -36,7 +36,7 @@ CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "sudoku.yaml")
     (8, 1, 8, 1.0), (8, 1, 1, 0.125), (8, 2, 4, 1 - comb(6, 4) / comb(8, 4)),  # 1 - 15/70
     (1, 1, 1, 1.0), (1, 0, 1, 0.0),
 ])
-def test_hand_computed(n, c, k, want):
+def test_hand_computed(n, c, k, want):  # float64 products of a few ratios: ~1e-15, hence abs 1e-12
     assert pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12)
     assert pass_at_k_many([n], [c], k) == pytest.approx(want, abs=1e-12)
 

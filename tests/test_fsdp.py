@@ -303,7 +303,7 @@ def test_fsdp_bf16_model_full_finetune_keeps_fp32_masters(tiny_flux, tmp_path):
     written = load_safetensors_checked(tmp_path / "bf16" / "transformer" / "diffusion_pytorch_model.safetensors", "t")[0]
     assert written.keys() == base.keys()
     for k, v in written.items():  # the EMA weights, gathered and written in the dtype the model was loaded in
-        assert v.dtype == torch.bfloat16 and torch.equal(v, trained[f"ema/{k}"].bfloat16()), k
+        assert v.dtype == torch.bfloat16 and torch.equal(v, trained[f"ema/{k}"].bfloat16()), k  # exact: one cast
 
 
 @pytest.mark.slow  # one launch of three digits runs, about 40 s on 2 cores

@@ -210,6 +210,7 @@ def test_the_timestep_reaches_the_embedding_in_fp32_under_fsdp_bf16(pipes):
                 v = policy.velocity(x, sigma, policy.encode(["a red dog"]))
                 assert v.shape == x.shape and bool(v.isfinite().all()) and seen["cond"] == torch.bfloat16
                 if keep:
+                    # exact: the same fp32 product sigma x 1000
                     assert seen["t"].dtype == torch.float32 and torch.equal(seen["t"], (sigma * 1000).expand_as(seen["t"])), (kind, seen["t"])
                 else:  # what FSDP's cast alone gives
                     assert seen["t"].dtype == torch.bfloat16 and bool((seen["t"] == 736.0).all()), (kind, seen["t"])

@@ -94,7 +94,7 @@ def test_dgpo_coefficients_are_the_group_loss_gradient_without_beta_over_g():
     coef, loss, m = dgpo_coefficients((l - l_ref).detach(), groups, adv, beta)
     # the group preference loss written out: softplus((beta / G) sum_i A_i (l_i - l_i,ref)), G = 2, per sigma
     s = torch.stack([(beta / 2) * (adv[i:i + 2, None] * (l[i:i + 2] - l_ref[i:i + 2])).sum(0) for i in (0, 2)])
-    torch.testing.assert_close(loss, F.softplus(s).detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss, F.softplus(s).detach(), rtol=1e-6, atol=0)  # another op order: fp32 ulps
     F.softplus(s).sum().backward()
     torch.testing.assert_close(coef * beta / 2, l.grad, rtol=1e-6, atol=1e-8)  # the reference drops beta / G
     # direction: the positive sample's error is pushed down, the negative one's up

@@ -263,7 +263,7 @@ def test_flow_trainer_full_finetune_in_bf16(tiny_dirs, tmp_path):
     written = load_safetensors_checked(run / "transformer" / "diffusion_pytorch_model.safetensors", "transformer")[0]
     assert set(ema) <= set(loaded) and {v.dtype for v in written.values()} == {torch.bfloat16}  # + a pos_embed buffer
     for k, v in ema.items():
-        assert torch.equal(loaded[k], v.bfloat16()), k
+        assert torch.equal(loaded[k], v.bfloat16()), k  # exact: the same cast of the same weights
 
     nft = load_flow_config(ROOT / "configs" / "flux_tiny.yaml", [*common, "train.iterations=1", "train.objective=nft",
                                                                   "train.clip_low=1e-4", "train.clip_high=1e-4"])

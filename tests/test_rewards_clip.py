@@ -252,7 +252,7 @@ def test_scaling_conventions(opts, rewards, images):
     logit = build_reward("pickscore", **opts["pickscore"], scale="logit")(images, PROMPTS)
     scale = rewards["pickscore"].fn.model.logit_scale.exp()
     assert torch.allclose(logit["pickscore"], scale * logit["cos"], atol=1e-5)  # fp32: scale ~ 100 x cos, ulp(100) ~ 8e-6
-    assert torch.allclose(div["pickscore"], logit["pickscore"] / 26, atol=1e-6)
+    assert torch.allclose(div["pickscore"], logit["pickscore"] / 26, atol=1e-6)  # the same logits / 26: fp32 ulps
     assert rewards["pickscore"].info()["version"] != build_reward("pickscore", **opts["pickscore"], scale="logit").info()["version"]
 
 
@@ -269,7 +269,7 @@ def test_text_cache_same_scores_and_encodes_each_prompt_once(opts, images, name)
     assert torch.allclose(a, b, atol=1e-6)  # cached text features came from another batch of prompts: fp32 reordering
     assert calls == [list(dict.fromkeys(PROMPTS))] and len(cached.fn.text_cache) == len(set(PROMPTS))
     again = cached(images.flip(0), PROMPTS[::-1])[name]
-    assert len(calls) == 1 and torch.allclose(again, a.flip(0), atol=1e-6)
+    assert len(calls) == 1 and torch.allclose(again, a.flip(0), atol=1e-6)  # images in another order: as above
     assert len(plain.fn.text_cache) == 0
 
 

@@ -150,7 +150,7 @@ def test_sampled_rows_equal_the_whole_weights_quantization():
         starts = list(range(0, 300, tile))
         for start in (starts[0], starts[len(starts) // 2], starts[-1]):
             stop = min(start + 2 * tile, 300)
-            assert torch.equal(F.qdq_weight_rows(w, fmt, start, stop), full[start:stop]), (fmt, start)
+            assert torch.equal(F.qdq_weight_rows(w, fmt, start, stop), full[start:stop]), (fmt, start)  # grid: exact
         ql = QuantLinear(torch.nn.Linear(96, 300), fmt)
         with torch.no_grad():
             ql.set_weight(w)

@@ -82,6 +82,7 @@ def test_prompts_carry_the_pipelines_complex_human_instruction(tiny):
 
     cond = policy.encode(PROMPTS)
     embeds, mask = pipeline_embeds(list(default_instruction()))
+    # exact: our encode and the pipeline's encode_prompt run the same text encoder on the same tokens
     assert torch.equal(cond["prompt_embeds"], embeds) and torch.equal(cond["prompt_attention_mask"], mask)
     plain = load_flow_policy("sana", tiny, complex_human_instruction=[], **OPTIONS).encode(PROMPTS)
     embeds, mask = pipeline_embeds(None)

@@ -121,6 +121,7 @@ def test_solrl_runs_logs_agreement_and_trains_the_regenerated_seeds(tmp_path, mo
     b = regen["batch"]
     again = regenerate(policy, b, sigma_schedule(4), kernel="flow_sde", kernel_kwargs=regen["args"][0],
                        sde_mask=regen["args"][1], train_mask=regen["args"][2])
+    # exact: the same rollout (seeds, sigmas, masks, batch) recomputed with the same ops
     assert torch.equal(again.x_final, b.x_final) and torch.equal(again.log_prob_old, b.log_prob_old)
     assert torch.equal(again.x, b.x)
     for r in rows(tmp_path):
