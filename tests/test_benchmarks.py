@@ -230,7 +230,8 @@ def test_bench_eb_rows(tmp_path):
     first = [r for r in rows if r["section"] == "first_pass"]
     rows = [r for r in rows if r["section"] == "sweep"]
     for blanks in (4, 6):  # the first-pass entropy bins cover every blank
-        assert abs(sum(r["fraction"] for r in first if r["blanks"] == blanks) - 1.0) < 1e-6  # float64 sum of count fractions
+        # float64 sum of count fractions
+        assert abs(sum(r["fraction"] for r in first if r["blanks"] == blanks) - 1.0) < 1e-6
     keys = {"blanks", "temperature", "method", "sampler", "gamma", "order", "steps", "seeds", "nfe", "nfe_ratio", "cell_accuracy",
             "cell_accuracy_std", "solve_rate", "solve_rate_std", "cell_loss_points", "solve_loss_points", "tokens_per_pass",
             "first_pass_tokens", "meets_goal", "llada_cells_at_nfe"}

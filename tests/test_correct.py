@@ -326,7 +326,7 @@ def test_llm_example_trains_a_tiny_causal_lm_with_the_same_core():
     results = mod.main(["--iterations", "3", "--methods", "none", "ais", "--groups", "2", "--group-size", "4"])
     assert [r["method"] for r in results] == ["none", "ais"]
     for r in results:
-        assert len(r["history"]) == 3 and r["final_reward"] == pytest.approx(sum(h["reward"] for h in r["history"]) / 3,
-                                                                              rel=1e-12)  # float64 mean, maybe reordered
+        mean = sum(h["reward"] for h in r["history"]) / 3  # float64, maybe summed in another order
+        assert len(r["history"]) == 3 and r["final_reward"] == pytest.approx(mean, rel=1e-12)
         assert all(h["mean_log_ratio"] != 0.0 and h["kl_k3"] > 0.0 for h in r["history"])  # NVFP4 copy != trainer
     assert all(0.0 < h["ais_lambda"] < 1.0 for h in results[1]["history"])  # a mismatch, so AIS mixes in some IS

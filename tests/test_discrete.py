@@ -334,7 +334,8 @@ def test_maskgrpo_ratio_schedule():
 
     t2t = maskgrpo_ratios(12, 0.6)  # c = 0.6, mu = 12 -> 0.633 ... 0.999
     # float64, the same formula in another op order (0.999 is the clamp's bound: exact)
-    assert float(t2t[0]) == pytest.approx(0.6 + 0.4 / 12, rel=1e-12) and float(t2t[-1]) == 0.999 and (t2t.diff() > 0).all()
+    assert float(t2t[0]) == pytest.approx(0.6 + 0.4 / 12, rel=1e-12)
+    assert float(t2t[-1]) == 0.999 and (t2t.diff() > 0).all()
     t2i = maskgrpo_ratios(6, 0.6)  # mu = 6 -> 0.667 ... 0.999
     assert t2i.tolist() == pytest.approx([0.6 + 0.4 * n / 6 for n in range(1, 6)] + [0.999], rel=1e-12)
 
@@ -350,7 +351,8 @@ def test_ar_fade_masking_probabilities():
                                                                        rel=1e-9)  # the literal's 10 digits
     long = torch.ones(1, 2001, dtype=torch.bool)
     for r in (0.6, 0.8, 0.95):  # expected masked fraction r for r >= 0.5 ...
-        assert float(1 - ar_fade_keep_prob(long, r).mean()) == pytest.approx(r, abs=1e-3)  # N = 2001: O(1/N) off the limit
+        # N = 2001: O(1/N) off the limit
+        assert float(1 - ar_fade_keep_prob(long, r).mean()) == pytest.approx(r, abs=1e-3)
     assert float(1 - ar_fade_keep_prob(long, 0.3).mean()) == pytest.approx(1 / (4 * 0.7), abs=1e-3)  # ... 0.357 below
     # sampled masks: prompt never masked, the last answer position always masked, rates follow kappa
     seeds = torch.arange(4000)

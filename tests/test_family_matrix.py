@@ -157,7 +157,8 @@ def test_solrl_candidates_from_the_low_precision_copy_train(kind, tiny_dirs, tmp
     fps = forwards_per_step(policy, cfg.sampler.guidance)
     assert row["nfe_lowprec"] == P * CANDIDATES * PREVIEW * fps and row["nfe_full"] == P * G * N_STEPS * fps
     assert row["trained_samples"] == P * G and -1.0 <= row["solrl/spearman_median"] <= 1.0
-    assert row["first_step_max_abs_log_ratio"] <= FLOW_FIRST_STEP_LOG_RATIO  # stage 2 is on-policy (the trainer's tolerance)
+    # stage 2 is on-policy (the trainer's tolerance)
+    assert row["first_step_max_abs_log_ratio"] <= FLOW_FIRST_STEP_LOG_RATIO
     _check_lora_trained(seen)
 
 

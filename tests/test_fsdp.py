@@ -627,4 +627,5 @@ def test_a_forward_after_a_swap_or_a_restore_uses_the_written_weights(tmp_path):
             assert float((live_y - ema_y).abs().max()) > 1e-3  # the swap changes what the network computes
             for name, want in (("live_y", live_y), ("ema_y", ema_y), ("back_y", live_y), ("restored_y", live_y)):
                 # a sharded module's forward in another process against a plain one here: fp32, maybe another kernel
-                torch.testing.assert_close(got[name], want, **FP32_REORDER, msg=f"rank {rank}, offload {offload}: {name}")
+                torch.testing.assert_close(got[name], want, **FP32_REORDER,
+                                           msg=f"rank {rank}, offload {offload}: {name}")

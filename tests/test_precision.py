@@ -130,7 +130,8 @@ def test_as_loaded_casts_back_for_saving_and_restores_the_masters(tiny_dirs):
     held = {n: p.detach().clone() for n, p in policy.module.named_parameters()}
     with masters.as_loaded(policy.module) as module:
         assert {n: p.dtype for n, p in module.named_parameters()} == loaded
-    assert all(torch.equal(p, held[n]) and p.dtype == torch.float32 for n, p in policy.module.named_parameters())  # kept
+    # exact: the fp32 masters come back as they were
+    assert all(torch.equal(p, held[n]) and p.dtype == torch.float32 for n, p in policy.module.named_parameters())
 
 
 def half_casts(params: dict):

@@ -167,7 +167,8 @@ def test_failed_groups_never_reach_other_groups_advantages():
     keep = ~failed
     ref, _ = valid_group_advantages({"x": r[keep]}, {"x": 1.0}, groups[keep], torch.zeros(6, dtype=torch.bool), Cfg,
                                     "reward_sum")
-    assert torch.equal(adv.advantages[keep], ref.advantages)  # exact: the failed group is dropped first, then the same ops
+    # exact: the failed group is dropped first, then the same ops
+    assert torch.equal(adv.advantages[keep], ref.advantages)
     assert (adv.advantages[failed] == 0).all() and torch.isnan(adv.reward[failed]).all()
 
 

@@ -238,20 +238,24 @@ def test_wrong_files_are_named(opts, tmp_path):
 
 def test_scaling_conventions(opts, rewards, images):
     cos = rewards["clip_score"](images, PROMPTS)["cos"]
-    assert torch.equal(rewards["clip_score"](images, PROMPTS)["clip_score"], cos)  # default "cos" (the same call: exact)
+    # default "cos" (the same call: exact)
+    assert torch.equal(rewards["clip_score"](images, PROMPTS)["clip_score"], cos)
     for scale, k in (("clipscore", 2.5), ("x100", 100.0)):
         r = build_reward("clip_score", **opts["clip_score"], scale=scale)
         out = r(images, PROMPTS)
         # another reward object with the same weights: fp32 reordering at most; k x cos rounds once more
-        assert torch.allclose(out["cos"], cos, **FP32_REORDER) and torch.allclose(out["clip_score"], k * cos.clamp(min=0), atol=1e-6)
+        assert torch.allclose(out["cos"], cos, **FP32_REORDER)
+        assert torch.allclose(out["clip_score"], k * cos.clamp(min=0), atol=1e-6)
         # max(cos, 0) on both sides of 0, whatever signs the random model gives
         r.fn.cosine = lambda images, prompts: torch.tensor([-0.5, 0.0, 0.2])
-        assert torch.allclose(r(images[:3], PROMPTS[:3])["clip_score"], torch.tensor([0.0, 0.0, 0.2 * k]), **FP32_REORDER)
+        assert torch.allclose(r(images[:3], PROMPTS[:3])["clip_score"], torch.tensor([0.0, 0.0, 0.2 * k]),
+                              **FP32_REORDER)
 
     div = rewards["pickscore"](images, PROMPTS)
     logit = build_reward("pickscore", **opts["pickscore"], scale="logit")(images, PROMPTS)
     scale = rewards["pickscore"].fn.model.logit_scale.exp()
-    assert torch.allclose(logit["pickscore"], scale * logit["cos"], atol=1e-5)  # fp32: scale ~ 100 x cos, ulp(100) ~ 8e-6
+    # fp32: scale ~ 100 x cos, ulp(100) ~ 8e-6
+    assert torch.allclose(logit["pickscore"], scale * logit["cos"], atol=1e-5)
     assert torch.allclose(div["pickscore"], logit["pickscore"] / 26, atol=1e-6)  # the same logits / 26: fp32 ulps
     assert rewards["pickscore"].info()["version"] != build_reward("pickscore", **opts["pickscore"], scale="logit").info()["version"]
 

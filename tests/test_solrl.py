@@ -84,7 +84,8 @@ def test_nft_loss_against_hand_values_and_gradient_only_through_v():
     # v_neg = 2 v_old - v = [-2, 0]: x0_neg = [1.75, -0.25], err [0.75, 0.75]: L- = 0.5625 / 0.75 = 0.75
     # fp32 on dyadic inputs against float64 hand values: rounding only, a few ulp at most
     assert m["nft_r"].item() == pytest.approx(0.75, rel=1e-6)
-    assert m["nft_loss_pos"].item() == pytest.approx(0.25, rel=1e-6) and m["nft_loss_neg"].item() == pytest.approx(0.75, rel=1e-6)
+    assert m["nft_loss_pos"].item() == pytest.approx(0.25, rel=1e-6)
+    assert m["nft_loss_neg"].item() == pytest.approx(0.75, rel=1e-6)
     assert loss.item() == pytest.approx(5.0 * (0.75 * 0.25 + 0.25 * 0.75), rel=1e-6)
     loss.sum().backward()
     assert v.grad is not None and v.grad.abs().sum() > 0 and not v_old.requires_grad

@@ -155,7 +155,8 @@ def test_text_rewards_refuse_what_they_cannot_score():
 def test_pass_at_k_values():
     assert pass_at_k(5, 2, 2) == pytest.approx(0.7, rel=1e-12)  # 1 - C(3,2)/C(5,2); float64, 0.7 is not binary
     assert pass_at_k(8, 0, 8) == 0.0 and pass_at_k(8, 1, 8) == 1.0
-    assert pass_at_k_many([4, 4, 4], [0, 1, 4], 2) == pytest.approx((0 + 0.5 + 1) / 3, rel=1e-12)  # 1 - C(3,2)/C(4,2) = 0.5
+    # 1 - C(3,2)/C(4,2) = 0.5
+    assert pass_at_k_many([4, 4, 4], [0, 1, 4], 2) == pytest.approx((0 + 0.5 + 1) / 3, rel=1e-12)
     with pytest.raises(ValueError, match="k=3 > n=2"):
         pass_at_k(2, 1, 3)
 

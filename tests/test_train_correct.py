@@ -99,7 +99,8 @@ def test_every_selectable_corrector_reaches_the_gradient():
     assert sorted(BITE) == sorted(METHODS)
     for name, options in BITE.items():
         ones = METHODS[name](batch.log_prob_old, batch.log_prob_old.clone(), None, **(options or {}))
-        assert torch.equal(_grad(cfg, policy, batch, (ones.weights, ones.keep)), plain), name  # exact: x 1 changes no bit
+        # exact: x 1 changes no bit
+        assert torch.equal(_grad(cfg, policy, batch, (ones.weights, ones.keep)), plain), name
         if options is None:  # `none`: weights 1 whatever the mismatch
             continue
         c = METHODS[name](batch.log_prob_old, mu, None, **options)

@@ -299,7 +299,8 @@ def test_simple_rewards_score_images_and_videos():
     assert torch.allclose(build_reward("color", channel="red")(img, ["a", "b"], [])["color"], torch.tensor([1.0, 0.0]),
                           **FP32_REORDER)
     video = img[:, None].expand(2, 5, 3, 4, 4)  # [B, F, C, H, W]: per clip
-    assert torch.allclose(build_reward("color")(video, ["a", "b"], [])["color"], torch.tensor([1.0, 0.0]), **FP32_REORDER)
+    assert torch.allclose(build_reward("color")(video, ["a", "b"], [])["color"], torch.tensor([1.0, 0.0]),
+                          **FP32_REORDER)
     with pytest.raises(ValueError, match="channel must be one of"):
         build_reward("color", channel="pink")
 

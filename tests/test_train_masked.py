@@ -200,8 +200,8 @@ def test_source_normalisation_leaves_the_on_policy_advantages_unchanged():
     c = r - r.mean()
     assert torch.allclose(masked_advantages(r, g, "std", 1e-5, 5.0)[0], c / (c.pow(2).mean().sqrt() + 1e-5),
                           **FP32_REORDER)  # the formula in another op order
-    assert torch.allclose(masked_advantages(r, g, "loo", 1e-5, 5.0)[0], torch.stack([r[i] - (r.sum() - r[i]) / 3 for i in range(4)]),
-                          **FP32_REORDER)
+    loo = torch.stack([r[i] - (r.sum() - r[i]) / 3 for i in range(4)])
+    assert torch.allclose(masked_advantages(r, g, "loo", 1e-5, 5.0)[0], loo, **FP32_REORDER)
     assert masked_advantages(torch.ones(4), g, "std", 1e-5, 5.0)[1].all()  # zero spread
 
 

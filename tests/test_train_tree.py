@@ -33,7 +33,8 @@ TREE = ("rollout.kind=tree", "tree.split_steps=[0,1]")
 def test_tree_training_is_on_policy_and_counts_match(tmp_path, overrides):
     _, d = run(tmp_path / "r", *TREE, *overrides)
     row = metrics(d)[0]
-    assert row["first_step_max_abs_log_ratio"] <= FLOW_FIRST_STEP_LOG_RATIO  # split edges rescored under their stored std scale
+    # split edges rescored under their stored std scale
+    assert row["first_step_max_abs_log_ratio"] <= FLOW_FIRST_STEP_LOG_RATIO
     cfg = load_flow_config(d / "config.yaml")
     sched = BranchSchedule((0, 1))
     sde = torch.tensor([True, True, True, False])

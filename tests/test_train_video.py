@@ -207,7 +207,8 @@ def test_bench_video_rows(tmp_path):
     assert by["Sol-RL"]["nfe_per_iter"] == 64 * 8 + 64 * 7 + 4 * 32 * 4
     assert by["BranchGRPO"]["nfe_ratio"] != 1.0
     for r in rows:  # the ratios are to flat GRPO's row of the same run
-        assert r["nfe_ratio"] == pytest.approx(r["nfe_per_iter"] / by["flat GRPO"]["nfe_per_iter"], rel=1e-12)  # float64
+        # float64: the same division of the same counts
+        assert r["nfe_ratio"] == pytest.approx(r["nfe_per_iter"] / by["flat GRPO"]["nfe_per_iter"], rel=1e-12)
     assert json.loads((tmp_path / "rows.json").read_text())[0]["method"] == "flat GRPO"
 
 

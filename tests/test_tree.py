@@ -267,7 +267,8 @@ def test_fusion_modes_by_hand():
     assert fuse_rewards(t, r).tolist() == [2.75, 1.5, 4.0, 1.0, 2.0, 3.0, 5.0]
     t.log_prob = torch.tensor([0.0, 0.0, math.log(4.0), 0.0, math.log(3.0), 0.0, 0.0])
     pp = fuse_rewards(t, r, "path_prob")  # node 1: 1/4 * 1 + 3/4 * 2; root: 1/5 * 1.75 + 4/5 * 4
-    torch.testing.assert_close(pp, torch.tensor([0.2 * 1.75 + 0.8 * 4.0, 1.75, 4.0, 1.0, 2.0, 3.0, 5.0]), **FP32_REORDER)
+    torch.testing.assert_close(pp, torch.tensor([0.2 * 1.75 + 0.8 * 4.0, 1.75, 4.0, 1.0, 2.0, 3.0, 5.0]),
+                               **FP32_REORDER)
     soft = fuse_rewards(t, r, "soft", lam=1.0)
     lme = lambda xs, lam=1.0: math.log(sum(math.exp(lam * x) for x in xs) / len(xs)) / lam  # noqa: E731
     torch.testing.assert_close(soft, torch.tensor([lme([1, 2, 3, 5]), lme([1, 2]), lme([3, 5]), 1.0, 2.0, 3.0, 5.0]),
