@@ -232,7 +232,7 @@ def test_resume_past_a_damaged_checkpoint_is_bit_identical(tmp_path, capsys):
     for name in ("policy.safetensors", "checkpoints/iter-000004/trainable.safetensors",
                  "checkpoints/iter-000004/ema.safetensors"):
         a, b = (load_safetensors_checked(d / name, "test")[0] for d in (full, part))
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name  # exact: a resume replays the ops
 
 
 def test_a_weight_snapshot_holds_the_weights_of_its_last_take_and_a_checkpoint_keeps_it(tmp_path):

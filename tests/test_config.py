@@ -97,7 +97,7 @@ def test_yaml_and_override_precedence(tmp_path):
     path = write(tmp_path, "seed: 3\ntrain:\n  lr: 0.01\n  use_ema: true\nsampler:\n  kind: ode\n")
     cfg = load_config(RootConfig, path, ["train.lr=1e-4", "sampler.num_steps=20"])
     assert cfg.seed == 3  # from YAML
-    assert cfg.train.lr == pytest.approx(1e-4) and isinstance(cfg.train.lr, float)  # override wins
+    assert cfg.train.lr == 1e-4 and isinstance(cfg.train.lr, float)  # override wins (a parsed decimal: exact)
     assert cfg.train.use_ema is True
     assert cfg.sampler.kind == "ode"  # YAML, sibling of an override
     assert cfg.sampler.num_steps == 20
@@ -113,10 +113,10 @@ def test_later_override_wins():
 def test_float_from_string_in_yaml_and_cli(tmp_path):
     assert yaml.safe_load("1e-4") == "1e-4"  # the reason for the special case
     path = write(tmp_path, "train:\n  lr: 1e-4\n")
-    assert load_config(RootConfig, path).train.lr == pytest.approx(1e-4)
+    assert load_config(RootConfig, path).train.lr == 1e-4  # parsed: exact
     cfg = load_config(RootConfig, None, ["train.lr=3e-5", "train.clip_range=[1e-3, 2e-3]"])
-    assert cfg.train.lr == pytest.approx(3e-5)
-    assert cfg.train.clip_range == [pytest.approx(1e-3), pytest.approx(2e-3)]
+    assert cfg.train.lr == 3e-5  # float('3e-5') is the literal: exact
+    assert cfg.train.clip_range == [1e-3, 2e-3]
 
 
 def test_int_accepted_for_float():
@@ -298,9 +298,9 @@ def test_apply_overrides_on_instance():
     base = load_config(RootConfig, None, ["seed=7", "rewards.ocr=2"])
     new = apply_overrides(base, ["train.lr=1e-5", "rewards.ocr=3"])
     assert new is not base
-    assert new.seed == 7 and new.train.lr == pytest.approx(1e-5)
+    assert new.seed == 7 and new.train.lr == 1e-5  # parsed decimals: exact
     assert new.rewards == {"digit_prob": 1.0, "ocr": 3.0}
-    assert base.train.lr == pytest.approx(3e-4)  # original untouched
+    assert base.train.lr == 3e-4  # original untouched
     with pytest.raises(ConfigError, match=r"'train\.lr' \(command line\) got 'fast'"):
         apply_overrides(base, ["train.lr=fast"])
 

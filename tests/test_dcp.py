@@ -79,7 +79,7 @@ def test_sharded_checkpoint_restores_into_any_layout(tmp_path, one_process_group
         restore_checkpoint(load_latest_checkpoint(tmp_path), fresh, fopt, fema, fextras)
         assert (fema.num_updates, fextras["old"].num_updates) == (ema.num_updates, 1)
         live, got = trainable_params(net), trainable_params(fresh)
-        for k, p in live.items():
+        for k, p in live.items():  # exact: a save and load moves bits, whatever the layout
             torch.testing.assert_close(full(got[k]), full(p), rtol=0, atol=0, msg=k)
             torch.testing.assert_close(full(fema.shadow[k]), full(ema.shadow[k]), rtol=0, atol=0, msg=k)
             torch.testing.assert_close(full(fextras["old"].shadow[k]), full(extras["old"].shadow[k]), rtol=0, atol=0)
@@ -92,7 +92,8 @@ def test_sharded_checkpoint_restores_into_any_layout(tmp_path, one_process_group
             restore_checkpoint(load_latest_checkpoint(tmp_path), n2, o2, e2, x2)
             update(n2, o2, e2, x2, x)
             for k, p in trainable_params(n2).items():
-                torch.testing.assert_close(full(trainable_params(fresh)[k]), full(p), msg=k)
+                # exact: the same restored state, the same update on the same numbers in this process
+                torch.testing.assert_close(full(trainable_params(fresh)[k]), full(p), rtol=0, atol=0, msg=k)
     # another model (a LoRA setting, another network) is refused naming what differs
     other, oopt, _, _ = build(sharded=False)
     other.out = torch.nn.Linear(8, 4)
@@ -203,7 +204,7 @@ def assert_same_weights(a: Path, b: Path) -> None:
     wa, wb = (load_safetensors_checked(d / f, "transformer")[0] for d in (a, b))
     assert wa.keys() == wb.keys()
     for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-7, msg=k)
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-7, msg=k)  # 1 vs 2 processes: fp32 sums reordered
 
 
 @pytest.mark.slow  # four launches of the tiny FLUX pipeline (+ the shared 2-process reference, 1 min), about 2 min
@@ -257,7 +258,7 @@ def test_export_writes_plain_diffusers_files(uninterrupted, tiny_flux, tmp_path,
     loaded = FluxTransformer2DModel.from_pretrained(out / "transformer").state_dict()
     assert loaded.keys() == ema.keys()
     for k, v in loaded.items():
-        torch.testing.assert_close(v, ema[k], rtol=0, atol=0, msg=k)
+        torch.testing.assert_close(v, ema[k], rtol=0, atol=0, msg=k)  # exact: the checkpoint's tensors, rewritten
     assert_same_weights(uninterrupted, out)
     # an older checkpoint by --iteration, into --out; a non-empty --out is refused
     older = export(capsys, uninterrupted, "--iteration", "2", "--out", str(tmp_path / "iter2"))
@@ -290,7 +291,7 @@ def test_export_of_a_bundled_world_is_its_final_policy(tmp_path, capsys):
     out = export(capsys, run_dir)
     mine, theirs = (load_safetensors_checked(d / "policy.safetensors", "policy") for d in (out, run_dir))
     assert mine[0].keys() == theirs[0].keys() and mine[1] == theirs[1]
-    for k, v in mine[0].items():
+    for k, v in mine[0].items():  # exact: the same tensors written by two paths
         assert torch.equal(v, theirs[0][k]), k
     (run_dir / "checkpoints" / "iter-000001" / "__0_0.distcp").write_bytes(b"garbage")
     assert main(["export", str(run_dir), "--iteration", "1", "--out", str(tmp_path / "x")]) == 2

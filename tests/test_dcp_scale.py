@@ -85,7 +85,7 @@ def test_foreach_ema_equals_the_per_tensor_loop(kind, request, monkeypatch):
         live = {k: local(p).clone() for k, p in params.items()}
         shadow = {k: local(v).clone() for k, v in ema.shadow.items()}
         ema.swap()
-        for k, p in params.items():
+        for k, p in params.items():  # exact: a swap copies
             assert torch.equal(local(p), shadow[k]) and torch.equal(local(ema.shadow[k]), live[k]), k
         ema.swap()
         for k, p in params.items():
@@ -110,7 +110,7 @@ def test_gathered_and_snapshot_keep_full_tensors_only_where_asked(one_process_gr
     assert all(is_sharded(p) for p in net.parameters())  # the shards are back
     with gathered(net):  # keep=True (the default): the full weights, as before
         for k, p in net.named_parameters():
-            assert not p.is_meta and torch.equal(p, plain.state_dict()[k]), k
+            assert not p.is_meta and torch.equal(p, plain.state_dict()[k]), k  # exact: shards gathered back
     assert snapshot(net, opt, ema, keep=False) is None
     snap = snapshot(net, opt, ema)  # rank 0 of the group: the main process keeps
     assert {k: tuple(v.shape) for k, v in snap.trainable.items()} == {k: tuple(v.shape) for k, v in plain.state_dict().items()}

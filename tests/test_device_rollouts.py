@@ -112,7 +112,7 @@ def test_per_transition_records_are_the_samples_steps_in_order():
             r = b * 3 + t
             assert flat.prompts[r] == batch.prompts[b] and int(flat.seeds[r]) == int(batch.seeds[b])
             assert int(flat.step[r, 0]) == int(batch.step[b, t])
-            torch.testing.assert_close(flat.x[r, 0], batch.x[b, t], rtol=0, atol=0)
+            torch.testing.assert_close(flat.x[r, 0], batch.x[b, t], rtol=0, atol=0)  # exact: rows rearranged, copied
             torch.testing.assert_close(flat.log_prob_old[r, 0], batch.log_prob_old[b, t], rtol=0, atol=0)
             torch.testing.assert_close(flat.extras["log_prob_rollout"][r, 0], batch.log_prob_old[b, t] + 1, rtol=0, atol=0)
             torch.testing.assert_close(flat.select(torch.tensor([r])).cond["label"][0], batch.cond["label"][b],
@@ -139,7 +139,7 @@ def test_metrics_masked_sums_without_a_sync_equal_the_exact_cpu_path(monkeypatch
     device.add("loss", values, mask)
     device.add_ratio(values.exp(), steps, mask)
     a, b = host.result(), device.result()
-    assert a["loss"] == pytest.approx(b["loss"], rel=1e-12)
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-12)  # float64 sums, host and device paths in another order
     assert a["ratio_per_step"].keys() == b["ratio_per_step"].keys() and a["ratio_per_step"]
     for j, (mean, std) in a["ratio_per_step"].items():
         assert b["ratio_per_step"][j] == pytest.approx([mean, std], rel=1e-9, abs=1e-12)

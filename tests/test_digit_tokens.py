@@ -78,8 +78,10 @@ def test_reward_is_classifier_probability(world):
     by_hand = torch.softmax(world.classifier(x), -1)
     r = digit_token_reward(tokens, y, world)
     assert r.shape == (30,) and r.dtype == torch.float32
-    torch.testing.assert_close(r, by_hand[torch.arange(30), y])
-    torch.testing.assert_close(digit_token_reward(tokens, wrong, world), by_hand[torch.arange(30), wrong])
+    # tokens -> images is exact (17 levels), the classifier then runs in other batches: fp32 reordering
+    torch.testing.assert_close(r, by_hand[torch.arange(30), y], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(digit_token_reward(tokens, wrong, world), by_hand[torch.arange(30), wrong], rtol=1e-5,
+                               atol=1e-6)
     assert float(r.mean()) > 0.9
 
 
@@ -101,7 +103,7 @@ def test_eval_is_reproducible_and_has_digits_keys(world, tmp_path):
     m1, images = evaluate_digit_tokens(policy, world, per_digit=4, seed=5, batch=16)
     assert policy.net.training  # mode restored
     m2, images2 = evaluate_digit_tokens(policy, world, per_digit=4, seed=5, batch=40)  # batching does not matter
-    assert torch.equal(images, images2) and m1 == m2
+    assert torch.equal(images, images2) and m1 == m2  # tokens -> images on 17 levels; per-sample seeded draws
     m3, images3 = evaluate_digit_tokens(policy, world, per_digit=4, seed=6)
     assert not torch.equal(images, images3)
     assert set(m1) == DIGITS_KEYS | {"nfe", "sampler"}

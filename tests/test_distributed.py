@@ -57,9 +57,9 @@ def _assert_same_runs(one: Path, two: Path, exact: tuple[str, ...], reduced: tup
     r1, r2 = _rows(one), _rows(two)
     assert len(r1) == len(r2)
     for a, b in zip(r1, r2):
-        for k in exact:
+        for k in exact:  # gathered values: the same numbers up to fp32 reordering of their means
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
-        for k in reduced:
+        for k in reduced:  # means over processes of per-process means: summation order over 2 x 4 vs 8 samples
             assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-7), k
     w1, w2 = _weights(one, iteration), _weights(two, iteration)
     assert w1.keys() == w2.keys()

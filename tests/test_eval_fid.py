@@ -17,6 +17,7 @@ from difrl.eval.reference import (STATS_FORMAT, FeatureStats, StatsAccumulator, 
                                   reference_stats_path, stats_of)
 from difrl.utils.images import to_uint8
 from difrl.utils.io import sha256_file
+from tolerances import FP32_REORDER
 
 
 def _spd(d: int, seed: int, cond: float = 50.0) -> torch.Tensor:
@@ -39,10 +40,10 @@ def test_fd_closed_form_commuting_covariances():
     mu_a, mu_b = torch.randn(d, generator=g, dtype=torch.float64), torch.randn(d, generator=g, dtype=torch.float64)
     got = frechet_distance_from_stats((mu_a, (r * a) @ r.T), (mu_b, (r * b) @ r.T))
     want = float(((mu_a - mu_b) ** 2).sum() + ((a.sqrt() - b.sqrt()) ** 2).sum())
-    assert got == pytest.approx(want, rel=1e-10)
+    assert got == pytest.approx(want, rel=1e-10)  # float64 eigendecompositions: ~1e-13 relative, kept apart by 1e3
     # identical distributions: 0 (up to round-off); a scaled copy: (1 - c)^2 tr S
     s = _spd(d, 1)
-    assert abs(frechet_distance_from_stats((mu_a, s), (mu_a, s))) < 1e-10
+    assert abs(frechet_distance_from_stats((mu_a, s), (mu_a, s))) < 1e-10  # float64 round-off of a sqrtm
     assert frechet_distance_from_stats((mu_a, s), (mu_a, 4 * s)) == pytest.approx(float(torch.trace(s)), rel=1e-10)
 
 
@@ -50,13 +51,13 @@ def test_sqrtm_and_fd_match_scipy():
     import scipy.linalg
 
     m = _spd(32, 2)
-    assert np.abs(sqrt_psd(m).numpy() - scipy.linalg.sqrtm(m.numpy()).real).max() < 1e-10
+    assert np.abs(sqrt_psd(m).numpy() - scipy.linalg.sqrtm(m.numpy()).real).max() < 1e-10  # float64, two algorithms
     # general (non-commuting) covariances: the pytorch-fid / EDM2 form with scipy.linalg.sqrtm(S_a S_b)
     sa, sb = _spd(32, 3), _spd(32, 4, cond=1e3)
     mu_a, mu_b = torch.zeros(32, dtype=torch.float64), torch.full((32,), 0.1, dtype=torch.float64)
     covmean = scipy.linalg.sqrtm(sa.numpy() @ sb.numpy())
     want = float(((mu_a - mu_b) ** 2).sum()) + float(np.trace(sa.numpy() + sb.numpy() - 2 * covmean.real))
-    assert frechet_distance_from_stats((mu_a, sa), (mu_b, sb)) == pytest.approx(want, rel=1e-9)
+    assert frechet_distance_from_stats((mu_a, sa), (mu_b, sb)) == pytest.approx(want, rel=1e-9)  # float64, as above
 
 
 def test_fd_of_samples_approaches_the_gaussians_fd():
@@ -81,8 +82,8 @@ def test_stats_reproduce_metrics_frechet_distance_bit_for_bit():
         acc.add(chunk)
     s, ref = acc.stats(), stats_of(a)
     assert s.n == 300
-    np.testing.assert_allclose(s.mu, ref.mu, rtol=0, atol=1e-14)
-    np.testing.assert_allclose(s.sigma, ref.sigma, rtol=0, atol=1e-13)
+    np.testing.assert_allclose(s.mu, ref.mu, rtol=0, atol=1e-14)  # float64 sums of 300 O(1) terms in other chunks:
+    np.testing.assert_allclose(s.sigma, ref.sigma, rtol=0, atol=1e-13)  # ~300 x 1e-16 at most
 
 
 # --- KID --------------------------------------------------------------------------------------------------------
@@ -102,7 +103,7 @@ def test_kid_full_subset_equals_the_direct_formula():
     g = torch.Generator().manual_seed(9)
     x, y = torch.randn(25, 6, generator=g, dtype=torch.float64), torch.randn(30, 6, generator=g, dtype=torch.float64)
     y[:, 0] += 0.7
-    assert mmd2_unbiased(x, y) == pytest.approx(_mmd2_loops(x.numpy(), y.numpy()), rel=1e-12)
+    assert mmd2_unbiased(x, y) == pytest.approx(_mmd2_loops(x.numpy(), y.numpy()), rel=1e-12)  # float64, reordered
     # one subset holding all rows (equal sizes): the permutation cannot matter
     mean, std = kid(x, y[:25], subsets=1, subset_size=25)
     assert mean == pytest.approx(_mmd2_loops(x.numpy(), y[:25].numpy()), rel=1e-12) and std == 0.0
@@ -163,7 +164,7 @@ def test_digits_fd_and_kid_match_torchmetrics(digits, tmp_path):
     tm.update(real, real=True)
     tm.update(gen, real=False)
     tm_fd = float(tm.compute())
-    assert abs(rep["fd"] - tm_fd) / tm_fd < 1e-6, (rep["fd"], tm_fd)
+    assert abs(rep["fd"] - tm_fd) / tm_fd < 1e-6, (rep["fd"], tm_fd)  # as above: the same statistics, another sqrtm
 
     # KID: the same subsets (torchmetrics draws from the global generator, real first) and the same estimator
     tk = KernelInceptionDistance(feature=_DoubleFeatures(clf), subsets=20, subset_size=100)
@@ -172,7 +173,7 @@ def test_digits_fd_and_kid_match_torchmetrics(digits, tmp_path):
     torch.manual_seed(123)
     tk_mean, tk_std = (float(v) for v in tk.compute())
     mean, std = kid(clf.features(real), clf.features(gen), subsets=20, subset_size=100, seed=123)
-    assert mean == pytest.approx(tk_mean, rel=1e-9) and std == pytest.approx(tk_std, rel=1e-9)
+    assert mean == pytest.approx(tk_mean, rel=1e-9) and std == pytest.approx(tk_std, rel=1e-9)  # float64, reordered
     assert mean > 0
 
 
@@ -234,7 +235,7 @@ def test_reference_stats_cache_hit_miss_and_provenance(tmp_path):
                  "weights_sha256": ext.weights_sha256, "resize_mode": "none", "format": STATS_FORMAT}.items():
         assert prov[k] == v
     assert {"created_utc", "torch_version", "difrl_version"} <= set(prov)
-    np.testing.assert_allclose(st.sigma, stats_of(images.flatten(1)).sigma, atol=1e-14)
+    np.testing.assert_allclose(st.sigma, stats_of(images.flatten(1)).sigma, atol=1e-14)  # float64, streamed vs two-pass
 
     hit = reference_stats(ext, load_images, tmp_path, "toy set", 4)
     assert (hit.cache_hit, len(calls), hit.sha256) == (True, 1, st.sha256)
@@ -307,6 +308,7 @@ def test_inception_extractor_offline(inception_weights, monkeypatch):
         assert torch.equal(ext(images), feats)
         hook.remove()
         u8 = (images.clamp(0, 1) * 255).round()
+        # the network's fp32 resize against this float reimplementation of TF1's: a few ulp of values in [-1, 1]
         torch.testing.assert_close(seen["x"], (_tf1_bilinear(u8, 299) - 128) / 128, rtol=0, atol=1e-5)
         net = ext.net.state_dict()
         file = torch.load(inception_weights, weights_only=True)
@@ -314,7 +316,7 @@ def test_inception_extractor_offline(inception_weights, monkeypatch):
         assert any(k.endswith("conv.weight") for k in file) and len(file) > 300
         # torchmetrics with antialias=False is that same network (a sanity check of the naming below, not a proof)
         tm = NoTrainInceptionV3("inception-v3-compat", ["2048"], str(inception_weights), antialias=False)
-        torch.testing.assert_close(feats, tm(to_uint8(images)), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(feats, tm(to_uint8(images)), rtol=1e-5, atol=1e-6)  # FP32_REORDER: another wrapper
         # torchmetrics' default resize (torch bilinear with antialias) is another feature space, named apart
         aa = InceptionExtractor(inception_weights, antialias=True)
         assert aa.name != ext.name and "antialias" in aa.resize_mode and aa.weights_sha256 == ext.weights_sha256
@@ -355,10 +357,10 @@ def test_clip_extractor_matches_the_clip_reward(tiny_clip):
         assert feats.shape == (3, 16) and ext.num_features == 16 and ext.metric == "fd_clip"
         # the same embedding as the CLIP reward (which L2-normalises it)
         ref = ClipScore(model_dir=tiny_clip["model_dir"], processor_dir=tiny_clip["processor_dir"]).encode_image(images)
-        torch.testing.assert_close(torch.nn.functional.normalize(feats, dim=-1), ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.nn.functional.normalize(feats, dim=-1), ref, rtol=1e-5, atol=1e-6)  # fp32
         # without a processor: CLIP's recipe at the model's image size (the tiny processor's settings too)
         bare = ClipExtractor(tiny_clip["model_dir"])
-        torch.testing.assert_close(bare(images), feats)
+        torch.testing.assert_close(bare(images), feats, **FP32_REORDER)  # the same recipe written apart
     assert bare.weights_sha256 != ext.weights_sha256  # the processor config is part of the identity
     with pytest.raises(EvalConfigError, match="directory not found at .*no-clip"):
         ClipExtractor("/definitely/no-clip")
@@ -435,7 +437,7 @@ def test_dinov2_extractor(tiny_dinov2, tiny_clip):
         want = model(pixel_values=(x / 255 - mean) / std).pooler_output
         feats = ext(images)
         assert feats.shape == (2, 32) and ext.metric == "fd_dinov2" and ext.num_features == 32
-        torch.testing.assert_close(feats, want)
+        torch.testing.assert_close(feats, want, **FP32_REORDER)  # the plain model called apart: fp32 reordering
         # at 112 (an 8 x 8 grid) the hub-style position interpolation differs a little from transformers' own
         hub = DinoV2Extractor(tiny_dinov2, image_size=112)(images)
         hf = DinoV2Extractor(tiny_dinov2, image_size=112, pos_interp="transformers")(images)

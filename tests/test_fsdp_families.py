@@ -154,7 +154,7 @@ def test_fsdp_equals_one_process(runs, pipes, kind, mode):
         assert loaded.keys() == base.keys() == wb.keys()
         assert max(float((loaded[k] - base[k]).abs().max()) for k in base) > 1e-3
         for k, v in loaded.items():
-            torch.testing.assert_close(v, wb[k], rtol=0, atol=0, msg=k)
+            torch.testing.assert_close(v, wb[k], rtol=0, atol=0, msg=k)  # exact: the same gathered tensors, saved
     else:  # lora/ loads into a plain pipeline: its tensors are the gathered LoRA weights, B moved from zero
         assert max(float(v.abs().max()) for k, v in wb.items() if "lora_B" in k) > 1e-3
         pipe = getattr(diffusers, pipe_cls).from_pretrained(pipes[kind], local_files_only=True)
@@ -162,7 +162,7 @@ def test_fsdp_equals_one_process(runs, pipes, kind, mode):
         state = pipe.transformer.state_dict()
         for k, v in wb.items():  # transformer.X.lora_A.weight -> X.lora_A.default_0.weight
             name = k.removeprefix("transformer.").replace(".lora_A.", ".lora_A.default_0.").replace(".lora_B.", ".lora_B.default_0.")
-            torch.testing.assert_close(state[name], v, rtol=0, atol=0, msg=name)
+            torch.testing.assert_close(state[name], v, rtol=0, atol=0, msg=name)  # exact: saved and loaded
 
 
 @pytest.mark.slow  # the module's launch (shared)
@@ -214,6 +214,7 @@ def test_the_timestep_reaches_the_embedding_in_fp32_under_fsdp_bf16(pipes):
                 v = policy.velocity(x, sigma, policy.encode(["a red dog"]))
                 assert v.shape == x.shape and bool(v.isfinite().all()) and seen["cond"] == torch.bfloat16
                 if keep:
+                    # exact: the same fp32 product sigma x 1000
                     assert seen["t"].dtype == torch.float32 and torch.equal(seen["t"], (sigma * 1000).expand_as(seen["t"])), (kind, seen["t"])
                 else:  # what FSDP's cast alone gives
                     assert seen["t"].dtype == torch.bfloat16 and bool((seen["t"] == 736.0).all()), (kind, seen["t"])

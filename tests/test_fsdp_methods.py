@@ -250,7 +250,8 @@ def test_sharded_copy_equals_the_plain_copy_and_follows_updates():
         update(plain)
         update(net)
         with gathered(net):
-            torch.testing.assert_close(plain_copy(net)(x), plain(x))
+            # one SGD step through a sharded module and a plain one: fp32 in another order
+            torch.testing.assert_close(plain_copy(net)(x), plain(x), rtol=1e-5, atol=1e-6)
         with torch.no_grad():
             net(x)  # the units stay gathered
         assert ref.sync(plain)["changed_layers"] > 0 and copy.sync(net)["changed_layers"] > 0

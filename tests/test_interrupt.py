@@ -50,7 +50,7 @@ def tensors(path: Path) -> dict[str, torch.Tensor]:
 def assert_same_weights(a: Path, b: Path) -> None:
     ta, tb = tensors(a), tensors(b)
     assert ta.keys() == tb.keys() and ta
-    for k in ta:
+    for k in ta:  # exact: a resume replays the same ops on the same inputs (one machine, one thread count)
         assert torch.equal(ta[k], tb[k]), (a, k)
 
 

@@ -37,6 +37,7 @@ from difrl.config import ConfigError
 from difrl.train.masked_config import load_masked_config
 from difrl.train.masked_plan import plan_masked_iteration
 from difrl.utils.io import load_safetensors_checked
+from tolerances import MASKED_FIRST_STEP_LOG_RATIO
 
 COMMON = ["seed=3", "threads=1", "train.micro_batch=auto", "train.updates_per_epoch=1", "train.grad_accum=1",
           "train.inner_updates=2", "train.lr=0.1", "train.adam_eps=1.0", "train.weight_decay=0", "train.kl_beta=0.1",
@@ -97,7 +98,7 @@ def test_two_processes_equal_one(world, launch, one_process, tmp_path):
     # the first micro-step's max |log ratio| compares micro-batches of 12 (8) and 6 (4) sequences with the rollout's
     # log-probs: float noise on both sides, under the ratio check's tolerance
     for run in (one, two):
-        assert all(r["first_step_max_abs_log_ratio"] < 1e-5 for r in rows(run))
+        assert all(r["first_step_max_abs_log_ratio"] <= MASKED_FIRST_STEP_LOG_RATIO for r in rows(run))
         lines = (run / "metrics.jsonl").read_text().splitlines()
         (run / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in json.loads(ln).items()
                                                                if k != "first_step_max_abs_log_ratio"}) + "\n"
@@ -120,7 +121,7 @@ def test_two_processes_equal_one(world, launch, one_process, tmp_path):
         trained = checkpoint_tensors(two, 3)
         for k, v in model.state_dict().items():
             if f"trainable/{k}" in trained:
-                torch.testing.assert_close(v, trained[f"trainable/{k}"], rtol=0, atol=0, msg=k)
+                torch.testing.assert_close(v, trained[f"trainable/{k}"], rtol=0, atol=0, msg=k)  # exact: saved, loaded
 
 
 # ---------------------------------------------------------------------------------- fast: the split and its errors
@@ -178,7 +179,7 @@ def test_bench_masked_dp_sentences_are_computed_from_its_rows():
     text = "\n".join(lines)
     # the summary rows carry the block's ratios (median of 1 process / median of the launch): 2.5 / 1.5 here
     assert [(r["launch"], r["launches"]) for r in summary] == [("1 process", 2), ("2 processes, DDP", 2)]
-    assert [r["speed_vs_one_process"] for r in summary] == pytest.approx([1.0, 2.5 / 1.5])
+    assert [r["speed_vs_one_process"] for r in summary] == pytest.approx([1.0, 2.5 / 1.5], rel=1e-12)  # float64 ratios
     assert "| 1 process | 1 x 1 | 2.500 |" in text and "| 2 processes, DDP | 2 x 1 | 1.500 |" in text
     assert "took 1.500 s against 2.500 s on one process: 1.67x as fast" in text
     assert "agrees within a relative 1.0e-06 across all 4 launches" in text and "load average 0.5 to 2.5" in text

@@ -23,6 +23,7 @@ from difrl.config import ConfigError
 from difrl.train.config import load_flow_config
 from difrl.train.flow import TIMING_KEYS, train
 from difrl.utils.io import load_safetensors_checked
+from tolerances import FLOW_FIRST_STEP_LOG_RATIO
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("awm", "dpo", "dgpo", "dppo")
@@ -40,7 +41,7 @@ def test_awm_with_all_advantages_one_is_the_flow_matching_loss():
     torch.testing.assert_close(m["matching_error"], plain, rtol=1e-6, atol=0)
     # the weightings on hand values: l = 0.5 at sigma = 0.4 (ghuber p = 0.5: 0.4 (sqrt(0.5 + 1e-10) - 1e-5) / 0.5)
     l, s = torch.tensor([0.5]), torch.tensor([0.4])
-    assert awm_weighting(l, s, "t").item() == pytest.approx(0.2, rel=1e-6)
+    assert awm_weighting(l, s, "t").item() == pytest.approx(0.2, rel=1e-6)  # fp32 against float64: a few ulp
     assert awm_weighting(l, s, "ghuber", 0.5).item() == pytest.approx(0.4 * (math.sqrt(0.5 + 1e-10) - 1e-5) / 0.5, rel=1e-6)
     # an advantage scales the loss: A = -2 gives -2 x the plain loss (a bad sample's error is pushed up)
     torch.testing.assert_close(awm_loss(v, x0, eps, sigma, torch.full((5,), -2.0))[0], -2 * plain, rtol=1e-6, atol=0)
@@ -57,7 +58,7 @@ def test_awm_gradient_is_the_reference_ratio_form_on_the_first_step():
     awm_loss(v1, x0, eps, sigma, adv, "ghuber", 0.25)[0].sum().backward()
     w = awm_weighting(matching_error(v2, x0, eps), sigma, "ghuber", 0.25)
     ratio = torch.exp(-(w - w.detach()))
-    assert torch.equal(ratio.detach(), torch.ones(4))
+    assert torch.equal(ratio.detach(), torch.ones(4))  # exact: w - w.detach() is 0, exp(0) is 1
     (-adv * ratio).sum().backward()
     torch.testing.assert_close(v1.grad, v2.grad, rtol=1e-5, atol=1e-7)  # the same value computed two ways in fp32
 
@@ -70,17 +71,17 @@ def test_dpo_pair_loss_sign_and_gradient_direction():
     adv, groups = torch.tensor([1.0, 0.0, -1.0]), torch.tensor([7, 7, 7])
     coef, loss, m = dpo_coefficients((l - l_ref).detach(), groups, adv, beta)
     z = beta * ((0.30 - 0.35) - (0.40 - 0.38))  # = -0.7: the winner already fits better than the reference does
-    assert loss.item() == pytest.approx(math.log1p(math.exp(z)), rel=1e-5)  # -log sigmoid(-z)
+    assert loss.item() == pytest.approx(math.log1p(math.exp(z)), rel=1e-5)  # -log sigmoid(-z); fp32 vs float64
     assert loss.item() < math.log(2)  # below the indifferent pair's loss
     assert m["dpo_margin"].item() == pytest.approx(-z / beta, rel=1e-5) and m["dpo_accuracy"].item() == 1.0
     # the coefficients are the gradient of the pair loss with respect to the matching errors
     F.softplus(beta * ((l[0] - l_ref[0]) - (l[2] - l_ref[2]))).sum().backward()
-    torch.testing.assert_close(coef, l.grad, rtol=1e-6, atol=0)
+    torch.testing.assert_close(coef, l.grad, rtol=1e-6, atol=0)  # closed form vs autograd: fp32, a few ulp
     # gradient descent lowers the winner's error and raises the loser's
     assert coef[0].item() > 0 and coef[2].item() < 0 and coef[1].item() == 0
     # a tied group, or a group with a dropped sample, has no pair
     coef_tied, loss_tied, _ = dpo_coefficients((l - l_ref).detach(), groups, torch.zeros(3), beta)
-    assert torch.equal(coef_tied, torch.zeros(3, 1)) and loss_tied.numel() == 0
+    assert torch.equal(coef_tied, torch.zeros(3, 1)) and loss_tied.numel() == 0  # exact: dropped pairs are set to 0
     coef_drop, _, _ = dpo_coefficients((l - l_ref).detach(), groups, adv, beta, torch.tensor([True, True, False]))
     assert torch.equal(coef_drop, torch.zeros(3, 1))
 
@@ -93,7 +94,7 @@ def test_dgpo_coefficients_are_the_group_loss_gradient_without_beta_over_g():
     coef, loss, m = dgpo_coefficients((l - l_ref).detach(), groups, adv, beta)
     # the group preference loss written out: softplus((beta / G) sum_i A_i (l_i - l_i,ref)), G = 2, per sigma
     s = torch.stack([(beta / 2) * (adv[i:i + 2, None] * (l[i:i + 2] - l_ref[i:i + 2])).sum(0) for i in (0, 2)])
-    torch.testing.assert_close(loss, F.softplus(s).detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss, F.softplus(s).detach(), rtol=1e-6, atol=0)  # another op order: fp32 ulps
     F.softplus(s).sum().backward()
     torch.testing.assert_close(coef * beta / 2, l.grad, rtol=1e-6, atol=1e-8)  # the reference drops beta / G
     # direction: the positive sample's error is pushed down, the negative one's up
@@ -122,6 +123,7 @@ def test_dppo_first_step_and_the_mask():
     std, adv = torch.full((b, T), 0.5), torch.tensor([1.0, -1.0, 2.0, -0.5])
     lp = lp_old.clone().requires_grad_()
     pg, m = dppo_loss(lp, lp_old, mean_old.clone(), mean_old, std, adv, threshold=1e-5)
+    # exact: lp and mean are copies of the old ones, so every difference is 0 and exp(0) = 1
     assert torch.equal(m["ratio"], torch.ones(b, T)) and torch.equal(m["trust_kl"], torch.zeros(b, T))
     assert m["trust_masked"].sum() == 0
     torch.testing.assert_close(pg, -adv[:, None].expand(b, T), rtol=0, atol=0)
@@ -131,9 +133,9 @@ def test_dppo_first_step_and_the_mask():
     mean = mean_old + 1.0  # KL = 1 / (2 * 0.25) = 2 per element
     lp_new = lp_old + torch.tensor([[0.1, -0.1], [0.1, -0.1], [0.1, -0.1], [0.1, -0.1]])  # ratio > 1, < 1
     pg, m = dppo_loss(lp_new, lp_old, mean, mean_old, std, adv, threshold=1e-5)
-    torch.testing.assert_close(m["trust_kl"], torch.full((b, T), 2.0), rtol=1e-6, atol=0)
+    torch.testing.assert_close(m["trust_kl"], torch.full((b, T), 2.0), rtol=1e-6, atol=0)  # (m + 1) - m: 1 to an ulp
     expect = torch.tensor([[1, 0], [0, 1], [1, 0], [0, 1]], dtype=torch.float32)  # A > 0 & ratio > 1, A < 0 & ratio < 1
-    assert torch.equal(m["trust_masked"], expect)
+    assert torch.equal(m["trust_masked"], expect)  # 0/1 flags: exact
     assert torch.equal(pg == 0, expect.bool())
     # below the threshold nothing is dropped
     assert dppo_loss(lp_new, lp_old, mean, mean_old, std, adv, threshold=3.0)[1]["trust_masked"].sum() == 0
@@ -222,7 +224,7 @@ def test_accumulation_1x8_equals_8x1(tmp_path, method):
     assert moved > 1e-4  # the update is not trivially zero
     ra, rb = metrics(a)[0], metrics(b)[0]
     for k in ("policy_loss", "loss", "grad_norm", "reward_mean"):
-        assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-7), k
+        assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-7), k  # fp32 sums in another order (as above)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -245,12 +247,12 @@ def test_trains_on_digits_by_config_alone(tmp_path, method):
     own = {"awm": "matching_error", "dpo": "dpo_margin", "dgpo": "dgpo_group_weight", "dppo": "trust_kl"}[method]
     assert own in rows[0]
     if method == "dppo":
-        assert rows[0]["first_step_max_abs_log_ratio"] <= 1e-6
+        assert rows[0]["first_step_max_abs_log_ratio"] <= FLOW_FIRST_STEP_LOG_RATIO  # recomputed in micro-batches
         assert any(r["trust_kl"] > 0 for r in rows)  # the second update of a rollout is off its old policy
     if method == "awm":
         assert all(r["ema_kl"] > 0 for r in rows)  # the EMA anchor lags the trained weights (from the 2nd update on)
     if method in ("dpo", "dgpo"):  # the first pre-pass sees the policy equal to the reference: every delta 0
-        assert rows[0]["policy_loss"] == pytest.approx(math.log(2), rel=1e-6)  # softplus(0)
+        assert rows[0]["policy_loss"] == pytest.approx(math.log(2), rel=1e-6)  # softplus(0); fp32 mean vs float64
         assert rows[1]["policy_loss"] != pytest.approx(math.log(2), rel=1e-6)
 
 

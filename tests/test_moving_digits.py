@@ -24,6 +24,8 @@ from difrl.worlds.moving_digits import (FEATURE_EXTRACTOR, PROMPTS, MovingDigits
 
 ROOT = Path(__file__).resolve().parent.parent
 LEFT, RIGHT, UP, DOWN = range(4)
+# Scores of hand-built clips are fp32 (correlations and softmaxes of O(1) values): 1e-5 / 1e-6 is rounding; the
+# behaviour bands (a half-speed clip, diversity, a retrained model) say their own reason
 
 
 def clip_of(digit: int, direction: int, index: int = 0) -> torch.Tensor:
@@ -50,6 +52,7 @@ def test_motion_reward_on_hand_built_clips():
     assert s.tolist() == pytest.approx([0.0, 1.0], abs=1e-5)
     # half the world's speed scores one half
     slow = left[:, [0, 0, 1, 1, 2, 2, 3, 3]]
+    # block motion of a half-speed clip: 4 of 7 transitions move, by half the speed the score expects (not rounding)
     assert float(fn(slow, ["a 3 moving left"])["motion_direction"]) == pytest.approx(4 / 7 * 7 / 8, abs=0.06)
 
 
@@ -113,12 +116,13 @@ def test_metrics_on_the_test_clips_and_their_reversal():
     m = video_metrics(world, clips[idx], ids, 0)
     assert m["accuracy"] > 0.95 and m["motion_accuracy"] == 1.0 and m["judge_motion_accuracy"] == 1.0
     assert m["judge_accuracy"] > 0.75 and m["fd_extractor"] == FEATURE_EXTRACTOR
-    assert m["fd"] < 30.0 and m["diversity"] == pytest.approx(m["real_diversity"], rel=0.15)
+    assert m["fd"] < 30.0 and m["diversity"] == pytest.approx(m["real_diversity"], rel=0.15)  # a subset of the real set
     # played backwards every clip moves the other way: both motion metrics drop to 0, identity stays, and the
     # unconditional FD barely moves (the reversed set holds all four directions too); frozen clips are far off
     rev = video_metrics(world, clips[idx].flip(1), ids, 0)
     assert rev["motion_accuracy"] == 0.0 and rev["judge_motion_accuracy"] == 0.0
-    assert rev["accuracy"] == pytest.approx(m["accuracy"]) and rev["fd"] < m["fd"] + 5
+    # the same frames classified in reverse order (other batches): the same count, up to fp32 in the mean
+    assert rev["accuracy"] == pytest.approx(m["accuracy"], rel=1e-6) and rev["fd"] < m["fd"] + 5
     still = video_metrics(world, clips[idx][:, :1].expand(-1, 8, -1, -1, -1), ids, 0)
     assert still["motion_accuracy"] == 0.0 and still["fd"] > m["fd"] + 50
     # the judge's block matching recovers the exact 7-pixel displacement

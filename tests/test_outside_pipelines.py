@@ -171,6 +171,7 @@ def test_base_model_ode_sampling_equals_a_fresh_pipeline_call(kind, outside_dirs
     policy, pipe = policy_for(kind, path), fresh_pipe(kind, path)
     lat = pipe_call(kind, pipe, SEEDS, policy.latent_shape, "latent")
     ours = difrl_samples(kind, policy, "latent")
+    # the pipeline's own loop against our sampler, fp32 on both sides: reductions in another order (a few ulp)
     assert lat.shape == ours.shape and (lat - ours).abs().max() < 1e-5
     images = pipe_call(kind, pipe, SEEDS, policy.latent_shape, "pt")
     assert (images - difrl_samples(kind, policy, "pt")).abs().max() < 1e-5
@@ -229,7 +230,7 @@ def test_train_through_entry_script_and_load_lora_with_plain_diffusers(kind, out
     for k, v in saved.items():
         key = k.removeprefix("transformer.")
         assert key in by_key, (key, sorted(by_key)[:4])
-        torch.testing.assert_close(by_key[key].detach(), v, rtol=0, atol=0)
+        torch.testing.assert_close(by_key[key].detach(), v, rtol=0, atol=0)  # exact: the saved tensors, loaded
 
     # the LoRA'd plain pipeline samples what difrl samples with the trained LoRA
     policy = load_lora(policy_for(kind, path), run / "lora")

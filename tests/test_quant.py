@@ -21,6 +21,9 @@ from difrl.quant import (QUANT_PRESETS, QuantizationError, QuantLinear, RolloutC
                          storage_bytes)
 
 ROLES = ("activation", "weight")
+# Exact float comparisons here are on a format's grid (E2M1, E4M3, E8M0 / power-of-two scales) reached by exact
+# operations (abs, max, clamp, casts, and + - * / that IEEE rounds alike on every CPU), on a quantizer run twice on
+# the same values, or on copies; the other comparisons state their tolerance and why inline.
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
@@ -86,7 +89,7 @@ def test_fp8_saturates_at_448():
     x = _randn(8, 64) * 1e4
     q = quantize(x, "fp8", "activation")
     assert q.data["data"].float().abs().max().item() == 448.0
-    assert torch.isclose(dequantize(q).abs().max(), x.abs().max(), rtol=1e-6)
+    assert torch.isclose(dequantize(q).abs().max(), x.abs().max(), rtol=1e-6)  # 448 x s_dec: an fp32 rounding or two
 
 
 # ---------------------------------------------------------------------------------- NVFP4 scales
@@ -98,7 +101,7 @@ def test_nvfp4_per16_scale_matches_the_formula_by_hand():
     s_enc = 2688.0 / amax
     q = quantize(x, "nvfp4", "activation")
     assert q.data["scales"].shape == (2, 2) and q.data["scales"].dtype == torch.float8_e4m3fn
-    assert q.data["s_dec"].item() == pytest.approx(1 / s_enc, rel=1e-6)
+    assert q.data["s_dec"].item() == pytest.approx(1 / s_enc, rel=1e-6)  # fp32 against float64: a few ulp
     expect = torch.empty(2, 32)
     for r in range(2):
         for b in range(2):
@@ -187,6 +190,7 @@ SPEC_ERR = {("nvfp4", "activation"): 9.5, ("nvfp4", "weight"): 11.1, ("fp8", "ac
 def test_relative_error_within_spec_band(fmt, role):
     x = _randn(256, 1024)
     err = 100 * F.relative_error(x, qdq(x, fmt, role))
+    # the spec quotes its errors to 0.1 point on other draws of N(0, 1): 1 point (percent) is the band, not rounding
     assert abs(err - SPEC_ERR[fmt, role]) <= 1.0, f"{fmt} {role}: {err:.2f}% vs spec {SPEC_ERR[fmt, role]}%"
 
 
@@ -199,7 +203,7 @@ def test_nvfp4_gemm_error_within_spec_band():
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(256, 1024, generator=g), torch.randn(256, 1024, generator=g)
     err = 100 * F.relative_error(x @ w.T, qdq(x, "nvfp4", "activation") @ qdq(w, "nvfp4", "weight").T)
-    assert abs(err - 14.5) <= 1.0, err
+    assert abs(err - 14.5) <= 1.0, err  # the spec's band, as above
 
 
 # ---------------------------------------------------------------------------------- storage
@@ -235,6 +239,8 @@ def test_nbytes_per_element():
     n = 256 * 1024
     x = _randn(256, 1024)
     per = {(fmt, role): quantize(x, fmt, role).nbytes / n for fmt in F.FORMATS for role in ROLES}
+    # bytes per element of a 256 x 1024 tensor: the formats' rates plus a few bytes of per-tensor metadata (1e-4)
+    # and the weight tiles' padding (1e-3)
     assert per["nvfp4", "activation"] == pytest.approx(0.5625, abs=1e-4)  # 4 bits + one byte per 16
     assert per["nvfp4", "weight"] == pytest.approx(0.504, abs=1e-3)  # 4 bits + one byte per 256
     assert per["fp8", "activation"] == pytest.approx(1.0, abs=1e-4)
@@ -433,6 +439,7 @@ def test_rollout_copy_follows_the_lora_policy(fmt):
     _assert_copy_matches(rc, merged)
     # merged_state_dict (what sync reads) agrees with peft's own merge
     ours = merged_state_dict(net)
+    # ours and peft's merge W + s B A may order the ops apart: fp32 ulps of the tiny net's O(0.1) weights
     assert set(ours) == set(merged) and all(torch.allclose(ours[k], merged[k], atol=1e-7) for k in merged)
 
     # a sync without a change of the policy is fine and changes nothing
@@ -631,7 +638,7 @@ def test_fp8_row_has_one_scale_per_row_by_hand():
     for i in range(6):
         amax = float(w[i].abs().max())
         scale = 448.0 / amax if amax > 0 else 1.0
-        assert float(q.data["scale_inv"][i]) == pytest.approx(1.0 / scale, rel=1e-7)
+        assert float(q.data["scale_inv"][i]) == pytest.approx(1.0 / scale, rel=1e-7)  # fp32 of a double: ~1 ulp
         assert torch.equal(q.data["data"][i], (w[i] * torch.tensor(scale)).clamp(-448, 448).to(torch.float8_e4m3fn))
         assert float(q.data["data"][i].float().abs().max()) == (448.0 if amax > 0 else 0.0)  # each row reaches 448
     assert torch.equal(dequantize(q), qdq(w, "fp8_row", "weight"))
@@ -700,6 +707,7 @@ def test_torch_fp8_takes_a_transposed_activation(fmt, monkeypatch):
     fast = L.TorchFP8Linear(nn.Linear(64, 48), fmt, compile=False)
     x_t = _rows_apart(64, 37).t()  # [37, 64], column-major
     assert x_t.stride() == (1, 37)
+    # exact: the layer makes the view row-major first (the spy sees two contiguous inputs), then the same ops
     torch.testing.assert_close(fast(x_t), fast(x_t.contiguous()), rtol=0, atol=0)
     assert seen == [True, True]
 
@@ -711,7 +719,7 @@ def test_torch_fp8_compiled_path_equals_eager(fmt):
     lin = nn.Linear(64, 48)
     eager, compiled = L.TorchFP8Linear(lin, fmt, compile=False), L.TorchFP8Linear(lin, fmt, compile=True)
     for x in (_rows_apart(37, 64), _rows_apart(2, 5, 64, seed=4)):  # a second shape: no recompile needed (dynamic)
-        assert torch.equal(compiled(x), eager(x))
+        assert torch.equal(compiled(x), eager(x))  # exact: quantize is amax / divide / clamp / cast, one _scaled_mm
 
 
 def _fake_gpu(monkeypatch, cap, te=(False, "transformer_engine is not importable (ImportError: none)")):
@@ -887,7 +895,7 @@ def test_time_rollout_copy_times_a_copy_against_the_module():
     inputs = {"hidden_states": _randn(4, 8), "scale": 2.0}
     r = time_rollout_copy(m, inputs, "fp8_row", backend="torch", skip=("embed", "head"), min_dim=0, warmup=1, repeats=2)
     assert r["quantized"] == "5/7" and set(r["backends"]) == {"torch"} and r["format"] == "fp8_row"
-    assert r["ms_ref"] > 0 and r["ms_copy"] > 0 and r["speedup"] == pytest.approx(r["ms_ref"] / r["ms_copy"])
+    assert r["ms_ref"] > 0 and r["ms_copy"] > 0 and r["speedup"] == r["ms_ref"] / r["ms_copy"]  # the same division
     assert 0 < r["rel_err"] < 0.1 and r["cosine"] > 0.99 and "fp8_row: 5 of 7" in r["report"]
     assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items())  # the module itself is untouched
     assert time_rollout_copy(m, inputs, "nvfp4", "emulate", warmup=0, repeats=1, baseline_ms=1.0)["ms_ref"] == 1.0

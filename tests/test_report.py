@@ -198,7 +198,7 @@ def test_digits_report(digits_run):
     for tag, ev in (("before", summary["eval_before"]), ("after", summary["eval_after"])):
         for k, v in flatten(ev).items():  # nested provenance as outer.inner rows
             cell = page.cell("before-after", k, tag)
-            if isinstance(v, (int, float)):
+            if isinstance(v, (int, float)):  # exact: the page writes repr(v), which parses back to the same double
                 assert float(cell["data-value"]) == v, (k, tag)
             else:
                 assert cell["text"] == str(v)

@@ -11,6 +11,10 @@ from difrl.models.digits import DigitsFlowNet, DigitsNetConfig, DigitsPolicy, di
 from difrl.rollout import INIT_STEP, recompute, regenerate, rollout, sample_noise
 from difrl.samplers import KERNELS, all_but_last, fixed_window, random_subset, sigma_schedule
 
+# Exact float comparisons here: noise drawn from (seed, step) by a counter-based generator, the same rollout run twice
+# on the same rows, stored values that are copies of others; a re-run in another batch shape is fp32-reordered
+# (a few ulp of the O(1) latents: 1e-5 after N steps), stated inline.
+
 N = 6
 
 
@@ -46,7 +50,7 @@ def test_regenerate_is_bit_exact(policy, kernel):
     # one sample alone or in other forward batches is the same sample up to float rounding: its noise is
     # identical, but CPU matmuls may block differently by batch size (bit-exact = same forward batches)
     solo = regenerate(policy, first.select(torch.tensor([3])), sig, **kw)
-    torch.testing.assert_close(solo.x_final[0], first.x_final[3], rtol=0, atol=1e-5)
+    torch.testing.assert_close(solo.x_final[0], first.x_final[3], rtol=0, atol=1e-5)  # batch of 1 vs of 8
     chunked = regenerate(policy, first, sig, batch_size=4, **kw)
     torch.testing.assert_close(chunked.x_final, first.x_final, rtol=0, atol=1e-5)
 
@@ -58,8 +62,8 @@ def test_stored_transitions_shapes_and_steps(policy):
                     prompt_ids=torch.tensor([0, 0, 1, 1]), group_ids=torch.tensor([0, 0, 1, 1]))
     assert batch.x.shape == batch.x_next.shape == batch.mean_old.shape == (4, 3, 64)
     assert batch.step.tolist() == [[1, 2, 3]] * 4
-    torch.testing.assert_close(batch.sigma, sig[1:4].expand(4, 3))
-    torch.testing.assert_close(batch.sigma_next, sig[2:5].expand(4, 3))
+    torch.testing.assert_close(batch.sigma, sig[1:4].expand(4, 3), rtol=0, atol=0)  # exact: copies of the schedule
+    torch.testing.assert_close(batch.sigma_next, sig[2:5].expand(4, 3), rtol=0, atol=0)
     # transitions chain: x_next of one stored step is x of the next one (contiguous window)
     assert torch.equal(batch.x_next[:, :-1], batch.x[:, 1:])
     assert batch.group_ids.tolist() == [0, 0, 1, 1]
@@ -84,6 +88,7 @@ def test_recomputed_log_prob_equals_the_rollouts(policy):
     with torch.no_grad():
         v = policy.velocity(flat(batch.x), flat(batch.sigma), cond_repeat(batch.cond, T))
     out = KERNELS["flow_sde"](flat(batch.x), v, flat(batch.sigma), flat(batch.sigma_next), action=flat(batch.x_next))
+    # one forward over B*T rows against the sampler's B rows per step: fp32 reordering, a few ulp of O(1) values
     torch.testing.assert_close(out.log_prob.view(B, T), batch.log_prob_old, rtol=0, atol=1e-6)
     torch.testing.assert_close(out.mean.view_as(batch.mean_old), batch.mean_old, rtol=0, atol=1e-6)
     # recompute is that forward and scoring (no stored logprob_scale on a flat rollout: the plain kernel)
@@ -102,6 +107,7 @@ def test_shared_initial_noise_per_group(policy):
     # same start, different step noise: the trajectories diverge
     assert not torch.equal(batch.x_final[0], batch.x_final[1])
     ode = rollout(policy, [digit_prompt(1)] * 4, seeds, sig, init_seeds=shared, kernel="ode")
+    # exact: rows 0 and 1 are the same inputs in one batch (one kernel block of rows: the same op order)
     assert torch.equal(ode.x_final[0], ode.x_final[1]) and not torch.equal(ode.x_final[1], ode.x_final[2])
 
 
@@ -114,7 +120,7 @@ def test_ode_rollout_equals_a_hand_written_euler_loop(policy):
     with torch.no_grad():
         for i in range(N):
             x = x + (sig[i + 1] - sig[i]) * policy.velocity(x, sig[i].expand(3), cond)
-    torch.testing.assert_close(batch.x_final, x, rtol=0, atol=1e-6)
+    torch.testing.assert_close(batch.x_final, x, rtol=0, atol=1e-6)  # Euler written out: fp32 in another op order
     assert batch.x.shape == (3, 0, 64)  # nothing trained, nothing stored
 
 

@@ -114,6 +114,7 @@ def test_bundled_base_is_weak():
     assert torch.equal(filled[puzzles > 0], puzzles[puzzles > 0])  # the prompt never changes
     assert m["nfe"] == 8.0  # one token per step, 8 blanks
     _, meta = load_safetensors_checked(BUNDLED_BASE, "bundled")
+    # the bundled file's metadata holds the accuracy rounded when written (4 decimals)
     assert float(meta["test_cell_accuracy"]) == pytest.approx(m["cell_accuracy"], abs=1e-4)
     assert BUNDLED_BASE.stat().st_size < 5 * 2**20
 
@@ -134,9 +135,16 @@ def test_pretrain_script_reproduces_bundled_base(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     shipped, meta_a = load_safetensors_checked(BUNDLED_BASE, "bundled")
     rebuilt, meta_b = load_safetensors_checked(tmp_path / "sudoku_base.safetensors", "rebuilt")
-    assert meta_a == meta_b
-    if not weights_reproduced(shipped, rebuilt, "sudoku_base.safetensors"):
+    # the recipe's keys exactly; the test_* accuracies are measured with the rebuilt weights, so they are equal only
+    # where the weights are (another CPU's rounding drifts training apart: then the behaviour check below)
+    measured = ("test_cell_accuracy", "test_solve_rate")
+    recipe = lambda meta: {k: v for k, v in meta.items() if k not in measured}  # noqa: E731
+    assert recipe(meta_a) == recipe(meta_b)
+    if weights_reproduced(shipped, rebuilt, "sudoku_base.safetensors"):
+        assert meta_a == meta_b
+    else:
         # another CPU's rounding: the rebuilt base must be as weak as the shipped one on the fixed test puzzles
         ours, theirs = evaluate_sudoku(load_base(tmp_path / "sudoku_base.safetensors"))[0], evaluate_sudoku(load_base())[0]
+        # 5 points: the behaviour of a model trained apart, not its bits
         assert ours["cell_accuracy"] == pytest.approx(theirs["cell_accuracy"], abs=0.05)
         assert ours["solve_rate"] == pytest.approx(theirs["solve_rate"], abs=0.05)

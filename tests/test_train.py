@@ -17,6 +17,7 @@ from difrl.rewards.digits import digit_prob
 from difrl.train.config import load_flow_config
 from difrl.train.flow import TIMING_KEYS, RatioCheckError, train
 from difrl.utils.io import load_safetensors_checked
+from tolerances import FLOW_FIRST_STEP_LOG_RATIO
 
 # 8 samples per iteration (2 prompts x 4), 4 steps, 2 optimizer updates per rollout, tiny evals
 TINY = [
@@ -83,7 +84,7 @@ def test_first_micro_step_is_on_policy(tmp_path, overrides):
     _, d = run(tmp_path / "r", *overrides)
     row = metrics(d)[0]
     # ratio check passed (it raises otherwise) and the log-prob recomputation is exact here
-    assert row["first_step_max_abs_log_ratio"] <= 1e-6
+    assert row["first_step_max_abs_log_ratio"] <= FLOW_FIRST_STEP_LOG_RATIO  # 0 here; another CPU may round apart
     assert row["trained_samples"] + 4 * row["dropped_groups"] == 8
 
 
@@ -123,9 +124,10 @@ def test_accumulation_1x8_equals_8x1(tmp_path, small):
     for k in wa:
         delta_a, delta_b = wa[k] - w0[k], wb[k] - w0[k]
         moved = max(moved, float(delta_a.abs().max()))
+        # fp32 sums in another order (1 micro-batch of 8 vs 8 of 1), through Adam's g / (|g| + 1): 1e-4 of the move
         torch.testing.assert_close(delta_a, delta_b, rtol=1e-4, atol=1e-4 * float(delta_a.abs().max()) + 1e-12, msg=k)
     assert moved > 1e-4  # the update is not trivially zero
-    ra, rb = metrics(a)[0], metrics(b)[0]
+    ra, rb = metrics(a)[0], metrics(b)[0]  # their metrics: fp32 means in another order
     for k in ("policy_loss", "kl", "loss", "grad_norm", "reward_mean"):
         assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-7), k
 

@@ -20,6 +20,7 @@ from difrl.train import objectives
 from difrl.train.config import load_flow_config
 from difrl.train.flow import train
 from difrl.train.metrics import Metrics
+from tolerances import FLOW_FIRST_STEP_LOG_RATIO
 
 TINY = ["seed=3", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=6",
         "train.grad_accum=2", "train.iterations=2", "eval.every=0", "eval.per_digit=3", "eval.num_steps=3"]
@@ -32,7 +33,7 @@ def rows(run_dir):
 def test_mismatch_is_measured_and_the_proximal_policy_keeps_ratio_one(tmp_path):
     train(load_flow_config(None, [*TINY, "rollout.precision=fp8"]), out_dir=tmp_path)
     for r in rows(tmp_path):
-        assert r["first_step_max_abs_log_ratio"] <= 1e-6  # PPO's old policy is the recomputed proximal one
+        assert r["first_step_max_abs_log_ratio"] <= FLOW_FIRST_STEP_LOG_RATIO  # PPO's old policy: the recomputed one
         assert r["correct/mean_log_ratio"] != 0.0 and r["correct/kl_k3"] > 0.0  # the fp8 copy is a different policy
         assert r["correct/ess_frac"] == 1.0 and r["correct/masked_frac"] == 0.0  # method none: weights 1
 
@@ -43,7 +44,8 @@ def test_a_corrector_masks_and_weights_in_the_trainer(tmp_path):
           out_dir=tmp_path / "mis")
     assert all(r["correct/masked_frac"] > 0 for r in rows(tmp_path / "mis"))
     train(load_flow_config(None, [*TINY, "rollout.precision=bf16", "correct.method=ais"]), out_dir=tmp_path / "ais")
-    # AIS's mixing weight is 1 - exp(-K3 / kl_scale) of the measured mismatch (kl_scale 1e-3)
+    # AIS's mixing weight is 1 - exp(-K3 / kl_scale) of the measured mismatch (kl_scale 1e-3); the logged K3 is an fp32
+    # mean of small per-token values, which keeps ~1e-3 of itself (the relative tolerance)
     for r in rows(tmp_path / "ais"):
         assert r["correct/kl_k3"] > 0 and r["correct/ais_lambda"] == pytest.approx(1 - math.exp(-r["correct/kl_k3"] / 1e-3),
                                                                                   rel=1e-3, abs=1e-7)
@@ -97,6 +99,7 @@ def test_every_selectable_corrector_reaches_the_gradient():
     assert sorted(BITE) == sorted(METHODS)
     for name, options in BITE.items():
         ones = METHODS[name](batch.log_prob_old, batch.log_prob_old.clone(), None, **(options or {}))
+        # exact: x 1 changes no bit
         assert torch.equal(_grad(cfg, policy, batch, (ones.weights, ones.keep)), plain), name
         if options is None:  # `none`: weights 1 whatever the mismatch
             continue
@@ -119,7 +122,7 @@ def test_new_correctors_and_policy_losses_train_one_iteration(tmp_path, method, 
                                   f"correct.options={options}", f"train.policy_loss={loss}"])
     summary = train(cfg, out_dir=tmp_path)
     (r,) = rows(tmp_path)
-    assert summary["iterations"] == 1 and r["first_step_policy_max_abs_log_ratio"] <= 1e-6
+    assert summary["iterations"] == 1 and r["first_step_policy_max_abs_log_ratio"] <= FLOW_FIRST_STEP_LOG_RATIO
     assert "clip_high" not in r and "approx_kl" in r  # the chosen loss ran, not PPO-clip
     assert (r["grad_norm"] > 0) == (r["correct/masked_frac"] < 1.0)  # a gradient unless every step was rejected
     if method == "k3_rs":  # the K3 of an fp8 copy's steps is above 1e-12 almost everywhere

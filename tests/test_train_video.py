@@ -25,6 +25,7 @@ from difrl.train.config import load_flow_config
 from difrl.train.flow import TIMING_KEYS, train
 from difrl.utils.io import load_safetensors_checked
 from difrl.worlds.moving_digits import PROMPTS
+from tolerances import FLOW_FIRST_STEP_LOG_RATIO
 
 # 8 clips per iteration (2 prompts x 4), 3 steps, 2 optimizer updates per rollout, a 40-clip evaluation.
 # model.path / model.prompts: what the bundled world uses anyway (the flow config asks every world but digits)
@@ -91,7 +92,7 @@ def test_first_micro_step_ratio_is_one_on_video_latents():
                     train_mask=torch.ones(n, dtype=torch.bool).index_fill(0, torch.tensor([n - 1]), False))
     assert batch.x.shape == (4, 3, 8, 256) and batch.x_final.shape == (4, 8, 256)
     out = recompute(policy, batch, "flow_sde", {"noise_level": 0.7})
-    assert float((out.log_prob - batch.log_prob_old).abs().max()) <= 1e-6
+    assert float((out.log_prob - batch.log_prob_old).abs().max()) <= FLOW_FIRST_STEP_LOG_RATIO  # one forward vs steps
 
 
 @pytest.mark.parametrize("overrides", [
@@ -107,7 +108,7 @@ def test_every_method_runs_on_the_video_world(tmp_path, overrides):
     _, d = run(tmp_path / "r", *overrides)
     row = rows(d)[0]
     if "train.objective=nft" not in overrides:  # GRPO: the ratio check passed and is exact here
-        assert row["first_step_max_abs_log_ratio"] <= 1e-6
+        assert row["first_step_max_abs_log_ratio"] <= FLOW_FIRST_STEP_LOG_RATIO
     if "rollout.kind=tree" in overrides:
         assert row["tree/edges_trained"] > 0
     if "rollout.kind=solrl" in overrides:
@@ -130,7 +131,7 @@ def test_resume_continues_exactly_on_the_video_world(tmp_path):
     assert strip(rows(full)) == strip(rows(part))
     for name in ("policy.safetensors",):
         a, b = (load_safetensors_checked(d / name, "test")[0] for d in (full, part))
-        assert all(torch.equal(a[k], b[k]) for k in a)
+        assert all(torch.equal(a[k], b[k]) for k in a)  # exact: a resume replays the same ops on the same inputs
     sf, sp = (json.loads((d / "summary.json").read_text()) for d in (full, part))
     assert sf["eval_after"] == sp["eval_after"]
 
@@ -168,7 +169,7 @@ def test_tiny_wan_trains_with_trees_and_solrl_and_writes_gifs(tiny_wan, tmp_path
     summary = train(wan_cfg(tiny_wan, *overrides), tmp_path / "wan")
     d = Path(summary["run_dir"])
     r = rows(d)
-    assert len(r) == 2 and all(x["first_step_max_abs_log_ratio"] < 1e-6 for x in r)
+    assert len(r) == 2 and all(x["first_step_max_abs_log_ratio"] <= FLOW_FIRST_STEP_LOG_RATIO for x in r)
     if "rollout.kind=tree" in overrides:
         assert all(x["tree/edges_trained"] > 0 for x in r)
     else:
@@ -206,7 +207,8 @@ def test_bench_video_rows(tmp_path):
     assert by["Sol-RL"]["nfe_per_iter"] == 64 * 8 + 64 * 7 + 4 * 32 * 4
     assert by["BranchGRPO"]["nfe_ratio"] != 1.0
     for r in rows:  # the ratios are to flat GRPO's row of the same run
-        assert r["nfe_ratio"] == pytest.approx(r["nfe_per_iter"] / by["flat GRPO"]["nfe_per_iter"])
+        # float64: the same division of the same counts
+        assert r["nfe_ratio"] == pytest.approx(r["nfe_per_iter"] / by["flat GRPO"]["nfe_per_iter"], rel=1e-12)
     assert json.loads((tmp_path / "rows.json").read_text())[0]["method"] == "flat GRPO"
 
 

@@ -21,6 +21,11 @@ from difrl.tree_rollout import tree_rollout
 
 N = 6
 HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
+# Exact float comparisons here: the same ops on the same rows (a tree without splits runs the flat sampler's steps on
+# the same 3 rows; recompute is one forward over the same B*T rows either way), values copied, gathered or set (0 for
+# ODE edges and flat groups, a clip's bound). Tolerances elsewhere: fp32 latents / log-probs of O(1..10) computed in
+# another batch shape or against a float64 re-derivation, a few ulp, stated inline.
+from tolerances import FP32_REORDER  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +74,7 @@ def test_nfe_closed_form_matches_the_structure(splits, factor, n):
 def test_spec_counts_for_branchgrpo_default():
     s = BranchSchedule((0, 3, 6, 9))
     assert nfe(s, 20) == 203 and num_edges(s, 20) == 218  # spec §1.7
-    assert nfe(s, 20) / 16 == pytest.approx(12.6875) and num_edges(s, 20) / 16 == pytest.approx(13.625)
+    assert nfe(s, 20) / 16 == 12.6875 and num_edges(s, 20) / 16 == 13.625  # exact: integers over 16
     mix = mix_sde_mask(20, s, 0, 4)
     assert mix.nonzero().flatten().tolist() == [0, 1, 2, 3, 6, 9]
     assert num_trained_edges(s, 20, mix) == 34  # the reference's fixed Mix window (§1.7)
@@ -146,6 +151,8 @@ def test_node_seeds_follow_the_path(policy):
     # each edge's x_next - mean is its std times the noise drawn from (child seed, step)
     e = tr.edges
     z = torch.stack([sample_noise(e.seeds[i:i + 1], int(e.step[i, 0]), (64,))[0] for i in range(len(e))])
+    # fp32: (mean + std z) - mean gives std z back to an ulp of the O(1) latent (~1e-7); 1e-5 leaves room for mean's
+    # recomputation order
     torch.testing.assert_close(e.x_next[:, 0] - e.mean_old[:, 0], e.extras["std_old"] * z, rtol=0, atol=1e-5)
 
 
@@ -163,7 +170,7 @@ def test_node_latents_do_not_depend_on_batching_or_other_prompts(policy):
         other = t3.node_id(tree + 1, depth, path)
         assert t.node_id(tree, depth, path) == node
         assert int(more.node_seed[other]) == int(base.node_seed[node])
-        torch.testing.assert_close(more.x_nodes[other], base.x_nodes[node], rtol=0, atol=1e-5)
+        torch.testing.assert_close(more.x_nodes[other], base.x_nodes[node], rtol=0, atol=1e-5)  # batch shape, as above
 
 
 # ---------------------------------------------------------------------------------- kappa at split steps
@@ -193,16 +200,18 @@ def test_kappa_split_edges_log_prob(policy, mode):
         v = policy.velocity(x[None], sig[step:step + 1], {k: c[i:i + 1] for k, c in e.cond.items()}, 1.0)[0]
     mu, s = dance_mean_std(x.double(), v.double(), float(sig[step]), float(sig[step + 1]), eta)
     z = sample_noise(e.seeds[i:i + 1], step, (64,))[0].double()
-    torch.testing.assert_close(xn.double(), mu + kappa * s * z, rtol=0, atol=1e-5)  # sampled with std kappa * s
+    # sampled with std kappa * s; fp32 sampler against this float64 re-derivation: a few ulp of O(1) latents
+    torch.testing.assert_close(xn.double(), mu + kappa * s * z, rtol=0, atol=1e-5)
     s_lp = kappa * s if mode == "actual" else s
     want = (-((xn.double() - mu) ** 2) / (2 * s_lp**2) - math.log(s_lp) - HALF_LOG_2PI).mean()
+    # fp32 mean of 64 log-densities of O(1..10) against float64 (ulp(8) ~ 1e-6 each, and the latents' own rounding)
     assert float(e.log_prob_old[i, 0]) == pytest.approx(float(want), abs=1e-4)
     assert float(e.extras["std_old"][i, 0]) == pytest.approx(s_lp, rel=1e-5)
     # the trainer's recomputation (one forward over all edges, scored with the stored scale) gives ratio 1
     with torch.no_grad():
         out = recompute(policy, e, "dance_sde", kk)
         v_all = policy.velocity(e.x[:, 0], e.sigma[:, 0], cond_repeat(e.cond, 1), 1.0)
-    torch.testing.assert_close(out.log_prob, e.log_prob_old, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.log_prob, e.log_prob_old, rtol=0, atol=1e-5)  # one forward vs the sampler's: fp32
     # the plain kernel recomputes every edge scored under s: all of them under "reference", only the others under "actual"
     plain = KERNELS["dance_sde"](e.x[:, 0], v_all, e.sigma[:, 0], e.sigma_next[:, 0], action=e.x_next[:, 0], **kk)
     same = (plain.log_prob - e.log_prob_old[:, 0]).abs() < 1e-5
@@ -222,13 +231,14 @@ def test_mix_tree_trains_only_sde_edges(policy):
     assert set(tr.edges.step[:, 0].tolist()) == {0, 1, 2, 4}
     t = tr.tree
     ode_nodes = t.edge_child[~t.edge_is_sde]
-    assert torch.all(t.log_prob[ode_nodes] == 0) and torch.all(t.log_prob[t.edge_child[t.edge_is_sde]] != 0)
+    assert torch.all(t.log_prob[ode_nodes] == 0) and torch.all(t.log_prob[t.edge_child[t.edge_is_sde]] != 0)  # set
     # an ODE edge is the Euler step of its parent
     n = int(ode_nodes[-1])
     par, step = int(t.parent[n]), int(t.step[n])
     xp = tr.x_nodes[par][None]
     with torch.no_grad():
         v = policy.velocity(xp, sig[step:step + 1], policy.encode([prompts(2)[int(t.tree[n])]]), 1.0)
+    # the Euler step re-done on one row (another batch shape than the tree's): fp32 rounding of O(1) latents
     torch.testing.assert_close(tr.x_nodes[n], (xp + (sig[step + 1] - sig[step]) * v)[0], rtol=0, atol=1e-5)
     # x0_pred of the leaves: x - sigma v at the last step; with an ODE last step that is the leaf itself
     torch.testing.assert_close(tr.x0_pred_leaf, tr.x_leaf, rtol=0, atol=1e-5)
@@ -257,11 +267,14 @@ def test_fusion_modes_by_hand():
     assert fuse_rewards(t, r).tolist() == [2.75, 1.5, 4.0, 1.0, 2.0, 3.0, 5.0]
     t.log_prob = torch.tensor([0.0, 0.0, math.log(4.0), 0.0, math.log(3.0), 0.0, 0.0])
     pp = fuse_rewards(t, r, "path_prob")  # node 1: 1/4 * 1 + 3/4 * 2; root: 1/5 * 1.75 + 4/5 * 4
-    torch.testing.assert_close(pp, torch.tensor([0.2 * 1.75 + 0.8 * 4.0, 1.75, 4.0, 1.0, 2.0, 3.0, 5.0]))
+    torch.testing.assert_close(pp, torch.tensor([0.2 * 1.75 + 0.8 * 4.0, 1.75, 4.0, 1.0, 2.0, 3.0, 5.0]),
+                               **FP32_REORDER)
     soft = fuse_rewards(t, r, "soft", lam=1.0)
     lme = lambda xs, lam=1.0: math.log(sum(math.exp(lam * x) for x in xs) / len(xs)) / lam  # noqa: E731
-    torch.testing.assert_close(soft, torch.tensor([lme([1, 2, 3, 5]), lme([1, 2]), lme([3, 5]), 1.0, 2.0, 3.0, 5.0]))
-    torch.testing.assert_close(fuse_rewards(t, r, "soft", lam=-2.0)[0], torch.tensor(lme([1, 2, 3, 5], -2.0)))
+    torch.testing.assert_close(soft, torch.tensor([lme([1, 2, 3, 5]), lme([1, 2]), lme([3, 5]), 1.0, 2.0, 3.0, 5.0]),
+                               **FP32_REORDER)  # fp32 logsumexp against float64 math
+    torch.testing.assert_close(fuse_rewards(t, r, "soft", lam=-2.0)[0], torch.tensor(lme([1, 2, 3, 5], -2.0)),
+                               **FP32_REORDER)
     torch.testing.assert_close(fuse_rewards(t, r, "soft", lam=1e-5), fuse_rewards(t, r), rtol=0, atol=1e-4)  # lam -> 0
     assert fuse_rewards(t, r, "soft", lam=0.0).tolist() == fuse_rewards(t, r).tolist()
 
@@ -276,10 +289,10 @@ def test_fusion_on_chains_and_uneven_counts():
     for n in range(t.num_nodes):
         lo = int(t.first_leaf[n])
         below = r[lo:lo + int(t.num_leaves[n])].double()  # a node's leaves are contiguous
-        assert float(mean[n]) == pytest.approx(float(below.mean()), rel=1e-6)
+        assert float(mean[n]) == pytest.approx(float(below.mean()), rel=1e-6)  # fp32 against float64: a few ulp
         assert float(soft[n]) == pytest.approx(float(torch.logsumexp(0.7 * below, 0) - math.log(len(below))) / 0.7, rel=1e-5)
         if t.depth[n] >= 3:  # after the last split every node has one child: path_prob copies it
-            assert float(pp[n]) == pytest.approx(float(r[lo]))
+            assert float(pp[n]) == float(r[lo])  # exact: a copy (weight 1 x the child)
     assert torch.equal(pp[t.nodes_at(0)], pp[t.nodes_at(1)])  # the trunk copies its single child
 
 
@@ -290,10 +303,10 @@ def test_depthwise_advantages_by_hand():
     a1 = 1.25 / math.sqrt(2 * 1.25**2)  # depth 1 of tree 0: [1.5, 4], unbiased std
     std2 = math.sqrt(sum((x - 2.75) ** 2 for x in (1, 2, 3, 5)) / 3)
     for (depth, path), want in {(0, ()): 0.0, (1, (0,)): -a1, (1, (1,)): a1}.items():
-        assert float(adv[t.node_id(0, depth, path)]) == pytest.approx(want, abs=1e-6)
+        assert float(adv[t.node_id(0, depth, path)]) == pytest.approx(want, abs=1e-6)  # fp32 of O(1) values
     leaves0 = adv[t.leaf_node[:4]]
     torch.testing.assert_close(leaves0, torch.tensor([(x - 2.75) / std2 for x in (1, 2, 3, 5)]), rtol=0, atol=1e-6)
-    assert torch.all(adv[t.tree == 1] == 0)  # std < 1e-6: zero; roots (one node per depth): zero
+    assert torch.all(adv[t.tree == 1] == 0)  # std < 1e-6: zero; roots (one node per depth): zero (set: exact)
     assert torch.all(adv[t.depth == 0] == 0)
     clipped = depthwise_advantages(t, fuse_rewards(t, torch.tensor([0.0, 0, 0, 10, 0, 0, 0, 0])), clip=1.0)
     assert float(clipped.max()) == 1.0
@@ -316,7 +329,7 @@ def test_forest_advantages_are_per_prompt_and_depth():
     r = torch.tensor([1.0, 2.0, 4.0, 6.0, 0.0, 0.0, 3.0, 3.0])
     adv = depthwise_advantages(t, fuse_rewards(t, r), roots=2)
     a1 = 1 / math.sqrt(2)  # two values, unbiased std: +-1/sqrt(2) whatever their gap
-    assert adv[t.nodes_at(1)].tolist() == pytest.approx([-a1, a1, -a1, a1], abs=1e-6)
+    assert adv[t.nodes_at(1)].tolist() == pytest.approx([-a1, a1, -a1, a1], abs=1e-6)  # fp32 vs float64, O(1)
     s = math.sqrt(sum((x - 3.25) ** 2 for x in (1, 2, 4, 6)) / 3)
     assert adv[t.nodes_at(2)][:4].tolist() == pytest.approx([(x - 3.25) / s for x in (1, 2, 4, 6)], abs=1e-6)
     assert torch.all(depthwise_advantages(t, fuse_rewards(t, r))[t.nodes_at(1)] == 0)  # roots=1: a trunk, no signal
@@ -341,11 +354,11 @@ def test_edge_leaf_weights_make_every_step_weigh_as_in_flat_grpo(policy):
     w = edge_leaf_weights(tr, rows)
     child = tr.tree.edge_child[tr.trained_edge]
     leaves = tr.tree.num_leaves[child].float()
-    torch.testing.assert_close(w, leaves / leaves.mean())
-    assert w.mean().item() == pytest.approx(1.0)
+    torch.testing.assert_close(w, leaves / leaves.mean(), **FP32_REORDER)
+    assert w.mean().item() == FP32_REORDER.approx(1.0)
     step = tr.tree.edge_step[tr.trained_edge]
     per_step = [float((w * leaves.mean())[step == i].sum()) for i in step.unique().tolist()]
-    assert per_step == pytest.approx([8.0] * len(per_step))  # 2 trees x 4 leaves on every trained step
+    assert per_step == FP32_REORDER.approx([8.0] * len(per_step))  # 2 trees x 4 leaves on every trained step
     assert sorted(set(leaves.tolist())) == [1.0, 2.0]  # steps 0-1: the first split's edges (2 leaves each); then 1
     assert len(edge_leaf_weights(tr, rows[:0])) == 0
 
