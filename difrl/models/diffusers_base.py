@@ -24,7 +24,8 @@ pipelines' `guidance_scale > 1` test): one batched forward over [uncond; cond], 
 in fp32 (the `_guide` hook: Qwen-Image rescales it to the conditional velocity's norm). `guidance <= 1` is one
 conditional forward. The negative prompt (default "", Flow-GRPO's choice, docs/reference/specs/flow-grpo-family.md §2.6)
 is set per policy (`negative_prompt=`), embedded once and cached. FLUX overrides this (`flux.py`: embedded distilled
-guidance). Each family file gives its latent shape and timestep scaling.
+guidance). Each family file gives its latent shape and timestep scaling. With model.offload_text_encoders the text
+encoders live on the CPU and `encode` / `negative_cond` move them to the transformer's device around `_encode_batch`.
 """
 
 from __future__ import annotations
