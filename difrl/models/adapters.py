@@ -135,25 +135,44 @@ def adapter_class(kind: str) -> type[DiffusersFlowPolicy]:
 
 def load_flow_policy(kind: str, path: str | Path, **options) -> DiffusersFlowPolicy:
     """The adapter for model `kind` (one of model_kinds()) loaded from the local pipeline directory `path`.
-    Options go to the adapter's from_pretrained (dtype, height, width, num_frames, device, ...)."""
-    return adapter_class(kind).from_pretrained(path, **options)
+    Options go to the adapter's from_pretrained (dtype, height, width, num_frames, device, ...), except
+    `offload_text_encoders` (model.offload_text_encoders): the text encoders then stay on the CPU, never loaded onto
+    the device, and visit it only while embedding (DiffusersFlowPolicy.offload_text_encoders)."""
+    from difrl.models.diffusers_base import TEXT_ENCODERS_HOME, text_encoders_kept_on
+
+    home = TEXT_ENCODERS_HOME if options.pop("offload_text_encoders", False) else None
+    with text_encoders_kept_on(home):
+        policy = adapter_class(kind).from_pretrained(path, **options)
+    if home is not None:
+        policy.offload_text_encoders(home)
+    return policy
 
 
 # ---- tiny test pipelines (each family's `tiny_pipeline`, from the parts in difrl/models/tiny.py) ----------
 def arch_flow_policy(kind: str, path: str | Path, **options) -> DiffusersFlowPolicy:
     """The adapter for model `kind` over a pipeline built from the architecture configs in `path` (no weights read;
     difrl.models.arch), with load_flow_policy's options: what difrl plan simulates under FakeTensorMode. The adapter
-    class's `fp32_components` (Wan's VAE) are made in fp32, as its from_pretrained loads them."""
+    class's `fp32_components` (Wan's VAE) are made in fp32, as its from_pretrained loads them. With
+    `offload_text_encoders` the text encoders are made on `text_encoders_home` (difrl plan: "meta", the simulated
+    host, whose bytes no GPU holds) and offloaded there."""
     from difrl.models.arch import build_arch_pipeline
-    from difrl.models.diffusers_base import as_dtype
+    from difrl.models.diffusers_base import TEXT_ENCODERS_HOME, as_dtype, is_text_encoder
 
     cls = adapter_class(kind)
     dtype = as_dtype(options.pop("dtype", "fp32"))
     device = options.pop("device", None)
-    pipe = build_arch_pipeline(path, dtype, {name: torch.float32 for name in cls.fp32_components})
+    home = options.pop("text_encoders_home", TEXT_ENCODERS_HOME)
+    home = torch.device(home) if options.pop("offload_text_encoders", False) else None
+    pipe = build_arch_pipeline(path, dtype, {name: torch.float32 for name in cls.fp32_components},
+                               text_encoders_device=home)
     if device is not None:
-        pipe.to(device)
-    return cls(pipe, **options)
+        for name, comp in pipe.components.items():
+            if isinstance(comp, torch.nn.Module) and not (home is not None and is_text_encoder(name)):
+                comp.to(device)
+    policy = cls(pipe, **options)
+    if home is not None:
+        policy.offload_text_encoders(home)
+    return policy
 
 
 def build_tiny_pipeline(kind: str, seed: int = 0, **options):

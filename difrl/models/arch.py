@@ -23,6 +23,7 @@ wraps it in its policy adapter (difrl.discrete.policy.HFMaskedLM, a layer above 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -93,10 +94,14 @@ def _model(library: str, cls_name: str, config: dict) -> nn.Module:
     return cls(cls.config_class(**{k: v for k, v in config.items() if k != "architectures"}))
 
 
-def build_arch_pipeline(path: str | Path, dtype: torch.dtype, component_dtypes: dict[str, torch.dtype] | None = None):
+def build_arch_pipeline(path: str | Path, dtype: torch.dtype, component_dtypes: dict[str, torch.dtype] | None = None,
+                        text_encoders_device: torch.device | None = None):
     """The pipeline of the directory `path` (model_index.json + component configs and config values), with freshly initialised
     parameters in `dtype` (`component_dtypes` overrides it per component, e.g. Wan's VAE in fp32). Call it under
-    FakeTensorMode to build a 12-billion-parameter pipeline in seconds and no memory."""
+    FakeTensorMode to build a 12-billion-parameter pipeline in seconds and no memory. `text_encoders_device`: where the
+    text encoders are made (difrl plan's offloaded ones: "meta", off the simulated GPU); None: the default device."""
+    from difrl.models.diffusers_base import is_text_encoder
+
     import diffusers
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -122,7 +127,9 @@ def build_arch_pipeline(path: str | Path, dtype: torch.dtype, component_dtypes: 
         before = torch.get_default_dtype()
         torch.set_default_dtype((component_dtypes or {}).get(name, dtype))
         try:
-            module = _model(library, cls_name, config)
+            with torch.device(text_encoders_device) if text_encoders_device is not None and is_text_encoder(name) \
+                    else contextlib.nullcontext():
+                module = _model(library, cls_name, config)
         finally:
             torch.set_default_dtype(before)
         module.eval()

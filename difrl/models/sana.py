@@ -90,7 +90,7 @@ class SanaPolicy(DiffusersFlowPolicy):
         """The negative prompt's embeddings, encoded once without the instruction (as the pipeline's encode_prompt
         encodes its negative prompt), expanded to `batch` rows."""
         if self._negative is None:
-            with torch.no_grad():
+            with torch.no_grad(), self.text_encoders_on_device():
                 self._negative = self._encode([self.negative_prompt], None)
         return {k: v.expand(batch, *v.shape[1:]) for k, v in self._negative.items()}
 

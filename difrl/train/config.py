@@ -228,6 +228,9 @@ class FlowModelConfig(ModelConfig):
     max_sequence_length: int = cfg_field(512, ge=1, help="diffusers models: T5 / UMT5 prompt tokens (SD3: 256)")
     negative_prompt: str = cfg_field("", help="sd3, wan (guidance > 1): the CFG negative prompt")
     cache_prompts: bool = cfg_field(True, help="diffusers models: embed each prompt once (the text encoders are frozen)")
+    offload_text_encoders: bool = cfg_field(False, help="diffusers models: keep the text encoders on the CPU; each batch "
+                                                        "of prompts not yet embedded moves them to the GPU and back "
+                                                        "(with cache_prompts, every prompt is embedded once)")
     gradient_checkpointing: bool = cfg_field(False, help="diffusers models: recompute each transformer block's "
                                                          "activations in the backward (less memory, ~1/3 more update "
                                                          "compute; rollouts unaffected)")

@@ -32,7 +32,9 @@ Memory is measured per phase by torch's trackers (torch.distributed._tools: FSDP
 which attributes sharded / unsharded parameters and gradients, optimizer state, activations, temporaries and the
 all-gather / reduce-scatter buffers; MemTracker for setup and unsharded runs), plus what lives outside the trained
 network, measured on the objects themselves: the frozen reference, the EMA / NFT / copy-source shadows, the text
-encoders and VAE, the rollout copy. Collectives are counted with their bytes as they are called
+encoders and VAE, the rollout copy. Text encoders offloaded (model.offload_text_encoders) live on "meta", the simulated
+host: not resident; the adapter's own moves put them on the simulated device while it embeds (rollout, or setup for
+a negative prompt), where the trackers count them on top of what is resident then. Collectives are counted with their bytes as they are called
 (torch.distributed and DTensor's functional collectives). What is not simulated, said in every row's `not_simulated`:
 reward models (run on the same GPU: add their size), the evaluation, the checkpoint writes, CUDA's caching allocator
 and workspaces (fragmentation: keep headroom, `FIT_MARGIN`), NCCL buffers, and kernels' internal scratch.
@@ -131,7 +133,9 @@ def plan_flow(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str | N
         # ================================================================ setup
         setup_tracker = plain_tracker()
         with setup_tracker:
-            options = {**policy_options(cfg.model.kind, cfg), "device": None}
+            # offloaded text encoders live on the simulated host, "meta" (Memory skips it), and are moved to the
+            # simulated device around each embedding by the adapter's own code, which the trackers then count
+            options = {**policy_options(cfg.model.kind, cfg), "device": None, "text_encoders_home": "meta"}
             policy = arch_flow_policy(cfg.model.kind, path, **options)
             world = world_file(cfg.model.kind).flow_world(cfg.model.kind, None, cfg, policy=policy)
             with tempfile.TemporaryDirectory() as tmp, unset_fake_temporarily():
@@ -142,7 +146,9 @@ def plan_flow(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str | N
         memory.record("setup", setup_tracker, Memory.PLAIN, {})
         steady_optimizer_state(trainee.optimizer, trainee.params)
         inside = {id(m) for m in trainee.net.modules()}  # Wan 2.2 A14B: both transformers are in the trained module
-        frozen = [c for c in policy.pipe.components.values() if isinstance(c, nn.Module) and id(c) not in inside]
+        offloaded = {id(c) for c in policy.text_encoders().values()} if policy.text_encoders_home is not None else set()
+        frozen = [c for c in policy.pipe.components.values()  # resident on the GPU: not trained, not offloaded
+                  if isinstance(c, nn.Module) and id(c) not in inside and id(c) not in offloaded]
         shadows = [e for e in (trainee.ema, trainee.old) if e is not None]
         resident = {"reference": module_bytes(trainee.reference), "frozen": module_bytes(*frozen),
                     "ema": sum(tensor_bytes(e.shadow.values()) for e in shadows)}

@@ -23,7 +23,7 @@ watches the digits world's accuracy too).
 difrl.train). The attributes it reads:
 
 - `cfg.model`: `dtype`, `height`, `width`, `max_sequence_length`, `negative_prompt`, `cache_prompts`,
-  `prompts`, `prompt_file`, `eval_prompts`, `eval_prompt_file`, `schedule` ("pipeline" or "shift"),
+  `offload_text_encoders` (text encoders on the CPU between embeddings), `prompts`, `prompt_file`, `eval_prompts`, `eval_prompt_file`, `schedule` ("pipeline" or "shift"),
   `gradient_checkpointing`, `compile` (regional torch.compile of the transformer blocks), and the adapter's own
   `model_options` (Wan: `num_frames`);
 - `cfg.reward`: `weights` (name -> weight), `options` (name -> keyword arguments);
@@ -107,7 +107,7 @@ def policy_options(kind: str, cfg) -> dict:
     mc = cfg.model
     options = dict(dtype=mc.dtype, height=mc.height, width=mc.width, device=policy_device(),
                    max_sequence_length=mc.max_sequence_length, negative_prompt=mc.negative_prompt,
-                   cache_prompts=mc.cache_prompts)
+                   cache_prompts=mc.cache_prompts, offload_text_encoders=getattr(mc, "offload_text_encoders", False))
     extra = adapter_class(kind).model_options if kind in model_kinds() else ()  # unknown: load_flow_policy says so
     options.update({name: getattr(mc, name) for name in extra})
     return options
