@@ -17,7 +17,7 @@ import torch
 
 from difrl.train.planner import MICRO_STEPS, NOT_SIMULATED, plan_row  # noqa: F401
 from difrl.train.simulation import (Collectives, Memory, device_metrics, fake_parameter_swaps, module_bytes,
-                                    peak_tracker, plain_tracker, simulated_device, simulated_processes,
+                                    peak_tracker, plain_tracker, resident_tensors, simulated_device, simulated_processes,
                                     steady_optimizer_state)
 
 
@@ -148,6 +148,7 @@ def plan_masked(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str |
         else:
             tracker, names = plain_tracker(trainee.net), Memory.PLAIN
             tracker.track_external(trainee.net, trainee.optimizer)
+        tracker.ignore_resident(resident_tensors(trainee.reference))  # counted once, in `resident`
         device_code(mode, policy, accelerator, trainee.optimizer)
         with unset_fake_temporarily():  # iteration 0's prompts and seeds, as the trainer draws them
             P, G = cfg.rollout.prompts_per_iter, cfg.rollout.group_size

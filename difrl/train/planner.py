@@ -63,7 +63,7 @@ import torch
 from torch import nn
 
 from difrl.train.simulation import (GIB, Collectives, Memory, device_metrics, fake_parameter_swaps, module_bytes,
-                                    peak_tracker, plain_tracker, simulated_device, simulated_processes,
+                                    peak_tracker, plain_tracker, resident_tensors, simulated_device, simulated_processes,
                                     steady_optimizer_state, tensor_bytes)
 
 MICRO_STEPS = 2  # micro-steps of the update that run: the first (accumulating) and the update's last (optimizer step)
@@ -159,6 +159,8 @@ def plan_flow(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str | N
         else:
             tracker, names = plain_tracker(trainee.net), Memory.PLAIN
             tracker.track_external(trainee.net, trainee.optimizer)
+        copy = getattr(trainee.rollout_copy, "module", None)
+        tracker.ignore_resident(resident_tensors(*frozen, trainee.reference, copy, shadows=shadows))  # once: `resident`
 
         # the iteration's host numbers
         with unset_fake_temporarily():  # the iteration's indices and masks are real: the sampler reads them as numbers

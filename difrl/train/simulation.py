@@ -298,6 +298,48 @@ def device_metrics():
     return DeviceMetrics
 
 
+class ResidentBlind:
+    """A torch memory tracker that never counts the storages of the resident tensors it is given (`ignore_resident`):
+    the frozen encoders, the reference, the shadows and the rollout copy, whose bytes Memory adds to every phase from
+    the objects themselves. Without it the tracker counts them a second time from the first op that reads them (an
+    embedding reads the whole text encoder: FLUX.2-dev's 24-billion-parameter encoder appeared twice, 44.9 GiB in
+    "frozen" and ~42.7 GiB more in "activations"). Every tracker registers tensors through
+    `_update_and_maybe_create_winfos` (modules' parameters, inputs, gradients) or `_track` (every op's outputs, views
+    of a parameter included: a Linear's weight.t()), the two methods overridden here
+    (torch.distributed._tools.mem_tracker)."""
+
+    _resident = None
+
+    def ignore_resident(self, tensors) -> None:
+        from torch.distributed._tools.common_utils import get_untyped_storages
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        self._resident = WeakIdKeyDictionary()  # storage -> True; a DTensor's: its local shard's
+        for t in tensors:
+            for st in get_untyped_storages(t):
+                self._resident[st] = True
+
+    def _is_resident(self, t) -> bool:
+        from torch.distributed._tools.common_utils import get_untyped_storages
+
+        storages = get_untyped_storages(t) if self._resident is not None else ()
+        return bool(storages) and all(st in self._resident for st in storages)
+
+    def _update_and_maybe_create_winfos(self, t, reftype, update_existing=False):
+        return set() if self._is_resident(t) else super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+
+    def _track(self, reftype, t) -> None:
+        if not self._is_resident(t):
+            super()._track(reftype, t)
+
+
+def resident_tensors(*modules, shadows=()) -> list[torch.Tensor]:
+    """The parameters and buffers of `modules` (None skipped) and the tensors of the `shadows` (EMA-like objects with a
+    `shadow` dict): what Memory's `resident` bytes measure, for ResidentBlind.ignore_resident."""
+    out = [t for m in modules if m is not None for t in (*m.parameters(), *m.buffers())]
+    return out + [t for e in shadows for t in e.shadow.values()]
+
+
 def plain_tracker(net: nn.Module | None = None):
     """torch's MemTracker for an unsharded run (one GPU), reading global peaks only. MemTracker snapshots every module
     at every call (thousands per forward of a 12-billion-parameter model: slow here) and installs gradient hooks on the
@@ -307,7 +349,7 @@ def plain_tracker(net: nn.Module | None = None):
     under FSDP; every other tensor made inside is MemTracker's (activations, temporaries, optimizer state)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    class PlainTracker(MemTracker):
+    class PlainTracker(ResidentBlind, MemTracker):
         _registered = False
 
         def _pre_fw_hook(self, module, inputs):
@@ -346,7 +388,7 @@ def peak_tracker(net, optimizer):
     categories stay the tracker's."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    class PeakTracker(FSDPMemTracker):
+    class PeakTracker(ResidentBlind, FSDPMemTracker):
         def _fsdp_state_pre_forward(self, fsdp_mod, orig_fsdp_state_pre_fw):
             inner = super()._fsdp_state_pre_forward(fsdp_mod, orig_fsdp_state_pre_fw)
 
