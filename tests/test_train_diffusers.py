@@ -202,7 +202,8 @@ def _launch(out: Path, nproc: int, path: Path, grad_accum: int) -> None:
               f"train.grad_accum={grad_accum}", "--out", str(out)]
     cmd = [sys.executable, *script] if nproc == 1 else [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", *script]
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", "0", *script]  # 0: a free port (the default, 29500, may be another test's, tests/conftest.py)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     if nproc > 1:
