@@ -3,11 +3,11 @@
     make test        # = python -m pytest -n 2 --dist loadfile: two pytest-xdist workers, each takes whole files
 
 `make test` runs the suite as two worker processes (pytest-xdist), one core each: most tests run in one process on
-one thread (Python start-up, one-thread kernels), so on 2 cores two of them run at a time where one did. `--dist loadfile` keeps every
-test of a file on one worker, so a module-scoped fixture (a trained reference run, a tiny pipeline) is built once,
-not once per worker; no fixture here is session-scoped, so nothing is shared across files. A launch of several
-processes picks a free port (`--standalone`, `--main_process_port 0` or tests/test_fsdp.py's free_port), never
-accelerate's default 29500, which the other worker's launch may hold at the same moment.
+one thread (Python start-up, one-thread kernels), so on 2 cores two of them run at a time where one did. `--dist
+loadfile` keeps every test of a file on one worker, so a module-scoped fixture (a trained reference run, a tiny
+pipeline) is built once, not once per worker; no fixture here is session-scoped, so nothing is shared across files.
+A launch of several processes picks a free port (`--standalone`, `--main_process_port 0` or tests/test_fsdp.py's
+free_port), never accelerate's default 29500, which the other worker's launch may hold at the same moment.
 """
 
 import os
