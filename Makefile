@@ -17,11 +17,14 @@ venv: $(STAMP)
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/difrl train configs/digits.yaml --overwrite
 
+# the suite on JOBS pytest-xdist workers (one thread each), every file's tests on one worker so a module's trained
+# runs are made once (tests/conftest.py); JOBS=0 runs it in this one process
+JOBS ?= 2
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=15
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --durations=15
 
 test-fast: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow"
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile -m "not slow"
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_rollout.py

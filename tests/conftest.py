@@ -1,4 +1,14 @@
-"""Shared test set-up: offline, deterministic, small thread count (CI has 2 cores)."""
+"""Shared test set-up: offline, deterministic, one thread per process (CI has 2 cores).
+
+    make test        # = python -m pytest -n 2 --dist loadfile: two pytest-xdist workers, each takes whole files
+
+`make test` runs the suite as two worker processes (pytest-xdist), one core each: most tests run in one process on
+one thread (Python start-up, one-thread kernels), so on 2 cores two of them run at a time where one did. `--dist
+loadfile` keeps every test of a file on one worker, so a module-scoped fixture (a trained reference run, a tiny
+pipeline) is built once, not once per worker; no fixture here is session-scoped, so nothing is shared across files.
+A launch of several processes picks a free port (`--standalone`, `--main_process_port 0` or tests/test_fsdp.py's
+free_port), never accelerate's default 29500, which the other worker's launch may hold at the same moment.
+"""
 
 import os
 
@@ -7,10 +17,13 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# one thread in this process and, inherited, in every process a test starts (a command given its own count keeps
+# it): two workers of 2 threads each on 2 cores would fight, and oversubscribed kernels run slower, not faster
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+torch.set_num_threads(1)
 
 
 def weights_reproduced(shipped: dict, rebuilt: dict, what: str, rtol: float = 1e-3, atol: float = 1e-4) -> bool:
@@ -40,3 +53,14 @@ def one_process_group():
         yield
     finally:
         dist.destroy_process_group()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with the most slow tests first, each file's tests in their own order (a stable sort on the file alone).
+    Under `--dist loadfile` a worker takes the next file when it is free: long files first and short ones last let
+    the two workers finish together, where a long file dealt out last would run on one worker while the other
+    idles (the longest-first rule for scheduling jobs on machines). Run alone, the order changes nothing."""
+    slow: dict[str, int] = {}
+    for item in items:
+        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[item.path])

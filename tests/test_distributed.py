@@ -4,10 +4,14 @@
 
 One process accumulates 4 micro-batches of 2 per update; two processes accumulate 2 each and
 DDP averages their gradients: the same 8 samples, the same update (up to float summation order).
+The one-process run is `difrl train` called in the test process (the code `python -m difrl train` runs, without
+a second start-up of torch, peft and transformers); the two processes are a torchrun launch.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -30,11 +34,29 @@ COMMON = [
 ]
 
 
+def in_this_process(args: list[str]) -> str:
+    """`python -m difrl ARGS` as difrl.cli.main in the test process (its output; it must exit 0): the code a fresh
+    process runs, without paying its start-up (torch, peft, transformers: seconds) once more. The thread count a
+    run sets is put back after it."""
+    from difrl.cli import main
+
+    threads, log = torch.get_num_threads(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            code = main(args)
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, log.getvalue()[-3000:]
+    return log.getvalue()
+
+
 def _train(out: Path, nproc: int, *overrides: str) -> str:
+    args = ["train", str(ROOT / "configs" / "digits.yaml"), *COMMON, *overrides, "--out", str(out)]
+    if nproc == 1:
+        return in_this_process(args)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable, "-m", "difrl"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "difrl"]
-    cmd = [*launch, "train", str(ROOT / "configs" / "digits.yaml"), *COMMON, *overrides, "--out", str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "difrl",
+           *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr

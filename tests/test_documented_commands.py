@@ -396,6 +396,18 @@ def _key(argv: list[str]) -> tuple:
     return tuple(_strip(argv)) if kind == "launcher" else (kind, *program)
 
 
+def launcher_command(argv: list[str], small: list[str]) -> list[str]:
+    """A documented `accelerate launch ...` / `torchrun ...` as this Python runs it: the launcher's own module, its
+    arguments as documented, then `small`. accelerate's port, unless the command names one, is 0 (a free one): its
+    default, 29500, may be held by another test's launch (two pytest-xdist workers, tests/conftest.py); torchrun's
+    documented `--standalone` picks a free one itself."""
+    launch = _strip(argv)
+    if launch[0] == "accelerate":
+        port = [] if any(a.startswith("--main_process_port") for a in launch) else ["--main_process_port", "0"]
+        return [sys.executable, "-m", "accelerate.commands.launch", *port, *launch[2:], *small]
+    return [sys.executable, "-m", "torch.distributed.run", *launch[1:], *small]
+
+
 def run_one(parts: list[list[str]], work: Path, ran: set | None = None) -> tuple[bool, str]:
     """Run a documented command (its && parts in order) in `work`; (ok, output tail). A part in `ran` (the same
     invocation already ran in `work`, e.g. the tiny pipeline another command built) is not run again; each part that
@@ -410,10 +422,7 @@ def run_one(parts: list[list[str]], work: Path, ran: set | None = None) -> tuple
         program = [*program, *small]
         threads = torch.get_num_threads()
         if kind == "launcher":  # the launcher's own module, its arguments as documented, then SMALL
-            launch = _strip(argv)
-            exe, args = ((["accelerate.commands.launch"], launch[2:]) if launch[0] == "accelerate"
-                         else (["torch.distributed.run"], launch[1:]))
-            cmd = [sys.executable, "-m", *exe, *args, *small]
+            cmd = launcher_command(argv, small)
             env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
             p = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)
             log.write(p.stdout[-3000:] + p.stderr[-3000:])
@@ -489,6 +498,19 @@ def test_every_documented_command_is_run_or_skipped_with_a_reason():
             _program(argv)  # raises for a command form this test cannot run
             holes = [t for t in argv if PLACEHOLDER.match(t) or t == "..." or t.endswith("=...")]
             assert not holes, f"{text!r} ({c.where}) has placeholders {holes}: a synopsis? add it to SKIP with the reason"
+
+
+def test_every_documented_launch_runs_on_a_free_port():
+    # the suite runs as two pytest-xdist workers (tests/conftest.py): a launch on accelerate's default port 29500
+    # fails ("port 29500 is already in use") while the other worker's launch holds it
+    launches = [launcher_command(argv, []) for t, c in unique(documented_commands()).items() if t not in SKIP
+                for argv in c.parts if _program(argv)[0] == "launcher"]
+    assert launches  # README runs `accelerate launch --multi_gpu --num_processes 2 scripts/train_flux.py ...`
+    for cmd in launches:
+        if cmd[2] == "accelerate.commands.launch":  # 0 (a free port) unless the command names its own
+            assert "--main_process_port" in cmd, f"accelerate on its default port 29500: {cmd}"
+        else:
+            assert "--standalone" in cmd, f"torchrun on its default port 29500: {cmd}"
 
 
 def _plan(program: list[str], procs: int) -> str:

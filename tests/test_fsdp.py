@@ -3,9 +3,10 @@
     HF_HUB_OFFLINE=1 python -m pytest tests/test_fsdp.py -q            # the end-to-end ones are marked slow
 
 Each sharded run is `accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes 2` (the
-config users run, FSDP2, one unit per transformer block), against one plain process with the same global
-batch (1 process x accumulation 4 == 2 processes x 2) over 3 iterations: every metric row and the gathered
-checkpoint (trainable weights, EMA, optimizer moments) agree to rtol 1e-5. Adam's eps = 1 keeps an update
+config users run, FSDP2, one unit per transformer block), against one plain process (the script run in the
+test process: run_here) with the same global batch (1 process x accumulation 4 == 2 processes x 2) over 3
+iterations: every metric row and the gathered checkpoint (trainable weights, EMA, optimizer moments) agree to
+rtol 1e-5. Adam's eps = 1 keeps an update
 proportional to its gradient, as in tests/test_distributed.py: with a tiny eps Adam turns the float noise of a
 zero gradient (attention key biases) into full-size steps of random sign.
 
@@ -88,6 +89,33 @@ def run(nproc: int, target: list[str], args: list[str], out: Path, launch: tuple
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout + proc.stderr
+
+
+def run_here(target: list[str], args: list[str], out: Path) -> str:
+    """run(1, ...) in the test process: the script `target` run as __main__ (the code `python TARGET` runs, without
+    a second start-up of torch, diffusers, peft and transformers: seconds), its output; it must exit 0. The one-process
+    reference of a comparison: a plain process initialises no process group, and none may be left behind (a later
+    test in this process would inherit it); the thread count it sets is put back."""
+    import contextlib
+    import io
+    import runpy
+
+    import torch.distributed as dist
+
+    threads, log, argv = torch.get_num_threads(), io.StringIO(), sys.argv
+    sys.argv = [*target, *args, "--out", str(out)]
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            runpy.run_path(target[0], run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    finally:
+        sys.argv = argv
+        torch.set_num_threads(threads)
+    assert code in (0, None), log.getvalue()[-5000:]
+    assert not dist.is_initialized(), "the one-process run left a process group initialised"
+    return log.getvalue()
 
 
 def run_killed_after(nproc: int, target: list[str], args: list[str], out: Path, checkpoint: int) -> None:
@@ -228,7 +256,7 @@ def test_fsdp_full_finetune_flux_equals_one_process_and_resumes_past_a_kill(tiny
     script = [str(ROOT / "scripts" / "train_flux.py")]
     args = flux_args(tiny_flux, "train.lora.enabled=false", "train.kl_beta=0.1", "train.ema_decay=0.9")
     one, two, killed = tmp_path / "one", tmp_path / "two", tmp_path / "killed"
-    run(1, script, [*args, "train.grad_accum=4"], one)
+    run_here(script, [*args, "train.grad_accum=4"], one)
     out = run(2, script, [*args, "train.grad_accum=2"], two)
     assert "difrl: FSDP2 over 2 processes: 3 units (2 blocks of FluxSingleTransformerBlock, FluxTransformerBlock" in out
     assert "(the frozen reference sharded the same way)" in out
@@ -259,7 +287,7 @@ def test_fsdp_lora_flux_equals_one_process_and_loads_in_diffusers(tiny_flux, tmp
     script = [str(ROOT / "scripts" / "train_flux.py")]
     args = flux_args(tiny_flux, "train.kl_beta=0.1")  # LoRA (the config's): the reference is the adapter switched off
     one, two = tmp_path / "one", tmp_path / "two"
-    run(1, script, [*args, "train.grad_accum=4"], one)
+    run_here(script, [*args, "train.grad_accum=4"], one)
     assert "difrl: FSDP2 over 2 processes" in run(2, script, [*args, "train.grad_accum=2"], two)
     assert_same_runs(one, two)
     trained = {k.split("/", 1)[1]: v for k, v in checkpoint_tensors(two, 3).items() if k.startswith("trainable/")}

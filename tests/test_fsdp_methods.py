@@ -3,10 +3,10 @@
     HF_HUB_OFFLINE=1 python -m pytest tests/test_fsdp_methods.py -q          # the end-to-end ones are marked slow
 
 End to end: `accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes 2` (2 CPU processes, gloo)
-against one plain process with the same global batch (8 samples per iteration; 1 process accumulates twice the
-micro-batches of each of the 2), the tiny FLUX pipeline, 3 iterations: every metric row, the final evaluation and
-the trained weights, EMA and AdamW moments of the last checkpoint agree to rtol 1e-5 (tests/test_fsdp.py's
-helpers and fixture, imported). Three runs, each exercising several things:
+against one plain process (the script run in the test process) with the same global batch (8 samples per
+iteration; 1 process accumulates twice the micro-batches of each of the 2), the tiny FLUX pipeline, 3 iterations:
+every metric row, the final evaluation and the trained weights, EMA and AdamW moments of the last checkpoint agree
+to rtol 1e-5 (tests/test_fsdp.py's helpers and fixture, imported). Three runs, each exercising several things:
 a. flat GRPO, **full fine-tuning** (every linear weight moves, so the copy must follow the sharded weights after
    each update), an fp8 rollout copy (per-tensor scales: the copy quantizes each gathered weight whole) synced every
    2 iterations (a stale copy: its source is a sharded EMA), corrected by batch-normalised TIS (token_tis_bn:
@@ -28,7 +28,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_fsdp import ROOT, checkpoint_tensors, flux_args, rows, run, tiny_flux  # noqa: F401
+from test_fsdp import ROOT, checkpoint_tensors, flux_args, rows, run, run_here, tiny_flux  # noqa: F401
 from test_fsdp import assert_same_runs as same_runs
 
 SCRIPT = [str(ROOT / "scripts" / "train_flux.py")]
@@ -62,7 +62,7 @@ def assert_same_runs(a, b, iteration: int = 3) -> None:
 def one_and_two(tmp_path_factory, tiny_flux, name: str, extra: list[str], accum_one: int, accum_two: int):
     """The one-process reference and the FSDP run of one config: (its directory, the 2-process directory, output)."""
     base = tmp_path_factory.mktemp(name)
-    run(1, SCRIPT, flux_args(tiny_flux, *extra, f"train.grad_accum={accum_one}"), base / "one")
+    run_here(SCRIPT, flux_args(tiny_flux, *extra, f"train.grad_accum={accum_one}"), base / "one")  # in this process
     out = run(2, SCRIPT, flux_args(tiny_flux, *extra, f"train.grad_accum={accum_two}"), base / "two")
     return base / "one", base / "two", out
 

@@ -3,16 +3,17 @@
     HF_HUB_OFFLINE=1 python -m pytest tests/test_masked_dp.py -q          # the end-to-end ones are marked slow
 
 Each world (Sudoku; the text task with the bundled BertForMaskedLM, tied embeddings) is trained once on one plain
-process (a module-scoped reference shared by the DDP and the FSDP comparison) and on 2 processes launched by
-`accelerate launch --config_file configs/accelerate/{ddp,fsdp}.yaml --num_processes 2`, with the same command-line
-keys: `train.micro_batch=auto` gives 1 process one micro-batch of all samples and each of 2 processes one of half
-of them, one optimizer update per inner update either way. Over 3 iterations every metric row, the evaluation after
-training and the checkpoint (weights, AdamW moments) agree within rtol 1e-5 (tests/test_fsdp.py's assert_same_runs);
-only the first micro-step's |log ratio| is float noise of different micro-batches on either side (checked below the
-ratio check's tolerance instead). Adam's eps = 1 keeps an update proportional to its gradient (tests/test_fsdp.py)
-and lr = 0.1 moves a weight by about a tenth of it: the float noise of the two sides' different micro-batches (12 or
-8 sequences in one forward against 6 or 4) then stays below rtol 1e-5 (with lr = 1 the text world's token-type
-embedding differed by 2e-7 at a value of 0.01 after 3 iterations, about 10 float32 steps).
+process (`difrl train` in the test process; a module-scoped reference shared by the DDP and the FSDP comparison) and
+on 2 processes launched by `accelerate launch --config_file configs/accelerate/{ddp,fsdp}.yaml --num_processes 2`,
+with the same command-line keys: `train.micro_batch=auto` gives 1 process one micro-batch of all samples and each of
+2 processes one of half of them, one optimizer update per inner update either way. Over 3 iterations every metric
+row, the evaluation after training and the checkpoint (weights, AdamW moments) agree within rtol 1e-5
+(tests/test_fsdp.py's assert_same_runs); only the first micro-step's |log ratio| is float noise of different
+micro-batches on either side (checked below the ratio check's tolerance instead). Adam's eps = 1 keeps an update
+proportional to its gradient (tests/test_fsdp.py) and lr = 0.1 moves a weight by about a tenth of it: the float
+noise of the two sides' different micro-batches (12 or 8 sequences in one forward against 6 or 4) then stays below
+rtol 1e-5 (with lr = 1 the text world's token-type embedding differed by 2e-7 at a value of 0.01 after 3 iterations,
+about 10 float32 steps).
 
 The Sudoku runs take external rollouts (ERILS, the solver: the last of every group, normalised by source) with 3
 groups of 4 over 2 processes, so group 1 spans them; the KL to the reference is on in both worlds. Each launch
@@ -25,7 +26,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -54,11 +54,17 @@ RESUMED = {"ddp": "sudoku", "fsdp": "text"}
 
 
 def train(world: str, out: Path, nproc: int = 1, launch: str = "ddp", *extra: str) -> str:
+    """`difrl train` of `world` on one process (in this one: tests/test_distributed.py's in_this_process, without
+    a second start-up of torch and transformers) or `nproc` launched by accelerate with the `launch` config."""
     config, keys = WORLDS[world]
-    args = ["-m", "difrl", "train", str(ROOT / "configs" / config), *COMMON, *keys, *extra, "--out", str(out)]
-    cmd = [sys.executable, *args] if nproc == 1 else [
+    args = ["train", str(ROOT / "configs" / config), *COMMON, *keys, *extra, "--out", str(out)]
+    if nproc == 1:
+        from test_distributed import in_this_process
+
+        return in_this_process(args)
+    cmd = [
         str(ACCELERATE), "launch", "--config_file", str(ROOT / "configs" / "accelerate" / f"{launch}.yaml"),
-        "--num_processes", str(nproc), "--main_process_port", str(free_port()), *args]
+        "--num_processes", str(nproc), "--main_process_port", str(free_port()), "-m", "difrl", *args]
     proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout + proc.stderr

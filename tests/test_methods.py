@@ -290,10 +290,17 @@ def latest_weights_or_base(run_dir: Path):
 
 
 def _launch(out: Path, nproc: int, method: str, *overrides: str) -> None:
+    """`difrl train configs/digits_METHOD.yaml` on one process (in this one: tests/test_distributed.py's
+    in_this_process) or a torchrun launch of `nproc`."""
+    args = ["train", str(ROOT / "configs" / f"digits_{method}.yaml"), *overrides, "--out", str(out)]
+    if nproc == 1:
+        from test_distributed import in_this_process
+
+        in_this_process(args)
+        return
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    launch = [sys.executable, "-m", "difrl"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "difrl"]
-    cmd = [*launch, "train", str(ROOT / "configs" / f"digits_{method}.yaml"), *overrides, "--out", str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "difrl",
+           *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 

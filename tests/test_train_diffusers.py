@@ -216,16 +216,23 @@ COMMON = ["train.micro_batch=4", "train.adam_eps=1.0", "train.lr=1.0", "train.we
 
 
 def _launch(out: Path, nproc: int, path: Path, grad_accum: int) -> None:
+    """scripts/train_flux.py on one process (in this one: tests/test_fsdp.py's run_here, without a second start-up
+    of torch and diffusers) or `accelerate launch --multi_gpu` of `nproc`."""
+    args = [str(CONFIG), f"model.path={path}", *SMALL, *COMMON, f"train.grad_accum={grad_accum}"]
+    if nproc == 1:
+        from test_fsdp import run_here
+
+        run_here([str(ROOT / "scripts" / "train_flux.py")], args, out)
+        return
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    script = [str(ROOT / "scripts" / "train_flux.py"), str(CONFIG), f"model.path={path}", *SMALL, *COMMON,
-              f"train.grad_accum={grad_accum}", "--out", str(out)]
-    cmd = [sys.executable, *script] if nproc == 1 else [
+    script = [str(ROOT / "scripts" / "train_flux.py"), *args, "--out", str(out)]
+    cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", *script]
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", "0", *script]  # 0: a free port (the default, 29500, may be another test's, tests/conftest.py)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    if nproc > 1:
-        assert f"{nproc} process(es)" in proc.stdout + proc.stderr
+    assert f"{nproc} process(es)" in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow  # end to end, several seconds: left out by `make test-fast`
