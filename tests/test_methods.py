@@ -290,7 +290,7 @@ def latest_weights_or_base(run_dir: Path):
 
 
 def _launch(out: Path, nproc: int, method: str, *overrides: str) -> None:
-    """`difrl train configs/digits_METHOD.yaml` on one process (in this one: tests/test_distributed.py's
+    """`difrl train configs/digits_<method>.yaml` on one process (in this one: tests/test_distributed.py's
     in_this_process) or a torchrun launch of `nproc`."""
     args = ["train", str(ROOT / "configs" / f"digits_{method}.yaml"), *overrides, "--out", str(out)]
     if nproc == 1:

@@ -81,7 +81,7 @@ def test_embeddings_equal_the_option_off(kind, tiny):
     """On the CPU for real: the same encoders run the same ops on the same device, so the embeddings (prompts, with
     and without the cache, and the negative prompt) are bitwise equal to the option off: tolerance 0. The moves
     happen (each _encode_batch sees the encoders on the transformer's device, moved there and back)."""
-    from difrl.models import diffusers_base
+    from difrl.models import offload
     from difrl.models.adapters import load_flow_policy
 
     prompts = ["a red cube", "a blue ball", "a red cube"]
@@ -89,14 +89,14 @@ def test_embeddings_equal_the_option_off(kind, tiny):
     on = load_flow_policy(kind, tiny[kind], offload_text_encoders=True, **SIZE)
     assert off.text_encoders_home is None and on.text_encoders_home == torch.device("cpu")
     moves = []
-    move = diffusers_base.move_module
-    diffusers_base.move_module = lambda m, d: (moves.append(torch.device(d)), move(m, d))
+    move = offload.move_module  # encoders_visiting's moves
+    offload.move_module = lambda m, d: (moves.append(torch.device(d)), move(m, d))
     try:
         got = [on.encode(prompts), on.negative_cond(3)]
         on.cache_prompts = off.cache_prompts = not on.cache_prompts
         got.append(on.encode(prompts))
     finally:
-        diffusers_base.move_module = move
+        offload.move_module = move
     n_enc = len(on.text_encoders())
     # three embeddings, each: every encoder to the device, then every encoder home
     assert moves == ([on.device] * n_enc + [torch.device("cpu")] * n_enc) * 3

@@ -138,7 +138,7 @@ def load_flow_policy(kind: str, path: str | Path, **options) -> DiffusersFlowPol
     Options go to the adapter's from_pretrained (dtype, height, width, num_frames, device, ...), except
     `offload_text_encoders` (model.offload_text_encoders): the text encoders then stay on the CPU, never loaded onto
     the device, and visit it only while embedding (DiffusersFlowPolicy.offload_text_encoders)."""
-    from difrl.models.diffusers_base import TEXT_ENCODERS_HOME, text_encoders_kept_on
+    from difrl.models.offload import TEXT_ENCODERS_HOME, text_encoders_kept_on
 
     home = TEXT_ENCODERS_HOME if options.pop("offload_text_encoders", False) else None
     with text_encoders_kept_on(home):
@@ -156,7 +156,8 @@ def arch_flow_policy(kind: str, path: str | Path, **options) -> DiffusersFlowPol
     `offload_text_encoders` the text encoders are made on `text_encoders_home` (difrl plan: "meta", the simulated
     host, whose bytes no GPU holds) and offloaded there."""
     from difrl.models.arch import build_arch_pipeline
-    from difrl.models.diffusers_base import TEXT_ENCODERS_HOME, as_dtype, is_text_encoder
+    from difrl.models.diffusers_base import as_dtype
+    from difrl.models.offload import TEXT_ENCODERS_HOME, is_text_encoder
 
     cls = adapter_class(kind)
     dtype = as_dtype(options.pop("dtype", "fp32"))

@@ -100,7 +100,7 @@ def build_arch_pipeline(path: str | Path, dtype: torch.dtype, component_dtypes: 
     parameters in `dtype` (`component_dtypes` overrides it per component, e.g. Wan's VAE in fp32). Call it under
     FakeTensorMode to build a 12-billion-parameter pipeline in seconds and no memory. `text_encoders_device`: where the
     text encoders are made (difrl plan's offloaded ones: "meta", off the simulated GPU); None: the default device."""
-    from difrl.models.diffusers_base import is_text_encoder
+    from difrl.models.offload import is_text_encoder
 
     import diffusers
     from torch._subclasses.fake_tensor import unset_fake_temporarily

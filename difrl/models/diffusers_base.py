@@ -25,13 +25,13 @@ in fp32 (the `_guide` hook: Qwen-Image rescales it to the conditional velocity's
 conditional forward. The negative prompt (default "", Flow-GRPO's choice, docs/reference/specs/flow-grpo-family.md §2.6)
 is set per policy (`negative_prompt=`), embedded once and cached. FLUX overrides this (`flux.py`: embedded distilled
 guidance). Each family file gives its latent shape and timestep scaling. With model.offload_text_encoders the text
-encoders live on the CPU and `encode` / `negative_cond` move them to the transformer's device around `_encode_batch`.
+encoders live on the CPU (difrl/models/offload.py) and `encode` / `negative_cond` move them to the transformer's
+device around `_encode_batch`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import json
 import os
@@ -41,11 +41,8 @@ import torch
 from torch import nn
 
 from difrl.models.base import DEFAULT_QUANT_PRESET, ComputeDevice, Cond, autocast_to
-
-# where offloaded text encoders live between embeddings (model.offload_text_encoders); difrl plan puts them on "meta"
-TEXT_ENCODERS_HOME = torch.device("cpu")
-# the home of the text encoders a load in progress keeps off the device (text_encoders_kept_on), None: none kept off
-_loading_home: contextvars.ContextVar[torch.device | None] = contextvars.ContextVar("text_encoders_home", default=None)
+from difrl.models.offload import (TEXT_ENCODERS_HOME, encoders_visiting, is_text_encoder, loading_home,
+                                  move_module)
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -152,39 +149,6 @@ def _families() -> list[type[DiffusersFlowPolicy]]:
     return [c for c in out if c.kind]
 
 
-def is_text_encoder(name: str) -> bool:
-    """Whether the pipeline component `name` (an nn.Module) is a text encoder: everything but the transformer(s) (Wan
-    2.2 A14B: transformer_2) and the VAE."""
-    return not name.startswith(("transformer", "vae"))
-
-
-@contextlib.contextmanager
-def text_encoders_kept_on(home: torch.device | str | None):
-    """Inside the block, DiffusersFlowPolicy._load_pipeline moves only the transformer(s) and VAE to the device and
-    leaves the text encoders on `home` (None: no change), so a 24-billion-parameter encoder never visits the GPU."""
-    token = _loading_home.set(None if home is None else torch.device(home))
-    try:
-        yield
-    finally:
-        _loading_home.reset(token)
-
-
-def move_module(module: nn.Module, device: torch.device) -> None:
-    """Move `module`'s parameters and buffers to `device` by replacing them (tied ones stay tied: each tensor is moved
-    once). Not Module.to: difrl plan's fake parameters cannot be swapped across device types (meta <-> cpu), and a
-    frozen module's parameters are held by no optimizer, so new Parameter objects are safe."""
-    moved: dict[int, torch.Tensor] = {}
-    for mod in module.modules():
-        for table, make in ((mod._parameters, lambda t: nn.Parameter(t, requires_grad=False)), (mod._buffers, None)):
-            for key, t in table.items():
-                if t is None or t.device == device:
-                    continue
-                if id(t) not in moved:
-                    new = t.detach().to(device)
-                    moved[id(t)] = make(new) if make else new
-                table[key] = moved[id(t)]
-
-
 def present_targets(module: nn.Module, candidates: tuple[str, ...]) -> list[str]:
     """The candidate LoRA target suffixes that name at least one nn.Linear in `module` (peft matches
     `name == t or name.endswith('.' + t)`); e.g. SD3's last block has no `to_add_out`."""
@@ -262,7 +226,7 @@ class DiffusersFlowPolicy(ComputeDevice):
         finally:
             if bar:
                 diffusers_logging.enable_progress_bar()
-        home = _loading_home.get()
+        home = loading_home()
         if device is not None:
             for name, comp in pipe.components.items():
                 if isinstance(comp, nn.Module) and not (home is not None and is_text_encoder(name)):
@@ -293,20 +257,8 @@ class DiffusersFlowPolicy(ComputeDevice):
     def text_encoders_on_device(self):
         """Offloaded text encoders on the transformer's device inside the block, back home after (the accelerator's
         cache emptied on CUDA, so the freed memory is the transformer's again); no-op when not offloaded."""
-        home = self.text_encoders_home
-        if home is None:
+        with encoders_visiting(list(self.text_encoders().values()), self.device, self.text_encoders_home):
             yield
-            return
-        dev, encoders = self.device, list(self.text_encoders().values())
-        for comp in encoders:
-            move_module(comp, dev)
-        try:
-            yield
-        finally:
-            for comp in encoders:
-                move_module(comp, home)
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
 
     def encode(self, prompts: list[str]) -> Cond:
         """Prompt embeddings as the pipeline computes them, [B, ...] on the model's device."""
