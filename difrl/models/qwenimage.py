@@ -155,23 +155,12 @@ class QwenImagePolicy(DiffusersFlowPolicy):
         byte-level Qwen2 tokenizer of difrl/models/tiny.py, whose template prefix is the real 34 tokens; Qwen-Image's
         scheduler config (dynamic exponential shift, shift_terminal 0.02)."""
         import diffusers
-        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+        from transformers import Qwen2_5_VLForConditionalGeneration
 
-        from difrl.models.tiny import tiny_qwen2_tokenizer
+        from difrl.models.tiny import tiny_qwen2_tokenizer, tiny_qwen25_vl_config
 
         tok = tiny_qwen2_tokenizer()
-        ids = tok.convert_tokens_to_ids
-        pad = ids("<|endoftext|>")
-        text = Qwen2_5_VLConfig(
-            text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                             rope_theta=1e6, rope_scaling={"mrope_section": [2, 2, 4], "rope_type": "default",
-                                                           "type": "default"},
-                             bos_token_id=pad, eos_token_id=pad, pad_token_id=pad),
-            vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32,
-                               fullatt_block_indexes=[0]),
-            image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-            vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
+        text = tiny_qwen25_vl_config(tok)
         return diffusers.QwenImagePipeline(
             transformer=diffusers.QwenImageTransformer2DModel(
                 patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,

@@ -152,23 +152,13 @@ class QwenImageEditPolicy(QwenImagePolicy):
         edit-template system part is the real 64 tokens, and a Qwen2VLProcessor resizing images to 56 x 56 (4 image
         tokens). Use source_size=32 with it: 32 x 32 sources, 16 latent tokens (the default 1024 costs seconds)."""
         import diffusers
-        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+        from transformers import Qwen2_5_VLForConditionalGeneration
 
-        from difrl.models.tiny import QWEN_EDIT_TEMPLATE_WORDS, tiny_qwen2_tokenizer, tiny_qwen2vl_processor
+        from difrl.models.tiny import (QWEN_EDIT_TEMPLATE_WORDS, tiny_qwen2_tokenizer, tiny_qwen2vl_processor,
+                                    tiny_qwen25_vl_config)
 
         tok = tiny_qwen2_tokenizer(QWEN_EDIT_TEMPLATE_WORDS)
-        ids = tok.convert_tokens_to_ids
-        pad = ids("<|endoftext|>")
-        text = Qwen2_5_VLConfig(
-            text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                             rope_theta=1e6, rope_scaling={"mrope_section": [2, 2, 4], "rope_type": "default",
-                                                           "type": "default"},
-                             bos_token_id=pad, eos_token_id=pad, pad_token_id=pad),
-            vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32,
-                               fullatt_block_indexes=[0]),
-            image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-            vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
+        text = tiny_qwen25_vl_config(tok)
         base = QwenImagePolicy.tiny_pipeline()  # its transformer, VAE and scheduler
         return diffusers.QwenImageEditPipeline(
             transformer=base.transformer, vae=base.vae, scheduler=base.scheduler,

@@ -256,3 +256,22 @@ def tiny_qwen2vl_processor(tokenizer, pixels: int = 56 * 56):
 
     images = Qwen2VLImageProcessor(min_pixels=pixels, max_pixels=pixels)
     return Qwen2VLProcessor(image_processor=images, tokenizer=tokenizer, video_processor=Qwen2VLVideoProcessor())
+
+
+def tiny_qwen25_vl_config(tok):
+    """A 2-layer Qwen2.5-VL of width 32 with a 1-block vision tower (Qwen-Image's and Qwen-Image-Edit's text encoder),
+    its special token ids those of `tok` (tiny_qwen2_tokenizer)."""
+    from transformers import Qwen2_5_VLConfig
+
+    ids = tok.convert_tokens_to_ids
+    pad = ids("<|endoftext|>")
+    return Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                         rope_theta=1e6, rope_scaling={"mrope_section": [2, 2, 4], "rope_type": "default",
+                                                       "type": "default"},
+                         bos_token_id=pad, eos_token_id=pad, pad_token_id=pad),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32,
+                           fullatt_block_indexes=[0]),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
