@@ -23,7 +23,8 @@ watches the digits world's accuracy too).
 difrl.train). The attributes it reads:
 
 - `cfg.model`: `dtype`, `height`, `width`, `max_sequence_length`, `negative_prompt`, `cache_prompts`,
-  `offload_text_encoders` (text encoders on the CPU between embeddings), `prompts`, `prompt_file`, `eval_prompts`, `eval_prompt_file`, `schedule` ("pipeline" or "shift"),
+  `offload_text_encoders` (text encoders on the CPU between embeddings), `prompts`, `prompt_file`, `eval_prompts`,
+  `eval_prompt_file`, `schedule` ("pipeline" or "shift"),
   `gradient_checkpointing`, `compile` (regional torch.compile of the transformer blocks), and the adapter's own
   `model_options` (Wan: `num_frames`);
 - `cfg.reward`: `weights` (name -> weight), `options` (name -> keyword arguments);
