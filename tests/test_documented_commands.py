@@ -57,7 +57,7 @@ SKIP = {
     "accelerate launch --config_file configs/accelerate/ddp.yaml --num_processes 8 scripts/train_flux.py "
     "configs/flux_flow_grpo.yaml model.path=/models/FLUX.1-dev model.prompt_file=prompts.txt train.grad_accum=24": GPU_MODEL,
     "accelerate launch --config_file configs/accelerate/ddp.yaml scripts/train_sd3.py configs/sd3_flow_grpo.yaml "
-    "model.path=... train.grad_accum=8": GPU_MODEL,
+    "model.path=... train.grad_accum=72": GPU_MODEL,
     "accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes 8 scripts/train_zimage.py "
     "configs/zimage_flow_grpo.yaml model.path=/models/Z-Image model.prompt_file=/data/prompts.txt": GPU_MODEL,
     "accelerate launch --config_file configs/accelerate/fsdp.yaml scripts/train_wan.py configs/wan_dance_grpo.yaml "
@@ -90,10 +90,10 @@ SKIP = {
     "model.path=... train.grad_accum=24": GPU_MODEL,
     "python scripts/train_flux.py configs/flux_mix_grpo.yaml model.path=... train.grad_accum=96": GPU_MODEL,
     "accelerate launch --config_file configs/accelerate/ddp.yaml scripts/train_sd3.py configs/sd3_flow_grpo.yaml "
-    "model.path=/models/sd3.5-medium model.prompt_file=prompts.txt train.grad_accum=8": GPU_MODEL,
+    "model.path=/models/sd3.5-medium model.prompt_file=prompts.txt train.grad_accum=72": GPU_MODEL,
     "accelerate launch --config_file configs/accelerate/ddp.yaml scripts/train_sd3.py configs/sd3_flow_grpo_fast.yaml "
-    "model.path=... train.grad_accum=8": GPU_MODEL,
-    "python scripts/train_sd3.py configs/sd3_flow_grpo.yaml model.path=... train.grad_accum=64": GPU_MODEL,
+    "model.path=... train.grad_accum=24": GPU_MODEL,
+    "python scripts/train_sd3.py configs/sd3_flow_grpo.yaml model.path=... train.grad_accum=576": GPU_MODEL,
     "accelerate launch --config_file configs/accelerate/fsdp.yaml scripts/train_wan.py configs/wan_dance_grpo.yaml "
     "model.path=/models/Wan2.1-T2V-1.3B-Diffusers model.prompt_file=prompts.txt train.grad_accum=24": GPU_MODEL,
     "python scripts/train_wan.py configs/wan_dance_grpo.yaml model.path=... train.grad_accum=192": GPU_MODEL,
