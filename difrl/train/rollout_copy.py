@@ -46,8 +46,8 @@ from difrl.quant.sync import merged_state_dict
 from difrl.train.precision import MasterWeights
 from difrl.train.sharding import plain_copy, reshard, shards_replaced
 from difrl.train.ema import WeightSnapshot
-from difrl.train.state import trainable_params
 from difrl.train.unit_gather import gather_full
+from difrl.utils.modules import peft_base, trainable_params
 
 
 def build_rollout_copy(cfg, policy, unwrapped, masters: MasterWeights, say, device=None,
@@ -90,15 +90,11 @@ def sync_rollout_copy(copy: RolloutCopy | None, source: WeightSnapshot | None, u
             copy.sync(unwrapped, check=False)
 
 
-def _plain(module: nn.Module) -> nn.Module:
-    return module.get_base_model() if hasattr(module, "get_base_model") else module
-
-
 def fsdp_units(net: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name in the plain model, module) of every FSDP unit of `net` below its root: the transformer blocks."""
     from torch.distributed.fsdp import FSDPModule
 
-    base = _plain(net)
+    base = peft_base(net)
     return [(n, m) for n, m in base.named_modules() if isinstance(m, FSDPModule) and m is not base and m is not net]
 
 
