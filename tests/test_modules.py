@@ -1,6 +1,6 @@
 """What every layer asks of a network, defined once (difrl/utils/modules.py): its trained parameters
 (`trainable_params`, which the gathered and the sharded checkpoints both read) and the model under a peft wrapper
-(`peft_base`, which the rollout copy's merge and the FSDP units both read).
+(`peft_base`, which the rollout copy's merge, the FSDP units and the masked policies' saved weights read).
 
     .venv/bin/python -m pytest tests/test_modules.py -q
 """
@@ -38,12 +38,13 @@ def test_peft_base_is_the_model_under_the_wrapper_and_a_plain_module_itself():
 
 def test_one_definition_each():
     # the checkpoints (gathered: difrl.train.state; sharded: difrl.train.sharded_state) read the same trained
-    # parameters, and the rollout copy's merge (difrl.quant.sync) and FSDP units (difrl.train.rollout_copy) unwrap
-    # peft the same way: no module keeps its own copy
+    # parameters, and the rollout copy's merge (difrl.quant.sync), FSDP units (difrl.train.rollout_copy) and the
+    # masked policies' state_dict_and_meta (difrl.discrete.policy) unwrap peft the same way: no module keeps its own
+    from difrl.discrete import policy
     from difrl.quant import sync
     from difrl.train import rollout_copy, sharded_state, state
 
     assert state.trainable_params is trainable_params and sharded_state.trainable_params is trainable_params
     assert not hasattr(sharded_state, "trainable")
-    assert sync.peft_base is peft_base and rollout_copy.peft_base is peft_base
+    assert sync.peft_base is peft_base and rollout_copy.peft_base is peft_base and policy.peft_base is peft_base
     assert not hasattr(sync, "_plain") and not hasattr(rollout_copy, "_plain")
