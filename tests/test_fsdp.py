@@ -520,6 +520,41 @@ def test_gather_copy_and_restore_in_one_process(tmp_path):
         dist.destroy_process_group()
 
 
+def test_shards_replaced_gives_each_sharded_parameter_one_replacement_and_puts_the_shards_back(one_process_group):
+    # the one swap of shards for full tensors (gathered, the rollout copy's unit-wise gather and meta skeleton):
+    # `full` is asked once, for the distinct sharded parameters in registration order (its collectives then run in
+    # the same order on every process); a tied parameter gets one replacement on both owners; the shards are back
+    # after the block, also when it raises; a list of modules swaps only their own parameters
+    from difrl.train.sharding import FSDPSettings, is_sharded, shard, shards_replaced
+
+    torch.manual_seed(0)
+    base = Net()
+    base.tied = torch.nn.Linear(8, 3)
+    base.tied.weight = base.out.weight  # tied inside the root unit
+    net = shard(base, ["Block"], FSDPSettings())
+    shards = dict(net.named_parameters(remove_duplicate=False))
+    assert net.tied.weight is net.out.weight and all(is_sharded(p) for p in shards.values())
+    asked = []
+
+    def full(params):
+        asked.append([id(p) for p in params])
+        return [torch.nn.Parameter(torch.full(p.shape, float(i)), requires_grad=False) for i, p in enumerate(params)]
+
+    with shards_replaced(net.modules(), full):
+        inside = dict(net.named_parameters(remove_duplicate=False))
+        assert net.tied.weight is net.out.weight and not any(is_sharded(p) for p in inside.values())
+        assert {k: tuple(p.shape) for k, p in inside.items()} == {k: tuple(p.shape) for k, p in shards.items()}
+    assert asked == [[id(p) for p in net.parameters()]] and len(asked[0]) == len(set(map(id, shards.values())))
+    assert all(p is shards[k] for k, p in net.named_parameters(remove_duplicate=False))
+    with pytest.raises(RuntimeError, match="inside the block"):
+        with shards_replaced(net.modules(), full):
+            raise RuntimeError("inside the block")
+    assert all(p is shards[k] for k, p in net.named_parameters(remove_duplicate=False))
+    with shards_replaced([net.out], full):  # its own weight and bias; the tied owner keeps the shard
+        assert not is_sharded(net.out.weight) and is_sharded(net.tied.weight) and is_sharded(net.blocks[0].fc1.weight)
+    assert net.tied.weight is net.out.weight
+
+
 def test_cpu_offload_needs_a_process_group_with_a_cpu_backend(monkeypatch):
     # offloaded shards and gradients are CPU tensors that gradient clipping and gather_to_host send through the process
     # group: on a GPU mesh the group needs a CPU backend next to NCCL, which refuses CPU tensors. A cuda:gloo group

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from difrl.models.base import ComputeDevice, Cond, HoldsNet, autocast_to
+from difrl.utils.modules import peft_base
 
 NEG = -1e9  # "minus infinity" for logits (finite: no NaN in entropies or under temperature)
 
@@ -164,7 +165,7 @@ class TinyMaskedPolicy(HoldsNet):
 
     def state_dict_and_meta(self, **extra) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """The plain network's weights and its config as safetensors metadata (merge LoRA first)."""
-        net = self.net.get_base_model() if hasattr(self.net, "get_base_model") else self.net
+        net = peft_base(self.net)
         meta = {k: str(v) for k, v in asdict(net.cfg).items()} | {k: str(v) for k, v in extra.items()}
         return dict(net.state_dict()), meta
 
@@ -337,7 +338,7 @@ class HFMaskedLM(ComputeDevice):
     def state_dict_and_meta(self, **extra) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """The plain model's weights (merge LoRA first) and its transformers config as JSON metadata: what
         the masked trainer's policy.safetensors holds; ``load_weights`` puts it back on the base directory."""
-        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        model = peft_base(self.model)
         meta = {"hf_config": model.config.to_json_string()} | {k: str(v) for k, v in extra.items()}
         return {k: v.detach().clone() for k, v in model.state_dict().items()}, meta  # clone: tied weights share memory
 

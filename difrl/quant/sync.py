@@ -34,7 +34,7 @@ from torch import nn
 
 from difrl.quant import formats as F
 from difrl.quant.linear import QuantLinear, QuantReport, differs, quantize_module, quantized_layers
-from difrl.utils.modules import use_module
+from difrl.utils.modules import peft_base, use_module
 
 
 class WeightSyncError(RuntimeError):
@@ -43,11 +43,6 @@ class WeightSyncError(RuntimeError):
 
 def _is_lora_layer(m: nn.Module) -> bool:
     return hasattr(m, "get_delta_weight") and hasattr(m, "base_layer") and hasattr(m, "active_adapters")
-
-
-def _plain(module: nn.Module) -> nn.Module:
-    """The model under a peft wrapper (PeftModel -> its base model with LoRA layers injected)."""
-    return module.get_base_model() if hasattr(module, "get_base_model") else module
 
 
 def _under(name: str, prefixes: tuple[str, ...]) -> bool:
@@ -59,7 +54,7 @@ def merged_state_dict(module: nn.Module, exclude: tuple[str, ...] = ()) -> dict[
     """State dict of `module` with every active LoRA adapter merged into its base weight, keyed by the plain
     model's names (no peft prefixes, no `.base_layer`). The training module itself is not modified. `exclude`:
     submodule names (plain names) whose tensors are left out (a sharded policy's other FSDP units)."""
-    base = _plain(module)
+    base = peft_base(module)
     out = {k.replace(".base_layer.", "."): v for k, v in base.state_dict().items()
            if ".lora_" not in k and not _under(k.rpartition(".")[0].replace(".base_layer", ""), exclude)}
     for name, m in base.named_modules():
@@ -101,13 +96,13 @@ class RolloutCopy:
         self.weights = weights if weights is not None else (lambda source: [merged_state_dict(source)])
         if skeleton is None:
             with torch.no_grad():
-                plain = copy.deepcopy(_plain(module))
+                plain = copy.deepcopy(peft_base(module))
                 plain = _unload_lora(plain)  # peft layers -> their base linears (sync merges the deltas in)
             self.module: nn.Module = plain.requires_grad_(False).eval()
             # fp32: an exact copy (a stale rollout policy without quantization)
             self.report: QuantReport = QuantReport(fmt) if fmt == "fp32" else quantize_module(self.module, fmt, skip, min_dim, backend)
         else:
-            self.module = _unload_lora(_plain(skeleton)).requires_grad_(False).eval()
+            self.module = _unload_lora(peft_base(skeleton)).requires_grad_(False).eval()
             self.report = QuantReport(fmt)
             for part in self.weights(module):
                 filled = _materialize(self.module, part, device)

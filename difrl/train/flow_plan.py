@@ -21,7 +21,7 @@ what the config says; on P processes S is 1/P of the samples, the micro-batch sh
 covers all of them (no grad_accum to halve). Memory per forward/backward is what moves: the banner prints the
 chosen size. An explicit micro_batch fixes the work per backward instead (on GPUs, memory); the updates then
 follow from it, a value that does not divide is refused with the nearest ones that do (micro_batch and
-grad_accum), and a config that also names updates_per_epoch must agree with it (the FLUX / SD3 / Wan configs are
+grad_accum; the solver both trainers share: difrl/train/micro_batches.py), and a config that also names updates_per_epoch must agree with it (the FLUX / SD3 / Wan configs are
 sized for a number of GPUs: on another, the error gives the grad_accum that keeps their updates per rollout).
 
 Every process runs the same number of policy forwards (docs/architecture.md, Many processes): under FSDP2 each forward
@@ -49,6 +49,7 @@ from difrl.config import ConfigError
 from difrl.samplers import step_masks as sampler_step_masks
 from difrl.train.config import FlowConfig
 from difrl.train.matching_objectives import MATCHING_OBJECTIVES, trained_sigmas
+from difrl.train.micro_batches import auto_options, divisors, explicit_options, nearest, own_updates, updates_options
 
 
 class MicroBatching(NamedTuple):
@@ -97,21 +98,6 @@ def _splits(cfg: FlowConfig) -> bool:
     return cfg.train.objective in ("grpo", "dppo") and cfg.train.policy_loss == "ppo_clip"
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0] if n > 0 else []
-
-
-def _nearest(valid, x: int) -> list[int]:
-    """The valid values next to x: the largest below and the smallest above (x itself if valid)."""
-    valid = list(valid)
-    below, above = [v for v in valid if v <= x], [v for v in valid if v >= x]
-    return sorted({*(below[-1:] if below else []), *(above[:1] if above else [])})
-
-
-def _either(key: str, values: list[int]) -> str:
-    return f"train.{key}=" + " or ".join(map(str, values))
-
-
 def _auto_choice(n_samples: int, T: int, U: int, ga: int) -> str:
     """'train.micro_batch=auto (...)' when auto divides this rollout, else ''."""
     if n_samples % (U * ga):
@@ -124,11 +110,7 @@ def _explicit_problem(cfg: FlowConfig, T: int, n_samples: int) -> str:
     """An explicit micro_batch that does not cut this rollout: what is wrong, and the nearest values that work."""
     mb, ga, want, X = cfg.train.micro_batch, cfg.train.grad_accum, cfg.train.updates_per_epoch, n_samples * T
     whole = not _splits(cfg)
-    ok = lambda m, g: X % (m * g) == 0 and (m % T == 0 or not whole) and want in (None, X // (m * g))  # noqa: E731
-    mbs, gas = [m for m in _divisors(X) if ok(m, ga)], [g for g in _divisors(X) if ok(mb, g)]
-    options = [f"{_either('micro_batch', _nearest(mbs, mb))} (with train.grad_accum={ga})" if mbs else "",
-               f"{_either('grad_accum', _nearest(gas, ga))} (with train.micro_batch={mb})" if gas else "",
-               _auto_choice(n_samples, T, want or 1, ga)]
+    options = explicit_options(X, mb, ga, want, _auto_choice(n_samples, T, want or 1, ga), T if whole else 1)
     if mb % T and whole:
         what = ("DiffusionNFT's loss" if cfg.train.objective == "nft" else f"train.policy_loss={cfg.train.policy_loss}"
                 if cfg.train.objective in ("grpo", "dppo") else f"train.objective={cfg.train.objective}'s loss")
@@ -138,14 +120,11 @@ def _explicit_problem(cfg: FlowConfig, T: int, n_samples: int) -> str:
         head = (f"each process has {n_samples} samples x {T} trained steps = {X} transitions per iteration, not a "
                 f"multiple of train.micro_batch x train.grad_accum = {mb} x {ga} = {mb * ga} (train.micro_batch "
                 f"counts transitions)")
-    return head + ": use " + ", or ".join(o for o in options if o)
+    return head + ": use " + ", or ".join(options)
 
 
 def _auto_problem(n_samples: int, U: int, ga: int, want: int | None) -> str:
-    ok_ga = [g for g in _divisors(n_samples // U) if n_samples % (U * g) == 0] if n_samples % U == 0 else []
-    ok_u = [u for u in _divisors(n_samples // ga) if n_samples % (u * ga) == 0] if n_samples % ga == 0 else []
-    options = ([f"{_either('grad_accum', _nearest(ok_ga, ga))}"] if ok_ga else []) + \
-              ([f"{_either('updates_per_epoch', _nearest(ok_u, U))}"] if ok_u else [])
+    options = auto_options(n_samples, U, ga)
     updates = f"train.updates_per_epoch x train.grad_accum = {U} x {ga}" if want else f"train.grad_accum = {ga}"
     return (f"train.micro_batch=auto takes whole samples, but each process's {n_samples} samples do not split into "
             f"{updates} micro-batches: use " + (", or ".join(options) or "an explicit train.micro_batch"))
@@ -158,20 +137,13 @@ def _updates_problem(cfg: FlowConfig, T: int, tree_mode: bool, n_records: int, w
     got = -(-X // (mb * ga)) if tree_mode else X // (mb * ga)  # (flat: divides, checked before)
     if got == want:
         return ""
-    options = []
-    if not tree_mode:
-        if X % (want * mb) == 0:
-            options.append(f"train.grad_accum={X // (want * mb)} (with train.micro_batch={mb})")
-        m = X // (want * ga)
-        if X % (want * ga) == 0 and (m % T == 0 or _splits(cfg)):
-            options.append(f"train.micro_batch={m} (with train.grad_accum={ga})")
+    options = [] if tree_mode else updates_options(X, mb, ga, want, 1 if _splits(cfg) else T)
     if auto := ("train.micro_batch=auto" if tree_mode else _auto_choice(n_records, T, want, ga)):
         options.append(auto)
     return (f"train.micro_batch x train.grad_accum = {mb} x {ga} = {mb * ga} transitions per update make {got} "
             f"optimizer update(s) per pass over each process's {X} "
             f"{'edges trained after pruning' if tree_mode else 'transitions'}, but "
-            f"train.updates_per_epoch={want}: use " + ", or ".join(options + [f"train.updates_per_epoch={got} (or null) to "
-                                                                       "take these"]))
+            f"train.updates_per_epoch={want}: use " + ", or ".join(options + [own_updates(got)]))
 
 
 def thread_note(threads_set: bool) -> str:
@@ -334,8 +306,8 @@ def refuse_split_forests(cfg: FlowConfig, world_size: int) -> None:
     if R == 1 or P % world_size == 0:  # one tree per group: an uneven split is refuse_uneven_forwards'
         return
     per = P * R / world_size
-    prompts = _nearest([p for p in range(world_size, P + world_size + 1, world_size)], P)
-    procs = _divisors(P)
+    prompts = nearest([p for p in range(world_size, P + world_size + 1, world_size)], P)
+    procs = divisors(P)
     procs_text = " or ".join(map(str, procs)) if len(procs) < 3 else ", ".join(map(str, procs[:-1])) + f" or {procs[-1]}"
     raise ConfigError(f"a forest of tree.roots={R} trees per prompt is one group (its advantages are normalised over "
                       f"its trees, per depth, on one process), but rollout.prompts_per_iter={P} prompts x {R} trees "

@@ -21,7 +21,8 @@ grad_accum) sequences per micro-batch, so a config makes the same optimizer upda
 processes (the bundled masked configs use it). Each process shuffles its own samples into its micro-batches (as the
 flow trainer does), so with more than one update per pass the samples that share an update differ from one process's
 (the same number of updates of the same size); with one update per pass the update is one process's. An explicit micro_batch fixes the memory per backward; the updates
-then follow from it, and a value that does not divide S is refused with the nearest ones that do. On P processes
+then follow from it, and a value that does not divide S is refused with the nearest ones that do (the solver both
+trainers share: difrl/train/micro_batches.py). On P processes
 each update's gradient is the mean of the processes' (DDP or FSDP2), each of them divided by 1/P of the update's
 loss-token count summed over processes (`update_tokens`), so an update equals one process's update of the same
 samples. One process runs the same code (without the split).
@@ -43,7 +44,7 @@ from typing import NamedTuple
 import torch
 
 from difrl.config import ConfigError
-from difrl.train.flow_plan import _divisors, _either, _nearest
+from difrl.train.micro_batches import auto_options, explicit_options, nearest, own_updates, updates_options
 from difrl.train.unit_gather import units_gathered as rollout_forwards  # noqa: F401 (the masked trainer's name)
 from difrl.utils.collectives import gather, gather_max, reduce
 
@@ -91,8 +92,8 @@ def plan_masked_iteration(cfg, world_size: int, rank: int) -> MaskedPlan:
         gs = [g for g in range(2, 2 * G + world_size + 1) if (P * g) % world_size == 0]
         raise ConfigError(f"{n_total} samples per iteration (rollout.prompts_per_iter x rollout.group_size = {P} x {G}) "
                           f"do not split over {world_size} processes: use rollout.prompts_per_iter="
-                          f"{' or '.join(map(str, _nearest(ps, P)))} (with rollout.group_size={G}), or rollout.group_size="
-                          f"{' or '.join(map(str, _nearest(gs, G)))} (with rollout.prompts_per_iter={P})",
+                          f"{' or '.join(map(str, nearest(ps, P)))} (with rollout.group_size={G}), or rollout.group_size="
+                          f"{' or '.join(map(str, nearest(gs, G)))} (with rollout.prompts_per_iter={P})",
                           "rollout.prompts_per_iter")
     S = n_total // world_size
     micro, updates = micro_batching(cfg, S, world_size)
@@ -106,30 +107,21 @@ def micro_batching(cfg, S: int, world_size: int) -> tuple[int, int]:
     if mb == "auto":
         U = want or 1
         if S % (U * ga):
-            ok_ga = [g for g in _divisors(S) if S % (U * g) == 0]
-            ok_u = [u for u in _divisors(S) if S % (u * ga) == 0]
-            options = ([_either("grad_accum", _nearest(ok_ga, ga))] if ok_ga else []) + \
-                ([_either("updates_per_epoch", _nearest(ok_u, U))] if ok_u else [])
+            options = auto_options(S, U, ga)
             raise ConfigError(f"train.micro_batch=auto takes whole sequences, but {where}, which do not split into "
                               f"train.updates_per_epoch x train.grad_accum = {U} x {ga} micro-batches: use "
                               + ", or ".join(options), "train.grad_accum")
         return S // (U * ga), U
     if S % (mb * ga):
-        ok = lambda m, g: S % (m * g) == 0 and want in (None, S // (m * g))  # noqa: E731
-        mbs, gas = [m for m in _divisors(S) if ok(m, ga)], [g for g in _divisors(S) if ok(mb, g)]
-        options = [f"{_either('micro_batch', _nearest(mbs, mb))} (with train.grad_accum={ga})" if mbs else "",
-                   f"{_either('grad_accum', _nearest(gas, ga))} (with train.micro_batch={mb})" if gas else "",
-                   f"train.micro_batch=auto ({S // ((want or 1) * ga)} sequences per micro-batch)"
-                   if S % ((want or 1) * ga) == 0 else ""]
+        auto = f"train.micro_batch=auto ({S // ((want or 1) * ga)} sequences per micro-batch)"
+        options = explicit_options(S, mb, ga, want, auto if S % ((want or 1) * ga) == 0 else "")
         raise ConfigError(f"{where} per iteration (rollout.prompts_per_iter x rollout.group_size / processes), not a "
                           f"multiple of train.micro_batch x train.grad_accum = {mb} x {ga} = {mb * ga}: use "
-                          + ", or ".join(o for o in options if o), "train.micro_batch")
+                          + ", or ".join(options), "train.micro_batch")
     got = S // (mb * ga)
     if want is not None and got != want:
-        options = ([f"train.grad_accum={S // (want * mb)} (with train.micro_batch={mb})"] if S % (want * mb) == 0 else []) \
-            + ([f"train.micro_batch={S // (want * ga)} (with train.grad_accum={ga})"] if S % (want * ga) == 0 else []) \
-            + (["train.micro_batch=auto"] if S % (want * ga) == 0 else []) \
-            + [f"train.updates_per_epoch={got} (or null) to take these"]
+        options = updates_options(S, mb, ga, want) + (["train.micro_batch=auto"] if S % (want * ga) == 0 else []) \
+            + [own_updates(got)]
         raise ConfigError(f"train.micro_batch x train.grad_accum = {mb} x {ga} make {got} optimizer update(s) per pass "
                           f"when {where}, but train.updates_per_epoch={want}: use " + ", or ".join(options),
                           "train.updates_per_epoch")

@@ -38,18 +38,16 @@ Tested on 2 CPU processes (gloo, tests/test_fsdp_methods.py): equal to one proce
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 from torch import nn
 
 from difrl.quant import RolloutCopy
 from difrl.quant.sync import merged_state_dict
 from difrl.train.precision import MasterWeights
-from difrl.train.sharding import is_sharded, plain_copy, reshard
+from difrl.train.sharding import plain_copy, reshard, shards_replaced
 from difrl.train.ema import WeightSnapshot
-from difrl.train.state import trainable_params
 from difrl.train.unit_gather import gather_full
+from difrl.utils.modules import peft_base, trainable_params
 
 
 def build_rollout_copy(cfg, policy, unwrapped, masters: MasterWeights, say, device=None,
@@ -92,41 +90,23 @@ def sync_rollout_copy(copy: RolloutCopy | None, source: WeightSnapshot | None, u
             copy.sync(unwrapped, check=False)
 
 
-def _plain(module: nn.Module) -> nn.Module:
-    return module.get_base_model() if hasattr(module, "get_base_model") else module
-
-
 def fsdp_units(net: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name in the plain model, module) of every FSDP unit of `net` below its root: the transformer blocks."""
     from torch.distributed.fsdp import FSDPModule
 
-    base = _plain(net)
+    base = peft_base(net)
     return [(n, m) for n, m in base.named_modules() if isinstance(m, FSDPModule) and m is not base and m is not net]
 
 
-@contextmanager
 def _full(modules, device, dtype_of: dict[int, torch.dtype]):
     """Inside the block the sharded parameters of `modules` (their own, not their children's) are replaced by their
     full values in the dtypes the copy keeps (`dtype_of`: by id, default the parameter's own) on `device`: one
     all-gather per dtype for all of them (unit_gather.gather_full; every process, same order); the shards are put
-    back after."""
-    owners, params = [], {}
-    for mod in modules:
-        for name, p in list(mod._parameters.items()):
-            if p is not None and is_sharded(p):
-                owners.append((mod, name, p))
-                params.setdefault(id(p), p)  # tied parameters: gathered once
-    fulls = gather_full(list(params.values()), [dtype_of.get(i, p.dtype) for i, p in params.items()])
-    full_of = {i: nn.Parameter(f.to(device) if device is not None else f, requires_grad=False)
-               for i, f in zip(params, fulls)}
-    del fulls
-    for mod, name, p in owners:
-        mod._parameters[name] = full_of[id(p)]
-    try:
-        yield
-    finally:
-        for mod, name, p in owners:
-            mod._parameters[name] = p
+    back after (sharding.shards_replaced)."""
+    def full(params):
+        fulls = gather_full(params, [dtype_of.get(id(p), p.dtype) for p in params])
+        return [nn.Parameter(f.to(device) if device is not None else f, requires_grad=False) for f in fulls]
+    return shards_replaced(modules, full)
 
 
 def sharded_weights(device=None, loaded: dict[str, torch.dtype] | None = None):
@@ -167,17 +147,9 @@ def sharded_skeleton(net: nn.Module, loaded: dict[str, torch.dtype]) -> nn.Modul
     meta tensors of the full shapes, in the dtypes the copy keeps (`loaded`: MasterWeights.loaded, the dtype an
     upcast parameter was loaded in; else the parameter's own). Nothing is gathered and nothing allocated."""
     dtype_of = {id(p): loaded.get(n, p.dtype) for n, p in net.named_parameters()}
-    held, meta = [], {}
-    for mod in net.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is not None and is_sharded(p):
-                if id(p) not in meta:  # tied parameters stay tied
-                    meta[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype_of.get(id(p), p.dtype), device="meta"),
-                                               requires_grad=False)
-                held.append((mod, name, p))
-                mod._parameters[name] = meta[id(p)]
-    try:
+
+    def meta(params):  # full shapes, no data
+        return [nn.Parameter(torch.empty(p.shape, dtype=dtype_of.get(id(p), p.dtype), device="meta"),
+                             requires_grad=False) for p in params]
+    with shards_replaced(net.modules(), meta):
         return plain_copy(net)
-    finally:
-        for mod, name, p in held:
-            mod._parameters[name] = p

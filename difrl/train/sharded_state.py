@@ -30,13 +30,13 @@ the samples are cut by their global index, so no RNG stream or data order belong
 
 from __future__ import annotations
 
-import shutil
 import warnings
 from pathlib import Path
 
 import torch
 
 from difrl.train.sharding import reshard
+from difrl.utils.modules import trainable_params
 
 class CheckpointError(ValueError):
     """A checkpoint that fails its manifest or does not load; names the checkpoint and the file (difrl.train.state
@@ -64,18 +64,13 @@ def checkpoint_format(cfg, run_dir: Path, sharded: bool) -> str:
     return fmt
 
 
-def trainable(module) -> dict[str, torch.Tensor]:
-    """The trained parameters by name (difrl.train.state.trainable_params; not imported: state imports this)."""
-    return {k: p for k, p in module.named_parameters() if p.requires_grad}
-
-
 def is_sharded_checkpoint(path: Path) -> bool:
     return (Path(path) / METADATA).exists()
 
 
 def state_tensors(module, optimizer, ema, extras: dict | None) -> dict[str, torch.Tensor]:
     """The flat dict DCP saves: live tensors (DTensor shards under FSDP), no copies."""
-    params = trainable(module)
+    params = trainable_params(module)
     out = {f"trainable/{k}": p.detach() for k, p in params.items()}
     if ema is not None:
         out |= {f"ema/{k}": v for k, v in ema.shadow.items()}
@@ -159,7 +154,7 @@ def load_sharded(path: Path, module, optimizer, ema, extras: dict | None, metada
     objective is a ValueError naming what differs; unreadable files a CheckpointError."""
     metadata = metadata or read_metadata(path)
     meta = metadata.state_dict_metadata
-    params = trainable(module)
+    params = trainable_params(module)
     saved = {k.split("/", 1)[1] for k in meta if k.startswith("trainable/")}
     if saved != set(params):
         extra, missing = sorted(saved - set(params)), sorted(set(params) - saved)

@@ -365,10 +365,9 @@ def like(ref: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 
 @contextmanager
 def gathered(module: nn.Module, keep: bool = True):
-    """Inside the block `module`'s sharded parameters are replaced by their full values (fp32 masters), so saving it
-    (save_pretrained, save_lora, a merged checkpoint) works as unsharded; the shards are put back after. Tied
-    parameters stay tied. No forward may run inside. Collective: every process enters it (each parameter is
-    all-gathered, in the same order everywhere).
+    """Inside the block `module`'s sharded parameters are replaced by their full values (fp32 masters; shards_replaced),
+    so saving it (save_pretrained, save_lora, a merged checkpoint) works as unsharded. No forward may run inside.
+    Collective: every process enters it (each parameter is all-gathered, in the same order everywhere).
 
     `keep`: whether this process holds the full values. The final save passes keep=accelerator.is_main_process: the
     main process writes the files, and each other process drops every gathered tensor as soon as its all-gather
@@ -376,20 +375,33 @@ def gathered(module: nn.Module, keep: bool = True):
     reading one fails loudly). Without it every process would hold the whole model at once (the host memory of
     8 FLUX copies on one node)."""
     reshard(module)  # the shards registered, not what a forward left gathered (reshard_after_forward=False)
-    swapped, full_of = [], {}
-    for mod in module.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is not None and is_sharded(p):
-                if id(p) not in full_of:
-                    full = gather_to_host(p, keep)
-                    full_of[id(p)] = nn.Parameter(full if keep else torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                                  requires_grad=p.requires_grad)
-                swapped.append((mod, name, p))
-                mod._parameters[name] = full_of[id(p)]
-    try:
+
+    def full(params):  # one all-gather per parameter, in order; keep=False: each dropped at once, meta in its place
+        return [nn.Parameter(t if (t := gather_to_host(p, keep)) is not None else
+                             torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+                for p in params]
+
+    with shards_replaced(module.modules(), full):
         yield module
+
+
+@contextmanager
+def shards_replaced(modules, full):
+    """Inside the block every sharded parameter registered on `modules` (each module's own, not its children's:
+    `net.modules()` for a whole network) is replaced by its tensor from `full(params)`, and put back after (also if
+    the block raises); `params`: the distinct ones in the order `modules` registers them (a collective in `full`
+    runs in the same order on every process); tied parameters stay tied. The one swap of shards for full tensors:
+    `gathered`, rollout_copy's unit-wise gather and its meta skeleton."""
+    owners = [(mod, name, p) for mod in modules for name, p in list(mod._parameters.items())
+              if p is not None and is_sharded(p)]
+    distinct = list({id(p): p for _, _, p in owners}.values())
+    replacement = dict(zip(map(id, distinct), full(distinct)))
+    for mod, name, p in owners:
+        mod._parameters[name] = replacement[id(p)]
+    try:
+        yield
     finally:
-        for mod, name, p in swapped:
+        for mod, name, p in owners:
             mod._parameters[name] = p
 
 

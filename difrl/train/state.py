@@ -48,10 +48,7 @@ from difrl.train.sharded_state import (CheckpointError, is_sharded_checkpoint, l
 from difrl.train.sharding import is_sharded, like, reshard
 from difrl.utils.io import (atomic_write_json, atomic_write_text, load_safetensors_checked, load_torch_state,
                             save_safetensors, save_torch_state)
-
-
-def trainable_params(module: nn.Module) -> dict[str, nn.Parameter]:
-    return {k: p for k, p in module.named_parameters() if p.requires_grad}
+from difrl.utils.modules import trainable_params  # noqa: F401  (used here; re-exported: the trainers import it from here)
 
 
 @dataclass
