@@ -94,16 +94,7 @@ def export(run_dir, iteration: int | None = None, out=None, log=print) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     lora = cfg.train.lora.enabled
     with masters.as_loaded(net):  # what the trainers' final save writes (flow.py / masked.py "finish")
-        if cfg.trainer == "masked":
-            save_policy(policy, net, lora, out / "policy.safetensors")
-            if lora:
-                net.save_pretrained(str(out / "lora"))
-        elif world.save_lora is None:
-            save_policy(policy, net, lora, out / "policy.safetensors")
-        elif lora:
-            world.save_lora(policy, out / "lora")
-        else:
-            net.save_pretrained(out / "transformer")
+        world.save_final(policy, net, lora, out, lambda path: save_policy(policy, net, lora, path))
     log(f"difrl export: {ckpt.path} (iteration {ckpt.iteration}, {'EMA' if ema else 'trained'} weights) -> "
         f"{', '.join(str(p) for p in sorted(out.iterdir()))}")
     return out

@@ -51,7 +51,7 @@ from difrl.train.precision import refuse_fp16, trained_network
 from difrl.train.progress import progress_bar
 from difrl.train.rundir import finished, held_stop
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, claim_run_dir,  # noqa: F401
-                                  cores_available, fmt_eval, make_optimizer, record_eval, reference_policy,
+                                  cores_available, make_optimizer, record_eval, reference_policy,
                                   save_policy)
 from difrl.train.rollout_copy import RolloutCopy, build_rollout_copy, sync_rollout_copy  # noqa: F401
 from difrl.train.sharded_step import grad_sync, take_fsdp_branches
@@ -74,9 +74,9 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
     if (summary := finished(cfg, run_dir)) is not None:  # resume= of a finished run: nothing to do (rundir.py)
         return summary
     world = build_world(cfg.model.kind, cfg.model.path, cfg)
-    # a world that runs on the CPU (the digits MLP: kernel launches would dominate on a GPU) asks for it;
+    # a world whose network is small asks for the CPU (World.on_cpu: kernel launches would dominate on a GPU);
     # without cpu=True accelerate ignores torchrun's WORLD_SIZE on a machine with no GPU
-    cpu = world.device == "cpu" or not torch.cuda.is_available()
+    cpu = world.on_cpu or not torch.cuda.is_available()
     accelerator = Accelerator(cpu=cpu, kwargs_handlers=process_group_kwargs(cpu))  # FSDP offload: a CPU backend too
     take_fsdp_branches(accelerator)  # an FSDP launch runs accelerate's FSDP code on CPU processes too (tests)
     world_size, rank = accelerator.num_processes, accelerator.process_index
@@ -97,24 +97,24 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
     train_sigmas = trained_sigmas(cfg, sigmas)  # NFT's / AWM's / DPO's / DGPO's re-noising sigmas [T], else None
 
     run = Run.open(cfg, run_dir, unwrapped, optimizer, ema, extras, accelerator, overwrite=overwrite,
-                   state={"best_fd": None, "bad_evals": 0, "stopped_early": None,
+                   state={**(world.stop.initial_state() if world.stop else {}), "stopped_early": None,  # stop counters
                           **({"gardo": gardo.state} if gardo else {})})
     if gardo is not None:
         gardo.state = run.state["gardo"]  # resumed: the checkpoint's controller and last refresh
     if run.state["eval_before"] is None:
         run.state["eval_before"] = run.state["last_eval"] = evaluate(world, policy, ema, cfg, run, "before", 0)
-        accelerator.print("eval before: " + fmt_eval(run.state["eval_before"], world.headline))
+        accelerator.print("eval before: " + world.eval_line(run.state["eval_before"]))
 
     bar = progress_bar(run.start, cfg.train.iterations, accelerator.is_main_process)  # plain lines off a terminal
     stopped, done = None, run.start  # iterations completed
     iterations = bar
-    if (held := held_stop(cfg, run.state)) is not None:  # resumed after an early stop that holds: finish, no training
+    if (held := held_stop(cfg, run.state, world.stop)) is not None:  # resumed after an early stop that holds: finish, no training
         stopped, iterations = held["reason"], ()
         accelerator.print(f"difrl: the run stopped early after iteration {held['iteration']} ({stopped}): finishing "
                           "it without training (another stop rule on the command line continues it)")
     elif cfg.train.objective in BACKPROP_OBJECTIVES:  # DRaFT / ReFL: their own loop phase (train/reward_backprop.py)
         done, stopped = reward_backprop_loop(cfg, world, policy, trainee, accelerator, run, bar, rewards, weights, sigmas,
-                                             per_proc, evaluate, should_stop)
+                                             per_proc, evaluate, world.stop)
         iterations = ()
     for it in iterations:
         t_iter = time.perf_counter()
@@ -264,7 +264,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
         row["ratio_std"] = pooled_std(upd["ratio_per_step"])
         row.pop("ratio", None)
         # ==================================================================== checkpoint (and evaluation, stop)
-        done, stopped, stop = close_iteration(cfg, run, row, it, t_iter, bar, world, policy, ema, evaluate, should_stop,
+        done, stopped, stop = close_iteration(cfg, run, row, it, t_iter, bar, world, policy, ema, evaluate, world.stop,
                                               accelerator.print)
         if stop:
             break
@@ -273,7 +273,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
     # ======================================================================== finish
     run.end_loop(done, stopped_early=bool(stopped))  # the final checkpoint; after a signal: a checkpoint, Interrupted
     eval_after = evaluate(world, policy, ema, cfg, run, "after", done)
-    accelerator.print("eval after:  " + fmt_eval(eval_after, world.headline))
+    accelerator.print("eval after:  " + world.eval_line(eval_after))
     summary = {"eval_before": run.state["eval_before"], "eval_after": eval_after, "iterations": done,
                "stopped_early": stopped, "fd_extractor": eval_after.get("fd_extractor"), "run_dir": str(run_dir),
                "headline": list(world.headline)}
@@ -284,13 +284,9 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
     # is a diffusers checkpoint like the base
     main = accelerator.is_main_process
     with ema.swapped() if ema is not None else nullcontext(), gathered(unwrapped, keep=main), masters.as_loaded(unwrapped):
-        if main:
-            if world.save_lora is None:  # digits: a plain merged checkpoint usable as model.path
-                save_policy(policy, unwrapped, cfg.train.lora.enabled, run_dir / "policy.safetensors")
-            elif cfg.train.lora.enabled:  # diffusers: run_dir/lora for pipe.load_lora_weights
-                world.save_lora(policy, run_dir / "lora")
-            else:  # or the full fine-tune's transformer/
-                unwrapped.save_pretrained(run_dir / "transformer")
+        if main:  # the world's files (World.save_final): policy.safetensors, or lora/ or transformer/
+            lora = cfg.train.lora.enabled
+            world.save_final(policy, unwrapped, lora, run_dir, lambda path: save_policy(policy, unwrapped, lora, path))
     run.finish(summary, world.headline)
     run.barrier()
     accelerator.end_training()
@@ -420,20 +416,3 @@ def evaluate(world, policy, ema: EMA | None, cfg: FlowConfig, run: Run, tag: str
         record_eval(run.dir, tag, iteration, metrics)
     return metrics
 
-
-def should_stop(cfg: FlowConfig, ev: dict, state: dict) -> str | None:
-    """FD early stopping: quality is watched on the reward's own features, never the held-out judge."""
-    if "fd" not in ev:  # a world without FD features (diffusers models; the config refuses stop.fd_rise there)
-        return None
-    fd, best = ev["fd"], state["best_fd"]
-    state["best_fd"] = fd if best is None else min(best, fd)
-    if cfg.stop.fd_rise is None or best is None:
-        return None
-    if fd > cfg.stop.fd_rise * best and ev["accuracy"] >= cfg.stop.min_accuracy:
-        state["bad_evals"] += 1
-    else:
-        state["bad_evals"] = 0
-    if state["bad_evals"] >= cfg.stop.patience:
-        return (f"Fréchet distance {fd:.2f} above {cfg.stop.fd_rise:g} x its best {best:.2f} for "
-                f"{state['bad_evals']} evaluation(s) (stop.fd_rise)")
-    return None

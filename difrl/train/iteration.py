@@ -1,7 +1,7 @@
 """The end of an iteration, shared by the flow recipe's loops (difrl/train/flow.py; DRaFT-K / ReFL's phase,
 difrl/train/reward_backprop.py): evaluate when due, log the row, checkpoint, and decide whether to stop.
 
-    done, stopped, stop = close_iteration(cfg, run, row, it, t_iter, bar, world, policy, ema, evaluate, should_stop,
+    done, stopped, stop = close_iteration(cfg, run, row, it, t_iter, bar, world, policy, ema, evaluate, world.stop,
                                           accelerator.print)
     if stop:
         break
@@ -30,16 +30,16 @@ def optimizer_step(cfg, tr, accelerator, m) -> None:
 def close_iteration(cfg, run, row: dict, it: int, t_iter: float, bar, world, policy, ema, evaluate, should_stop,
                     say) -> tuple[int, str | None, bool]:
     """Iteration `it` (0-based) is done: the world's evaluation every eval.every iterations (with `ema`'s weights;
-    `should_stop` reads it: early stopping), `row` logged with its seconds, a checkpoint every checkpoint_every
-    iterations and when stopping. Returns (iterations done, the early-stop reason or None, whether the loop stops:
-    early stop, or a signal received on any process)."""
+    `should_stop`, the world's stop rule (World.stop) or None, reads it: early stopping), `row` logged with its
+    seconds, a checkpoint every checkpoint_every iterations and when stopping. Returns (iterations done, the
+    early-stop reason or None, whether the loop stops: early stop, or a signal received on any process)."""
     stopped = None
     if cfg.eval.every and (it + 1) % cfg.eval.every == 0 and it + 1 < cfg.train.iterations:
         t_eval = time.perf_counter()
         run.state["last_eval"] = ev = evaluate(world, policy, ema, cfg, run, "eval", it + 1)
         row.update({f"eval/{k}": v for k, v in ev.items() if isinstance(v, (int, float))})
         row["seconds_eval"] = time.perf_counter() - t_eval
-        stopped = should_stop(cfg, ev, run.state)
+        stopped = should_stop(cfg, ev, run.state) if should_stop is not None else None
     row["seconds"] = time.perf_counter() - t_iter
     run.log(row)
     done = it + 1

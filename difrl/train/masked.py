@@ -62,7 +62,7 @@ from difrl.train.precision import refuse_fp16, trained_network
 from difrl.train.progress import progress_bar
 from difrl.train.rundir import finished
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, check_ratio, claim_run_dir,  # noqa: F401
-                                  clip_and_step, cores_available, fmt_eval, make_optimizer, progress, record_eval,
+                                  clip_and_step, cores_available, make_optimizer, progress, record_eval,
                                   reference_policy, save_policy)
 from difrl.train.sharded_step import clip_sharded_grad_norm_, grad_sync
 from difrl.train.sharding import gathered
@@ -121,7 +121,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
         run.state["eval_before"] = run.state["last_eval"] = world.evaluate(policy)
         if main:
             record_eval(run_dir, "before", 0, run.state["eval_before"])
-        say("eval before: " + fmt_eval(run.state["eval_before"], world.headline))
+        say("eval before: " + world.eval_line(run.state["eval_before"]))
         save_samples(world, policy, run_dir / "samples" / "iter-0000.png", main)
 
     bar = progress_bar(run.start, cfg.train.iterations, main)  # a tqdm bar, plain lines off a terminal
@@ -241,17 +241,16 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
     eval_after = world.evaluate(policy)
     if main:
         record_eval(run_dir, "after", done, eval_after)
-    say("eval after:  " + fmt_eval(eval_after, world.headline))
+    say("eval after:  " + world.eval_line(eval_after))
     save_samples(world, policy, run_dir / "samples" / f"iter-{done:04d}.png", main)
     summary = {"eval_before": run.state["eval_before"], "eval_after": eval_after, "iterations": done,
                "stopped_early": None, "run_dir": str(run_dir), "headline": list(world.headline)}
     # under FSDP every process takes part in gathering the full weights, the main one alone keeps and saves them, in
     # the dtypes they were loaded in
     with gathered(net, keep=main), masters.as_loaded(net):
-        if main:
-            save_policy(policy, net, cfg.train.lora.enabled, run_dir / "policy.safetensors")
-            if cfg.train.lora.enabled:  # also the adapter alone in peft's own format: PeftModel.from_pretrained(base, run_dir/"lora")
-                net.save_pretrained(str(run_dir / "lora"))
+        if main:  # the world's files (MaskedWorld.save_final): policy.safetensors, and under LoRA peft's lora/
+            lora = cfg.train.lora.enabled
+            world.save_final(policy, net, lora, run_dir, lambda path: save_policy(policy, net, lora, path))
     run.finish(summary, world.headline)
     run.barrier()
     accelerator.end_training()
