@@ -37,6 +37,7 @@ from difrl.rewards import Scoring
 from difrl.rollout import cat_rollouts, chunk_slices, per_transition, rollout
 from difrl.solrl import candidate_pool, rank_agreement
 from difrl.train.config import FlowConfig
+from difrl.train.final_save import save_final
 from difrl.train.flow_plan import plan_flow_iteration, step_masks
 from difrl.train.iteration import close_iteration, optimizer_step
 from difrl.train.matching_objectives import (MATCHING_OBJECTIVES, matching_micro_loss, needs_old, needs_reference,
@@ -51,11 +52,10 @@ from difrl.train.precision import refuse_fp16, trained_network
 from difrl.train.progress import progress_bar
 from difrl.train.rundir import finished, held_stop
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, claim_run_dir,  # noqa: F401
-                                  cores_available, make_optimizer, record_eval, reference_policy,
-                                  save_policy)
+                                  cores_available, make_optimizer, record_eval, reference_policy)
 from difrl.train.rollout_copy import RolloutCopy, build_rollout_copy, sync_rollout_copy  # noqa: F401
 from difrl.train.sharded_step import grad_sync, take_fsdp_branches
-from difrl.train.sharding import fsdp_settings, gathered, process_group_kwargs
+from difrl.train.sharding import fsdp_settings, process_group_kwargs
 from difrl.train.state import EMA, trainable_params
 from difrl.train.unit_gather import device_free_bytes, rollout_gather, units_gathered
 from difrl.tree_rollout import tree_rollout
@@ -279,14 +279,9 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
                "headline": list(world.headline)}
     if (change := change_over_noise(summary["eval_before"], eval_after)) is not None:  # diffusers worlds
         summary["reward_change"] = change
-    # EMA weights if on; under FSDP every process takes part in gathering the full weights (sharding.gathered), the
-    # main one alone keeps and saves them, written in the dtypes the model was loaded in (model.dtype): transformer/
-    # is a diffusers checkpoint like the base
-    main = accelerator.is_main_process
-    with ema.swapped() if ema is not None else nullcontext(), gathered(unwrapped, keep=main), masters.as_loaded(unwrapped):
-        if main:  # the world's files (World.save_final): policy.safetensors, or lora/ or transformer/
-            lora = cfg.train.lora.enabled
-            world.save_final(policy, unwrapped, lora, run_dir, lambda path: save_policy(policy, unwrapped, lora, path))
+    # the world's files (policy.safetensors, lora/ or transformer/) of the EMA weights if on, gathered under FSDP
+    # (every process takes part), in the dtypes the model was loaded in: final_save.save_final, as `difrl export`
+    save_final(world, policy, unwrapped, cfg.train.lora.enabled, run_dir, masters, ema, accelerator.is_main_process)
     run.finish(summary, world.headline)
     run.barrier()
     accelerator.end_training()

@@ -51,6 +51,7 @@ from difrl.discrete.estimators import remask, token_logp
 from difrl.discrete.losses import trace_logp
 from difrl.discrete.samplers import SAMPLERS, merge_rollouts
 from difrl.rewards import score_all
+from difrl.train.final_save import save_final
 from difrl.train.flow_plan import thread_note
 from difrl.train.masked_config import MaskedConfig
 from difrl.train.masked_plan import (external_correction, gather_busiest, gather_max, gather_rows, local_device,
@@ -63,9 +64,8 @@ from difrl.train.progress import progress_bar
 from difrl.train.rundir import finished
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, check_ratio, claim_run_dir,  # noqa: F401
                                   clip_and_step, cores_available, make_optimizer, progress, record_eval,
-                                  reference_policy, save_policy)
+                                  reference_policy)
 from difrl.train.sharded_step import clip_sharded_grad_norm_, grad_sync
-from difrl.train.sharding import gathered
 from difrl.train.state import trainable_params
 from difrl.utils.modules import use_module
 from difrl.utils.rng import mix_seed
@@ -245,12 +245,9 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
     save_samples(world, policy, run_dir / "samples" / f"iter-{done:04d}.png", main)
     summary = {"eval_before": run.state["eval_before"], "eval_after": eval_after, "iterations": done,
                "stopped_early": None, "run_dir": str(run_dir), "headline": list(world.headline)}
-    # under FSDP every process takes part in gathering the full weights, the main one alone keeps and saves them, in
-    # the dtypes they were loaded in
-    with gathered(net, keep=main), masters.as_loaded(net):
-        if main:  # the world's files (MaskedWorld.save_final): policy.safetensors, and under LoRA peft's lora/
-            lora = cfg.train.lora.enabled
-            world.save_final(policy, net, lora, run_dir, lambda path: save_policy(policy, net, lora, path))
+    # the world's files (policy.safetensors, and under LoRA peft's lora/), gathered under FSDP (every process takes
+    # part), in the dtypes they were loaded in: final_save.save_final, as `difrl export`
+    save_final(world, policy, net, cfg.train.lora.enabled, run_dir, masters, main=main)
     run.finish(summary, world.headline)
     run.barrier()
     accelerator.end_training()
