@@ -13,7 +13,9 @@ modules: Sol-RL's candidate pool (difrl.solrl), BranchGRPO's tree rollout and tr
 recompute of copy rollouts (difrl.train.objectives), AWM, DPO and DGPO (difrl.train.matching_objectives),
 Pref-GRPO's win rates and GARDO's gated KL and diversity (difrl.train.method_stage), DRaFT-K / ReFL's own loop
 phase (difrl.train.reward_backprop; the objectives are docs/guides/methods.md); run directory, resume, LoRA and
-reference, metrics and plots are the scaffold's (difrl.train.scaffold).
+reference, metrics and plots are the scaffold's (difrl.train.scaffold), the iteration's skeleton (scoring,
+gathering the rewards, the samples kept, the metric row, evaluation and checkpoint) difrl.train.iteration's, shared
+with the masked recipe.
 
 Groups may span processes: the sample list of an iteration is global (sample k belongs to group
 k // group_size), each process rolls out a contiguous slice, rewards are gathered before the
@@ -39,14 +41,13 @@ from difrl.solrl import candidate_pool, rank_agreement
 from difrl.train.config import FlowConfig
 from difrl.train.final_save import save_final
 from difrl.train.flow_plan import plan_flow_iteration, step_masks
-from difrl.train.iteration import close_iteration, optimizer_step
+from difrl.train.iteration import close_iteration, gather_rewards, iteration_row, optimizer_step, score_iteration
 from difrl.train.matching_objectives import (MATCHING_OBJECTIVES, matching_micro_loss, needs_old, needs_reference,
                                              old_decay, prepare_update, trained_sigmas)
 from difrl.train.objectives import dppo_micro_loss, grpo_micro_loss, nft_micro_loss, proximal_correction
 from difrl.train.method_stage import Gardo, advantage_function, candidate_reward, tree_stats
 from difrl.train.reward_backprop import BACKPROP_OBJECTIVES, reward_backprop_loop
-from difrl.train.reward_stage import (across_processes, build_rewards, probe_batch, reward_stats, score_rewards,
-                                     track_reward_failures)
+from difrl.train.reward_stage import build_rewards, probe_batch, reward_stats
 from difrl.train.metrics import Metrics, pooled_std
 from difrl.train.precision import refuse_fp16, trained_network
 from difrl.train.progress import progress_bar
@@ -189,27 +190,23 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
         t_reward = time.perf_counter()
 
         # ==================================================================== reward
-        scores, bad = score_rewards(lambda: scoring.result(prompt_ids, seeds), len(prompts), cfg.reward.on_error,
-                                    lambda: run.checkpoint(it), f"iteration {it + 1}", run_dir, accelerator.print,
-                                    run.carrying(across_processes(accelerator)))  # a failure or signal on any process stops all
+        # a failure or signal on any process stops all (difrl/train/iteration.py)
+        scores, bad = score_iteration(lambda: scoring.result(prompt_ids, seeds), len(prompts), cfg, run, it,
+                                      accelerator.print, accelerator)
         if run.agree_interrupted():  # SIGINT / SIGTERM on any process: this iteration is abandoned before its update
             break
         t_adv = time.perf_counter()
 
         # ==================================================================== advantage
         # every collective through difrl.utils.collectives: on the accelerator's device (NCCL), back on the host here
-        all_scores = {name: gather(accelerator, v) for name, v in scores.items()}
-        all_groups, all_bad = gather(accelerator, group_ids), gather(accelerator, bad.long()).bool()
-        failed_frac = track_reward_failures(run.state, int(all_bad.sum()), len(all_bad), cfg.reward.max_failed_frac,
-                                            f"iteration {it + 1}", lambda: run.checkpoint(it), run_dir)
-        adv, failed = advantage_function(cfg)(all_scores, weights, all_groups, all_bad, cfg.advantage, cfg.reward.aggregate)
+        all_groups = gather(accelerator, group_ids)
+        rw = gather_rewards(cfg, run, it, accelerator, scores, bad, all_groups)  # [N] scores, failures
+        all_scores = rw.scores
+        adv, failed = advantage_function(cfg)(all_scores, weights, all_groups, rw.bad, cfg.advantage, cfg.reward.aggregate)
         if gardo is not None:  # GARDO: diversity-shaped advantages, the samples whose KL applies (train/method_stage.py)
             adv, kl_flags = gardo.shape(adv, all_scores, weights, all_groups, failed, gather(accelerator, batch.x_final.flatten(1)))
             batch.extras["kl_keep"] = kl_flags[rank * per_proc:(rank + 1) * per_proc].to(batch.x_final.device)
-        bad_groups = all_groups[failed].unique()
-        keep_all = ~failed
-        if cfg.advantage.drop_zero_spread:
-            keep_all &= ~adv.zero_spread
+        keep_all = rw.kept(adv, failed, cfg.advantage.drop_zero_spread)
         own = slice(rank * per_proc, (rank + 1) * per_proc)
         advantages, keep = adv.advantages[own], keep_all[own]
         if solrl:  # does the low-precision ranking predict the full-precision rewards?
@@ -244,25 +241,14 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
         # ==================================================================== log
         upd = m.result(accelerator)
         stage.update(gardo.after_update(it, upd.get("kl")) if gardo is not None else {})
-        row = {
-            "iteration": it + 1,
-            **reward_stats(adv.reward, all_scores, weights, all_groups, cfg.advantage),
-            **adv.stats(),
-            "zero_spread_groups": int(all_groups[adv.zero_spread].unique().numel()),
-            "dropped_groups": int(all_groups[~keep_all].unique().numel()),
-            "failed_reward_groups": int(bad_groups.numel()), "failed_reward_frac": failed_frac,
-            "trained_samples": int(keep_all.sum()),
-            "nfe_train": int(gather(accelerator, torch.tensor([len(batch)])).sum()) * T_rec * cfg.train.inner_epochs * nfe,
-            "loss": upd.get("policy_loss", 0.0) + (cfg.nft.ref_beta if nft else cfg.train.kl_beta) * upd.get("kl", 0.0),
-            **stage,
-            **upd,
-            "ratio_mean": upd.get("ratio", 1.0),
-            "window_start": window_start,
-            "lr": optimizer.param_groups[0]["lr"],
-            "seconds_rollout": t_reward - t_iter, "seconds_reward": t_adv - t_reward, "seconds_update": t_log - t_adv,
-        }
+        nfe_train = int(gather(accelerator, torch.tensor([len(batch)])).sum()) * T_rec * cfg.train.inner_epochs * nfe
+        loss = upd.get("policy_loss", 0.0) + (cfg.nft.ref_beta if nft else cfg.train.kl_beta) * upd.get("kl", 0.0)
+        method = {"dropped_groups": int(all_groups[~keep_all].unique().numel()), "nfe_train": nfe_train, "loss": loss,
+                  **stage, "window_start": window_start}
+        row = iteration_row(it, rw, adv, keep_all, failed,
+                            {**reward_stats(adv.reward, all_scores, weights, all_groups, cfg.advantage), **adv.stats()},
+                            method, upd, optimizer.param_groups[0]["lr"], (t_iter, t_reward, t_adv, t_log))
         row["ratio_std"] = pooled_std(upd["ratio_per_step"])
-        row.pop("ratio", None)
         # ==================================================================== checkpoint (and evaluation, stop)
         done, stopped, stop = close_iteration(cfg, run, row, it, t_iter, bar, world, policy, ema, evaluate, world.stop,
                                               accelerator.print)
