@@ -296,3 +296,22 @@ def test_export_of_a_bundled_world_is_its_final_policy(tmp_path, capsys):
     (run_dir / "checkpoints" / "iter-000001" / "__0_0.distcp").write_bytes(b"garbage")
     assert main(["export", str(run_dir), "--iteration", "1", "--out", str(tmp_path / "x")]) == 2
     assert "__0_0.distcp has 7 bytes" in capsys.readouterr().err
+
+
+def test_export_of_a_masked_run_is_its_final_save(tmp_path, capsys):
+    # Sudoku with LoRA (one plain process): the export of the last checkpoint writes the files the run wrote at the
+    # end (final_save.save_final, one path for both): policy.safetensors (LoRA merged) and peft's lora/
+    from test_train_masked import run as train_sudoku
+
+    from difrl.utils.io import load_safetensors_checked
+
+    _, run_dir = train_sudoku(tmp_path / "sudoku", "train.lora.enabled=true", "train.lora.rank=2")
+    out = export(capsys, run_dir)
+    assert out == run_dir / "export" / "iter-000001"
+    assert sorted(p.name for p in out.iterdir()) == ["lora", "policy.safetensors"]
+    assert sorted(p.name for p in (out / "lora").iterdir()) == sorted(p.name for p in (run_dir / "lora").iterdir())
+    for name in ("policy.safetensors", "lora/adapter_model.safetensors"):
+        mine, theirs = (load_safetensors_checked(d / name, name) for d in (out, run_dir))
+        assert mine[0].keys() == theirs[0].keys() and mine[1] == theirs[1], name
+        for k, v in mine[0].items():  # exact: the same tensors written by two paths
+            assert torch.equal(v, theirs[0][k]), (name, k)

@@ -9,7 +9,8 @@ model, LoRA, fp32 masters), loads the checkpoint's weights into it in full (the 
 the trainer's final save does) and writes what the trainer writes at the end, in the dtypes the model was loaded
 in: a diffusers model's `transformer/` (full fine-tuning: FluxTransformer2DModel.from_pretrained) or `lora/`
 (pipe.load_lora_weights), a bundled world's `policy.safetensors` (LoRA merged; the masked trainer's LoRA also as
-peft's `lora/`). Gathered checkpoints export the same way. Memory: the model and one copy of its weights.
+peft's `lora/`): the trainers' own final save, difrl/train/final_save.py. Gathered checkpoints export the same
+way. Memory: the model and one copy of its weights.
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ def checkpoint_weights(ckpt, ema: bool) -> dict[str, torch.Tensor]:
 def export(run_dir, iteration: int | None = None, out=None, log=print) -> Path:
     """Write checkpoint `iteration` (default: the newest intact one) of `run_dir` as final weights into `out`;
     returns `out`. Every file is checked against the checkpoint's manifest first."""
+    from difrl.train.final_save import save_final
     from difrl.train.precision import upcast_masters
     from difrl.train.recipes import load_train_config
     from difrl.train.rundir import checkpoint_iterations
-    from difrl.train.scaffold import save_policy, wrap_policy
+    from difrl.train.scaffold import wrap_policy
     from difrl.train.state import (CheckpointError, _load_checkpoint, load_latest_checkpoint, trainable_params,
                                    verify_manifest)
 
@@ -92,18 +94,7 @@ def export(run_dir, iteration: int | None = None, out=None, log=print) -> Path:
         for k, p in params.items():
             p.copy_(weights[k])
     out.mkdir(parents=True, exist_ok=True)
-    lora = cfg.train.lora.enabled
-    with masters.as_loaded(net):  # what the trainers' final save writes (flow.py / masked.py "finish")
-        if cfg.trainer == "masked":
-            save_policy(policy, net, lora, out / "policy.safetensors")
-            if lora:
-                net.save_pretrained(str(out / "lora"))
-        elif world.save_lora is None:
-            save_policy(policy, net, lora, out / "policy.safetensors")
-        elif lora:
-            world.save_lora(policy, out / "lora")
-        else:
-            net.save_pretrained(out / "transformer")
+    save_final(world, policy, net, cfg.train.lora.enabled, out, masters)  # the files the trainers' finish writes
     log(f"difrl export: {ckpt.path} (iteration {ckpt.iteration}, {'EMA' if ema else 'trained'} weights) -> "
         f"{', '.join(str(p) for p in sorted(out.iterdir()))}")
     return out

@@ -13,7 +13,9 @@ modules: Sol-RL's candidate pool (difrl.solrl), BranchGRPO's tree rollout and tr
 recompute of copy rollouts (difrl.train.objectives), AWM, DPO and DGPO (difrl.train.matching_objectives),
 Pref-GRPO's win rates and GARDO's gated KL and diversity (difrl.train.method_stage), DRaFT-K / ReFL's own loop
 phase (difrl.train.reward_backprop; the objectives are docs/guides/methods.md); run directory, resume, LoRA and
-reference, metrics and plots are the scaffold's (difrl.train.scaffold).
+reference, metrics and plots are the scaffold's (difrl.train.scaffold), the iteration's skeleton (scoring,
+gathering the rewards, the samples kept, the metric row, evaluation and checkpoint) difrl.train.iteration's, shared
+with the masked recipe.
 
 Groups may span processes: the sample list of an iteration is global (sample k belongs to group
 k // group_size), each process rolls out a contiguous slice, rewards are gathered before the
@@ -37,25 +39,24 @@ from difrl.rewards import Scoring
 from difrl.rollout import cat_rollouts, chunk_slices, per_transition, rollout
 from difrl.solrl import candidate_pool, rank_agreement
 from difrl.train.config import FlowConfig
+from difrl.train.final_save import save_final
 from difrl.train.flow_plan import plan_flow_iteration, step_masks
-from difrl.train.iteration import close_iteration, optimizer_step
+from difrl.train.iteration import close_iteration, gather_rewards, iteration_row, optimizer_step, score_iteration
 from difrl.train.matching_objectives import (MATCHING_OBJECTIVES, matching_micro_loss, needs_old, needs_reference,
                                              old_decay, prepare_update, trained_sigmas)
 from difrl.train.objectives import dppo_micro_loss, grpo_micro_loss, nft_micro_loss, proximal_correction
 from difrl.train.method_stage import Gardo, advantage_function, candidate_reward, tree_stats
 from difrl.train.reward_backprop import BACKPROP_OBJECTIVES, reward_backprop_loop
-from difrl.train.reward_stage import (across_processes, build_rewards, probe_batch, reward_stats, score_rewards,
-                                     track_reward_failures)
+from difrl.train.reward_stage import build_rewards, probe_batch, reward_stats
 from difrl.train.metrics import Metrics, pooled_std
 from difrl.train.precision import refuse_fp16, trained_network
 from difrl.train.progress import progress_bar
 from difrl.train.rundir import finished, held_stop
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, claim_run_dir,  # noqa: F401
-                                  cores_available, fmt_eval, make_optimizer, record_eval, reference_policy,
-                                  save_policy)
+                                  cores_available, make_optimizer, record_eval, reference_policy)
 from difrl.train.rollout_copy import RolloutCopy, build_rollout_copy, sync_rollout_copy  # noqa: F401
 from difrl.train.sharded_step import grad_sync, take_fsdp_branches
-from difrl.train.sharding import fsdp_settings, gathered, process_group_kwargs
+from difrl.train.sharding import fsdp_settings, process_group_kwargs
 from difrl.train.state import EMA, trainable_params
 from difrl.train.unit_gather import device_free_bytes, rollout_gather, units_gathered
 from difrl.tree_rollout import tree_rollout
@@ -74,9 +75,9 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
     if (summary := finished(cfg, run_dir)) is not None:  # resume= of a finished run: nothing to do (rundir.py)
         return summary
     world = build_world(cfg.model.kind, cfg.model.path, cfg)
-    # a world that runs on the CPU (the digits MLP: kernel launches would dominate on a GPU) asks for it;
+    # a world whose network is small asks for the CPU (World.on_cpu: kernel launches would dominate on a GPU);
     # without cpu=True accelerate ignores torchrun's WORLD_SIZE on a machine with no GPU
-    cpu = world.device == "cpu" or not torch.cuda.is_available()
+    cpu = world.on_cpu or not torch.cuda.is_available()
     accelerator = Accelerator(cpu=cpu, kwargs_handlers=process_group_kwargs(cpu))  # FSDP offload: a CPU backend too
     take_fsdp_branches(accelerator)  # an FSDP launch runs accelerate's FSDP code on CPU processes too (tests)
     world_size, rank = accelerator.num_processes, accelerator.process_index
@@ -97,24 +98,24 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
     train_sigmas = trained_sigmas(cfg, sigmas)  # NFT's / AWM's / DPO's / DGPO's re-noising sigmas [T], else None
 
     run = Run.open(cfg, run_dir, unwrapped, optimizer, ema, extras, accelerator, overwrite=overwrite,
-                   state={"best_fd": None, "bad_evals": 0, "stopped_early": None,
+                   state={**(world.stop.initial_state() if world.stop else {}), "stopped_early": None,  # stop counters
                           **({"gardo": gardo.state} if gardo else {})})
     if gardo is not None:
         gardo.state = run.state["gardo"]  # resumed: the checkpoint's controller and last refresh
     if run.state["eval_before"] is None:
         run.state["eval_before"] = run.state["last_eval"] = evaluate(world, policy, ema, cfg, run, "before", 0)
-        accelerator.print("eval before: " + fmt_eval(run.state["eval_before"], world.headline))
+        accelerator.print("eval before: " + world.eval_line(run.state["eval_before"]))
 
     bar = progress_bar(run.start, cfg.train.iterations, accelerator.is_main_process)  # plain lines off a terminal
     stopped, done = None, run.start  # iterations completed
     iterations = bar
-    if (held := held_stop(cfg, run.state)) is not None:  # resumed after an early stop that holds: finish, no training
+    if (held := held_stop(cfg, run.state, world.stop)) is not None:  # resumed after an early stop that holds: finish, no training
         stopped, iterations = held["reason"], ()
         accelerator.print(f"difrl: the run stopped early after iteration {held['iteration']} ({stopped}): finishing "
                           "it without training (another stop rule on the command line continues it)")
     elif cfg.train.objective in BACKPROP_OBJECTIVES:  # DRaFT / ReFL: their own loop phase (train/reward_backprop.py)
         done, stopped = reward_backprop_loop(cfg, world, policy, trainee, accelerator, run, bar, rewards, weights, sigmas,
-                                             per_proc, evaluate, should_stop)
+                                             per_proc, evaluate, world.stop)
         iterations = ()
     for it in iterations:
         t_iter = time.perf_counter()
@@ -189,27 +190,23 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
         t_reward = time.perf_counter()
 
         # ==================================================================== reward
-        scores, bad = score_rewards(lambda: scoring.result(prompt_ids, seeds), len(prompts), cfg.reward.on_error,
-                                    lambda: run.checkpoint(it), f"iteration {it + 1}", run_dir, accelerator.print,
-                                    run.carrying(across_processes(accelerator)))  # a failure or signal on any process stops all
+        # a failure or signal on any process stops all (difrl/train/iteration.py)
+        scores, bad = score_iteration(lambda: scoring.result(prompt_ids, seeds), len(prompts), cfg, run, it,
+                                      accelerator.print, accelerator)
         if run.agree_interrupted():  # SIGINT / SIGTERM on any process: this iteration is abandoned before its update
             break
         t_adv = time.perf_counter()
 
         # ==================================================================== advantage
         # every collective through difrl.utils.collectives: on the accelerator's device (NCCL), back on the host here
-        all_scores = {name: gather(accelerator, v) for name, v in scores.items()}
-        all_groups, all_bad = gather(accelerator, group_ids), gather(accelerator, bad.long()).bool()
-        failed_frac = track_reward_failures(run.state, int(all_bad.sum()), len(all_bad), cfg.reward.max_failed_frac,
-                                            f"iteration {it + 1}", lambda: run.checkpoint(it), run_dir)
-        adv, failed = advantage_function(cfg)(all_scores, weights, all_groups, all_bad, cfg.advantage, cfg.reward.aggregate)
+        all_groups = gather(accelerator, group_ids)
+        rw = gather_rewards(cfg, run, it, accelerator, scores, bad, all_groups)  # [N] scores, failures
+        all_scores = rw.scores
+        adv, failed = advantage_function(cfg)(all_scores, weights, all_groups, rw.bad, cfg.advantage, cfg.reward.aggregate)
         if gardo is not None:  # GARDO: diversity-shaped advantages, the samples whose KL applies (train/method_stage.py)
             adv, kl_flags = gardo.shape(adv, all_scores, weights, all_groups, failed, gather(accelerator, batch.x_final.flatten(1)))
             batch.extras["kl_keep"] = kl_flags[rank * per_proc:(rank + 1) * per_proc].to(batch.x_final.device)
-        bad_groups = all_groups[failed].unique()
-        keep_all = ~failed
-        if cfg.advantage.drop_zero_spread:
-            keep_all &= ~adv.zero_spread
+        keep_all = rw.kept(adv, failed, cfg.advantage.drop_zero_spread)
         own = slice(rank * per_proc, (rank + 1) * per_proc)
         advantages, keep = adv.advantages[own], keep_all[own]
         if solrl:  # does the low-precision ranking predict the full-precision rewards?
@@ -244,27 +241,16 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
         # ==================================================================== log
         upd = m.result(accelerator)
         stage.update(gardo.after_update(it, upd.get("kl")) if gardo is not None else {})
-        row = {
-            "iteration": it + 1,
-            **reward_stats(adv.reward, all_scores, weights, all_groups, cfg.advantage),
-            **adv.stats(),
-            "zero_spread_groups": int(all_groups[adv.zero_spread].unique().numel()),
-            "dropped_groups": int(all_groups[~keep_all].unique().numel()),
-            "failed_reward_groups": int(bad_groups.numel()), "failed_reward_frac": failed_frac,
-            "trained_samples": int(keep_all.sum()),
-            "nfe_train": int(gather(accelerator, torch.tensor([len(batch)])).sum()) * T_rec * cfg.train.inner_epochs * nfe,
-            "loss": upd.get("policy_loss", 0.0) + (cfg.nft.ref_beta if nft else cfg.train.kl_beta) * upd.get("kl", 0.0),
-            **stage,
-            **upd,
-            "ratio_mean": upd.get("ratio", 1.0),
-            "window_start": window_start,
-            "lr": optimizer.param_groups[0]["lr"],
-            "seconds_rollout": t_reward - t_iter, "seconds_reward": t_adv - t_reward, "seconds_update": t_log - t_adv,
-        }
+        nfe_train = int(gather(accelerator, torch.tensor([len(batch)])).sum()) * T_rec * cfg.train.inner_epochs * nfe
+        loss = upd.get("policy_loss", 0.0) + (cfg.nft.ref_beta if nft else cfg.train.kl_beta) * upd.get("kl", 0.0)
+        method = {"dropped_groups": int(all_groups[~keep_all].unique().numel()), "nfe_train": nfe_train, "loss": loss,
+                  **stage, "window_start": window_start}
+        row = iteration_row(it, rw, adv, keep_all, failed,
+                            {**reward_stats(adv.reward, all_scores, weights, all_groups, cfg.advantage), **adv.stats()},
+                            method, upd, optimizer.param_groups[0]["lr"], (t_iter, t_reward, t_adv, t_log))
         row["ratio_std"] = pooled_std(upd["ratio_per_step"])
-        row.pop("ratio", None)
         # ==================================================================== checkpoint (and evaluation, stop)
-        done, stopped, stop = close_iteration(cfg, run, row, it, t_iter, bar, world, policy, ema, evaluate, should_stop,
+        done, stopped, stop = close_iteration(cfg, run, row, it, t_iter, bar, world, policy, ema, evaluate, world.stop,
                                               accelerator.print)
         if stop:
             break
@@ -273,24 +259,15 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
     # ======================================================================== finish
     run.end_loop(done, stopped_early=bool(stopped))  # the final checkpoint; after a signal: a checkpoint, Interrupted
     eval_after = evaluate(world, policy, ema, cfg, run, "after", done)
-    accelerator.print("eval after:  " + fmt_eval(eval_after, world.headline))
+    accelerator.print("eval after:  " + world.eval_line(eval_after))
     summary = {"eval_before": run.state["eval_before"], "eval_after": eval_after, "iterations": done,
                "stopped_early": stopped, "fd_extractor": eval_after.get("fd_extractor"), "run_dir": str(run_dir),
                "headline": list(world.headline)}
     if (change := change_over_noise(summary["eval_before"], eval_after)) is not None:  # diffusers worlds
         summary["reward_change"] = change
-    # EMA weights if on; under FSDP every process takes part in gathering the full weights (sharding.gathered), the
-    # main one alone keeps and saves them, written in the dtypes the model was loaded in (model.dtype): transformer/
-    # is a diffusers checkpoint like the base
-    main = accelerator.is_main_process
-    with ema.swapped() if ema is not None else nullcontext(), gathered(unwrapped, keep=main), masters.as_loaded(unwrapped):
-        if main:
-            if world.save_lora is None:  # digits: a plain merged checkpoint usable as model.path
-                save_policy(policy, unwrapped, cfg.train.lora.enabled, run_dir / "policy.safetensors")
-            elif cfg.train.lora.enabled:  # diffusers: run_dir/lora for pipe.load_lora_weights
-                world.save_lora(policy, run_dir / "lora")
-            else:  # or the full fine-tune's transformer/
-                unwrapped.save_pretrained(run_dir / "transformer")
+    # the world's files (policy.safetensors, lora/ or transformer/) of the EMA weights if on, gathered under FSDP
+    # (every process takes part), in the dtypes the model was loaded in: final_save.save_final, as `difrl export`
+    save_final(world, policy, unwrapped, cfg.train.lora.enabled, run_dir, masters, ema, accelerator.is_main_process)
     run.finish(summary, world.headline)
     run.barrier()
     accelerator.end_training()
@@ -420,20 +397,3 @@ def evaluate(world, policy, ema: EMA | None, cfg: FlowConfig, run: Run, tag: str
         record_eval(run.dir, tag, iteration, metrics)
     return metrics
 
-
-def should_stop(cfg: FlowConfig, ev: dict, state: dict) -> str | None:
-    """FD early stopping: quality is watched on the reward's own features, never the held-out judge."""
-    if "fd" not in ev:  # a world without FD features (diffusers models; the config refuses stop.fd_rise there)
-        return None
-    fd, best = ev["fd"], state["best_fd"]
-    state["best_fd"] = fd if best is None else min(best, fd)
-    if cfg.stop.fd_rise is None or best is None:
-        return None
-    if fd > cfg.stop.fd_rise * best and ev["accuracy"] >= cfg.stop.min_accuracy:
-        state["bad_evals"] += 1
-    else:
-        state["bad_evals"] = 0
-    if state["bad_evals"] >= cfg.stop.patience:
-        return (f"Fréchet distance {fd:.2f} above {cfg.stop.fd_rise:g} x its best {best:.2f} for "
-                f"{state['bad_evals']} evaluation(s) (stop.fd_rise)")
-    return None

@@ -10,7 +10,9 @@ Reads top to bottom: setup -> (rollout -> reward -> advantage -> mu inner update
 checkpoint) per iteration. Everything random is derived from (seed, iteration, index), so a
 resumed run continues exactly as if it had never stopped. Run directory, resume, LoRA and the
 reference, rewards, metrics and plots are the scaffold's (difrl.train.scaffold), the same as the
-flow recipe's; rewards go through the one registry (difrl.rewards) on the world's decoded samples.
+flow recipe's, and so is the iteration's skeleton (scoring, gathering the rewards, the samples kept, the metric row,
+evaluation and checkpoint: difrl.train.iteration); rewards go through the one registry (difrl.rewards) on the
+world's decoded samples.
 
 Log-probs of a masked policy are estimated by re-masking the finished rollout and reading the
 denoiser's log-softmax at the re-masked positions (difrl.discrete.estimators;
@@ -51,21 +53,22 @@ from difrl.discrete.estimators import remask, token_logp
 from difrl.discrete.losses import trace_logp
 from difrl.discrete.samplers import SAMPLERS, merge_rollouts
 from difrl.rewards import score_all
+from difrl.train.final_save import save_final
 from difrl.train.flow_plan import thread_note
 from difrl.train.masked_config import MaskedConfig
-from difrl.train.masked_plan import (external_correction, gather_busiest, gather_max, gather_rows, local_device,
+from difrl.train.masked_plan import (external_correction, gather_busiest, gather_max, local_device,
                                      plan_masked_iteration, processes, rollout_forwards, update_tokens)
-from difrl.train.reward_stage import (across_processes, build_rewards, finite_mean_std, probe_batch, reward_stats,
-                                     score_rewards, track_reward_failures, valid_group_advantages)
+from difrl.train.iteration import close_iteration, gather_rewards, iteration_row, score_iteration
+from difrl.train.reward_stage import (build_rewards, finite_mean_std, probe_batch, reward_stats,
+                                     valid_group_advantages)
 from difrl.train.metrics import Metrics
 from difrl.train.precision import refuse_fp16, trained_network
 from difrl.train.progress import progress_bar
 from difrl.train.rundir import finished
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, check_ratio, claim_run_dir,  # noqa: F401
-                                  clip_and_step, cores_available, fmt_eval, make_optimizer, progress, record_eval,
-                                  reference_policy, save_policy)
+                                  clip_and_step, cores_available, make_optimizer, record_eval,
+                                  reference_policy)
 from difrl.train.sharded_step import clip_sharded_grad_norm_, grad_sync
-from difrl.train.sharding import gathered
 from difrl.train.state import trainable_params
 from difrl.utils.modules import use_module
 from difrl.utils.rng import mix_seed
@@ -118,10 +121,8 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
     net, masters, fsdp, optimizer = trainee.net, trainee.masters, trainee.fsdp, trainee.optimizer
     run = Run.open(cfg, run_dir, net, optimizer, accelerator=accelerator, overwrite=overwrite)
     if run.state["eval_before"] is None:
-        run.state["eval_before"] = run.state["last_eval"] = world.evaluate(policy)
-        if main:
-            record_eval(run_dir, "before", 0, run.state["eval_before"])
-        say("eval before: " + fmt_eval(run.state["eval_before"], world.headline))
+        run.state["eval_before"] = run.state["last_eval"] = evaluate(world, policy, None, cfg, run, "before", 0)
+        say("eval before: " + world.eval_line(run.state["eval_before"]))
         save_samples(world, policy, run_dir / "samples" / "iter-0000.png", main)
 
     bar = progress_bar(run.start, cfg.train.iterations, main)  # a tqdm bar, plain lines off a terminal
@@ -165,27 +166,21 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
         # ==================================================================== reward
         # a failure names the prompts' own ids (the world's prompt table), not the iteration's group ids
         prompt_ids = batch.ids if batch.ids is not None else torch.full((S,), -1)
-        scores, bad = score_rewards(lambda: score_all(rewards, world.decode(tokens), batch.texts, batch.metadata, seeds,
-                                                      prompt_ids), S, cfg.reward.on_error, lambda: run.checkpoint(it),
-                                    f"iteration {it + 1}", run_dir, say,
-                                    run.carrying(across_processes(accelerator)))  # the signals too: the poll below
+        # a failure or signal on any process stops all (difrl/train/iteration.py)
+        scores, bad = score_iteration(lambda: score_all(rewards, world.decode(tokens), batch.texts, batch.metadata,
+                                                        seeds, prompt_ids), S, cfg, run, it, say, accelerator)
         if run.agree_interrupted():  # SIGINT / SIGTERM on any process: this iteration is abandoned before its update
             break
         t_adv = time.perf_counter()
 
         # ==================================================================== advantage
         # over the whole iteration: every process's scores gathered (on the accelerator's device, collectives.py)
-        all_scores = {name: gather_rows(accelerator, v) for name, v in scores.items()}
-        all_bad = gather_rows(accelerator, bad.long()).bool()
+        rw = gather_rewards(cfg, run, it, accelerator, scores, bad, all_groups)  # [N] scores, failures
+        all_scores = rw.scores
         baseline = ~all_ext if (K and ext.normalize == "source") else None
-        failed_frac = track_reward_failures(run.state, int(all_bad.sum()), N, cfg.reward.max_failed_frac,
-                                            f"iteration {it + 1}", lambda: run.checkpoint(it), run_dir)
-        adv, failed = valid_group_advantages(all_scores, weights, all_groups, all_bad, cfg.advantage,
+        adv, failed = valid_group_advantages(all_scores, weights, all_groups, rw.bad, cfg.advantage,
                                              cfg.reward.aggregate, baseline)
-        bad_groups = all_groups[failed].unique()
-        keep_all = ~failed
-        if cfg.advantage.drop_zero_spread:
-            keep_all &= ~adv.zero_spread
+        keep_all = rw.kept(adv, failed, cfg.advantage.drop_zero_spread)
         advantages, keep = adv.advantages[k], keep_all[k]
 
         # ==================================================================== policy update
@@ -198,60 +193,31 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
         # ==================================================================== log
         upd = m.result(accelerator)  # means over every process's micro-steps
         on_mask = ~all_ext
-        row = {
-            "iteration": it + 1,
-            **reward_stats(adv.reward[on_mask], {k: v[on_mask] for k, v in all_scores.items()}, weights,
-                           all_groups[on_mask], cfg.advantage),
-            "adv_mean": float(adv.advantages.mean()), "adv_abs_max": float(adv.advantages.abs().max()),
-            "zero_spread_groups": int(all_groups[adv.zero_spread].unique().numel()),
-            "failed_reward_groups": int(bad_groups.numel()), "failed_reward_frac": failed_frac,
-            "trained_samples": int(keep_all.sum()),
-            "nfe_rollout": gather_busiest(accelerator, out.nfe),
-            **upd,
-            "ratio_mean": upd.get("ratio", 1.0),
-            "lr": optimizer.param_groups[0]["lr"],
-            "seconds_rollout": t_reward - t_iter, "seconds_reward": t_adv - t_reward, "seconds_update": t_log - t_adv,
-        }
-        row.pop("ratio", None)
+        stats = {**reward_stats(adv.reward[on_mask], {k: v[on_mask] for k, v in all_scores.items()}, weights,
+                                all_groups[on_mask], cfg.advantage),
+                 "adv_mean": float(adv.advantages.mean()), "adv_abs_max": float(adv.advantages.abs().max())}
+        row = iteration_row(it, rw, adv, keep_all, failed, stats, {"nfe_rollout": gather_busiest(accelerator, out.nfe)},
+                            upd, optimizer.param_groups[0]["lr"], (t_iter, t_reward, t_adv, t_log))
         if K:  # on-policy reward above, the external source's here
             row.update({"external/reward_mean": finite_mean_std(adv.reward[all_ext])[0],
                         "external/adv_mean": float(adv.advantages[all_ext].mean()),
                         **{f"external/{k}": float(v) for k, v in correction.diagnostics.items()}})
-        if cfg.eval.every and (it + 1) % cfg.eval.every == 0 and it + 1 < cfg.train.iterations:
-            t_eval = time.perf_counter()
-            run.state["last_eval"] = ev = world.evaluate(policy)
-            if main:
-                record_eval(run_dir, "eval", it + 1, ev)
-            row.update({f"eval/{k}": v for k, v in ev.items() if isinstance(v, (int, float))})
-            row["seconds_eval"] = time.perf_counter() - t_eval
-        row["seconds"] = time.perf_counter() - t_iter
-        run.log(row)
-        done = it + 1
-        progress(bar, row, run.state["last_eval"], world.headline)
-
-        # ==================================================================== checkpoint
-        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
-            run.checkpoint(done)
-        if run.agree_interrupted():  # a signal during the update: stop after this iteration
+        # ==================================================================== checkpoint (and evaluation)
+        done, _, stop = close_iteration(cfg, run, row, it, t_iter, bar, world, policy, None, evaluate, None, say)
+        if stop:  # a signal during the update: stop after this iteration
             break
     bar.close()
 
     # ======================================================================== finish
     run.end_loop(done)  # the final checkpoint; after a signal: a checkpoint, then Interrupted
-    eval_after = world.evaluate(policy)
-    if main:
-        record_eval(run_dir, "after", done, eval_after)
-    say("eval after:  " + fmt_eval(eval_after, world.headline))
+    eval_after = evaluate(world, policy, None, cfg, run, "after", done)
+    say("eval after:  " + world.eval_line(eval_after))
     save_samples(world, policy, run_dir / "samples" / f"iter-{done:04d}.png", main)
     summary = {"eval_before": run.state["eval_before"], "eval_after": eval_after, "iterations": done,
                "stopped_early": None, "run_dir": str(run_dir), "headline": list(world.headline)}
-    # under FSDP every process takes part in gathering the full weights, the main one alone keeps and saves them, in
-    # the dtypes they were loaded in
-    with gathered(net, keep=main), masters.as_loaded(net):
-        if main:
-            save_policy(policy, net, cfg.train.lora.enabled, run_dir / "policy.safetensors")
-            if cfg.train.lora.enabled:  # also the adapter alone in peft's own format: PeftModel.from_pretrained(base, run_dir/"lora")
-                net.save_pretrained(str(run_dir / "lora"))
+    # the world's files (policy.safetensors, and under LoRA peft's lora/), gathered under FSDP (every process takes
+    # part), in the dtypes they were loaded in: final_save.save_final, as `difrl export`
+    save_final(world, policy, net, cfg.train.lora.enabled, run_dir, masters, main=main)
     run.finish(summary, world.headline)
     run.barrier()
     accelerator.end_training()
@@ -378,6 +344,15 @@ def policy_update(cfg: MaskedConfig, policy, tr: MaskedTrainee, accelerator, spl
                                      clip_sharded_grad_norm_ if tr.fsdp is not None else None)
                 if norm is not None:
                     m.add("grad_norm", norm)
+
+
+def evaluate(world, policy, ema, cfg: MaskedConfig, run: Run, tag: str, iteration: int) -> dict:
+    """The world's fixed evaluation of the policy, recorded in run_dir/eval.json by the main process (the flow
+    trainer's evaluate's signature, which close_iteration calls: the masked trainer keeps no EMA, `ema` is None)."""
+    metrics = world.evaluate(policy)
+    if run.is_main:
+        record_eval(run.dir, tag, iteration, metrics)
+    return metrics
 
 
 def save_samples(world, policy, path: Path, main: bool) -> None:

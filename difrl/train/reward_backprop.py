@@ -65,7 +65,8 @@ def backprop_micro_loss(cfg, policy, rewards: dict, weights: dict[str, float], p
 def reward_backprop_loop(cfg, world, policy, tr, accelerator, run, bar, rewards: dict, weights: dict[str, float],
                          sigmas: torch.Tensor, per_proc: int, evaluate, should_stop) -> tuple[int, str | None]:
     """The iterations run.start .. train.iterations of a draft / refl run (eval, log, checkpoint as the GRPO loop
-    does; `evaluate` and `should_stop` are the recipe's). Returns (iterations done, the early-stop reason or None)."""
+    does; `evaluate` is the recipe's, `should_stop` the world's stop rule or None). Returns (iterations done, the
+    early-stop reason or None)."""
     for name, fn in rewards.items():  # reward.weights=null: the world's own reward, unchecked by the config
         if weights[fn.key] != 0 and not fn.differentiable:
             from difrl.config import ConfigError

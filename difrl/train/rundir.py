@@ -173,17 +173,19 @@ def stop_rule(cfg) -> dict | None:
     return None if stop is None else dataclasses.asdict(stop)
 
 
-def held_stop(cfg, state: dict) -> dict | None:
+def held_stop(cfg, state: dict, rule=None) -> dict | None:
     """A resumed run's early stop, state["stopped_early"] = {iteration, reason, rule} (written into the checkpoint
     of the iteration it stopped after), when cfg's stop rule is still the one that made it: the run stays stopped.
-    Another rule lifts it: the record and the count of evaluations above the threshold are cleared in `state` (that
-    count was against the old rule; the best FD is kept) and the run continues. None when it continues."""
+    Another rule lifts it: the record is cleared in `state`, the world's stop `rule` (difrl.worlds.contract: FDRise)
+    restarts its counters there (they counted against the old rule), and the run continues. None when it continues."""
     stop = state.get("stopped_early")
     if not stop:
         return None
     if stop.get("rule") == stop_rule(cfg):
         return stop
-    state["stopped_early"], state["bad_evals"] = None, 0
+    state["stopped_early"] = None
+    if rule is not None:
+        rule.lift(state)
     return None
 
 

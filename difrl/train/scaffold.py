@@ -130,22 +130,6 @@ def check_ratio(log_prob: torch.Tensor, log_prob_old: torch.Tensor, tol: float, 
     return err
 
 
-# ---------------------------------------------------------------------------------- evaluations in one line
-
-
-def fmt_eval(ev: dict, headline: tuple[str, ...]) -> str:
-    keys = list(headline) + [k for k in ("judge_accuracy", "judge_motion_accuracy", "diversity", "real_diversity")
-                             if k in ev and k not in headline]
-    text = ", ".join(f"{k} {ev[k]:.3f}" for k in keys if k in ev)
-    if "fd_extractor" in ev:
-        text += f" (FD features: {ev['fd_extractor']})"
-    if "num_puzzles" in ev:
-        text += f" ({ev['num_puzzles']} test puzzles, {ev['num_blanks']} blanks)"
-    elif "samples" in ev:
-        text += f" ({ev['samples']} samples)"
-    return text
-
-
 # ---------------------------------------------------------------------------------- the run directory
 
 

@@ -14,6 +14,9 @@ Two plain dicts map the config's ``model.kind`` to the file in difrl/worlds/ tha
 ``check_config`` and ``OWN_KEYS``). A new world is its file plus one entry; the trainers read the kinds
 (``flow_kinds()``: the bundled worlds and every model family, those registered by plug-ins included;
 ``MASKED_KINDS``) and each world's config checks from here, and name no world themselves (docs/architecture.md).
+What a trainer does with a world's results is the world's too (difrl/worlds/contract.py): the eval line it prints
+(``World.eval_line``), the early-stop rule (``World.stop``: FDRise for digits and moving digits) and the final
+weights (``World.save_final``; MaskedWorld has the same eval line and save members).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 
 from difrl.models.adapters import BUILTIN_ADAPTERS, HOW_TO_ADD, model_kinds  # the table only: diffusers loads later
 from difrl.samplers.schedules import sigma_schedule
+from difrl.worlds.contract import FDRise, format_eval, save_merged
 
 
 @dataclass
@@ -38,9 +42,23 @@ class World:
     metadata: Callable[[int], dict]  # prompt id -> reward metadata
     device: str = "auto"  # "cpu": the trainer keeps every process on the CPU even where a GPU exists
     sigmas: Callable[[int, float], torch.Tensor] = sigma_schedule  # (num_steps, shift) -> [num_steps + 1] sigmas
-    save_lora: Callable[[object, Path], Path] | None = None  # (policy, dir): the model's own LoRA format; None = merged
+    # (policy, net, lora, out_dir, write_merged): the final weights in the world's own files (difrl.worlds.contract);
+    # the default: policy.safetensors, LoRA merged
+    save_final: Callable[..., None] = save_merged
     default_reward: str | None = None  # the reward of reward.weights=null (None: the config must name one)
     headline: tuple[str, ...] = ("reward",)  # eval keys shown in the progress bar, the CLI table and the plot
+    # (cfg, eval metrics, run state) -> the reason to stop early, or None (difrl.worlds.contract: FDRise); None: no rule
+    stop: FDRise | None = None
+    # eval metrics -> the line the trainer prints; None: the headline keys (contract.format_eval)
+    describe_eval: Callable[[dict], str] | None = None
+
+    @property
+    def on_cpu(self) -> bool:
+        """Whether the trainer keeps every process on the CPU (a small network: kernel launches would dominate)."""
+        return self.device == "cpu"
+
+    def eval_line(self, ev: dict) -> str:
+        return self.describe_eval(ev) if self.describe_eval is not None else format_eval(ev, self.headline)
 
 
 def check_bundled_config(cfg) -> None:

@@ -3,7 +3,7 @@
     world = build_world("flux", "/models/FLUX.1-dev", cfg)   # cfg.model: prompts, size, dtype, schedule
     metrics, images = world.evaluate(world.policy, per_digit=4, num_steps=28, seed=1234)
     world.save_grid(images, run_dir / "samples" / "after.png")       # Wan: a GIF beside that name
-    world.save_lora(world.policy, run_dir / "lora")                   # pipe.load_lora_weights(run_dir / "lora")
+    world.save_final(policy, net, lora, run_dir, write_merged)      # lora/ (pipe.load_lora_weights) or transformer/
 
 The policy is `load_flow_policy(kind, model.path, ...)` (difrl/models/adapters.py), on this
 process's GPU when there is one. Training prompts come from `model.prompts` or `model.prompt_file`
@@ -49,6 +49,7 @@ from difrl.samplers.schedules import sigma_schedule
 from difrl.utils.collectives import whole
 from difrl.utils.rng import mix_seed
 from difrl.worlds import World
+from difrl.worlds.contract import FDRise
 
 MAX_EVAL_PROMPTS = 8  # model.eval_prompts = None: the first this many training prompts
 
@@ -197,8 +198,17 @@ def flow_world(kind: str, model_path: str | None, cfg=None, policy=None) -> Worl
         frames = [Image.fromarray(image_grid(images[:, f], nrow=per, scale=scale)) for f in range(images.shape[1])]
         frames[0].save(path.with_suffix(".gif"), save_all=True, append_images=frames[1:], duration=125, loop=0)
 
+    def save_final(policy, net, lora: bool, out_dir: Path, write_merged) -> None:
+        """lora/ for pipe.load_lora_weights, or the full fine-tune's transformer/ (a diffusers checkpoint like the
+        base, FluxTransformer2DModel.from_pretrained)."""
+        if lora:
+            save_lora(policy, Path(out_dir) / "lora")
+        else:
+            net.save_pretrained(Path(out_dir) / "transformer")
+
+    # FDRise: the best FD of eval.fid is kept in the run's state; stop.fd_rise itself is refused (check_config)
     return World(kind, policy, prompts, evaluate, save_grid, lambda pid: {**prompt_meta[pid], "prompt_id": pid, "prompt": prompts[pid]},
-                 sigmas=sigmas, save_lora=save_lora)
+                 sigmas=sigmas, save_final=save_final, stop=FDRise())
 
 
 def check_config(cfg) -> None:

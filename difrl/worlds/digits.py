@@ -28,11 +28,19 @@ from difrl.utils.collectives import whole
 from difrl.utils.images import to_uint8
 from difrl.utils.rng import mix_seed
 from difrl.worlds import World, check_bundled_config
+from difrl.worlds.contract import FDRise, format_eval
 from difrl.samplers.schedules import sigma_schedule
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 FEATURE_EXTRACTOR = "difrl-digits-cnn-penultimate-64d"
 PROMPTS = [digit_prompt(d) for d in range(10)]
+HEADLINE = ("accuracy", "fd")  # the eval keys of the progress bar, the CLI table and the plot
+
+
+def eval_line(ev: dict) -> str:
+    """The trainer's line of a digits evaluation (also the digit-tokens world's): the headline, the unseen judge,
+    the diversity of the samples and of the real test images, the FD features, the sample count."""
+    return format_eval(ev, HEADLINE + ("judge_accuracy", "diversity", "real_diversity"))
 
 
 @lru_cache(maxsize=1)
@@ -169,7 +177,7 @@ def flow_world(kind: str, model_path: str | None, cfg=None) -> World:
         Image.fromarray(image_grid(rows, nrow=min(per, 10))).save(path)
 
     return World("digits", policy, list(PROMPTS), evaluate, save_grid, lambda pid: {"digit": pid}, device="cpu",
-                 default_reward="digit_prob", headline=("accuracy", "fd"))
+                 default_reward="digit_prob", headline=HEADLINE, stop=FDRise(), describe_eval=eval_line)
 
 
 check_config = check_bundled_config  # gradient checkpointing, compile, the eval panel: refused

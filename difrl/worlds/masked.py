@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from difrl.eval.passk import Verifier
+from difrl.worlds.contract import format_eval, save_merged_and_adapter
 
 
 @dataclass
@@ -90,6 +91,14 @@ class MaskedWorld:
     # None: the world takes no prompt typed by hand
     show: Callable[[object], list[str]] | None = None  # decoded samples -> one line of text each (difrl sample);
     # None: samples that are text already (hf_masked) or pictures (save_samples)
+    # (policy, net, lora, out_dir, write_merged): the final weights (difrl.worlds.contract); the default:
+    # policy.safetensors, LoRA merged, and under LoRA the adapter alone as peft's lora/
+    save_final: Callable[..., None] = save_merged_and_adapter
+    # eval metrics -> the line the trainer prints; None: the headline keys (contract.format_eval)
+    describe_eval: Callable[[dict], str] | None = None
+
+    def eval_line(self, ev: dict) -> str:
+        return self.describe_eval(ev) if self.describe_eval is not None else format_eval(ev, self.headline)
 
 
 __all__ = ["MaskedPrompts", "MaskedWorld"]

@@ -48,6 +48,7 @@ from difrl.samplers.schedules import sigma_schedule
 from difrl.utils.collectives import whole
 from difrl.utils.rng import mix_seed
 from difrl.worlds import World, check_bundled_config
+from difrl.worlds.contract import FDRise, format_eval
 from difrl.worlds.digits import fit_judge, image_grid, load_split
 
 FRAMES, SIZE = 8, 16
@@ -284,8 +285,11 @@ def flow_world(kind: str, model_path: str | None, cfg=None) -> World:
         digit, direction = parse_moving_prompt(prompts[pid])
         return {"digit": digit, "direction": direction, "prompt_id": pid}
 
+    headline = ("accuracy", "motion_accuracy", "fd")
     return World("moving_digits", policy, prompts, evaluate, save_grid, metadata, device="cpu",
-                 default_reward="moving_digit", headline=("accuracy", "motion_accuracy", "fd"))
+                 default_reward="moving_digit", headline=headline, stop=FDRise(),
+                 describe_eval=lambda ev: format_eval(ev, headline + ("judge_accuracy", "judge_motion_accuracy",
+                                                                      "diversity", "real_diversity")))
 
 
 def check_config(cfg) -> None:

@@ -28,6 +28,7 @@ from difrl.rewards.sudoku_cells import CELLS, PEERS, SIZE, cell_valid, solved, s
 from difrl.eval.passk import Verifier
 from difrl.utils.rng import mix_seed
 from difrl.worlds.masked import MaskedPrompts, MaskedWorld
+from difrl.worlds.contract import format_eval
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED_BASE = ASSETS / "sudoku_base.safetensors"
@@ -235,7 +236,13 @@ def masked_world(cfg) -> MaskedWorld:
     return MaskedWorld("sudoku", load_base(cfg.model.path), prompts, decode, "sudoku_cells", evaluate,
                        ("cell_accuracy", "solve_rate"), load_base, external={"solver": solver_sample}, verifier=verifier,
                        parse_prompts=lambda texts: _prompts(torch.stack([parse_puzzle(t) for t in texts])),
-                       show=lambda filled: [puzzle_text(g) for g in filled])
+                       show=lambda filled: [puzzle_text(g) for g in filled], describe_eval=eval_line)
+
+
+def eval_line(ev: dict) -> str:
+    """The trainer's line of a Sudoku evaluation: the headline, then the test set's size."""
+    return format_eval(ev, ("cell_accuracy", "solve_rate"),
+                       f"{ev['num_puzzles']} test puzzles, {ev['num_blanks']} blanks" if "num_puzzles" in ev else None)
 
 
 # the config keys only this world reads (fields in difrl/train/masked_config.py); another masked world refuses them
