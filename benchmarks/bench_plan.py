@@ -4,13 +4,14 @@
 
 Two blocks: without --families, the first families' rows (FLUX.1-dev, SD3.5-Large, Wan 2.1 14B, LLaDA-8B) at 1, 8 and
 16 GPUs ("Real size, simulated: difrl plan"); with --families, the families added since (SANA, FLUX.2 [dev] and
-[klein], SD3.5-Medium, Z-Image, Qwen-Image, Wan 2.2: FAMILY_PREFIXES) at 1 and 8 GPUs, the counts issue 47 asks
-for ("Real size, simulated: the newer families"). Each full run rewrites its own block only.
+[klein], SD3.5-Medium, Z-Image, Qwen-Image and Qwen-Image-Edit, Wan 2.2 TI2V-5B and T2V-A14B: FAMILY_PREFIXES) at 1
+and 8 GPUs, the counts issue 47 asks for ("Real size, simulated: the newer families"). Each full run rewrites its own
+block only.
 
 Each row is `difrl plan` (difrl/train/planner.py) of a published recipe config at the size of the family's reference
 checkpoint (FLUX.1-dev, SD3.5-Large, Wan 2.1 T2V 14B, LLaDA-8B, SANA-1.6B, FLUX.2-dev, FLUX.2-klein-base-9B, Z-Image:
 difrl/assets/arch/) or of the case's own architecture (CASE_ARCH: SD3.5-Medium, the size configs/sd3_flow_grpo.yaml
-is written for), at 1, 8 and 16 GPUs: the trainer's own setup, one rollout forward batch (the masked trainer: the
+is written for; Wan 2.2 T2V-A14B, which configs/wan22_dance_grpo.yaml also trains), at 1, 8 and 16 GPUs: the trainer's own setup, one rollout forward batch (the masked trainer: the
 process's samples, every sampler step) and the update's first and last micro-steps, on fake tensors under a fake
 process group (FSDP2 above one GPU, one plain process at one). The flow configs' train.grad_accum is set per GPU
 count to keep their published updates per rollout (the configs' headers give the formula); the masked config keeps
@@ -98,9 +99,22 @@ CASES = [
     ("Wan 2.2 TI2V-5B LoRA r32, micro-batch 9, grad. checkpointing", "configs/wan22_dance_grpo.yaml", [GC], 192),
     ("Wan 2.2 TI2V-5B full, grad. checkpointing", "configs/wan22_dance_grpo.yaml", ["train.lora.enabled=false", GC],
      192),
+    # Qwen-Image-Edit (Flow-Factory's recipe): 768 samples per rollout in 2 updates of 1-transition micro-batches;
+    # its placeholder prompts carry source images (difrl.train.planner.plan_config), resized to model.source_size 384
+    ("Qwen-Image-Edit LoRA r64, micro-batch 1, grad. checkpointing", "configs/qwenimage_edit_flow_grpo.yaml", [], 384),
+    ("Qwen-Image-Edit full, micro-batch 1, grad. checkpointing", "configs/qwenimage_edit_flow_grpo.yaml",
+     ["train.lora.enabled=false"], 384),
+    # Wan 2.2 T2V-A14B (CASE_ARCH): configs/wan22_dance_grpo.yaml on both experts, each step on its own expert
+    ("Wan 2.2 T2V-A14B LoRA r32, micro-batch 9, grad. checkpointing", "configs/wan22_dance_grpo.yaml", [GC], 192),
+    ("Wan 2.2 T2V-A14B LoRA r32, micro-batch 3, grad. checkpointing", "configs/wan22_dance_grpo.yaml",
+     [GC, "train.micro_batch=3"], 576),
+    ("Wan 2.2 T2V-A14B full, grad. checkpointing", "configs/wan22_dance_grpo.yaml", ["train.lora.enabled=false", GC],
+     192),
 ]
 # the architecture a case simulates when it is not its model kind's reference (difrl.models.arch.REFERENCE_ARCH)
-CASE_ARCH = {name: "sd3.5-medium" for name, *_ in CASES if name.startswith("SD3.5-Medium")}
+CASE_ARCH = {name: arch for name, *_ in CASES for prefix, arch in (("SD3.5-Medium", "sd3.5-medium"),
+                                                                    ("Wan 2.2 T2V-A14B", "wan2.2-t2v-a14b"))
+             if name.startswith(prefix)}
 
 
 def run_case(name: str, config: str, overrides: list[str], numerator: int, gpus: int) -> dict:

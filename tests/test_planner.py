@@ -61,11 +61,12 @@ def test_shipped_architectures_have_the_published_sizes():
                  "sd3.5-medium": 2.2432e9,  # 2,243,171,520
                  "z-image": 6.155e9,  # 6,154,908,736
                  "qwen-image": 20.43e9,
-                 "wan2.2-ti2v-5b": 5.00e9, "wan2.2-t2v-a14b": 14.29e9}  # A14B: each of its two experts
+                 "wan2.2-ti2v-5b": 5.00e9, "wan2.2-t2v-a14b": 14.29e9,  # A14B: each of its two experts
+                 "qwen-image-edit": 20.43e9}  # Qwen-Image's transformer
     kinds = {"flux1-dev": "flux", "sd3.5-large": "sd3", "wan2.1-t2v-14b": "wan", "sana-1.6b": "sana",
              "flux2-dev": "flux2", "flux2-klein-base-9b": "flux2_klein", "sd3.5-medium": "sd3", "z-image": "zimage",
              "qwen-image": "qwenimage",
-             "wan2.2-ti2v-5b": "wan22", "wan2.2-t2v-a14b": "wan22"}
+             "wan2.2-ti2v-5b": "wan22", "wan2.2-t2v-a14b": "wan22", "qwen-image-edit": "qwenimage_edit"}
     assert set(ARCHS) == set(published)
     for name, size in published.items():
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -73,6 +74,8 @@ def test_shipped_architectures_have_the_published_sizes():
             n = parameter_count(policy.pipe.transformer)
         assert abs(n - size) / size < 0.001, (name, n)  # the table's two decimals
         assert {p.dtype for p in policy.pipe.transformer.parameters()} == {torch.bfloat16}
+        if name == "qwen-image-edit":  # Qwen2.5-VL-7B with its vision tower (Qwen-Image's text encoder): 8.29 B
+            assert abs(parameter_count(policy.pipe.text_encoder) - 8.29e9) / 8.29e9 < 0.001
         if name == "wan2.2-t2v-a14b":  # the trained module holds both experts, of one shape
             assert parameter_count(policy.pipe.transformer_2) == n and parameter_count(policy.module) == 2 * n
 
@@ -521,3 +524,30 @@ def test_plan_of_zimage_sees_each_captions_own_tokens(tmp_path, monkeypatch):
                                                                    "model.max_sequence_length=64"])
     row = plan_flow(cfg, 1, None)
     assert row["phases"]["update"]["activations_gib"] > 0 and seen and all(s == {tokens} for s in seen), seen
+
+
+def test_plan_of_an_edit_model_gives_its_placeholder_prompts_source_images(tmp_path, monkeypatch):
+    """A config whose prompt file is not on this machine is planned on placeholder prompts; an editing family's
+    (qwenimage_edit: the adapter's `source_images`) need a source image each, which plain text placeholders lacked (the
+    world refused them: model.prompts cannot carry images). The plan of the tiny Qwen-Image-Edit pipeline runs, and
+    every embedding reads its source image resized to model.source_size (64: twice the shipped 32x32 sources), so
+    the vision tower and the source latents run at the configured size."""
+    from difrl.models.adapters import make_tiny_pipeline
+    from difrl.models.qwenimage_edit import QwenImageEditPolicy
+    from difrl.train.planner import plan_flow
+    from difrl.train.recipes import load_train_config
+
+    seen = []
+    embed = QwenImageEditPolicy._embed
+
+    def spy(self, texts, images, key):
+        seen.append({img.size for img in images})
+        return embed(self, texts, images, key)
+
+    monkeypatch.setattr(QwenImageEditPolicy, "_embed", spy)
+    path = make_tiny_pipeline("qwenimage_edit", tmp_path / "qwenimage_edit")
+    cfg = load_train_config(ROOT / "configs" / "qwenimage_edit_tiny.yaml",
+                            [f"model.path={path}", *TINY, "model.prompt_file=/nonexistent/edits.jsonl",
+                             "model.source_size=64"])
+    row = plan_flow(cfg, 1, None)
+    assert row["phases"]["update"]["activations_gib"] > 0 and seen and all(s == {(64, 64)} for s in seen), seen

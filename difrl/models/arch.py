@@ -35,7 +35,7 @@ ARCH_ROOT = Path(__file__).resolve().parent.parent / "assets" / "arch"
 REFERENCE_ARCH = {"flux": "flux1-dev", "sd3": "sd3.5-large", "wan": "wan2.1-t2v-14b", "hf_masked": "llada-8b",
                   "sana": "sana-1.6b", "flux2": "flux2-dev", "flux2_klein": "flux2-klein-base-9b",
                   "zimage": "z-image", "qwenimage": "qwen-image",
-                  "wan22": "wan2.2-ti2v-5b"}
+                  "wan22": "wan2.2-ti2v-5b", "qwenimage_edit": "qwen-image-edit"}
 ARCHS = tuple(sorted(p.name for p in ARCH_ROOT.iterdir() if (p / "model_index.json").is_file())) if ARCH_ROOT.is_dir() else ()
 # masked LMs: a transformers config.json alone (no model_index.json)
 MASKED_ARCHS = tuple(sorted(p.name for p in ARCH_ROOT.iterdir() if (p / "config.json").is_file()
@@ -69,10 +69,11 @@ def _tokenizer(folder: Path, cls_name: str, pipeline_class: str):
         return getattr(transformers, cls_name).from_pretrained(str(folder), local_files_only=True)
     if "CLIP" in cls_name:
         return tiny_clip_tokenizer(CLIP_TEXT_LEN)
-    if pipeline_class in CODE_TOKENIZERS:
+    builder = CODE_TOKENIZERS.get(f"{pipeline_class}.{cls_name}", CODE_TOKENIZERS.get(pipeline_class))
+    if builder is not None:
         from difrl.models import tiny
 
-        return getattr(tiny, CODE_TOKENIZERS[pipeline_class])()
+        return getattr(tiny, builder)()
     return tiny_t5_tokenizer()
 
 
@@ -80,7 +81,10 @@ def _tokenizer(folder: Path, cls_name: str, pipeline_class: str):
 # uses (chat-LLM text encoders; the vocabulary is not the real one, the text lengths are)
 CODE_TOKENIZERS = {"SanaPipeline": "tiny_gemma_tokenizer", "QwenImagePipeline": "tiny_qwen2_tokenizer",
                    "ZImagePipeline": "tiny_qwen_tokenizer_in_vocab", "Flux2KleinPipeline": "tiny_qwen_tokenizer",
-                   "Flux2Pipeline": "tiny_flux2_processor"}
+                   "Flux2Pipeline": "tiny_flux2_processor",
+                   # a pipeline with a tokenizer and a processor: "<pipeline class>.<component class>" names the latter's
+                   "QwenImageEditPipeline": "qwen_image_edit_tokenizer",
+                   "QwenImageEditPipeline.Qwen2VLProcessor": "qwen_image_edit_processor"}
 
 
 def _model(library: str, cls_name: str, config: dict) -> nn.Module:

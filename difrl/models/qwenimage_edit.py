@@ -35,6 +35,32 @@ from difrl.models.diffusers_base import ImagePrompt
 from difrl.models.qwenimage import QwenImagePolicy, real_tokens
 
 
+def _vision_indices_on_host(visual, args, kwargs):
+    """The vision tower's index bookkeeping (patch positions, attention and window boundaries, the window order),
+    computed from the image grid [n_images, 3] by transformers' own helpers before the tower runs, which then takes
+    them precomputed (transformers.vision_utils: each helper pops its key from the forward's kwargs): the same values,
+    made as real host tensors also under difrl plan's fake-tensor simulation, where the tower's aranges would be
+    simulated and its `index[index != -100]` could not be sized (no-op otherwise; transformers without vision_utils:
+    the tower computes them itself)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    try:
+        from transformers import vision_utils as vu
+    except ImportError:
+        return None
+    grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
+    if grid is None or "window_index" in kwargs:
+        return None
+    with unset_fake_temporarily():
+        window_index, cu_window_seqlens = vu.get_vision_window_index(
+            grid, spatial_merge_size=visual.spatial_merge_size, window_size=visual.window_size,
+            patch_size=visual.patch_size)
+        extra = {"position_ids": vu.get_vision_position_ids(grid, visual.spatial_merge_size),
+                 "cu_seqlens": vu.get_vision_cu_seqlens(grid), "window_index": window_index,
+                 "cu_window_seqlens": cu_window_seqlens}
+    return args, {**kwargs, **extra}
+
+
 class QwenImageEditPolicy(QwenImagePolicy):
     """Qwen-Image-Edit (`QwenImageEditPipeline`): Qwen-Image with a source image per prompt (ImagePrompt)."""
 
@@ -52,6 +78,9 @@ class QwenImageEditPolicy(QwenImagePolicy):
             raise ValueError(f"source_size={source_size}: the source image's side must be at least 32 pixels")
         self._source_hw: tuple[int, int] | None = None  # (h, w) every source of this policy resizes to
         self._source_by: str | None = None  # the image that set it (named when another size is refused)
+        for m in pipe.text_encoder.modules():  # Qwen2.5-VL's vision tower
+            if type(m).__name__ == "Qwen2_5_VisionTransformerPretrainedModel":
+                m.register_forward_pre_hook(_vision_indices_on_host, with_kwargs=True)
 
     def source_hw(self, size: tuple[int, int]) -> tuple[int, int]:
         """(h, w) a source image of PIL `size` (w, h) is resized to: the pipeline's calculate_dimensions on the area

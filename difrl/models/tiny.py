@@ -248,14 +248,29 @@ QWEN_EDIT_TEMPLATE_WORDS = (" requirements", " instruction", " maintaining", " c
                             " that", " with", " the", " key", " how", " new", "user", " of", " or", " (", "),", "'s", " a")
 
 
-def tiny_qwen2vl_processor(tokenizer, pixels: int = 56 * 56):
+def tiny_qwen2vl_processor(tokenizer, pixels: int | tuple[int, int] = 56 * 56):
     """A Qwen2VLProcessor (Qwen-Image-Edit's `processor`) over `tokenizer`: its image processor resizes every image to
     about `pixels` pixels (min = max: 56 x 56, a 4 x 4 grid of 14-pixel patches merged 2 x 2 into 4 image tokens; the
-    real one keeps up to 12.8M pixels)."""
+    real one keeps up to 12.8M pixels); `pixels` a (min, max) pair: images between the two keep their size."""
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
-    images = Qwen2VLImageProcessor(min_pixels=pixels, max_pixels=pixels)
+    low, high = pixels if isinstance(pixels, tuple) else (pixels, pixels)
+    images = Qwen2VLImageProcessor(min_pixels=low, max_pixels=high)
     return Qwen2VLProcessor(image_processor=images, tokenizer=tokenizer, video_processor=Qwen2VLVideoProcessor())
+
+
+def qwen_image_edit_tokenizer():
+    """Qwen-Image-Edit's code-built tokenizer (difrl plan's real-size pipeline): the byte-level Qwen2 tokenizer with
+    the edit template's words, so the dropped system part is the real 64 tokens; its vision markers are ids 461-464
+    (difrl/assets/arch/qwen-image-edit/text_encoder/config.json names these ids)."""
+    return tiny_qwen2_tokenizer(QWEN_EDIT_TEMPLATE_WORDS)
+
+
+def qwen_image_edit_processor():
+    """Qwen-Image-Edit's processor at real size: Qwen2.5-VL's published image processor limits (3,136 to 12,845,056
+    pixels: a source keeps its pipeline-resized size, rounded to 28-pixel multiples, 14-pixel patches merged 2 x 2)
+    over qwen_image_edit_tokenizer."""
+    return tiny_qwen2vl_processor(qwen_image_edit_tokenizer(), pixels=(56 * 56, 28 * 28 * 16384))
 
 
 def tiny_qwen25_vl_config(tok):

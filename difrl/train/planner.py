@@ -91,13 +91,29 @@ def resolve_arch(cfg, arch: str | None) -> tuple[Path, str]:
     return arch_dir(REFERENCE_ARCH[cfg.model.kind]), REFERENCE_ARCH[cfg.model.kind]
 
 
+# the placeholder prompts of an editing family (its adapter's `source_images`): the shipped edit set, 32x32 square
+# sources that the adapter resizes to model.source_size as it resizes a real one (difrl/assets/edit_tiny)
+PLACEHOLDER_EDITS = Path(__file__).resolve().parent.parent / "assets" / "edit_tiny" / "prompts.jsonl"
+
+
 def plan_config(cfg):
     """The config as the simulation runs it: prompts placeholders when the prompt file is not on this machine (their
     text does not change a shape: the pipelines pad to the text length), and the first-step ratio check off (it reads
-    values, which fake tensors do not have)."""
+    values, which fake tensors do not have). A family whose prompts carry a source image (its adapter's
+    `source_images`: Qwen-Image-Edit) gets the shipped edit set as its placeholders (PLACEHOLDER_EDITS), so the
+    vision encoder and the source latents run at the size model.source_size gives a square source; an eval prompt
+    file not on this machine is dropped (the evaluation is not simulated; its prompts default to the training ones)."""
+    from difrl.models.adapters import adapter_class
+
     mc = cfg.model
     if mc.prompts is None and not (mc.prompt_file and Path(mc.prompt_file).is_file()):
-        mc = dataclasses.replace(mc, prompts=[f"prompt {i}" for i in range(cfg.rollout.prompts_per_iter)], prompt_file=None)
+        if adapter_class(mc.kind).source_images:
+            mc = dataclasses.replace(mc, prompt_file=str(PLACEHOLDER_EDITS))
+        else:
+            mc = dataclasses.replace(mc, prompts=[f"prompt {i}" for i in range(cfg.rollout.prompts_per_iter)],
+                                     prompt_file=None)
+    if getattr(mc, "eval_prompt_file", None) and not Path(mc.eval_prompt_file).is_file():
+        mc = dataclasses.replace(mc, eval_prompt_file=None)
     return dataclasses.replace(cfg, model=mc, train=dataclasses.replace(cfg.train, ratio_check=False))
 
 
@@ -124,8 +140,8 @@ def plan_flow(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str | N
     if cfg.train.objective in ("draft", "refl") or cfg.gardo.enabled:
         raise ValueError("difrl plan simulates the rollout -> update iteration; train.objective=draft / refl (reward "
                          "backpropagation's own phase) and gardo.enabled (its reference copy) are not simulated yet")
+    path, arch_name = resolve_arch(cfg, arch)  # first: a kind with no architecture is refused by name
     cfg = plan_config(cfg)
-    path, arch_name = resolve_arch(cfg, arch)
     DeviceMetrics = device_metrics()
     t0 = time.perf_counter()
     memory, collectives = Memory(), Collectives()
