@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SPREAD_NOTE, publish, sample_std, same_config, standard_args  # noqa: E402
 
 from difrl.train.config import load_flow_config  # noqa: E402
-from difrl.train.flow import train  # noqa: E402
+from difrl.train.flow.trainer import train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- bench_branch:start -->", "<!-- bench_branch:end -->"
@@ -78,7 +78,7 @@ def method_config(name: str, overrides: list[str]):
 def trained_edges_per_iteration(cfg) -> int:
     """Edges that reach the backward pass per iteration (pruning included), from the tree structure alone."""
     from difrl.algos.tree import depth_prune, width_prune
-    from difrl.train.flow import step_masks
+    from difrl.train.flow.trainer import step_masks
     from difrl.branching import build_tree
 
     sde, _, _ = step_masks(cfg, 0, 1)

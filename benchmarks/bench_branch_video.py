@@ -106,7 +106,7 @@ def one_run(name: str, seed: int, iterations: int, every: int, out: Path, extra:
     done = d / "summary.json"
     if not (reuse and done.exists() and json.loads((d / "overrides.json").read_text()) == overrides):
         from difrl.train.config import load_flow_config
-        from difrl.train.flow import train
+        from difrl.train.flow.trainer import train
 
         train(load_flow_config(CONFIG, overrides), out_dir=d, overwrite=True)
         (d / "overrides.json").write_text(json.dumps(overrides))

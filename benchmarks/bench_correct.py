@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SPREAD_NOTE, publish, republish, sample_std, standard_args, write_json  # noqa: E402
 
 from difrl.train.config import load_flow_config  # noqa: E402
-from difrl.train.flow import train  # noqa: E402
+from difrl.train.flow.trainer import train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- bench_correct:start -->", "<!-- bench_correct:end -->"

@@ -46,8 +46,8 @@ TOL = 0.01  # "equal accuracy": within this of one-token-per-step LLaDA decoding
 
 # ---------------------------------------------------------------------------------- (a) estimators
 def run_one(overrides: list[str], run_dir: Path, reuse: bool) -> Path:
-    from difrl.train.masked import train
-    from difrl.train.masked_config import load_masked_config
+    from difrl.train.masked.trainer import train
+    from difrl.train.masked.config import load_masked_config
 
     cfg = load_masked_config(CONFIG, ["threads=1", "checkpoint_every=0", *overrides])
     if reuse and same_config(cfg, run_dir):

@@ -57,8 +57,8 @@ GOAL_RATIO, GOAL_LOSS = 3.0, 1.0  # >= 3x fewer NFE at <= 1 point of cell accura
 def train_model(out: Path, seed: int, iterations: int | None, reuse: bool, config: str = "sudoku.yaml") -> tuple[Path, dict]:
     """Train configs/<config> (one thread, evaluation only before/after) into `out`; returns the
     policy path and a description {iterations, seconds, eval_before, eval_after, reused}."""
-    from difrl.train.masked import train
-    from difrl.train.masked_config import load_masked_config
+    from difrl.train.masked.trainer import train
+    from difrl.train.masked.config import load_masked_config
 
     over = ["threads=1", f"seed={seed}", "eval.every=0"] + ([f"train.iterations={iterations}"] if iterations else [])
     cfg = load_masked_config(ROOT / "configs" / config, over)

@@ -5,9 +5,9 @@
 Full fine-tuning of a FLUX transformer (the tiny pipeline's family, built in code by difrl.models.tiny; the full
 run widens it to --layers double + single blocks of --dim so that the per-block FSDP units dominate the
 root's). One torchrun job of 2 processes (gloo) trains the same model twice: replicated by DDP, then sharded by
-FSDP2 the way the trainer shards (difrl.train.sharding.shard, one unit per FluxTransformerBlock /
+FSDP2 the way the trainer shards (difrl.train.dist.sharding.shard, one unit per FluxTransformerBlock /
 FluxSingleTransformerBlock). Each time every process runs one forward, backward and AdamW step of the velocity
-on random latents, then counts the bytes of what it holds (difrl.train.sharding.state_bytes): its parameters, their
+on random latents, then counts the bytes of what it holds (difrl.train.dist.sharding.state_bytes): its parameters, their
 gradients and AdamW's two moments (local shards under FSDP). Not counted: DDP's gradient buckets (another
 gradient-sized buffer per process), FSDP's transient all-gathered block during its forward / backward,
 activations and libraries. A DDP process holds what a single process holds. Byte counts, no timings: the
@@ -15,7 +15,7 @@ numbers do not depend on the machine's load.
 
 The rollout copy (`rollout_copy_bytes`, rows "rollout copy ..."): the same job then builds the fp8_row rollout copy
 (rollout.precision=fp8_row, FLUX's skip list, every other linear quantized) of the DDP model (a deep copy, as one
-process builds it) and of the FSDP2-sharded one (difrl/train/rollout_copy.py: a full copy per process, filled one
+process builds it) and of the FSDP2-sharded one (difrl/train/flow/rollout_copy.py: a full copy per process, filled one
 gathered FSDP unit at a time), and counts per process the copy's bytes (its parameters and buffers: fp8 codes,
 scales, the layers kept in high precision) and, under FSDP, the most fp32 bytes gathered at once while it is built
 (the largest unit) against the whole fp32 model. The FSDP copy must equal the DDP copy tensor for tensor.
@@ -51,7 +51,7 @@ def worker(layers: int, dim: int, out: Path) -> None:
     import torch.distributed as dist
     from diffusers import FluxTransformer2DModel
 
-    from difrl.train.sharding import FSDPSettings, shard, state_bytes
+    from difrl.train.dist.sharding import FSDPSettings, shard, state_bytes
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -95,8 +95,8 @@ def rollout_copy_bytes(sharded, plain, out: Path, rank: int, numel: int) -> None
 
     from difrl.quant import QUANT_PRESETS, RolloutCopy
     from difrl.quant.linear import storage_bytes
-    from difrl.train.rollout_copy import sharded_skeleton, sharded_weights
-    from difrl.train.sharding import gathered, plain_copy
+    from difrl.train.flow.rollout_copy import sharded_skeleton, sharded_weights
+    from difrl.train.dist.sharding import gathered, plain_copy
 
     skip = QUANT_PRESETS["flux"]["skip"]
     ddp_copy = RolloutCopy(plain, "fp8_row", skip, 0, "emulate")
@@ -158,7 +158,7 @@ def vm_kib(field: str) -> int:
 def checkpoint_worker(layers: int, dim: int, out: Path) -> None:
     """One process of the checkpoint-save job: the FLUX transformer sharded by FSDP2 with an EMA and AdamW's state
     after one update, saved twice as the trainer saves it (difrl.train.scaffold.Run.checkpoint): sharded (each
-    process writes its shards with DCP, difrl.train.sharded_state.save_sharded), then gathered (every process
+    process writes its shards with DCP, difrl.train.run.sharded_state.save_sharded), then gathered (every process
     gathers the full tensors, rank 0 writes them: state.snapshot + write_checkpoint). Around each save: the peak
     resident memory above the resident memory before it, i.e. VmHWM after the save minus VmRSS before it, with
     the high-water mark reset first (writing 5 to /proc/self/clear_refs). The launch sets MALLOC_MMAP_THRESHOLD_ so
@@ -170,8 +170,8 @@ def checkpoint_worker(layers: int, dim: int, out: Path) -> None:
     import torch.distributed as dist
     from diffusers import FluxTransformer2DModel
 
-    from difrl.train.sharding import FSDPSettings, shard
-    from difrl.train.state import EMA, save_sharded, snapshot, trainable_params, write_checkpoint
+    from difrl.train.dist.sharding import FSDPSettings, shard
+    from difrl.train.run.state import EMA, save_sharded, snapshot, trainable_params, write_checkpoint
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

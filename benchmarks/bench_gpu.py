@@ -21,7 +21,7 @@ from outside keeps what it measured. What one run measures:
 1. rollout vs pipe: `pipe(prompts, output_type="latent")` against difrl's `rollout()` on the same pipeline, batch
    16 x 16 steps (mean of 3 after a warm-up): as the trainer calls it (flow_sde, every trained transition stored),
    and ODE; plus 16 bare transformer forwards. Ratios to pipe().
-2. the trainer (`difrl.train.flow.train`, LoRA rank 32, KL off, evaluation reduced to one sample) for 2 iterations
+2. the trainer (`difrl.train.flow.trainer.train`, LoRA rank 32, KL off, evaluation reduced to one sample) for 2 iterations
    per method, the second timed: flat GRPO, BranchGRPO (splits [0, 4, 8, 12] x 2 = 16 leaves), + width and depth
    pruning, BranchGRPO-Mix (SDE window 0..7), Sol-RL (32 candidates in 8 steps from an fp8_row rollout copy on the automatically chosen backend: the
    torch-native one on a GPU without Transformer Engine, difrl.quant.torch_fp8; 16
@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(budget_line(budgets, args.time_limit), flush=True)
     deadline = STARTED + args.time_limit - END_RESERVE_S
 
-    from difrl.train.flow import train
+    from difrl.train.flow.trainer import train
 
     meta = {"stage": "meta", "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
             "diffusers": __import__("diffusers").__version__, "date": _dt.date.today().isoformat(), "size": size,

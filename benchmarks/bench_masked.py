@@ -63,8 +63,8 @@ BUDGET_FRACTIONS = (0.25, 0.5, 1.0)  # of the slowest method's median training s
 
 # ---------------------------------------------------------------------------------- runs
 def run_one(world: str, overrides: list[str], run_dir: Path, reuse: bool, only_finished: bool = False) -> Path | None:
-    from difrl.train.masked import train
-    from difrl.train.masked_config import load_masked_config
+    from difrl.train.masked.trainer import train
+    from difrl.train.masked.config import load_masked_config
 
     cfg = load_masked_config(ROOT / "configs" / WORLDS[world][0], ["threads=1", "checkpoint_every=0", *overrides])
     if (reuse or only_finished) and same_config(cfg, run_dir):

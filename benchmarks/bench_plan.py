@@ -8,7 +8,7 @@ Two blocks: without --families, the first families' rows (FLUX.1-dev, SD3.5-Larg
 and 8 GPUs, the counts issue 47 asks for ("Real size, simulated: the newer families"). Each full run rewrites its own
 block only.
 
-Each row is `difrl plan` (difrl/train/planner.py) of a published recipe config at the size of the family's reference
+Each row is `difrl plan` (difrl/train/planner/flow.py) of a published recipe config at the size of the family's reference
 checkpoint (FLUX.1-dev, SD3.5-Large, Wan 2.1 T2V 14B, LLaDA-8B, SANA-1.6B, FLUX.2-dev, FLUX.2-klein-base-9B, Z-Image:
 difrl/assets/arch/) or of the case's own architecture (CASE_ARCH: SD3.5-Medium, the size configs/sd3_flow_grpo.yaml
 is written for; Wan 2.2 T2V-A14B, which configs/wan22_dance_grpo.yaml also trains), at 1, 8 and 16 GPUs: the trainer's own setup, one rollout forward batch (the masked trainer: the
@@ -19,7 +19,7 @@ them by itself (train.micro_batch=auto). LLaDA-8B
 runs the LLaDA-8B command of docs/guides/dllm.md (configs/text_arithmetic.yaml with a 64-token answer in 2 blocks of 32 sampler steps).
 Simulated on a CPU, never measured on a GPU; not simulated: reward models, evaluation, checkpoint writes, CUDA
 allocator fragmentation and context, NCCL buffers (every row's `not_simulated`). A plan fits when its peak (setup's
-or the iteration's) is at most 90% of the GPU (`difrl.train.planner.FIT_MARGIN`). Byte counts, no timings: the numbers do not depend on the machine's load.
+or the iteration's) is at most 90% of the GPU (`difrl.train.planner.flow.FIT_MARGIN`). Byte counts, no timings: the numbers do not depend on the machine's load.
 --quick: FLUX.1-dev and LLaDA-8B, LoRA and full fine-tuning, on 8 GPUs only (with --families: SANA-1.6B's two).
 """
 
@@ -100,7 +100,7 @@ CASES = [
     ("Wan 2.2 TI2V-5B full, grad. checkpointing", "configs/wan22_dance_grpo.yaml", ["train.lora.enabled=false", GC],
      192),
     # Qwen-Image-Edit (Flow-Factory's recipe): 768 samples per rollout in 2 updates of 1-transition micro-batches;
-    # its placeholder prompts carry source images (difrl.train.planner.plan_config), resized to model.source_size 384
+    # its placeholder prompts carry source images (difrl.train.planner.flow.plan_config), resized to model.source_size 384
     ("Qwen-Image-Edit LoRA r64, micro-batch 1, grad. checkpointing", "configs/qwenimage_edit_flow_grpo.yaml", [], 384),
     ("Qwen-Image-Edit full, micro-batch 1, grad. checkpointing", "configs/qwenimage_edit_flow_grpo.yaml",
      ["train.lora.enabled=false"], 384),
@@ -118,13 +118,13 @@ CASE_ARCH = {name: arch for name, *_ in CASES for prefix, arch in (("SD3.5-Mediu
 
 
 def run_case(name: str, config: str, overrides: list[str], numerator: int, gpus: int) -> dict:
-    from difrl.train.plan_command import plan_run
+    from difrl.train.planner.command import plan_run
     from difrl.train.recipes import load_train_config
 
     over = [*overrides, *([f"train.grad_accum={numerator // gpus}"] if numerator is not None else [])]
     cfg = load_train_config(ROOT / config, over)
     row = plan_run(cfg, gpus, VERDICTS[0], arch=CASE_ARCH.get(name), config_name=config)  # rollout.fsdp_gather=auto decides for an 80 GiB GPU
-    from difrl.train.planner import FIT_MARGIN
+    from difrl.train.planner.flow import FIT_MARGIN
 
     row.update({"case": name, "overrides": over, "verdicts_gib": list(VERDICTS), "fit_margin_percent": 100 * FIT_MARGIN})
     for v in VERDICTS:

@@ -133,7 +133,7 @@ def throughput(batch: int, repeats: int) -> list[dict]:
 
 def overlap_runs(seeds: list[int], iterations: int, chunks: int) -> list[dict]:
     from difrl.train.config import load_flow_config
-    from difrl.train.flow import TIMING_KEYS, train
+    from difrl.train.flow.trainer import TIMING_KEYS, train
 
     rows = []
     for reward in ("digit_prob", "bench_slow_digit_prob"):

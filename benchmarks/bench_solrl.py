@@ -42,7 +42,7 @@ from difrl.rollout import rollout  # noqa: E402
 from difrl.samplers import sigma_schedule  # noqa: E402
 from difrl.solrl import rank_agreement, spearman  # noqa: E402
 from difrl.train.config import load_flow_config  # noqa: E402
-from difrl.train.flow import train  # noqa: E402
+from difrl.train.flow.trainer import train  # noqa: E402
 from difrl.worlds import build_world  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

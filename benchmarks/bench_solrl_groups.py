@@ -38,7 +38,7 @@ UNIFORM = "reward/digit_prob/correct/uniform_groups"  # trained groups whose dig
 def one_run(group: int, ref_beta: float, rule: str, seed: int, iterations: int, every: int, out: Path,
             extra: list[str], reuse: bool) -> tuple[list[dict], dict]:
     from difrl.train.config import load_flow_config
-    from difrl.train.flow import train
+    from difrl.train.flow.trainer import train
 
     cfg = load_flow_config(CONFIG, [f"rollout.group_size={group}", f"nft.ref_beta={ref_beta}", f"solrl.select={rule}",
                                     f"seed={seed}",

@@ -144,7 +144,7 @@ def same_config(cfg, run_dir: Path) -> bool:
         cfg.out = cfg_out
         mine = (Path(d) / "c.yaml").read_text()
     theirs = (run_dir / "config.yaml").read_text()
-    if "checkpoint_format: auto" in mine:  # a run's config.yaml records what auto resolved to (difrl.train.rundir)
+    if "checkpoint_format: auto" in mine:  # a run's config.yaml records what auto resolved to (difrl.train.run.rundir)
         for resolved in ("gathered", "sharded"):
             theirs = theirs.replace(f"checkpoint_format: {resolved}", "checkpoint_format: auto")
     strip = lambda t: "\n".join(ln for ln in t.splitlines() if not ln.startswith(("out:", "resume:")))
@@ -193,7 +193,7 @@ def budget_run(config: Path, overrides: list[str], d: Path, iterations: int, eve
     past it, so a cheaper method gets the budget's wall-clock. Returns its metric rows, the summary at `iterations`
     and every evaluation as (cumulative training seconds, iteration, {metric: value} for `metrics`)."""
     from difrl.train.config import load_flow_config
-    from difrl.train.flow import train
+    from difrl.train.flow.trainer import train
 
     summary = train(load_flow_config(config, overrides), out_dir=d, overwrite=True)
     ends = {iterations: summary["eval_after"]}  # the last iteration's evaluation is the summary's, not a row's

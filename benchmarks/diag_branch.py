@@ -37,7 +37,7 @@ from difrl.algos.tree import tree_train_edges  # noqa: E402
 from difrl.branching import BranchSchedule  # noqa: E402
 from difrl.rollout import recompute, rollout  # noqa: E402
 from difrl.train.config import load_flow_config  # noqa: E402
-from difrl.train.flow_plan import step_masks  # noqa: E402
+from difrl.train.flow.plan import step_masks  # noqa: E402
 from difrl.train.reward_stage import build_rewards  # noqa: E402
 from difrl.tree_rollout import tree_rollout  # noqa: E402
 from difrl.utils.rng import mix_seed  # noqa: E402

@@ -107,8 +107,8 @@ def child(spec: dict) -> int:
     import torch
 
     import difrl.rewards as rewards
-    import difrl.train.flow as flow
-    import difrl.train.state as state
+    import difrl.train.flow.trainer as flow
+    import difrl.train.run.state as state
     from difrl.cli import main
 
     counts = dict.fromkeys(PHASES, 0)
@@ -220,8 +220,8 @@ def run_fingerprint(d: Path) -> dict:
     """What must be bit-identical between a resumed and an uninterrupted run: the metric rows (timings left
     out), the evaluations, the final summary's evaluations, the final checkpoint's weights, EMA and optimizer,
     and policy.safetensors (SHA-256 of the bytes)."""
-    from difrl.train.flow import TIMING_KEYS
-    from difrl.train.state import checkpoint_dirs
+    from difrl.train.flow.trainer import TIMING_KEYS
+    from difrl.train.run.state import checkpoint_dirs
 
     rows = [{k: v for k, v in json.loads(ln).items() if k not in TIMING_KEYS}
             for ln in (d / "metrics.jsonl").read_text().splitlines() if ln.strip()]
@@ -350,7 +350,7 @@ DAMAGES = ("truncated", "flipped bytes", "deleted file", "garbage state", "delet
 
 
 def damage_campaign(work: Path, ref: Path, ref_print: dict, trials: int, seed: int) -> list[dict]:
-    from difrl.train.state import load_latest_checkpoint
+    from difrl.train.run.state import load_latest_checkpoint
 
     rng = random.Random(seed)
     rows = []

@@ -6,7 +6,7 @@ candidate pool, and measure how well the candidates' rewards predict the regener
     idx = select_indices(candidate_rewards, k=16, rule="best_worst")        # [P, N] -> [P, k]
     agree = rank_agreement(candidate_rewards_of_chosen, regenerated)         # per-prompt Spearman / Kendall
 
-The trainer (`rollout.kind=solrl`, difrl/train/flow.py) runs stage 1 (`candidate_pool`: N seeds per
+The trainer (`rollout.kind=solrl`, difrl/train/flow/trainer.py) runs stage 1 (`candidate_pool`: N seeds per
 prompt through the quantized rollout copy, few deterministic steps, rewarded, `select_indices` picks
 G), and regenerates exactly those seeds with the full-precision policy (stage 2) for training.
 """

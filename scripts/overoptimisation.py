@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from difrl.train.config import load_flow_config
-from difrl.train.flow import train
+from difrl.train.flow.trainer import train
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- overopt:start -->", "<!-- overopt:end -->"

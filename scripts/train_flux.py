@@ -12,7 +12,7 @@ GPU configs are sized for the number of GPUs in their header (8 here: ddp.yaml /
 another, train.grad_accum keeps their train.updates_per_epoch, and the start-up error names the value that does.
 `resume=DIR` alone (no config file) continues the run in DIR with its config.yaml; a run of several processes
 continues under the launch that started it, `resume=DIR` in place of train_flux.py's arguments: the command a stopped
-run prints (difrl.train.interrupt). key=value overrides may follow --out.
+run prints (difrl.train.run.interrupt). key=value overrides may follow --out.
 """
 
 from difrl.train.entry import main

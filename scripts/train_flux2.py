@@ -8,7 +8,7 @@ Everything else is the config: configs/flux2_flow_grpo.yaml carries the referenc
 headed by its command; sized for 8 GPUs: on P, train.grad_accum = 384 / P keeps its 2 updates per rollout.
 `resume=DIR` alone (no config file) continues the run in DIR with its config.yaml; a run of several processes
 continues under the launch that started it, `resume=DIR` in place of train_flux2.py's arguments: the command a stopped
-run prints (difrl.train.interrupt). key=value overrides may follow --out.
+run prints (difrl.train.run.interrupt). key=value overrides may follow --out.
 """
 
 from difrl.train.entry import main

@@ -8,7 +8,7 @@ Everything else is the config: configs/qwenimage_flow_grpo.yaml carries Flow-GRP
 by its command (sized for 32 GPUs: on P, train.grad_accum = 128 / P keeps its 2 updates per rollout, e.g. 16 on the 8
 GPUs of accelerate/fsdp.yaml; the start-up error says so). `resume=DIR` alone (no config file) continues the run in DIR
 with its config.yaml; a run of several processes continues under the launch that started it, `resume=DIR` in place of
-train_qwenimage.py's arguments: the command a stopped run prints (difrl.train.interrupt). key=value overrides may
+train_qwenimage.py's arguments: the command a stopped run prints (difrl.train.run.interrupt). key=value overrides may
 follow --out.
 """
 

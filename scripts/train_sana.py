@@ -8,7 +8,7 @@ Everything else is the config: configs/sana_sol_rl.yaml carries Sol-RL's SANA re
 8 GPUs as Sol-RL's: on P, train.grad_accum = 72 / P keeps its one update per rollout; the start-up error says so).
 `resume=DIR` alone (no config file) continues the run in DIR with its config.yaml; a run of several processes
 continues under the launch that started it, `resume=DIR` in place of train_sana.py's arguments: the command a stopped
-run prints (difrl.train.interrupt). key=value overrides may follow --out.
+run prints (difrl.train.run.interrupt). key=value overrides may follow --out.
 """
 
 from difrl.train.entry import main

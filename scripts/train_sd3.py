@@ -9,7 +9,7 @@ Everything else is the config: configs/sd3_*.yaml carry the published defaults, 
 32 GPUs: on P, train.grad_accum = 576 / P (fast: 192 / P) keeps their 2 updates per rollout; the start-up error says so).
 `resume=DIR` alone (no config file) continues the run in DIR with its config.yaml; a run of several processes
 continues under the launch that started it, `resume=DIR` in place of train_sd3.py's arguments: the command a stopped
-run prints (difrl.train.interrupt). key=value overrides may follow --out.
+run prints (difrl.train.run.interrupt). key=value overrides may follow --out.
 """
 
 from difrl.train.entry import main

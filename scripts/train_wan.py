@@ -8,7 +8,7 @@ Videos are written as GIF grids in the run directory's samples/. Everything else
 is sized for 16 GPUs: on P, train.grad_accum = 192 / P keeps its one update per rollout; the start-up error says so).
 `resume=DIR` alone (no config file) continues the run in DIR with its config.yaml; a run of several processes
 continues under the launch that started it, `resume=DIR` in place of train_wan.py's arguments: the command a stopped
-run prints (difrl.train.interrupt). key=value overrides may follow --out.
+run prints (difrl.train.run.interrupt). key=value overrides may follow --out.
 """
 
 from difrl.train.entry import main

@@ -8,7 +8,7 @@ fine-tuning, sized for 8 GPUs: on P, train.grad_accum = 384 / P keeps its 2 upda
 says so). sampler.guidance is the pipeline's guidance_scale: 0 is one forward per step (Z-Image-Turbo), any value
 above 0 classifier-free guidance. `resume=DIR` alone (no config file) continues the run in DIR with its config.yaml; a
 run of several processes continues under the launch that started it, `resume=DIR` in place of train_zimage.py's
-arguments: the command a stopped run prints (difrl.train.interrupt). key=value overrides may follow --out.
+arguments: the command a stopped run prints (difrl.train.run.interrupt). key=value overrides may follow --out.
 """
 
 from difrl.train.entry import main

@@ -747,7 +747,7 @@ def test_bench_methods_quick_rows_and_equal_wall_clock(tmp_path, monkeypatch):
     Flow-GRPO's training seconds, every run read at its last evaluation inside the budget, the cheaper tree resumed
     past it, and the resumed run's iterations those of one run of the same length without a resume."""
     from difrl.train.config import load_flow_config
-    from difrl.train.flow import train
+    from difrl.train.flow.trainer import train
 
     bench = _load("bench_methods")
     monkeypatch.setattr(bench.common, "train_seconds", _nfe_clock)  # budget_run / at_budget read it at call time

@@ -165,12 +165,12 @@ def test_published_recipes_use_built_in_rewards_and_name_every_path_at_the_top(c
 
 
 def test_train_stops_with_every_problem_before_loading_anything(tmp_path, capsys, monkeypatch):
-    import difrl.train.flow
+    import difrl.train.flow.trainer
 
     def loaded(*a, **k):
         raise AssertionError("the trainer was called")
 
-    monkeypatch.setattr(difrl.train.flow, "train", loaded)
+    monkeypatch.setattr(difrl.train.flow.trainer, "train", loaded)
     bad = ["train.lrr=1e-4", "model.path=/nowhere/g.safetensors"]
     assert main(["train", str(DIGITS), *bad, "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
@@ -210,7 +210,7 @@ def test_config_loader_collects_instead_of_raising():
 def test_fsdp_launch_config_says_checkpoints_are_sharded(tmp_path):
     """configs/accelerate/fsdp.yaml's header said checkpoints are gathered; under FSDP `auto` resolves to sharded."""
     from difrl.train.recipes import load_train_config
-    from difrl.train.sharded_state import checkpoint_format
+    from difrl.train.run.sharded_state import checkpoint_format
 
     header = "".join(l for l in (CONFIGS / "accelerate" / "fsdp.yaml").read_text().splitlines(True) if l.startswith("#"))
     cfg = load_train_config(DIGITS)

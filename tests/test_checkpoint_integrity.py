@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from difrl.train.state import EMA, CheckpointError, load_latest_checkpoint, restore_checkpoint, save_checkpoint
+from difrl.train.run.state import EMA, CheckpointError, load_latest_checkpoint, restore_checkpoint, save_checkpoint
 
 # ------------------------------------------------------------------------- damage, as found in the wild
 
@@ -212,7 +212,7 @@ TINY = [
 @pytest.mark.slow  # three tiny training runs, ~10 s
 def test_resume_past_a_damaged_checkpoint_is_bit_identical(tmp_path, capsys):
     from difrl.train.config import load_flow_config
-    from difrl.train.flow import TIMING_KEYS, train
+    from difrl.train.flow.trainer import TIMING_KEYS, train
     from difrl.utils.io import load_safetensors_checked
 
     def rows(d):

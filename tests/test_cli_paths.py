@@ -317,7 +317,7 @@ def test_fsdp_view_outputs_checked_out_of_place_do_not_warn(tmp_path):
     import torch
     import torch.distributed as dist
 
-    from difrl.train.sharding import FSDPSettings, shard
+    from difrl.train.dist.sharding import FSDPSettings, shard
     from difrl.worlds.sudoku import load_base
 
     policy = load_base()

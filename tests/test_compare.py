@@ -28,7 +28,7 @@ SUDOKU = ["seed=3", "threads=1", "rollout.prompts_per_iter=2", "rollout.group_si
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     from difrl.train.config import load_flow_config
-    from difrl.train.flow import train
+    from difrl.train.flow.trainer import train
 
     root = tmp_path_factory.mktemp("compare")
     for name, keys in RUNS.items():
@@ -38,8 +38,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def sudoku_run(tmp_path_factory) -> Path:
-    from difrl.train.masked import train
-    from difrl.train.masked_config import load_masked_config
+    from difrl.train.masked.trainer import train
+    from difrl.train.masked.config import load_masked_config
 
     out = tmp_path_factory.mktemp("compare") / "sudoku"
     train(load_masked_config(None, SUDOKU), out_dir=out)

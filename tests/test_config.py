@@ -353,7 +353,7 @@ def test_describe_config_lists_nested_keys():
 def test_the_trainer_is_chosen_from_the_typed_model_kind(tmp_path):
     from difrl.train.config import FlowConfig
     from difrl.train.recipes import load_train_config
-    from difrl.train.masked_config import MaskedConfig
+    from difrl.train.masked.config import MaskedConfig
 
     root = os.path.join(os.path.dirname(__file__), "..", "configs")
     assert type(load_train_config(os.path.join(root, "digits.yaml"))) is FlowConfig

@@ -1,4 +1,4 @@
-"""Sharded checkpoints (torch.distributed.checkpoint, difrl/train/sharded_state.py) and `difrl export`.
+"""Sharded checkpoints (torch.distributed.checkpoint, difrl/train/run/sharded_state.py) and `difrl export`.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_dcp.py -q            # the end-to-end ones are marked slow
 
@@ -34,8 +34,8 @@ from test_fsdp import ROOT, Net, assert_lora_loads, assert_same_runs, flux_args,
 
 
 def build(sharded: bool = True):
-    from difrl.train.sharding import FSDPSettings, shard
-    from difrl.train.state import EMA, trainable_params
+    from difrl.train.dist.sharding import FSDPSettings, shard
+    from difrl.train.run.state import EMA, trainable_params
 
     torch.manual_seed(0)
     net = Net()
@@ -58,13 +58,13 @@ def full(t):
 
 
 def save(run_dir, it, net, opt, ema, extras):
-    from difrl.train.state import save_sharded
+    from difrl.train.run.state import save_sharded
 
     return save_sharded(run_dir, it, net, opt, ema, extras, {"best_fd": None}, True, lambda: None)
 
 
 def test_sharded_checkpoint_restores_into_any_layout(tmp_path, one_process_group):
-    from difrl.train.state import load_latest_checkpoint, restore_checkpoint, trainable_params
+    from difrl.train.run.state import load_latest_checkpoint, restore_checkpoint, trainable_params
 
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
     net, opt, ema, extras = build()
@@ -106,7 +106,7 @@ def test_manifest_catches_damaged_and_missing_shard_files_and_a_killed_save_leav
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from difrl.train.state import CheckpointError, checkpoint_dirs, load_latest_checkpoint, verify_manifest
+    from difrl.train.run.state import CheckpointError, checkpoint_dirs, load_latest_checkpoint, verify_manifest
 
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
     net, opt, ema, extras = build()
@@ -163,8 +163,8 @@ def test_checkpoint_format_is_the_runs_own_on_resume(tmp_path):
     # (auto on the command line is no change), and naming the other format is refused like any algorithm key
     from difrl.config import ConfigError
     from difrl.train.config import load_flow_config
-    from difrl.train.rundir import check_resume
-    from difrl.train.sharded_state import checkpoint_format
+    from difrl.train.run.rundir import check_resume
+    from difrl.train.run.sharded_state import checkpoint_format
 
     digits = ROOT / "configs" / "digits.yaml"
     cfg = load_flow_config(digits, [])
@@ -249,7 +249,7 @@ def test_export_writes_plain_diffusers_files(uninterrupted, tiny_flux, tmp_path,
     from diffusers import FluxTransformer2DModel
 
     from difrl.cli import main
-    from difrl.train.sharded_state import read_sharded
+    from difrl.train.run.sharded_state import read_sharded
 
     # full fine-tuning: transformer/ of the last checkpoint is the EMA weights, the file the run itself wrote
     out = export(capsys, uninterrupted)

@@ -150,10 +150,10 @@ def test_metrics_masked_sums_without_a_sync_equal_the_exact_cpu_path(monkeypatch
 
 def transitions_per_backward(tmp_path: Path, monkeypatch, capsys, *overrides: str) -> tuple[list[int], str]:
     """Train one tiny digits iteration; returns the transitions of every micro-batch's loss and the start-up banner."""
-    import difrl.train.flow as flow
+    import difrl.train.flow.trainer as flow
     from test_train import run
 
-    from difrl.train.objectives import grpo_micro_loss as loss  # the real one, not a spy of an earlier call
+    from difrl.train.flow.objectives import grpo_micro_loss as loss  # the real one, not a spy of an earlier call
 
     seen = []
 

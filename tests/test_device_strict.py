@@ -74,7 +74,7 @@ def test_a_host_tensor_in_a_collective_fails_and_the_helper_moves_it():
 def test_gather_max_and_gather_busiest_are_collectives_through_the_device():
     # a host float: every process calls it and gets the largest (NaN if any is NaN), the gather on the device;
     # gather_busiest: the rollout forwards of the busiest process (masked trainer's nfe_rollout), an int
-    from difrl.train.masked_plan import gather_busiest
+    from difrl.train.masked.plan import gather_busiest
 
     acc = StrictAccelerator()
     with emulated_device():
@@ -171,7 +171,7 @@ def rows(run_dir: Path) -> list[dict]:
 def train_flow(path: Path, out: Path, overrides: list[str], monkeypatch, on_device: bool) -> dict:
     import accelerate
 
-    from difrl.train.flow import train
+    from difrl.train.flow.trainer import train
 
     cfg = load_flow_config(ROOT / "configs" / "flux_tiny.yaml",
                            [*SMALL, f"model.path={path}", *overrides])
@@ -229,8 +229,8 @@ MASKED = {
 def train_masked(config, overrides: list[str], out: Path, monkeypatch, on_device: bool) -> dict:
     import accelerate
 
-    import difrl.train.masked as masked
-    from difrl.train.masked_config import load_masked_config
+    import difrl.train.masked.trainer as masked
+    from difrl.train.masked.config import load_masked_config
 
     cfg = load_masked_config(config, overrides)
     if not on_device:

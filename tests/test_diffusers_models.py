@@ -424,7 +424,7 @@ def test_quant_preset_skips_name_modules_of_the_transformer(kind, policies):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_block_classes_are_the_transformers_repeated_unsplittable_blocks(kind, policies):
-    """FSDP2 shards the transformer by `block_classes` (difrl.train.sharding; none found: it raises) and
+    """FSDP2 shards the transformer by `block_classes` (difrl.train.dist.sharding; none found: it raises) and
     model.compile compiles them: each must name blocks of the transformer, repeated, that diffusers declares
     unsplittable (_no_split_modules)."""
     policy = policies(kind)
@@ -439,7 +439,7 @@ def test_wan_rollout_copy_with_no_layer_skipped(policies, tiny_dirs):
     # diffusers' WanTimeTextImageEmbedding reads its dtype as next(time_embedder.parameters()).dtype, which a
     # quantized layer's bias provides (a frozen parameter, as in nn.Linear); before, StopIteration
     from difrl.train.config import load_flow_config
-    from difrl.train.flow import build_rollout_copy
+    from difrl.train.flow.trainer import build_rollout_copy
     from difrl.train.precision import MasterWeights
 
     policy = policies("wan")

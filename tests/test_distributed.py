@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from difrl.train.flow import TIMING_KEYS
+from difrl.train.flow.trainer import TIMING_KEYS
 from difrl.utils.io import load_safetensors_checked
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,7 +16,7 @@ Order: tiny pipelines first, then trainings, resumed trainings, the rest (evalua
 launchers. An invocation runs once: a command, or a part of one after `&&` (the tiny pipeline three commands build
 first), that already ran is not run again. A command that cannot run here (or that another test already launches as
 written) is in SKIP with its reason; a training command among them still has its
-config loaded and its iteration planned (difrl.train.flow_plan) at the number of processes it starts, so a batch
+config loaded and its iteration planned (difrl.train.flow.plan) at the number of processes it starts, so a batch
 that does not split over them fails here, without a GPU or a model. The test fails on a command that is neither run
 nor skipped, on a skip entry that no documented command matches any more, and on every command that fails.
 """
@@ -517,14 +517,14 @@ def _plan(program: list[str], procs: int) -> str:
     """Load a training command's config with its overrides and plan its iteration on `procs` processes."""
     from difrl.samplers import sigma_schedule
     from difrl.train.config import FlowConfig
-    from difrl.train.flow_plan import plan_flow_iteration
+    from difrl.train.flow.plan import plan_flow_iteration
     from difrl.train.recipes import load_train_config
 
     config, overrides = _train_parts("difrl", ["train", *program[1:]] if program[0].endswith(".py") else program)
     overrides = [re.sub(r"=\.\.\.$", "=/placeholder", o) for o in overrides]  # model.path=... (a placeholder)
     cfg = load_train_config(ROOT / config, overrides)
-    if not isinstance(cfg, FlowConfig):  # the masked trainer's split (difrl/train/masked_plan.py)
-        from difrl.train.masked_plan import plan_masked_iteration
+    if not isinstance(cfg, FlowConfig):  # the masked trainer's split (difrl/train/masked/plan.py)
+        from difrl.train.masked.plan import plan_masked_iteration
 
         split = plan_masked_iteration(cfg, procs, 0)
         return (f"masked: {split.per_proc} samples per process, {split.updates} update(s) of {split.micro} x "

@@ -78,7 +78,7 @@ def test_tiny_flux_eval_json_holds_fid_kid_and_the_heldout_panel(tmp_path, monke
     from difrl.models.adapters import make_tiny_pipeline
     from difrl.rewards.tiny import tiny_reward_options
     from difrl.train.config import load_flow_config
-    from difrl.train.flow import train
+    from difrl.train.flow.trainer import train
 
     tiny = tiny_reward_options(tmp_path / "rewards")
     inception = save_random_inception_weights(tmp_path / "inception.pth", seed=0)
@@ -183,7 +183,7 @@ def test_tensorboard_tracker_logs_every_iteration(tmp_path):
 
     from difrl.config import ConfigError
     from difrl.train.config import load_flow_config
-    from difrl.train.flow import train
+    from difrl.train.flow.trainer import train
 
     tiny = ["seed=3", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=6",
             "train.grad_accum=2", "train.iterations=3", "eval.every=2", "eval.per_digit=2", "eval.num_steps=3",
@@ -209,7 +209,7 @@ def test_tiny_wan_eval_has_per_frame_and_clip_level_fd(tmp_path, monkeypatch):
     from difrl.models.adapters import make_tiny_pipeline
     from difrl.rewards.tiny import tiny_reward_options
     from difrl.train.config import load_flow_config
-    from difrl.train.flow import train
+    from difrl.train.flow.trainer import train
 
     tiny = tiny_reward_options(tmp_path / "rewards")
     g = torch.Generator().manual_seed(1)

@@ -17,7 +17,7 @@ import torch
 
 from difrl.discrete.samplers import SAMPLERS
 from difrl.eval.passk import masked_pass_at_k, pass_at_k, pass_at_k_many, pass_at_k_per_problem
-from difrl.train.masked_config import load_masked_config
+from difrl.train.masked.config import load_masked_config
 from difrl.utils.rng import mix_seed
 from difrl.worlds import build_masked_world
 from difrl.worlds.sudoku import decode, eval_prompts, evaluate_sudoku, solved_fn

@@ -39,8 +39,8 @@ pytest.importorskip("peft")
 from difrl.models.adapters import BUILTIN_ADAPTERS  # noqa: E402
 from doc_pages import docs_text  # noqa: E402
 from difrl.models.base import forwards_per_step  # noqa: E402
-from difrl.train import flow  # noqa: E402
-from difrl.train.flow import train  # noqa: E402
+from difrl.train.flow import trainer as flow  # noqa: E402
+from difrl.train.flow.trainer import train  # noqa: E402
 from test_train_diffusers import KINDS, N_STEPS, ROOT, dead_lora, tiny_cfg, tiny_dirs, _record  # noqa: E402,F401
 from tolerances import FLOW_FIRST_STEP_LOG_RATIO  # noqa: E402
 

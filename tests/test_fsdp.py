@@ -1,4 +1,4 @@
-"""FSDP2 sharding (difrl/train/sharding.py) on 2 CPU processes (gloo) equals one unsharded process.
+"""FSDP2 sharding (difrl/train/dist/sharding.py) on 2 CPU processes (gloo) equals one unsharded process.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_fsdp.py -q            # the end-to-end ones are marked slow
 
@@ -27,7 +27,7 @@ f. fsdp_reshard_after_forward: false and fsdp_offload_params: true. Fast (one to
    gathered, computes what one plain process computes with the weights written. Slow: digits with DiffusionNFT,
    EMA and an evaluation every iteration (weights swapped between forwards all along) equals the default run with
    either setting. On CPU processes offload moves nothing (mesh and shards are both on the CPU): NCCL and GPUs
-   never ran (difrl/train/sharding.py says what that leaves untested).
+   never ran (difrl/train/dist/sharding.py says what that leaves untested).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from difrl.train.flow import TIMING_KEYS
+from difrl.train.flow.trainer import TIMING_KEYS
 from difrl.utils.io import load_safetensors_checked
 from tolerances import FP32_REORDER
 
@@ -185,10 +185,10 @@ def checkpoint_tensors(run_dir: Path, iteration: int) -> dict[str, torch.Tensor]
 
 
 def sharded_checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """checkpoint_tensors of a sharded checkpoint (difrl.train.sharded_state): its optimizer state is keyed by the
+    """checkpoint_tensors of a sharded checkpoint (difrl.train.run.sharded_state): its optimizer state is keyed by the
     parameter's name, a gathered one's by the parameter's index; DCP's .metadata lists the trainable weights in the
     order they were saved (trainable_params' order, the optimizer's), which gives the index."""
-    from difrl.train.sharded_state import read_metadata, read_sharded
+    from difrl.train.run.sharded_state import read_metadata, read_sharded
 
     names = [k[len("trainable/"):] for k in read_metadata(path).state_dict_metadata if k.startswith("trainable/")]
     index = {n: i for i, n in enumerate(names)}
@@ -385,7 +385,7 @@ def test_settings_come_from_the_accelerate_config(monkeypatch):
     from types import SimpleNamespace
 
     from difrl.config import ConfigError
-    from difrl.train.sharding import fsdp_settings
+    from difrl.train.dist.sharding import fsdp_settings
 
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
     assert fsdp_settings(SimpleNamespace(mixed_precision="no")) is None  # not an FSDP launch
@@ -407,7 +407,7 @@ def test_block_classes_and_tied_weights():
     from torch import nn
 
     from difrl.models.adapters import BUILTIN_ADAPTERS
-    from difrl.train.sharding import block_modules
+    from difrl.train.dist.sharding import block_modules
 
     import diffusers
 
@@ -476,8 +476,8 @@ def test_gather_copy_and_restore_in_one_process(tmp_path):
     import torch.distributed as dist
     from peft import LoraConfig, get_peft_model
 
-    from difrl.train.sharding import FSDPSettings, gathered, is_sharded, plain_copy, shard
-    from difrl.train.state import EMA, load_latest_checkpoint, restore_checkpoint, save_checkpoint, trainable_params
+    from difrl.train.dist.sharding import FSDPSettings, gathered, is_sharded, plain_copy, shard
+    from difrl.train.run.state import EMA, load_latest_checkpoint, restore_checkpoint, save_checkpoint, trainable_params
 
     def build():
         torch.manual_seed(0)
@@ -525,7 +525,7 @@ def test_shards_replaced_gives_each_sharded_parameter_one_replacement_and_puts_t
     # `full` is asked once, for the distinct sharded parameters in registration order (its collectives then run in
     # the same order on every process); a tied parameter gets one replacement on both owners; the shards are back
     # after the block, also when it raises; a list of modules swaps only their own parameters
-    from difrl.train.sharding import FSDPSettings, is_sharded, shard, shards_replaced
+    from difrl.train.dist.sharding import FSDPSettings, is_sharded, shard, shards_replaced
 
     torch.manual_seed(0)
     base = Net()
@@ -563,7 +563,7 @@ def test_cpu_offload_needs_a_process_group_with_a_cpu_backend(monkeypatch):
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
     from difrl.config import ConfigError
-    from difrl.train.sharding import FSDPSettings, offload_policy, process_group_kwargs
+    from difrl.train.dist.sharding import FSDPSettings, offload_policy, process_group_kwargs
 
     off = FSDPSettings(offload_params=True)
     assert type(offload_policy(FSDPSettings(), "cuda", None)) is OffloadPolicy  # no offload: the group is not consulted
@@ -606,8 +606,8 @@ def swap_and_restore_worker(out: str) -> None:
     from peft import LoraConfig, get_peft_model
 
     from difrl.train.scaffold import adapter_disabled
-    from difrl.train.sharding import FSDPSettings, gather_to_host, is_sharded, reshard, shard
-    from difrl.train.state import EMA, load_latest_checkpoint, restore_checkpoint, snapshot, trainable_params, write_checkpoint
+    from difrl.train.dist.sharding import FSDPSettings, gather_to_host, is_sharded, reshard, shard
+    from difrl.train.run.state import EMA, load_latest_checkpoint, restore_checkpoint, snapshot, trainable_params, write_checkpoint
     from difrl.utils.io import save_safetensors
 
     torch.set_num_threads(1)

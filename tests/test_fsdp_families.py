@@ -90,7 +90,7 @@ def pipes(tmp_path_factory):
 def runs(pipes, tmp_path_factory):
     """{(kind, mode): (one-process run dir, two-process run dir)} and the launch's output. The launch also runs SD3
     full fine-tuning with model.dtype=bf16 (2 iterations, into out["sd3", "bf16"][1]; no one-process twin: bf16)."""
-    from difrl.train.flow import train
+    from difrl.train.flow.trainer import train
     from difrl.train.recipes import load_train_config
 
     root = tmp_path_factory.mktemp("fsdp_families")
@@ -184,12 +184,12 @@ def test_the_timestep_reaches_the_embedding_in_fp32_under_fsdp_bf16(pipes):
     # FSDP2's MixedPrecisionPolicy casts every floating input of the root to bf16 (docs/reference/specs/scale.md §2):
     # SD3's and Wan's timestep 1000 sigma would reach the timestep embedding rounded (737.9 -> 736.0) where the pipeline
     # and an unsharded run embed it in fp32. The adapters' fsdp_fp32_inputs keep it
-    # (difrl.train.sharding.keep_input_dtypes); the prompt embeddings are still cast. A one-process gloo group in this
+    # (difrl.train.dist.sharding.keep_input_dtypes); the prompt embeddings are still cast. A one-process gloo group in this
     # process.
     import torch.distributed as dist
 
     from difrl.models.adapters import load_flow_policy
-    from difrl.train.sharding import FSDPSettings, shard
+    from difrl.train.dist.sharding import FSDPSettings, shard
 
     sigma = torch.tensor([0.7379])
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -236,7 +236,7 @@ def test_zimage_timestep_reaches_the_embedding_in_fp32_under_fsdp_bf16(pipes):
     import torch.distributed as dist
 
     from difrl.models.adapters import load_flow_policy
-    from difrl.train.sharding import FSDPSettings, shard
+    from difrl.train.dist.sharding import FSDPSettings, shard
 
     sigma = torch.tensor([0.7379])
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

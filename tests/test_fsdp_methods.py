@@ -1,4 +1,4 @@
-"""BranchGRPO trees, Sol-RL and the rollout copy under FSDP2 (difrl/train/rollout_copy.py, difrl/train/flow_plan.py).
+"""BranchGRPO trees, Sol-RL and the rollout copy under FSDP2 (difrl/train/flow/rollout_copy.py, difrl/train/flow/plan.py).
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_fsdp_methods.py -q          # the end-to-end ones are marked slow
 
@@ -117,7 +117,7 @@ def test_solrl_fp8_row_candidates_lora_equals_one_process(solrl):
 @pytest.mark.slow  # two launches of the tiny FLUX pipeline (1 and 2 processes), 2 min on 2 busy cores
 def test_branchgrpo_with_pruning_lora_equals_one_process(trees):
     from difrl.train.config import load_flow_config
-    from difrl.train.flow_plan import forward_counts, step_masks
+    from difrl.train.flow.plan import forward_counts, step_masks
 
     one, two, _ = trees
     assert_same_runs(one, two)
@@ -143,7 +143,7 @@ class _NoForward:
 def test_uneven_forward_counts_are_refused_before_any_forward(tmp_path):
     from difrl.config import ConfigError
     from difrl.train.config import load_flow_config
-    from difrl.train.flow_plan import plan_flow_iteration
+    from difrl.train.flow.plan import plan_flow_iteration
 
     digits = ROOT / "configs" / "digits.yaml"
     say = lambda msg: None  # noqa: E731
@@ -188,7 +188,7 @@ def test_pruning_keeps_equal_counts_per_tree():
     from difrl.algos.tree import width_prune
     from difrl.branching import build_tree
     from difrl.train.config import load_flow_config
-    from difrl.train.flow_plan import _tree_edges_kept, forward_counts, step_masks
+    from difrl.train.flow.plan import _tree_edges_kept, forward_counts, step_masks
 
     cfg = load_flow_config(ROOT / "configs" / "flux_tiny.yaml", [*TREE, "train.iterations=3"])
     schedule, sde = cfg.tree.schedule(4), step_masks(cfg, 0, 1)[0]
@@ -214,9 +214,9 @@ def test_sharded_copy_equals_the_plain_copy_and_follows_updates():
     from difrl.quant import RolloutCopy
     from difrl.quant.linear import QuantLinear
     from difrl.quant.sync import WeightSyncError
-    from difrl.train.rollout_copy import sharded_skeleton, sharded_weights
-    from difrl.train.sharding import FSDPSettings, gathered, plain_copy, shard
-    from difrl.train.state import trainable_params
+    from difrl.train.flow.rollout_copy import sharded_skeleton, sharded_weights
+    from difrl.train.dist.sharding import FSDPSettings, gathered, plain_copy, shard
+    from difrl.train.run.state import trainable_params
     from test_fsdp import Net
 
     def build():

@@ -12,7 +12,7 @@ import torch
 from difrl.algos import ratio_norm_log_ratio, step_weights
 from difrl.samplers import gaussian_log_prob
 from difrl.train.config import load_flow_config
-from difrl.train.flow import train
+from difrl.train.flow.trainer import train
 from tolerances import FLOW_FIRST_STEP_LOG_RATIO
 
 

@@ -17,7 +17,7 @@ from difrl.config import ConfigError
 from difrl.rewards import RewardError
 from difrl.train.config import load_flow_config
 from difrl.train.recipes import load_train_config
-from difrl.train.masked_config import load_masked_config
+from difrl.train.masked.config import load_masked_config
 from difrl.train.reward_stage import track_reward_failures
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,7 +68,7 @@ def test_hf_masked_keys_on_other_masked_worlds_are_errors(kind, override):
 
 def test_every_hf_masked_key_is_checked():
     # a key added to the hf_masked world must be added to its OWN_KEYS (its help says "hf_masked:")
-    from difrl.train.masked_config import MaskedEvalConfig, MaskedModelConfig
+    from difrl.train.masked.config import MaskedEvalConfig, MaskedModelConfig
     from difrl.worlds.text_tasks import OWN_KEYS
 
     def hf_only(cls):

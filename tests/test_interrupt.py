@@ -24,7 +24,7 @@ import pytest
 import torch
 import yaml
 
-from difrl.train import interrupt
+from difrl.train.run import interrupt
 from difrl.train.scaffold import TIMING_KEYS
 from difrl.utils.io import load_safetensors_checked
 
@@ -149,8 +149,8 @@ def test_a_poll_rides_on_the_reward_gather_or_is_one_all_reduce(tmp_path):
 def test_masked_run_stops_on_a_signal_and_resumes_exactly(tmp_path, monkeypatch, stage):
     # the signal arrives inside iteration 1's reward stage (the iteration is abandoned: checkpoint 1) or inside its
     # update (the iteration is finished: checkpoint 2); either way 3 iterations with a stop == 3 without
-    from difrl.train import masked
-    from difrl.train.masked_config import load_masked_config
+    from difrl.train.masked import trainer as masked
+    from difrl.train.masked.config import load_masked_config
     from test_train_masked import TINY as MASKED
 
     def cfg(*extra):
@@ -223,7 +223,7 @@ def difrl(nproc: int) -> list[str]:
 @pytest.mark.slow  # two launches of `python -m difrl train` and an in-process run of 40 iterations (about 50 s)
 def test_ctrl_c_checkpoints_and_resume_equals_the_run_never_stopped(tmp_path):
     from difrl.train.config import load_flow_config
-    from difrl.train.flow import train
+    from difrl.train.flow.trainer import train
 
     full, part = tmp_path / "full", tmp_path / "part"
     train(load_flow_config(DIGITS, TINY), out_dir=full)

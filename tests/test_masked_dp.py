@@ -1,4 +1,4 @@
-"""The data-parallel masked trainer (difrl/train/masked_plan.py): 2 CPU processes (gloo) train what one process trains.
+"""The data-parallel masked trainer (difrl/train/masked/plan.py): 2 CPU processes (gloo) train what one process trains.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_masked_dp.py -q          # the end-to-end ones are marked slow
 
@@ -34,8 +34,8 @@ import torch
 from test_fsdp import ACCELERATE, ROOT, assert_same_runs, checkpoint_tensors, env, free_port, rows
 
 from difrl.config import ConfigError
-from difrl.train.masked_config import load_masked_config
-from difrl.train.masked_plan import plan_masked_iteration
+from difrl.train.masked.config import load_masked_config
+from difrl.train.masked.plan import plan_masked_iteration
 from difrl.utils.io import load_safetensors_checked
 from tolerances import MASKED_FIRST_STEP_LOG_RATIO
 

@@ -21,7 +21,7 @@ from difrl.algos.dppo import dppo_loss, transition_kl
 from difrl.algos.matching import awm_loss, awm_weighting, dgpo_coefficients, dpo_coefficients, matching_error
 from difrl.config import ConfigError
 from difrl.train.config import load_flow_config
-from difrl.train.flow import TIMING_KEYS, train
+from difrl.train.flow.trainer import TIMING_KEYS, train
 from difrl.utils.io import load_safetensors_checked
 from tolerances import FLOW_FIRST_STEP_LOG_RATIO
 
@@ -258,7 +258,7 @@ def test_trains_on_digits_by_config_alone(tmp_path, method):
 
 def test_matching_rollouts_are_ode_unless_sde_is_asked_for():
     from difrl.samplers import step_masks as sampler_step_masks
-    from difrl.train.flow_plan import step_masks
+    from difrl.train.flow.plan import step_masks
 
     for method in ("awm", "dpo", "dgpo"):
         sde, trained, _ = step_masks(load_flow_config(None, [f"train.objective={method}"]), 0, 3)

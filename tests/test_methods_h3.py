@@ -29,7 +29,7 @@ from difrl.rollout import initial_latents, rollout
 from difrl.rollout_grad import refl_predict, rollout_last_k
 from difrl.samplers import ode_step, sigma_schedule
 from difrl.train.config import load_flow_config
-from difrl.train.flow import TIMING_KEYS, train
+from difrl.train.flow.trainer import TIMING_KEYS, train
 from difrl.utils.io import load_safetensors_checked
 from tolerances import FP32_REORDER
 
@@ -147,7 +147,7 @@ def first_beats_all(scores, i, j):
 
 
 def test_pref_judge_hook_and_advantages():
-    from difrl.train.method_stage import advantage_function
+    from difrl.train.flow.method_stage import advantage_function
 
     cfg = load_flow_config(None, ["pref.judge=test_methods_h3:first_beats_all"])
     groups = torch.tensor([7, 7, 7, 9, 9, 9])
@@ -188,7 +188,7 @@ def test_gardo_flag_picks_the_proxy_overrated_or_as_the_reference_code_the_under
     from torch import nn
 
     from difrl.algos.advantages import Advantages
-    from difrl.train.method_stage import Gardo
+    from difrl.train.flow.method_stage import Gardo
 
     proxy = torch.tensor([6.0, 5.0, 4.0, 3.0, 2.0, 1.0])
     aux = [torch.tensor([1.0, 5.0, 4.0, 3.0, 2.0, 6.0]), torch.tensor([2.0, 6.0, 4.0, 3.0, 1.0, 5.0])]
@@ -229,7 +229,7 @@ def test_gardo_kl_applies_only_to_flagged_samples():
 
     from difrl.models.digits import DigitsPolicy
     from difrl.train.metrics import Metrics
-    from difrl.train.objectives import grpo_micro_loss
+    from difrl.train.flow.objectives import grpo_micro_loss
     from difrl.utils.modules import use_module
 
     cfg = load_flow_config(None, ["sampler.num_steps=3", "train.kl_beta=1.0"])

@@ -1,4 +1,4 @@
-"""train.micro_batch=auto and train.updates_per_epoch (difrl/train/flow_plan.py): the update a config describes stays
+"""train.micro_batch=auto and train.updates_per_epoch (difrl/train/flow/plan.py): the update a config describes stays
 the same when the trained steps or the processes change, explicit values that do not divide are refused with values
 that do, and the banner says what was chosen (issue 39.1).
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from difrl.samplers import sigma_schedule
-from difrl.train import flow_plan
+from difrl.train.flow import plan as flow_plan
 from difrl.train.config import load_flow_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,7 +135,7 @@ def test_the_gpu_configs_check_their_updates_per_rollout_on_another_number_of_gp
 def test_auto_runs_like_the_explicit_micro_batch_it_resolves_to(tmp_path):
     # one process, 8 samples x 3 steps, a stale rollout copy (the proximal recompute runs in micro-batches too):
     # auto with 2 micro-batches per update = 4 samples = 12 transitions, bit for bit
-    from difrl.train.flow import TIMING_KEYS, train
+    from difrl.train.flow.trainer import TIMING_KEYS, train
 
     tiny = ["seed=3", "threads=1", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4",
             "train.grad_accum=2", "train.iterations=2", "train.lr=1e-3", "train.clip_low=1e-3", "train.clip_high=1e-3",
@@ -160,7 +160,7 @@ def test_thread_note_only_when_other_processes_keep_the_cores_busy(monkeypatch):
 
 
 def test_the_masked_trainer_takes_the_flow_trainers_micro_batch_keys():
-    # the masked trainer is data-parallel like the flow trainer (difrl/train/masked_plan.py), with the same keys in
+    # the masked trainer is data-parallel like the flow trainer (difrl/train/masked/plan.py), with the same keys in
     # sequences: micro_batch auto keeps train.updates_per_epoch whatever the process count (tests/test_masked_dp.py)
     from difrl.config import ConfigError
     from difrl.train.recipes import load_train_config

@@ -37,12 +37,13 @@ def test_peft_base_is_the_model_under_the_wrapper_and_a_plain_module_itself():
 
 
 def test_one_definition_each():
-    # the checkpoints (gathered: difrl.train.state; sharded: difrl.train.sharded_state) read the same trained
-    # parameters, and the rollout copy's merge (difrl.quant.sync), FSDP units (difrl.train.rollout_copy) and the
+    # the checkpoints (gathered: difrl.train.run.state; sharded: difrl.train.run.sharded_state) read the same trained
+    # parameters, and the rollout copy's merge (difrl.quant.sync), FSDP units (difrl.train.flow.rollout_copy) and the
     # masked policies' state_dict_and_meta (difrl.discrete.policy) unwrap peft the same way: no module keeps its own
     from difrl.discrete import policy
     from difrl.quant import sync
-    from difrl.train import rollout_copy, sharded_state, state
+    from difrl.train.flow import rollout_copy
+    from difrl.train.run import sharded_state, state
 
     assert state.trainable_params is trainable_params and sharded_state.trainable_params is trainable_params
     assert not hasattr(sharded_state, "trainable")

@@ -54,7 +54,7 @@ def test_encoders_visit_the_transformers_device_only_while_embedding(kind, tiny)
     """difrl plan's setting: home "meta", transformer on the fake CPU. (a) after setup the encoders are on meta,
     (b) inside `_encode_batch` (prompts and the negative prompt) on the transformer's device, (c) on meta after."""
     from difrl.models.adapters import arch_flow_policy
-    from difrl.train.simulation import fake_parameter_swaps, simulated_device
+    from difrl.train.planner.simulation import fake_parameter_swaps, simulated_device
 
     with simulated_device(), fake_parameter_swaps():  # fake tensors, the host's tokens real (difrl plan's mode)
         policy = arch_flow_policy(kind, tiny[kind], dtype="fp32", offload_text_encoders=True,
@@ -115,9 +115,9 @@ def test_planner_counts_offloaded_encoders_only_while_embedding(tmp_path):
     bytes (they live on the simulated host), and the rollout, which embeds the prompts, peaks at least at what is
     resident plus the encoders on the device."""
     from difrl.models.adapters import load_flow_policy, make_tiny_pipeline
-    from difrl.train.planner import plan_flow
+    from difrl.train.planner.flow import plan_flow
     from difrl.train.recipes import load_train_config
-    from difrl.train.simulation import GIB, module_bytes
+    from difrl.train.planner.simulation import GIB, module_bytes
 
     path = make_tiny_pipeline("flux", tmp_path / "flux")
     encoder_bytes = module_bytes(*load_flow_policy("flux", path).text_encoders().values())

@@ -41,7 +41,7 @@ def files(run_dir: Path) -> dict[str, bytes]:
 
 
 def test_a_start_that_failed_before_its_first_iteration_is_not_a_run(tmp_path, capsys, monkeypatch):
-    from difrl.train import flow
+    from difrl.train.flow import trainer as flow
 
     cfg, d = tiny_config(tmp_path / "tiny.yaml"), tmp_path / "run"
     # the start: a tracker whose package is missing is refused before anything is written
@@ -167,7 +167,7 @@ def test_the_report_shows_each_value_a_resume_changed_with_its_iteration(tmp_pat
 
 
 def test_progress_bar_labels_the_last_evaluation():
-    from difrl.train.progress import progress, progress_bar
+    from difrl.train.run.progress import progress, progress_bar
 
     class Terminal(io.StringIO):
         def isatty(self):
@@ -217,7 +217,7 @@ def table_head(lines: list[str]) -> int:
 
 
 def test_plain_progress_prints_every_so_often():
-    from difrl.train.progress import PlainProgress, progress, progress_bar
+    from difrl.train.run.progress import PlainProgress, progress, progress_bar
 
     stream = io.StringIO()
     bar = progress_bar(0, 100, stream=stream)

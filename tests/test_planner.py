@@ -1,4 +1,4 @@
-"""difrl plan (difrl/train/planner.py) and what it found at real size (issue 46 items 1-3, the clip).
+"""difrl plan (difrl/train/planner/flow.py) and what it found at real size (issue 46 items 1-3, the clip).
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_planner.py -q
 
@@ -84,7 +84,7 @@ def test_shipped_architectures_have_the_published_sizes():
 def test_plan_counts_what_two_real_processes_hold(tiny_flux, tmp_path):
     """Parameters, AdamW state, EMA and reference bytes per process: the planner (fake tensors, 2 simulated
     ranks) and a real torchrun job of 2 gloo processes running the same setup and update. Exact: the same shapes."""
-    from difrl.train.planner import plan_flow
+    from difrl.train.planner.flow import plan_flow
 
     row = plan_flow(tiny_cfg(tiny_flux), 2, None)
     script = tmp_path / "worker.py"
@@ -112,12 +112,12 @@ import json, sys
 import torch
 from accelerate import Accelerator
 from difrl.rollout import rollout
-from difrl.train.flow import policy_update, setup_training
-from difrl.train.flow_plan import plan_flow_iteration, step_masks
+from difrl.train.flow.trainer import policy_update, setup_training
+from difrl.train.flow.plan import plan_flow_iteration, step_masks
 from difrl.train.metrics import Metrics
-from difrl.train.simulation import module_bytes, steady_optimizer_state, tensor_bytes
+from difrl.train.planner.simulation import module_bytes, steady_optimizer_state, tensor_bytes
 from difrl.train.recipes import load_train_config
-from difrl.train.sharded_step import take_fsdp_branches
+from difrl.train.dist.sharded_step import take_fsdp_branches
 from difrl.worlds import build_world
 
 path, over, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
@@ -162,8 +162,8 @@ def test_fsdp_accumulation_keeps_gradients_sharded(tiny_flux, monkeypatch):
     """Item 1: two micro-steps per update under FSDP2 (2 simulated GPUs): the gradients between them are the sharded
     ones only. With accelerate's no_sync, as the trainer called it before (a no-op on CPU processes, which never took
     accelerate's FSDP branch), FSDP2 keeps unsharded fp32 gradients of the whole network on every process."""
-    import difrl.train.flow as flow
-    from difrl.train.planner import plan_flow
+    import difrl.train.flow.trainer as flow
+    from difrl.train.planner.flow import plan_flow
 
     cfg = tiny_cfg(tiny_flux, ["train.grad_accum=2", "train.micro_batch=1"])
     row = plan_flow(cfg, 2, None)
@@ -189,7 +189,7 @@ def test_fsdp_blocks_take_inputs_in_the_dtype_the_model_computed(kind, one_proce
 
     from difrl.models.adapters import ADAPTERS, build_tiny_pipeline
     from difrl.train.precision import trained_network
-    from difrl.train.sharding import FSDPSettings
+    from difrl.train.dist.sharding import FSDPSettings
 
     def block_dtypes(policy, sharded: bool):
         pipe = build_tiny_pipeline(kind)
@@ -220,9 +220,9 @@ def test_fsdp_setup_holds_no_whole_second_copy():
     import diffusers
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from difrl.train.simulation import Memory, simulated_device, simulated_processes
+    from difrl.train.planner.simulation import Memory, simulated_device, simulated_processes
     from difrl.train.precision import trained_network
-    from difrl.train.sharding import fsdp_settings
+    from difrl.train.dist.sharding import fsdp_settings
 
     class Policy:  # what trained_network reads of an adapter
         block_classes = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
@@ -261,7 +261,7 @@ def test_sharded_clip_equals_torch_clip(one_process_group):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from difrl.train.sharded_step import clip_sharded_grad_norm_
+    from difrl.train.dist.sharded_step import clip_sharded_grad_norm_
 
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(7, 5, generator=g) * 3, torch.randn(11, generator=g)]
@@ -302,7 +302,7 @@ def test_plan_command_writes_the_rows(tiny_flux, tmp_path):
 def test_plan_of_lora_counts_only_the_adapters_as_trained(tiny_flux):
     """LoRA under FSDP2 (2 simulated GPUs) and on one GPU: AdamW's state and the EMA follow the adapters alone, a
     small fraction of the (frozen, sharded) network's parameters; no reference copy (the base is the reference)."""
-    from difrl.train.planner import plan_flow
+    from difrl.train.planner.flow import plan_flow
 
     cfg = tiny_cfg(tiny_flux, ["train.lora.enabled=true", "train.lora.rank=2"])
     for gpus in (1, 2):
@@ -326,7 +326,7 @@ def test_rollout_gathers_every_unit_once_when_asked_or_when_it_fits(tiny_flux):
     (per_forward, FSDP's schedule: 3 all-gathers per unit) or once for the whole rollout (once: 1 per unit, the whole
     network gathered in the rollout's peak). auto chooses once when the gathered network fits half of the simulated
     GPU's free memory, per_forward when it does not."""
-    from difrl.train.planner import plan_flow
+    from difrl.train.planner.flow import plan_flow
 
     units = fsdp_unit_count(tiny_flux)
     rows = {mode: plan_flow(tiny_cfg(tiny_flux, [f"rollout.fsdp_gather={mode}"]), 2, None)
@@ -345,7 +345,7 @@ def test_copy_sync_gathers_each_unit_once_in_the_copy_dtype(tiny_flux):
     the trained weights with one all-gather per FSDP unit, of the weights cast to bf16 (the dtype the copy is made
     from), where it used to all-gather every parameter on its own in fp32 (twice the bytes)."""
     from difrl.models.adapters import load_flow_policy
-    from difrl.train.planner import plan_flow
+    from difrl.train.planner.flow import plan_flow
 
     row = plan_flow(tiny_cfg(tiny_flux, ["model.dtype=bf16", "rollout.precision=fp8"]), 2, None)
     sync = row["collectives_by_kind"]["sync"]
@@ -391,7 +391,7 @@ def test_plan_of_the_masked_trainer_has_every_category_and_fits(tmp_path):
     import argparse
 
     from difrl.cli.args import load as _load
-    from difrl.train.plan_command import main
+    from difrl.train.planner.command import main
 
     out = tmp_path / "plan.json"
     args = argparse.Namespace(config=str(ROOT / "configs" / "text_arithmetic.yaml"), overrides=TINY_MASKED, gpus=[2],
@@ -417,7 +417,7 @@ def test_masked_plan_counts_what_two_real_processes_hold(tmp_path):
     """The masked trainer's setup and update on the bundled text world: parameters (fp32 master shards), AdamW state
     and the bf16 reference per process, by the planner (fake tensors, 2 simulated ranks) and by a real torchrun job
     of 2 gloo processes running masked.setup_training, old_log_probs and policy_update. Exact: the same shapes."""
-    from difrl.train.masked_planner import plan_masked
+    from difrl.train.planner.masked import plan_masked
     from difrl.train.recipes import load_train_config
 
     row = plan_masked(load_train_config(ROOT / "configs" / "text_arithmetic.yaml", TINY_MASKED), 2, None)
@@ -442,11 +442,11 @@ MASKED_WORKER = '''
 import json, sys
 import torch
 from difrl.discrete.samplers import SAMPLERS
-from difrl.train.masked import old_log_probs, policy_update, setup_training
-from difrl.train.masked_plan import plan_masked_iteration, processes, rollout_forwards
+from difrl.train.masked.trainer import old_log_probs, policy_update, setup_training
+from difrl.train.masked.plan import plan_masked_iteration, processes, rollout_forwards
 from difrl.train.metrics import Metrics
 from difrl.train.recipes import load_train_config
-from difrl.train.simulation import module_bytes, steady_optimizer_state, tensor_bytes
+from difrl.train.planner.simulation import module_bytes, steady_optimizer_state, tensor_bytes
 from difrl.utils.rng import mix_seed
 from difrl.worlds import build_masked_world
 
@@ -489,7 +489,7 @@ def test_plan_splits_samples_into_transitions_as_the_trainer_does(tiny_flux):
     record (flow.training_records), so a micro-batch of 1 transition is half the forward of a micro-batch of 2 (one
     sample). The planner used to pass the unsplit samples, simulating a whole sample per micro-step (Wan 14B LoRA with
     micro-batch 3 looked three times larger than with 9)."""
-    from difrl.train.planner import plan_flow
+    from difrl.train.planner.flow import plan_flow
 
     one, two = (plan_flow(tiny_cfg(tiny_flux, [f"train.micro_batch={n}"]), 1, None)["phases"]["update"]
                 for n in (1, 2))
@@ -505,7 +505,7 @@ def test_plan_of_zimage_sees_each_captions_own_tokens(tmp_path, monkeypatch):
 
     from difrl.models.adapters import make_tiny_pipeline
     from difrl.models.tiny import tiny_qwen_tokenizer
-    from difrl.train.planner import plan_flow
+    from difrl.train.planner.flow import plan_flow
     from difrl.train.recipes import load_train_config
 
     tok = tiny_qwen_tokenizer()
@@ -534,7 +534,7 @@ def test_plan_of_an_edit_model_gives_its_placeholder_prompts_source_images(tmp_p
     the vision tower and the source latents run at the configured size."""
     from difrl.models.adapters import make_tiny_pipeline
     from difrl.models.qwenimage_edit import QwenImageEditPolicy
-    from difrl.train.planner import plan_flow
+    from difrl.train.planner.flow import plan_flow
     from difrl.train.recipes import load_train_config
 
     seen = []

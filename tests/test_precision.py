@@ -32,7 +32,7 @@ from difrl.models.adapters import load_flow_policy, make_tiny_pipeline  # noqa: 
 from difrl.train.config import LoraConfig, TrainConfig, load_flow_config  # noqa: E402
 from difrl.train.precision import MasterWeights, upcast_masters  # noqa: E402
 from difrl.train.scaffold import clip_and_step, make_optimizer, wrap_policy  # noqa: E402
-from difrl.train.state import EMA, trainable_params  # noqa: E402
+from difrl.train.run.state import EMA, trainable_params  # noqa: E402
 from difrl.utils.io import load_safetensors_checked  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -247,7 +247,7 @@ def first_step_ratios(run: Path) -> list[float]:
 def test_flow_trainer_full_finetune_in_bf16(tiny_dirs, tmp_path):
     from diffusers import SD3Transformer2DModel
 
-    from difrl.train.flow import train
+    from difrl.train.flow.trainer import train
 
     path = tiny_dirs("sd3")
     common = [*SMALL, "model.kind=sd3", f"model.path={path}", "sampler.guidance=4.0"]
@@ -275,7 +275,7 @@ def test_flow_trainer_full_finetune_in_bf16(tiny_dirs, tmp_path):
 
 def test_masked_trainer_full_finetune_in_bf16(tmp_path):
     pytest.importorskip("transformers")
-    from difrl.train.masked import train
+    from difrl.train.masked.trainer import train
     from difrl.train.recipes import load_train_config
 
     cfg = load_train_config(ROOT / "configs" / "text_arithmetic.yaml", [
@@ -293,9 +293,9 @@ def test_masked_trainer_full_finetune_in_bf16(tmp_path):
 # ---- e. fp16 is refused; the rollout copy stays exact -----------------------------------------------------------------
 
 def test_fp16_training_is_refused_before_anything_loads(tmp_path, monkeypatch):
-    from difrl.train.flow import train as train_flow
-    from difrl.train.masked import train as train_masked
-    from difrl.train.masked_config import load_masked_config
+    from difrl.train.flow.trainer import train as train_flow
+    from difrl.train.masked.trainer import train as train_masked
+    from difrl.train.masked.config import load_masked_config
 
     missing = tmp_path / "no_pipeline_here"  # never read: the refusal comes first
     cfg = load_flow_config(ROOT / "configs" / "flux_tiny.yaml", [f"model.path={missing}", "model.dtype=fp16"])

@@ -857,7 +857,7 @@ def test_solrl_trainer_on_the_torch_backend_and_the_cpu_default_unchanged(tmp_pa
     import json
 
     from difrl.train.config import load_flow_config
-    from difrl.train.flow import train
+    from difrl.train.flow.trainer import train
 
     tiny = ["seed=3", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=6",
             "train.grad_accum=2", "train.iterations=2", "eval.every=0", "eval.per_digit=3", "eval.num_steps=3",

@@ -20,7 +20,7 @@ import torch
 from difrl.config import ConfigError
 from difrl.rewards import REWARDS, Reward, RewardConfigError, RewardError, RewardTimeoutError, build_reward, register_reward
 from difrl.train.config import load_flow_config
-from difrl.train.flow import train
+from difrl.train.flow.trainer import train
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = [
@@ -220,7 +220,7 @@ def test_one_process_reward_failure_stops_both_processes(tmp_path):
 
 CRASHING_SAMPLER = """
 import os, sys
-import difrl.train.flow as flow
+import difrl.train.flow.trainer as flow
 from difrl.cli import main
 
 inner, calls = flow.rollout, [0]
@@ -291,7 +291,7 @@ def test_every_damage_of_the_campaign_is_detected_and_falls_back(tmp_path):
     # criterion (a message naming the checkpoint and the file touched); "deleted manifest" loaded unchecked before
     import random
 
-    from difrl.train.state import EMA, load_latest_checkpoint, save_checkpoint
+    from difrl.train.run.state import EMA, load_latest_checkpoint, save_checkpoint
 
     bench = _load_bench()
     assert "deleted manifest" in bench.DAMAGES

@@ -30,7 +30,7 @@ SUDOKU = ["seed=3", "threads=1", "rollout.prompts_per_iter=2", "rollout.group_si
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory) -> Path:
     from difrl.train.config import load_flow_config
-    from difrl.train.flow import train
+    from difrl.train.flow.trainer import train
 
     out = tmp_path_factory.mktemp("report") / "digits"
     train(load_flow_config(None, DIGITS), out_dir=out)
@@ -39,8 +39,8 @@ def digits_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def sudoku_run(tmp_path_factory) -> Path:
-    from difrl.train.masked import train
-    from difrl.train.masked_config import load_masked_config
+    from difrl.train.masked.trainer import train
+    from difrl.train.masked.config import load_masked_config
 
     out = tmp_path_factory.mktemp("report") / "sudoku"
     train(load_masked_config(None, SUDOKU), out_dir=out)

@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_resume_command.py -q     # the launch is marked slow
 
-Fast: the continue command (difrl.train.interrupt.launch_command) built from a faked launcher command line (accelerate
+Fast: the continue command (difrl.train.run.interrupt.launch_command) built from a faked launcher command line (accelerate
 launch, torchrun, one process, a launcher out of sight, several nodes, a run inside another program); the entry
 scripts take `resume=DIR` without a config file and overrides after --out. Slow: tiny FLUX under
 `accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes 2 scripts/train_flux.py ...`, stopped
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from difrl.train import interrupt
+from difrl.train.run import interrupt
 
 ROOT = Path(__file__).resolve().parent.parent
 

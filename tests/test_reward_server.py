@@ -359,7 +359,7 @@ def test_busy_server_503_is_retried(token_file):
 
 def test_digits_run_through_the_server_equals_in_process(server, token_file, tmp_path):
     from difrl.train.config import load_flow_config
-    from difrl.train.flow import TIMING_KEYS, train
+    from difrl.train.flow.trainer import TIMING_KEYS, train
 
     tiny = ["seed=3", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=6",
             "train.grad_accum=2", "train.iterations=2", "eval.every=0", "eval.per_digit=2", "eval.num_steps=3",
@@ -391,7 +391,7 @@ def test_image_run_through_the_server_with_uint8_pixels(server, token_file, tmp_
     pytest.importorskip("peft")
     from difrl.models.adapters import make_tiny_pipeline
     from difrl.train.config import load_flow_config
-    from difrl.train.flow import TIMING_KEYS, train
+    from difrl.train.flow.trainer import TIMING_KEYS, train
 
     path = make_tiny_pipeline("flux", tmp_path / "tiny_flux", seed=0)
     small = [f"model.path={path}", "rollout.prompts_per_iter=2", "rollout.group_size=4", "sampler.num_steps=3",

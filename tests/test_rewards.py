@@ -245,7 +245,7 @@ TINY = [
 
 
 def rows(run_dir: Path) -> list[dict]:
-    from difrl.train.flow import TIMING_KEYS
+    from difrl.train.flow.trainer import TIMING_KEYS
 
     out = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in out]
@@ -254,7 +254,7 @@ def rows(run_dir: Path) -> list[dict]:
 @pytest.mark.parametrize("aggregate", ["reward_sum", "advantage_sum"])
 def test_digits_trains_with_two_rewards(aggregate, tmp_path):
     from difrl.train.config import load_flow_config
-    from difrl.train.flow import train
+    from difrl.train.flow.trainer import train
 
     cfg = load_flow_config(None, [*TINY, "reward.weights={digit_prob: 1.0, brightness: 0.5}",
                                   f"reward.aggregate={aggregate}"])
@@ -287,7 +287,7 @@ def test_reward_stats_counts_the_groups_whose_correct_flag_does_not_vary():
 
 def test_overlapped_scoring_trains_exactly_like_serial(tmp_path):
     from difrl.train.config import load_flow_config
-    from difrl.train.flow import train
+    from difrl.train.flow.trainer import train
 
     for overlap in ("false", "true"):
         cfg = load_flow_config(None, [*TINY, "rollout.chunks=2", f"reward.overlap={overlap}"])
@@ -303,7 +303,7 @@ def test_drop_group_keeps_training_finite_in_every_rollout_mode(mode, tmp_path, 
     """A NaN reward on one sample per call under reward.on_error=drop_group: its group is dropped, the log and the
     weights stay finite (a NaN never reaches a loss), in flat-overlapped, tree and Sol-RL rollouts."""
     from difrl.train.config import load_flow_config
-    from difrl.train.flow import train
+    from difrl.train.flow.trainer import train
 
     name = registered("test_fail_nan", failing("nan"))
     cfg = load_flow_config(None, [*TINY, *mode, f"reward.weights={{{name}: 1.0}}", "reward.on_error=drop_group",
@@ -324,7 +324,7 @@ def test_broken_rewards_stop_even_under_drop_group(tmp_path, registered):
     """drop_group is for flaky scores: a contract violation (wrong length) stops the run, a reward failing on every
     sample stops it, and so does a failed fraction above reward.max_failed_frac; each after a checkpoint."""
     from difrl.train.config import load_flow_config
-    from difrl.train.flow import train
+    from difrl.train.flow.trainer import train
 
     from difrl.rewards.base import RewardConfigError
 
@@ -356,7 +356,7 @@ def test_tiny_flux_trains_with_two_reward_models(tmp_path, monkeypatch):
     from difrl.models.adapters import make_tiny_pipeline
     from difrl.rewards.tiny import tiny_reward_options
     from difrl.train.config import load_flow_config
-    from difrl.train.flow import train
+    from difrl.train.flow.trainer import train
 
     tiny = tiny_reward_options(tmp_path / "rewards")
     options = json.dumps({"hpsv2": tiny["hpsv2"], "clip_score": tiny["clip_score"]})

@@ -14,8 +14,8 @@ import yaml
 
 from difrl.cli import main
 from difrl.train.config import load_flow_config
-from difrl.train.flow import train
-from difrl.train.rundir import RESUME_SAFE, RUN_FILES, RunDirError
+from difrl.train.flow.trainer import train
+from difrl.train.run.rundir import RESUME_SAFE, RUN_FILES, RunDirError
 from test_train import TINY, metrics, run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,8 +76,8 @@ def test_resume_is_the_runs_own_config(tmp_path, capsys):
 
 
 def test_masked_resume_refuses_an_algorithm_change(tmp_path, capsys):
-    from difrl.train.masked import train as train_masked
-    from difrl.train.masked_config import load_masked_config
+    from difrl.train.masked.trainer import train as train_masked
+    from difrl.train.masked.config import load_masked_config
     from test_train_masked import TINY as MASKED
 
     d = tmp_path / "s"
@@ -129,8 +129,8 @@ def test_resume_safe_keys_exist_in_both_trainers():
     from dataclasses import fields
 
     from difrl.train.config import FlowConfig
-    from difrl.train.masked_config import MaskedConfig
-    from difrl.train.rundir import _leaves
+    from difrl.train.masked.config import MaskedConfig
+    from difrl.train.run.rundir import _leaves
 
     for cls in (FlowConfig, MaskedConfig):
         keys = {k for k, _ in _leaves(cls())}

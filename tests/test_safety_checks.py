@@ -17,9 +17,9 @@ from difrl.quant import QUANT_PRESETS, QuantLinear, RolloutCopy, WeightSyncError
 from difrl.quant import formats as F
 from difrl.rollout import rollout
 from difrl.samplers import sigma_schedule
-from difrl.train import objectives
+from difrl.train.flow import objectives
 from difrl.train.config import load_flow_config
-from difrl.train.flow import train
+from difrl.train.flow.trainer import train
 from difrl.train.metrics import Metrics
 from difrl.train.scaffold import RatioCheckError
 from tolerances import FLOW_FIRST_STEP_LOG_RATIO

@@ -21,7 +21,7 @@ import pytest
 
 from difrl.config import ConfigError
 from difrl.train.config import load_flow_config
-from difrl.train.flow_plan import plan_flow_iteration
+from difrl.train.flow.plan import plan_flow_iteration
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = ROOT / "configs" / "digits.yaml"
@@ -72,7 +72,7 @@ from pathlib import Path
 
 rank, out = int(os.environ["RANK"]), Path(sys.argv[1])
 if rank == 1:
-    from difrl.train import objectives
+    from difrl.train.flow import objectives
 
     real = objectives.recompute
 
@@ -122,7 +122,7 @@ def test_a_ratio_check_failing_on_one_process_stops_every_process(tmp_path, copy
 
 # ---------------------------------------------------------------------------------- evaluation over processes
 
-# run by each launched process: the flow trainer's evaluate (difrl.train.flow.evaluate) of the digits and moving-digits
+# run by each launched process: the flow trainer's evaluate (difrl.train.flow.trainer.evaluate) of the digits and moving-digits
 # worlds, counting the samples this process generated; each process writes its metrics, its count and the images.
 LAUNCHED_EVAL = '''
 import json, os, sys
@@ -134,7 +134,7 @@ from accelerate import Accelerator
 
 from difrl.rollout import rollout
 from difrl.train.config import load_flow_config
-from difrl.train.flow import evaluate
+from difrl.train.flow.trainer import evaluate
 from difrl.worlds import build_world
 from difrl.worlds import digits, moving_digits
 

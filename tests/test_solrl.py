@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import difrl.solrl as solrl
-import difrl.train.flow as flow
+import difrl.train.flow.trainer as flow
 from difrl.algos.nft import nft_loss, nft_noised, velocity_kl
 from difrl.config import ConfigError
 from difrl.models.digits import DigitsPolicy
@@ -21,7 +21,7 @@ from difrl.rollout import regenerate
 from difrl.samplers import sigma_schedule
 from difrl.solrl import kendall, rank_agreement, select_indices, spearman
 from difrl.train.config import load_flow_config
-from difrl.train.flow import TIMING_KEYS, train
+from difrl.train.flow.trainer import TIMING_KEYS, train
 from tolerances import FLOW_FIRST_STEP_LOG_RATIO, FP32_REORDER
 
 TINY = ["seed=3", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4", "train.micro_batch=6",

@@ -26,7 +26,7 @@ from difrl.discrete.tiny_mlm import BUNDLED_DIR, build_char_tokenizer, build_tin
 from difrl.eval.passk import pass_at_k, pass_at_k_many
 from difrl.rewards import build_reward
 from difrl.rewards.text_tasks import extract_answer, is_correct
-from difrl.train.masked_config import load_masked_config
+from difrl.train.masked.config import load_masked_config
 from difrl.worlds.text_tasks import (TextLayout, bundled_problems, load_problems, load_text_policy, make_problems,
                                      prompt_width)
 
@@ -249,7 +249,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(arith):
 
 # ----------------------------------------------------------------------------- the trainer on this path
 def _train(out: Path, *overrides: str):
-    from difrl.train.masked import train
+    from difrl.train.masked.trainer import train
 
     return train(load_masked_config(CONFIG, [*TINY, *overrides]), out_dir=out)
 

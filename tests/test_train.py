@@ -15,7 +15,7 @@ from difrl.cli import main
 from difrl.rewards import REWARDS, RewardError, register_reward
 from difrl.rewards.digits import digit_prob
 from difrl.train.config import load_flow_config
-from difrl.train.flow import TIMING_KEYS, RatioCheckError, train
+from difrl.train.flow.trainer import TIMING_KEYS, RatioCheckError, train
 from difrl.utils.io import load_safetensors_checked
 from tolerances import FLOW_FIRST_STEP_LOG_RATIO
 

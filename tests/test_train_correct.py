@@ -16,9 +16,9 @@ from difrl.models.digits import DigitsPolicy
 from difrl.quant import QUANT_PRESETS, RolloutCopy
 from difrl.rollout import rollout
 from difrl.samplers import sigma_schedule
-from difrl.train import objectives
+from difrl.train.flow import objectives
 from difrl.train.config import load_flow_config
-from difrl.train.flow import train
+from difrl.train.flow.trainer import train
 from difrl.train.metrics import Metrics
 from tolerances import FLOW_FIRST_STEP_LOG_RATIO
 

@@ -34,9 +34,9 @@ import model_plugins  # noqa: E402,F401  (tests/ is on sys.path: registers the "
 from difrl.models.adapters import ADAPTERS, BUILTIN_ADAPTERS, load_flow_policy  # noqa: E402
 from difrl.models.adapters import make_tiny_pipeline  # noqa: E402
 from difrl.rollout import INIT_STEP, rollout, sample_noise  # noqa: E402
-from difrl.train import flow  # noqa: E402
+from difrl.train.flow import trainer as flow  # noqa: E402
 from difrl.train.config import load_flow_config  # noqa: E402
-from difrl.train.flow import TIMING_KEYS, train  # noqa: E402
+from difrl.train.flow.trainer import TIMING_KEYS, train  # noqa: E402
 from difrl.utils.io import load_safetensors_checked  # noqa: E402
 from tolerances import FLOW_FIRST_STEP_LOG_RATIO, FP32_REORDER  # noqa: E402
 

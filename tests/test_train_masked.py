@@ -1,4 +1,4 @@
-"""The masked-diffusion GRPO trainer (difrl/train/masked.py) end to end on tiny Sudoku runs (seconds each).
+"""The masked-diffusion GRPO trainer (difrl/train/masked/trainer.py) end to end on tiny Sudoku runs (seconds each).
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_train_masked.py -q
 """
@@ -17,8 +17,8 @@ from difrl.discrete.losses import trace_logp, unigrpo_ratios
 from difrl.discrete.samplers import llada_sample
 from difrl.algos import group_normalize
 from difrl.discrete.estimators import remask, token_logp
-from difrl.train.masked import TIMING_KEYS, train
-from difrl.train.masked_config import load_masked_config
+from difrl.train.masked.trainer import TIMING_KEYS, train
+from difrl.train.masked.config import load_masked_config
 from difrl.utils.io import load_safetensors_checked
 from difrl.worlds import sudoku
 # Exact float comparisons here are on token ids, masks, 0/1 fractions and rewards, or the same run twice in this

@@ -123,7 +123,7 @@ def test_pruned_tree_updates_per_epoch_count_the_kept_edges(tmp_path, monkeypatc
     # 6 steps, splits at 0 and 1: 18 SDE edges per tree, 2 trees per process. train.updates_per_epoch counts the
     # updates over the edges that pruning keeps (the ones trained), so micro_batch=auto sizes on them and an
     # explicit micro_batch is checked against them
-    import difrl.train.flow as flow
+    import difrl.train.flow.trainer as flow
     from difrl.train.check import plan_summary
 
     steps = []

@@ -22,7 +22,7 @@ from difrl.models.video_flow import BUNDLED_BASE, MovingDigitsPolicy
 from difrl.rollout import recompute, rollout
 from difrl.samplers.schedules import sigma_schedule
 from difrl.train.config import load_flow_config
-from difrl.train.flow import TIMING_KEYS, train
+from difrl.train.flow.trainer import TIMING_KEYS, train
 from difrl.utils.io import load_safetensors_checked
 from difrl.worlds.moving_digits import PROMPTS
 from tolerances import FLOW_FIRST_STEP_LOG_RATIO

@@ -1,4 +1,4 @@
-"""Gathering FSDP2 units (difrl/train/unit_gather.py) and the rollout copy's reads of them (issue 46, 9a / 9b).
+"""Gathering FSDP2 units (difrl/train/dist/unit_gather.py) and the rollout copy's reads of them (issue 46, 9a / 9b).
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_unit_gather.py -q
 
@@ -56,7 +56,7 @@ def gather_worker(out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    import difrl.train.unit_gather as ug
+    import difrl.train.dist.unit_gather as ug
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -99,7 +99,7 @@ def test_a_synced_copy_of_a_bf16_full_fine_tune_equals_a_copy_built_afresh():
     # what building the copy now gives. Before, sync quantized the fp32 masters (another amax, other roundings)
     from difrl.quant import RolloutCopy
     from difrl.train.precision import MasterWeights
-    from difrl.train.rollout_copy import loaded_weights
+    from difrl.train.flow.rollout_copy import loaded_weights
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)).bfloat16()
@@ -125,7 +125,7 @@ def test_a_synced_copy_of_a_bf16_full_fine_tune_equals_a_copy_built_afresh():
 
 
 def test_rollout_gather_auto_gathers_once_when_the_network_fits_half_the_free_memory(monkeypatch):
-    import difrl.train.unit_gather as ug
+    import difrl.train.dist.unit_gather as ug
 
     monkeypatch.setattr(ug, "gathered_bytes", lambda net, fsdp: 100)
     fsdp = object()

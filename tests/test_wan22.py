@@ -171,8 +171,8 @@ def _train_cfg(path, *overrides):
 @pytest.mark.parametrize("mode", ["lora-both", "full-low"])
 def test_two_iterations_train_the_chosen_experts(two_expert_dir, tmp_path, monkeypatch, mode):
     from difrl.models.lora_io import load_transformer
-    from difrl.train import flow
-    from difrl.train.flow import train
+    from difrl.train.flow import trainer as flow
+    from difrl.train.flow.trainer import train
 
     lora = mode.startswith("lora")
     experts = mode.split("-")[1]
@@ -220,7 +220,7 @@ def test_one_transformer_options_are_refused_on_ti2v(tmp_path):
 FSDP_SCRIPT = '''
 import sys, torch, torch.distributed as dist
 from difrl.models.adapters import load_flow_policy
-from difrl.train.sharding import FSDPSettings, shard
+from difrl.train.dist.sharding import FSDPSettings, shard
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 policy = load_flow_policy("wan22", sys.argv[1], height=32, width=32, num_frames=5, max_sequence_length=16)
@@ -274,7 +274,7 @@ def test_fsdp_two_processes_routing_differently_equal_one_process(two_expert_dir
 def test_the_fp8_rollout_copy_holds_and_routes_both_experts(two_expert_dir):
     # the low-precision rollout copy is made of policy.module: both experts quantized by the preset, rows still routed
     from difrl.train.config import load_flow_config
-    from difrl.train.flow import build_rollout_copy
+    from difrl.train.flow.trainer import build_rollout_copy
     from difrl.train.precision import MasterWeights
 
     policy = load_flow_policy("wan22", two_expert_dir, **OPTIONS)

@@ -44,12 +44,12 @@ def own_world(world):
 
 @pytest.fixture
 def flow_world_of_this_file(monkeypatch):
-    import difrl.train.flow
+    import difrl.train.flow.trainer
     import difrl.worlds
     from difrl.worlds import build_world
 
     built = lambda *a, **kw: own_world(build_world(*a, **kw))  # noqa: E731
-    monkeypatch.setattr(difrl.train.flow, "build_world", built)  # the trainer's
+    monkeypatch.setattr(difrl.train.flow.trainer, "build_world", built)  # the trainer's
     monkeypatch.setattr(difrl.worlds, "build_world", built)  # difrl export's (imported when it runs)
 
 
@@ -78,11 +78,11 @@ def test_flow_trainer_and_export_use_the_worlds_eval_line_stop_rule_and_save(tmp
 
 
 def test_masked_trainer_uses_the_worlds_eval_line_and_save(tmp_path, capsys, monkeypatch):
-    import difrl.train.masked
+    import difrl.train.masked.trainer
     from difrl.worlds import build_masked_world
 
     sudoku_line = lambda ev: f"TEST LINE cells={ev['cell_accuracy']:.2f}"  # noqa: E731
-    monkeypatch.setattr(difrl.train.masked, "build_masked_world", lambda cfg: dataclasses.replace(
+    monkeypatch.setattr(difrl.train.masked.trainer, "build_masked_world", lambda cfg: dataclasses.replace(
         build_masked_world(cfg), describe_eval=sudoku_line, save_final=save_note))
     from test_train_masked import run
 

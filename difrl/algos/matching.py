@@ -12,7 +12,7 @@ matching loss by its advantage. DPO and DGPO compare the policy's matching loss 
 (delta = l - l_ref, the implicit reward is -beta delta) inside a group; their losses are functions of the deltas of
 several samples at once, so the trainer evaluates them in a pre-pass without gradients and trains each sample with
 its coefficient c = d loss / d l (detached): sum_i c_i l_i(theta) has the preference loss's gradient at the
-pre-pass weights, whatever the micro-batching (difrl/train/matching_objectives.py).
+pre-pass weights, whatever the micro-batching (difrl/train/flow/matching_objectives.py).
 """
 
 from __future__ import annotations

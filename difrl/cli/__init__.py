@@ -19,7 +19,7 @@ that is down at start-up) end the command with one clear line and exit status 2;
 config as `difrl check` does and lists every problem it finds (difrl.train.check). Ctrl-C or SIGTERM during
 training saves a checkpoint and ends with one line naming the command that continues the run as it was launched
 (the launcher and its options kept, `train resume=RUN_DIR` as the arguments), exit status 130 / 143
-(difrl.train.interrupt). Known third-party start-up noise is left out (difrl.utils.quiet).
+(difrl.train.run.interrupt). Known third-party start-up noise is left out (difrl.utils.quiet).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import sys
 # The parser and main; the docstring above is `difrl -h`'s text. One module per command: difrl/cli/train.py, eval.py,
 # sample.py, config.py, runs.py (report and export), rewards.py (rewards and reward-server), each with
 # add_arguments(parser) and the function that runs it; `difrl check`, `compare` and `plan` live beside what they
-# check, compare and simulate (difrl.train.check, difrl.report.compare_page, difrl.train.plan_command). What the
+# check, compare and simulate (difrl.train.check, difrl.report.compare_page, difrl.train.planner.command). What the
 # commands share: difrl.cli.args (a config path among key=value overrides, a run directory standing for its config)
 # and difrl.cli.weights (the trained policy eval and sample load).
 
@@ -43,7 +43,8 @@ def commands() -> list[tuple[str, str, object, object]]:
     from difrl.cli import eval as evaluate
     from difrl.cli.args import load
     from difrl.report import compare_page
-    from difrl.train import check, plan_command
+    from difrl.train import check
+    from difrl.train.planner import command as plan_command
 
     return [
         ("train", "train a policy with GRPO", train.add_arguments, train.main),

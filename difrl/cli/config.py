@@ -20,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args) -> int:
     from difrl.config import config_to_dict, describe_config
     from difrl.train.config import FlowConfig
-    from difrl.train.masked_config import MaskedConfig
+    from difrl.train.masked.config import MaskedConfig
 
     path, overrides = split(args.rest)
     if path is None and not overrides:

@@ -158,7 +158,7 @@ def _write_eval(run: Path | None, args, metrics: dict, cfg, world) -> None:
     --json: the JSON); write it to --out, or append it to a run directory's eval.json (tag "difrl-eval", every
     call kept). A metric that is not a number (NaN, e.g. a diversity of one sample) is written as null."""
     from difrl.report.text import eval_text
-    from difrl.train.rundir import same_settings
+    from difrl.train.run.rundir import same_settings
     from difrl.utils.io import atomic_write_text, json_safe
 
     out, metrics = args.out, json_safe(metrics)

@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args) -> int:
     from difrl.train.check import checked_config
-    from difrl.train.interrupt import Interrupted, stop_on_signals
+    from difrl.train.run.interrupt import Interrupted, stop_on_signals
     from difrl.train.recipes import train_function
 
     path, overrides = split(args.rest)
@@ -37,9 +37,9 @@ def main(args) -> int:
     if path is None and not resume:
         raise SystemExit("difrl train: give a config file, e.g. difrl train configs/digits.yaml (or resume=RUN_DIR)")
     # SIGINT / SIGTERM: a checkpoint, one line with the command that continues the run as it was launched (the
-    # launcher and its options kept, `train resume=RUN_DIR` as the arguments), exit 130 / 143 (difrl.train.interrupt)
+    # launcher and its options kept, `train resume=RUN_DIR` as the arguments), exit 130 / 143 (difrl.train.run.interrupt)
     with stop_on_signals(program=("train",), argv=args.argv):
-        # resume=: the run's own config.yaml; a change of anything but the safe keys is refused (difrl.train.rundir),
+        # resume=: the run's own config.yaml; a change of anything but the safe keys is refused (difrl.train.run.rundir),
         # and the run directory is the resumed one: --out or out= naming another is refused there too
         # every problem of the config at once, before anything loads (difrl.train.check, as `difrl check` says them)
         cfg = checked_config(path, overrides, load_resume_config(path, overrides) if resume else None)

@@ -147,7 +147,7 @@ class TinyMaskedPolicy(HoldsNet):
     """MaskedPolicy adapter for MaskedTransformer (the bundled discrete worlds' generator)."""
 
     lora_target_modules = ["qkv", "proj", "fc1", "fc2", "head"]
-    block_classes = ("Block",)  # the repeated blocks: FSDP units (difrl.train.sharding)
+    block_classes = ("Block",)  # the repeated blocks: FSDP units (difrl.train.dist.sharding)
 
     def __init__(self, net: MaskedTransformer):
         self.net = net
@@ -225,7 +225,7 @@ class HFMaskedLM(ComputeDevice):
 
     @property
     def block_classes(self) -> tuple[str, ...]:
-        """The transformer layer classes FSDP wraps one by one (difrl.train.sharding): the model's own
+        """The transformer layer classes FSDP wraps one by one (difrl.train.dist.sharding): the model's own
         `_no_split_modules` when it names any, else the class of the longest ModuleList of one class (BERT's
         `encoder.layer`: BertLayer; LLaDA's blocks)."""
         named = tuple(getattr(self.model, "_no_split_modules", None) or ())

@@ -19,7 +19,7 @@ the mean over the n samples, not one greedy sample.
 
 ``masked_pass_at_k`` draws n completions per evaluation problem with the *training* rollout
 sampler (``difrl.discrete.samplers.SAMPLERS[sampler]`` with the kwargs of
-``MaskedSamplerConfig.sampler_kwargs()``, exactly the call in difrl/train/masked.py; eval equals
+``MaskedSamplerConfig.sampler_kwargs()``, exactly the call in difrl/train/masked/trainer.py; eval equals
 the train path), policy in eval mode. Sample j of problem p has seed ``mix_seed(seed, p, j)``; the
 samplers' randomness is counter-based per sample, so results do not depend on the batch size.
 Each sample is judged by ``correct_fn(samples, batch) -> [N] bool`` on the world's decoded samples
@@ -185,7 +185,7 @@ def masked_pass_at_k(world, policy, sampler: str, sampler_kwargs: dict, n: int, 
         for lo in range(0, P * m, batch):
             idx = torch.arange(lo, min(lo + batch, P * m))
             part = rows.select(idx)
-            out = SAMPLERS[sampler](policy, part.tokens, part.cond, seeds=seeds[idx], **kw)  # as difrl/train/masked.py
+            out = SAMPLERS[sampler](policy, part.tokens, part.cond, seeds=seeds[idx], **kw)  # as difrl/train/masked/trainer.py
             ok = torch.as_tensor(correct_fn(world.decode(out.tokens), part)).reshape(-1)
             if ok.numel() != len(idx):
                 raise ValueError(f"correct_fn returned {ok.numel()} verdicts for {len(idx)} samples")

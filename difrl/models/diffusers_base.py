@@ -173,7 +173,7 @@ class DiffusersFlowPolicy(ComputeDevice):
     # (difrl.train.precision: full fine-tuning of a bf16 model); None: it computes in its parameters' own dtype
     autocast_dtype: torch.dtype | None = None
     # keyword arguments of the transformer's forward that FSDP2's mixed precision must not cast to its compute dtype
-    # (difrl.train.sharding.keep_input_dtypes): the pipeline passes them in fp32 and the model embeds them in fp32
+    # (difrl.train.dist.sharding.keep_input_dtypes): the pipeline passes them in fp32 and the model embeds them in fp32
     fsdp_fp32_inputs: tuple[str, ...] = ()
     # pipeline components from_pretrained loads in fp32 whatever model.dtype is (Wan's VAE); difrl plan builds them so
     fp32_components: tuple[str, ...] = ()

@@ -140,7 +140,7 @@ class DigitsPolicy(HoldsNet):
     latent_shape = (64,)
     lora_target_modules = ["x_in", "fc1", "fc2", "ada", "x_out"]
     quant_preset = QUANT_PRESETS["digits"]  # the input/output projections and the time MLP stay exact
-    block_classes = ("AdaLNBlock",)  # the repeated blocks: FSDP units (difrl.train.sharding)
+    block_classes = ("AdaLNBlock",)  # the repeated blocks: FSDP units (difrl.train.dist.sharding)
 
     def __init__(self, net: DigitsFlowNet):
         self.net = net

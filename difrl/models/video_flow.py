@@ -151,7 +151,7 @@ class MovingDigitsPolicy(HoldsNet):
 
     lora_target_modules = ["x_in", "qkv", "proj", "fc1", "fc2", "ada", "x_out"]
     quant_preset = QUANT_PRESET
-    block_classes = ("VideoBlock",)  # the repeated blocks: FSDP units (difrl.train.sharding)
+    block_classes = ("VideoBlock",)  # the repeated blocks: FSDP units (difrl.train.dist.sharding)
 
     def __init__(self, net: VideoFlowNet):
         self.net = net

@@ -5,7 +5,7 @@
         batch = rollout(policy, ...)
     ... optimizer.step() ...
     copy.sync(policy_module)             # re-merge LoRA, re-quantize; raises WeightSyncError on a no-op sync
-    RolloutCopy(sharded, "fp8_row", skeleton=meta_copy, weights=one_unit_at_a_time)   # FSDP: difrl/train/rollout_copy.py
+    RolloutCopy(sharded, "fp8_row", skeleton=meta_copy, weights=one_unit_at_a_time)   # FSDP: difrl/train/flow/rollout_copy.py
 
 LoRA is merged into the copy's weights (W = W_base + scaling * B @ A, Sol-RL's sync_lora_to_inference,
 docs/reference/specs/lowprec-and-correctors.md §1.2), so the quantized GEMM sees the weights the policy really uses.
@@ -17,7 +17,7 @@ layer stops the run too.
 
 The policy's weights reach the copy as state-dict *parts* (`weights(source)`: an iterable of merged state dicts, by
 default one, `merged_state_dict(source)`). A sharded policy (FSDP2) yields one part per FSDP unit, each gathered
-just for its turn (difrl/train/rollout_copy.py), and the copy is then built from a `skeleton` whose parameters are
+just for its turn (difrl/train/flow/rollout_copy.py), and the copy is then built from a `skeleton` whose parameters are
 empty meta tensors, filled and quantized one part at a time: the whole model is never held in high precision at
 once. Sync, its no-op check and `verify` go part by part too, with a single host read at the end; every process
 computes the same flags from the same gathered tensors, so all raise together (no process is left waiting in a

@@ -36,7 +36,7 @@ from difrl.report.data import (
     load_run,
 )
 
-# the command's own keys, not the run's (difrl.train.rundir.BOOKKEEPING: resume never compares them either)
+# the command's own keys, not the run's (difrl.train.run.rundir.BOOKKEEPING: resume never compares them either)
 BOOKKEEPING = ("out", "resume", "resume_override", "resume_unverified", "history")
 NOT_GROUPED = ("seed",)  # runs equal but for these are one group (seeds of one config)
 LABEL_KEYS = 3  # config keys spelled out in a label; the rest are counted ("+2 more") and in the config table

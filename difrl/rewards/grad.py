@@ -1,4 +1,4 @@
-"""Differentiable scoring for reward backpropagation (DRaFT / ReFL, difrl/train/reward_backprop.py).
+"""Differentiable scoring for reward backpropagation (DRaFT / ReFL, difrl/train/flow/reward_backprop.py).
 
     fn = build_reward("digit_prob")                # fn.differentiable: declared by its factory
     r = score_with_grad(fn, images, prompts)      # [B] float32 on the images' device, with a graph to `images`

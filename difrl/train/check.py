@@ -18,7 +18,7 @@ no model, weights file or reward model is loaded and no run directory is made; w
    directories they name exist, its optional packages are installed (difrl.rewards.preflight: the messages the
    reward gives when it is built);
 4. the micro-batch plan on N processes (--gpus; default: WORLD_SIZE under a launcher, else 1): the trainers' own
-   solver, difrl.train.flow_plan.plan_flow_iteration / masked_plan.plan_masked_iteration, whose errors name the
+   solver, difrl.train.flow.plan.plan_flow_iteration / masked_plan.plan_masked_iteration, whose errors name the
    values that work. It is not checked while a key it reads was refused in step 1.
 `difrl train` and the entry scripts run the same checks first (checked_config) and stop with the same list, exit
 status 2; one problem reads as the single error it always was. What only loading can tell (a directory that holds
@@ -178,7 +178,7 @@ def plan_summary(cfg, gpus: int) -> str:
     """The trainer's own micro-batch plan on `gpus` processes in one line; ValueError / ConfigError when the
     iteration does not split (the solver's message)."""
     if cfg.trainer == "masked":
-        from difrl.train.masked_plan import plan_masked_iteration
+        from difrl.train.masked.plan import plan_masked_iteration
 
         p = plan_masked_iteration(cfg, gpus, 0)
         return (f"{p.n_total} samples/iteration ({cfg.rollout.prompts_per_iter} prompts x {cfg.rollout.group_size}), "
@@ -187,7 +187,7 @@ def plan_summary(cfg, gpus: int) -> str:
     from types import SimpleNamespace
 
     from difrl.samplers.schedules import sigma_schedule
-    from difrl.train.flow_plan import plan_flow_iteration
+    from difrl.train.flow.plan import plan_flow_iteration
 
     said: list[str] = []
     # the world only gives the sigmas, and only their number counts here (NFT's and the matching objectives' trained

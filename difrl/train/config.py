@@ -13,7 +13,7 @@ from the typed ``model.kind`` (``difrl.train.recipes.load_train_config``): the f
 
 Flow defaults follow Flow-GRPO (docs/reference/specs/flow-grpo-family.md §2.8, §8.7) where they carry over to a model
 of this size; the digits YAML sets what the bundled demo needs. The masked sections are in
-difrl/train/masked_config.py, the evaluation sections (``eval``, ``stop``) in difrl/train/eval_config.py, the flow
+difrl/train/masked/config.py, the evaluation sections (``eval``, ``stop``) in difrl/train/eval_config.py, the flow
 methods' sections (``solrl``, ``tree``, ``nft``, ``matching``, ``awm``, ``dpo``, ``dgpo``, ``dppo``, ``draft``,
 ``refl``, ``gardo``, ``pref``) in
 difrl/train/method_config.py.
@@ -149,7 +149,7 @@ class TrainerConfig:
     seed: int = cfg_field(0)
     threads: int | None = cfg_field(None, ge=1, help="torch threads; None = the cores this process may use")
     out: str | None = cfg_field(None, help="run directory (also --out)")
-    resume: str | None = cfg_field(None, help="a run directory to continue with its own config.yaml (difrl.train.rundir: "
+    resume: str | None = cfg_field(None, help="a run directory to continue with its own config.yaml (difrl.train.run.rundir: "
                                               "the keys that may change on resume)")
     resume_override: bool = cfg_field(False, help="resume: accept changed settings that change the algorithm (each "
                                                   "recorded in config.yaml's history)")
@@ -293,7 +293,7 @@ class RolloutConfig:
                                  help="under FSDP2, the trained rollouts' all-gathers: once = every block gathered once "
                                       "per rollout (least communication; the model in bf16 on each GPU while it "
                                       "samples), per_forward = before each forward (least memory), auto = once when "
-                                      "that fits half the GPU's free memory (difrl/train/unit_gather.py)")
+                                      "that fits half the GPU's free memory (difrl/train/dist/unit_gather.py)")
     quant_skip: list[str] | None = cfg_field(None, help="linear layers kept exact (name substrings); None = the model's preset")
     quant_min_dim: int | None = cfg_field(None, ge=0, help="keep layers with max(in, out) <= this exact; None = preset")
     quant_backend: str = cfg_field("auto", choices=QUANT_BACKENDS,

@@ -1,4 +1,4 @@
-"""The averaged and the snapshot copies of a network's trainable weights, checkpointed beside it (difrl.train.state).
+"""The averaged and the snapshot copies of a network's trainable weights, checkpointed beside it (difrl.train.run.state).
 
     ema = EMA(trainable_params(net), decay=0.999, module=net)   # module: under FSDP, resharded after a swap
     ema.update()                                               # shadow <- d shadow + (1 - d) live
@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from difrl.train.sharding import is_sharded, reshard
+from difrl.train.dist.sharding import is_sharded, reshard
 
 
 class EMA:

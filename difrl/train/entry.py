@@ -7,11 +7,11 @@
 Loads the typed config (dotted overrides; with resume=DIR the run's own DIR/config.yaml, what a resume may
 change checked as for `difrl train resume=DIR`: load_resume_config, which `difrl train` uses too), checks it as
 `difrl check` does (every problem listed at once, before anything loads: difrl.train.check), checks that
-it is for this script's model kind, runs difrl.train.flow.train (the one trainer), and prints the evaluation
+it is for this script's model kind, runs difrl.train.flow.trainer.train (the one trainer), and prints the evaluation
 before and after on the main process. Config and input errors end with one line naming the problem and exit
 status 2; SIGINT / SIGTERM with a checkpoint and one line naming the command that continues the run as it was
 launched (the same launcher and options, `resume=DIR` as the script's arguments), exit status 130 / 143
-(difrl.train.interrupt).
+(difrl.train.run.interrupt).
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ def given(overrides: list[str], key: str) -> str | None:
 def load_resume_config(path: str | None, overrides: list[str]):
     """`difrl train resume=R [CONFIG] [key=value ...]`: the run's own R/config.yaml with the overrides (CONFIG, if
     given, in its place, checked against R/config.yaml key by key like the overrides), refused as
-    difrl.train.rundir.check_resume says, naming who says each refused value: the command line or CONFIG. A
+    difrl.train.run.rundir.check_resume says, naming who says each refused value: the command line or CONFIG. A
     change that only CONFIG makes is refused too, a safe one included (a file beside resume= is mostly the one
     the run started from, whose train.iterations or eval.every the start overrode: it must not extend the run
     unsaid), naming the key=value to pass on the command line instead; resume_override=true lets it through."""
     from difrl.config import CLI, ConfigError
     from difrl.train.recipes import load_train_config
-    from difrl.train.rundir import check_resume, show
+    from difrl.train.run.rundir import check_resume, show
 
     run = Path(given(overrides, "resume"))
     if not (run / "config.yaml").is_file():
@@ -88,11 +88,11 @@ def main(kind: str, argv: list[str] | None = None, description: str | None = Non
     if not configs and not resume:
         ap.error("give a config file (configs/*.yaml), or resume=DIR to continue a run")
     path = configs[0] if configs else None
-    from difrl.train.interrupt import Interrupted, stop_on_signals
+    from difrl.train.run.interrupt import Interrupted, stop_on_signals
 
     try:
         from difrl.train.check import checked_config
-        from difrl.train.flow import train
+        from difrl.train.flow.trainer import train
 
         def refuse_other_kind(cfg) -> None:  # any world's config loads: a wrong one is named here, first
             if cfg.model.kind != kind:

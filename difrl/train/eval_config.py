@@ -4,7 +4,7 @@
     cfg.stop.fd_rise                                                                 # StopConfig (digits world)
 
 ``EvalConfig`` is what every trainer's evaluation has; ``FlowEvalConfig`` adds the flow worlds' ODE
-steps, the held-out reward panel and FID / KID (difrl.eval.panel); difrl/train/masked_config.py has
+steps, the held-out reward panel and FID / KID (difrl.eval.panel); difrl/train/masked/config.py has
 the masked worlds' ``MaskedEvalConfig``.
 """
 

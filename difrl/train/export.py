@@ -3,7 +3,7 @@
     difrl export runs/flux [--iteration N] [--out DIR]    # default DIR: RUN_DIR/export/iter-NNNNNN
 
 A run that died (or is still running) has checkpoints but no final weights; a sharded checkpoint
-(train.checkpoint_format: sharded, the default under FSDP: difrl.train.sharded_state) is DCP's shard files,
+(train.checkpoint_format: sharded, the default under FSDP: difrl.train.run.sharded_state) is DCP's shard files,
 which nothing outside torch reads. This rebuilds the trained network as the trainer did (the run's config.yaml:
 model, LoRA, fp32 masters), loads the checkpoint's weights into it in full (the EMA's when the run keeps one, as
 the trainer's final save does) and writes what the trainer writes at the end, in the dtypes the model was loaded
@@ -21,8 +21,8 @@ import torch
 
 
 def checkpoint_weights(ckpt, ema: bool) -> dict[str, torch.Tensor]:
-    """The full trained weights of a checkpoint (difrl.train.state.Checkpoint), the EMA's when `ema`."""
-    from difrl.train.sharded_state import read_sharded
+    """The full trained weights of a checkpoint (difrl.train.run.state.Checkpoint), the EMA's when `ema`."""
+    from difrl.train.run.sharded_state import read_sharded
 
     if ckpt.metadata is None:  # gathered
         weights = ckpt.ema if ema else ckpt.trainable
@@ -42,9 +42,9 @@ def export(run_dir, iteration: int | None = None, out=None, log=print) -> Path:
     from difrl.train.final_save import save_final
     from difrl.train.precision import upcast_masters
     from difrl.train.recipes import load_train_config
-    from difrl.train.rundir import checkpoint_iterations
+    from difrl.train.run.rundir import checkpoint_iterations
     from difrl.train.scaffold import wrap_policy
-    from difrl.train.state import (CheckpointError, _load_checkpoint, load_latest_checkpoint, trainable_params,
+    from difrl.train.run.state import (CheckpointError, _load_checkpoint, load_latest_checkpoint, trainable_params,
                                    verify_manifest)
 
     run_dir = Path(run_dir)
@@ -57,7 +57,7 @@ def export(run_dir, iteration: int | None = None, out=None, log=print) -> Path:
             raise FileNotFoundError(f"{run_dir / 'checkpoints'} holds no checkpoint (the run stopped before its first)")
     else:
         path = run_dir / "checkpoints" / f"iter-{iteration:06d}"
-        if not path.is_dir():  # say which it kept (a run keeps its two newest: difrl.train.state.publish)
+        if not path.is_dir():  # say which it kept (a run keeps its two newest: difrl.train.run.state.publish)
             kept = checkpoint_iterations(run_dir)
             raise FileNotFoundError(
                 f"no checkpoint {path}: "
@@ -70,7 +70,7 @@ def export(run_dir, iteration: int | None = None, out=None, log=print) -> Path:
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--out {out} is not empty: export into a new directory")
 
-    # the trained network as the trainer builds it (difrl.train.flow / masked: wrap_policy, upcast_masters)
+    # the trained network as the trainer builds it (difrl.train.flow.trainer / masked: wrap_policy, upcast_masters)
     if cfg.trainer == "masked":
         from difrl.worlds import build_masked_world
 

@@ -1,5 +1,5 @@
-"""The iteration skeleton both recipes share (difrl/train/flow.py, masked.py; DRaFT-K / ReFL's phase,
-difrl/train/reward_backprop.py, its end): reward -> gather -> advantages -> log -> finish, each call in its loop's
+"""The iteration skeleton both recipes share (difrl/train/flow/trainer.py, masked.py; DRaFT-K / ReFL's phase,
+difrl/train/flow/reward_backprop.py, its end): reward -> gather -> advantages -> log -> finish, each call in its loop's
 banner section, the method's own stages between them.
 
     # ==== reward
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from difrl.train.reward_stage import across_processes, score_rewards, track_reward_failures
-from difrl.train.rundir import stop_rule
+from difrl.train.run.rundir import stop_rule
 from difrl.train.scaffold import clip_and_step, progress
-from difrl.train.sharded_step import clip_sharded_grad_norm_
+from difrl.train.dist.sharded_step import clip_sharded_grad_norm_
 from difrl.utils.collectives import gather
 
 

@@ -93,7 +93,7 @@ class NFTConfig:
 
 @dataclass
 class MatchingConfig:
-    """What AWM, DPO and DGPO share (difrl/train/matching_objectives.py): each rollout's clean sample is noised afresh
+    """What AWM, DPO and DGPO share (difrl/train/flow/matching_objectives.py): each rollout's clean sample is noised afresh
     at the first `timestep_fraction` of the rollout's sigmas (noise from the sample's seed; DPO / DGPO: from its
     group's, so a group's samples share it) and the velocity is compared with the flow-matching target."""
     timestep_fraction: float = cfg_field(0.6, gt=0.0, le=1.0, help="trained sigmas: the first fraction of the rollout "

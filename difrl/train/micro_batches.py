@@ -6,8 +6,8 @@ train.updates_per_epoch cut a process's rollout, and the nearest ones to offer w
     options = updates_options(X, mb, ga, want, whole) + [auto, own_updates(got)]
     raise ConfigError(what_is_wrong + ": use " + ", or ".join(options), key)
 
-Both trainers cut a process's X units per pass (the flow trainer's transitions, difrl/train/flow_plan.py; the masked
-trainer's sequences, difrl/train/masked_plan.py) as
+Both trainers cut a process's X units per pass (the flow trainer's transitions, difrl/train/flow/plan.py; the masked
+trainer's sequences, difrl/train/masked/plan.py) as
 
     train.micro_batch x train.grad_accum x train.updates_per_epoch = X
 

@@ -54,7 +54,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from difrl.train.sharding import MIXED, frozen_fill, frozen_skeleton, is_sharded, shard
+from difrl.train.dist.sharding import MIXED, frozen_fill, frozen_skeleton, is_sharded, shard
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -93,7 +93,7 @@ class MasterWeights:
                     p.data = p.data.float()
 
     def fsdp(self, settings):
-        """FSDP settings (difrl.train.sharding.FSDPSettings, or None) whose MixedPrecisionPolicy gathers the
+        """FSDP settings (difrl.train.dist.sharding.FSDPSettings, or None) whose MixedPrecisionPolicy gathers the
         parameters in the compute dtype and reduces gradients in fp32; as given when nothing was upcast (accelerate's
         mixed_precision decides, as before)."""
         if settings is None or self.compute_dtype is None:
@@ -163,7 +163,7 @@ def trained_network(policy, lora, seed: int, need_reference: bool, settings, dev
 
 
 def shard_policy(policy, net, reference, settings, device=None, masters=None, copy_reference: bool = False):
-    """Under FSDP (`settings` from difrl.train.sharding.fsdp_settings; None: nothing to do) shard the trained
+    """Under FSDP (`settings` from difrl.train.dist.sharding.fsdp_settings; None: nothing to do) shard the trained
     network and the frozen reference of full fine-tuning per transformer block (the adapter's `block_classes`), so
     no process holds either whole: `copy_reference` makes the reference from `net` one block at a time as it shards
     it (frozen_skeleton), and `masters` (a deferred upcast_masters) upcasts each block of `net` as it shards it

@@ -1,18 +1,18 @@
 """Choosing the trainer: model.kind picks the typed config and the recipe that runs it.
 
     cfg = load_train_config("configs/digits.yaml", ["train.lr=1e-4"])   # FlowConfig or MaskedConfig, by model.kind
-    summary = train_function(cfg)(cfg, out_dir=None)                    # difrl.train.flow.train or .masked.train
+    summary = train_function(cfg)(cfg, out_dir=None)                    # difrl.train.flow.trainer.train or .masked.train
 
 The flow kinds come from the world table (difrl.worlds.flow_kinds(): plug-in model families too), the masked ones from
 difrl.worlds.MASKED_WORLDS. This sits above both configs and both recipes, so neither config module
-imports a recipe (difrl/train/config.py is the common base that difrl/train/masked_config.py extends).
+imports a recipe (difrl/train/config.py is the common base that difrl/train/masked/config.py extends).
 """
 
 from __future__ import annotations
 
 from difrl.config import load_config_union
 from difrl.train.config import FlowConfig, TrainerConfig
-from difrl.train.masked_config import MaskedConfig
+from difrl.train.masked.config import MaskedConfig
 from difrl.models.adapters import HOW_TO_ADD
 from difrl.worlds import MASKED_KINDS, train_kinds
 
@@ -31,10 +31,10 @@ def load_train_config(path, overrides=(), problems: list | None = None) -> Train
 
 
 def train_function(cfg: TrainerConfig):
-    """The recipe that runs a typed config: train(cfg, out_dir=None) of difrl.train.flow or difrl.train.masked
+    """The recipe that runs a typed config: train(cfg, out_dir=None) of difrl.train.flow.trainer or difrl.train.masked.trainer
     (imported when asked for: loading a config does not import the trainers)."""
     if cfg.trainer == "masked":
-        from difrl.train.masked import train
+        from difrl.train.masked.trainer import train
     else:
-        from difrl.train.flow import train
+        from difrl.train.flow.trainer import train
     return train

@@ -1,4 +1,4 @@
-"""The scaffold every trainer shares (difrl/train/flow.py, difrl/train/masked.py): what is not the method.
+"""The scaffold every trainer shares (difrl/train/flow/trainer.py, difrl/train/masked/trainer.py): what is not the method.
 
     net, reference = wrap_policy(policy, cfg.train.lora, cfg.seed, need_reference=cfg.train.kl_beta > 0)
     optimizer = make_optimizer(trainable_params(net), cfg.train)
@@ -6,13 +6,13 @@
     run = Run.open(cfg, run_dir, net, optimizer, ema, extras, accelerator)   # resume, config.yaml, metrics cut back
     with reference_policy(policy, net, reference): ...                     # the KL's reference (LoRA off / frozen copy)
     run.log(row); run.checkpoint(iteration)
-    if run.agree_interrupted(): break                                      # SIGINT / SIGTERM (difrl.train.interrupt)
+    if run.agree_interrupted(): break                                      # SIGINT / SIGTERM (difrl.train.run.interrupt)
     run.end_loop(done); run.finish(summary, headline)                      # final checkpoint; summary.json, report.html
 
 A recipe (the loop) calls these in its banner sections; none of them knows which method runs. The
 reward stage (build, score, failures, advantages over valid groups) is difrl/train/reward_stage.py, the update's
 metrics (difrl.train.metrics.Metrics) difrl/train/metrics.py, which directory a run may use and what a resume may
-change difrl/train/rundir.py, stopping on a signal difrl/train/interrupt.py.
+change difrl/train/run/rundir.py, stopping on a signal difrl/train/run/interrupt.py.
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from pathlib import Path
 import torch
 
 from difrl.config import save_config
-from difrl.train import interrupt
-from difrl.train.progress import progress  # noqa: F401  (re-exported: the loops' progress line)
-from difrl.train.rundir import (TRACKER_PACKAGES, check_resume, claim_run_dir, clear_run,  # noqa: F401  (re-exported)
+from difrl.train.run import interrupt
+from difrl.train.run.progress import progress  # noqa: F401  (re-exported: the loops' progress line)
+from difrl.train.run.rundir import (TRACKER_PACKAGES, check_resume, claim_run_dir, clear_run,  # noqa: F401  (re-exported)
                                 failed_start, saved_config, show)
 from difrl.utils.modules import use_module
-from difrl.train.sharding import is_sharded, plain_copy, reshard
-from difrl.train.sharded_state import checkpoint_format
-from difrl.train.state import latest_checkpoint, restore_checkpoint, save_sharded, snapshot, write_checkpoint
+from difrl.train.dist.sharding import is_sharded, plain_copy, reshard
+from difrl.train.run.sharded_state import checkpoint_format
+from difrl.train.run.state import latest_checkpoint, restore_checkpoint, save_sharded, snapshot, write_checkpoint
 from difrl.utils.io import atomic_write_json, json_safe, save_safetensors
 from difrl.utils.rng import mix_seed
 
@@ -152,7 +152,7 @@ class Run:
              state: dict | None = None, overwrite: bool = False) -> "Run":
         """Resume (cfg.resume: weights, optimizer, EMA, extras, RNG, counters and `state`'s keys from the latest
         checkpoint), or with `overwrite` remove an earlier run's files; write config.yaml (the resume's changed
-        settings appended to its history, difrl.train.rundir), cut metrics.jsonl back to the checkpoint's
+        settings appended to its history, difrl.train.run.rundir), cut metrics.jsonl back to the checkpoint's
         iteration. `run_dir` is claim_run_dir's (which refused what is not allowed before anything loaded)."""
         state = {"eval_before": None, "last_eval": None, "reward_failed": 0, "reward_scored": 0, **(state or {})}
         start, say = 0, print if accelerator is None else accelerator.print
@@ -197,8 +197,8 @@ class Run:
             self.accelerator.wait_for_everyone()
 
     def checkpoint(self, iteration: int) -> None:
-        """Checkpoint `iteration`: sharded (difrl.train.sharded_state), every process writes its shards with DCP;
-        gathered (difrl.train.state), under FSDP every process gathers the full tensors, the main one writes them."""
+        """Checkpoint `iteration`: sharded (difrl.train.run.sharded_state), every process writes its shards with DCP;
+        gathered (difrl.train.run.state), under FSDP every process gathers the full tensors, the main one writes them."""
         if self.format == "sharded":
             save_sharded(self.dir, iteration, self.net, self.optimizer, self.ema, self.extras, self.state,
                          self.is_main, self.barrier)
@@ -210,7 +210,7 @@ class Run:
 
     def agree_interrupted(self) -> bool:
         """Stop now, agreed by all processes (a collective)? True once SIGINT / SIGTERM reached this process
-        (difrl.train.interrupt) or, under several processes, any of them: every process polls at the same points of
+        (difrl.train.run.interrupt) or, under several processes, any of them: every process polls at the same points of
         its loop and the decision is agreed (interrupt.agreed), so all stop at the same iteration boundary (one
         stopping alone would leave the others waiting in the checkpoint's barrier). A trainer polls twice an
         iteration: after the reward stage, whose gather carries the signals (Run.carrying: no collective of its own),

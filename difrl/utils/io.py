@@ -4,7 +4,7 @@
     save_safetensors(tensors, path, metadata={"hidden": "128"})
     tensors, meta = load_safetensors_checked(path, what="digits classifier")
     atomic_write_npz(path, mu=mu, sigma=sigma)    # np.load(path, allow_pickle=False) reads it back
-    digest = sha256_file(path)                    # checkpoint manifests (difrl.train.state)
+    digest = sha256_file(path)                    # checkpoint manifests (difrl.train.run.state)
     digest = weights_sha256([model_dir, processor_dir])   # a model's identity (rewards, FD extractors)
     json_safe({"fd": float("nan")})               # {"fd": None}: NaN and inf as JSON null
 """

@@ -1,5 +1,5 @@
 """What a world declares to the trainers beyond its evaluation: the line that shows an evaluation, the early-stop
-rule, the final save. The trainers (difrl/train/flow.py, masked.py) and `difrl export` call these members of the
+rule, the final save. The trainers (difrl/train/flow/trainer.py, masked.py) and `difrl export` call these members of the
 World / MaskedWorld and name no world.
 
     print("eval after:  " + world.eval_line(metrics))          # format_eval, or the world's own line
@@ -8,7 +8,7 @@ World / MaskedWorld and name no world.
 
 A stop rule keeps its counters in the run's state (checkpointed, so a resumed run continues them): its
 ``initial_state()`` gives their keys and start values, ``lift(state)`` restarts them when a resume changes the stop
-rule (difrl.train.rundir.held_stop). A final save writes the world's own files into `out_dir` on the main process,
+rule (difrl.train.run.rundir.held_stop). A final save writes the world's own files into `out_dir` on the main process,
 inside the trainer's gather of the full weights; `write_merged(path)` writes the plain checkpoint of the trained
 network, LoRA merged, in the adapter's own format (difrl.train.scaffold.save_policy: the train layer's, passed in).
 """

@@ -245,7 +245,7 @@ def eval_line(ev: dict) -> str:
                        f"{ev['num_puzzles']} test puzzles, {ev['num_blanks']} blanks" if "num_puzzles" in ev else None)
 
 
-# the config keys only this world reads (fields in difrl/train/masked_config.py); another masked world refuses them
+# the config keys only this world reads (fields in difrl/train/masked/config.py); another masked world refuses them
 OWN_KEYS = {"rollout": ("num_blanks",), "eval": ("num_blanks",)}
 
 

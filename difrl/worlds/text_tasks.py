@@ -272,7 +272,7 @@ def masked_world(cfg, policy=None) -> MaskedWorld:
     return world
 
 
-# the config keys only this world reads (the fields are in difrl/train/masked_config.py, where a saved config.yaml
+# the config keys only this world reads (the fields are in difrl/train/masked/config.py, where a saved config.yaml
 # of any masked world lists them); another masked world refuses them when set
 OWN_KEYS = {"model": ("task", "problems", "gen_length", "chat_template", "trust_remote_code", "dtype",
                       "gradient_checkpointing", "mask_id"),

@@ -11,19 +11,19 @@ return at once with correctly shaped outputs) and FakeTensorMode (tensors carry 
 so a 12-billion-parameter pipeline is built from its architecture configs (difrl.models.arch: the shipped reference
 checkpoint of the family when model.path is not a local directory, or `--arch`) in seconds and no memory. An
 Accelerator is made as `accelerate launch --config_file configs/accelerate/fsdp.yaml` would make it, with accelerate's
-FSDP branches taken as on GPUs (difrl.train.sharded_step.take_fsdp_branches). Then the functions `difrl train` calls run
+FSDP branches taken as on GPUs (difrl.train.dist.sharded_step.take_fsdp_branches). Then the functions `difrl train` calls run
 on it, not a replica of them:
 
-- setup: the world around the adapter (difrl.worlds.diffusers.flow_world), difrl.train.flow_plan.plan_flow_iteration (the split and
-  micro-batching), difrl.train.flow.setup_training (LoRA or masters and reference, FSDP2, optimizer, EMA, copy);
-- sync (with a rollout copy): difrl.train.rollout_copy.sync_rollout_copy, the copy's refresh before a rollout (one
+- setup: the world around the adapter (difrl.worlds.diffusers.flow_world), difrl.train.flow.plan.plan_flow_iteration (the split and
+  micro-batching), difrl.train.flow.trainer.setup_training (LoRA or masters and reference, FSDP2, optimizer, EMA, copy);
+- sync (with a rollout copy): difrl.train.flow.rollout_copy.sync_rollout_copy, the copy's refresh before a rollout (one
   all-gather per FSDP unit; its checks' flags read as zeros);
 - rollout: difrl.rollout.rollout of one forward batch (sampler.rollout_batch samples, every sampler step, prompts
   encoded), on the copy if there is one, else with the units gathered as rollout.fsdp_gather chooses for
-  `--gpu-memory` (difrl.train.unit_gather); the process's other batches are the same computation, so their stored trajectories are that batch's
+  `--gpu-memory` (difrl.train.dist.unit_gather); the process's other batches are the same computation, so their stored trajectories are that batch's
   repeated (cat_rollouts) to the process's sample count and their forwards are counted, not run;
-- update: difrl.train.flow.training_records (samples, or transitions when the micro-batch splits them), then
-  difrl.train.flow.policy_update over them, with the configured micro-batch and accumulation: its
+- update: difrl.train.flow.trainer.training_records (samples, or transitions when the micro-batch splits them), then
+  difrl.train.flow.trainer.policy_update over them, with the configured micro-batch and accumulation: its
   first micro-step and the update's last one (which clips, steps AdamW and updates the EMA) run (`MICRO_STEPS`);
   the ones between repeat the first exactly (same shapes, same collectives, gradients already allocated), so their
   collectives are counted, not run. AdamW's moments exist as from the first update on (steady_optimizer_state).
@@ -39,7 +39,7 @@ a negative prompt), where the trackers count them on top of what is resident the
 reward models (run on the same GPU: add their size), the evaluation, the checkpoint writes, CUDA's caching allocator
 and workspaces (fragmentation: keep headroom, `FIT_MARGIN`), NCCL buffers, and kernels' internal scratch.
 
-The masked trainer (difrl.train.masked; a MaskedConfig, model.kind=hf_masked) is planned the same way by
+The masked trainer (difrl.train.masked.trainer; a MaskedConfig, model.kind=hf_masked) is planned the same way by
 `plan_masked`: LLaDA-8B's shapes (difrl/assets/arch/llada-8b) when model.path is a placeholder, and its own setup
 (masked.setup_training), rollout (the configured sampler over the process's samples, every step's forward, inside
 masked_plan.rollout_forwards) and update (masked.old_log_probs, masked.policy_update with its first and last
@@ -62,7 +62,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from difrl.train.simulation import (GIB, Collectives, Memory, device_metrics, fake_parameter_swaps, module_bytes,
+from difrl.train.planner.simulation import (GIB, Collectives, Memory, device_metrics, fake_parameter_swaps, module_bytes,
                                     peak_tracker, plain_tracker, resident_tensors, simulated_device, simulated_processes,
                                     steady_optimizer_state, tensor_bytes)
 
@@ -126,11 +126,11 @@ def plan_flow(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str | N
 
     from difrl.models.adapters import arch_flow_policy
     from difrl.rollout import cat_rollouts, rollout
-    from difrl.train.flow import policy_update, setup_training, training_records
-    from difrl.train.rollout_copy import sync_rollout_copy
-    from difrl.train.unit_gather import rollout_gather, units_gathered
-    from difrl.train.flow_plan import plan_flow_iteration, step_masks
-    from difrl.train.matching_objectives import trained_sigmas
+    from difrl.train.flow.trainer import policy_update, setup_training, training_records
+    from difrl.train.flow.rollout_copy import sync_rollout_copy
+    from difrl.train.dist.unit_gather import rollout_gather, units_gathered
+    from difrl.train.flow.plan import plan_flow_iteration, step_masks
+    from difrl.train.flow.matching_objectives import trained_sigmas
     from difrl.utils.rng import mix_seed
     from difrl.worlds import world_file
     from difrl.worlds.diffusers import policy_options

@@ -6,7 +6,7 @@
 
 Why these are not accelerate's own calls: on CPU processes (every multi-process test) accelerate never takes its
 FSDP branches, so its `no_sync` did nothing there and FSDP2's unsharded accumulation stayed invisible; and its
-FSDP2 `no_sync` is exactly what a sharded run must not do (difrl plan measures both: difrl/train/planner.py).
+FSDP2 `no_sync` is exactly what a sharded run must not do (difrl plan measures both: difrl/train/planner/flow.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from difrl.train.sharding import fsdp_requested, is_sharded
+from difrl.train.dist.sharding import fsdp_requested, is_sharded
 
 
 def take_fsdp_branches(accelerator) -> None:

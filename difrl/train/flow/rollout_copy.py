@@ -16,7 +16,7 @@ the whole copy per process:
   of forwards on any process (fix (c) of docs/reference/specs/scale.md §2 "Uneven forward counts"; what torchtitan RL,
   verl and Sol-RL's DDP replicas do) and it is as fast as the DDP copy;
 - it is built exactly as one process builds it: every weight is quantized whole (each unit's parameters gathered
-  in full, one all-gather per unit and dtype: difrl/train/unit_gather.py), so per-tensor scales (fp8's amax) need
+  in full, one all-gather per unit and dtype: difrl/train/dist/unit_gather.py), so per-tensor scales (fp8's amax) need
   no extra all-reduce and the copy is bit-for-bit the one-process copy (row-wise formats could quantize a shard
   alone; a per-tensor amax could not);
 - memory is bounded: `sharded_weights` gathers one FSDP unit (a transformer block, then the root's rest) in the
@@ -44,9 +44,9 @@ from torch import nn
 from difrl.quant import RolloutCopy
 from difrl.quant.sync import merged_state_dict
 from difrl.train.precision import MasterWeights
-from difrl.train.sharding import plain_copy, reshard, shards_replaced
+from difrl.train.dist.sharding import plain_copy, reshard, shards_replaced
 from difrl.train.ema import WeightSnapshot
-from difrl.train.unit_gather import gather_full
+from difrl.train.dist.unit_gather import gather_full
 from difrl.utils.modules import peft_base, trainable_params
 
 

@@ -1,5 +1,5 @@
 """The flow trainer's per-micro-batch losses: GRPO and Flow-DPPO on stored SDE transitions, DiffusionNFT on clean
-samples (AWM, DPO, DGPO: difrl/train/matching_objectives.py).
+samples (AWM, DPO, DGPO: difrl/train/flow/matching_objectives.py).
 
     loss = grpo_micro_loss(policy, sub, adv, keep, correction, m, check, denom, cfg, reference_ctx, agree)
     loss = dppo_micro_loss(policy, sub, adv, keep, correction, m, check, denom, cfg, reference_ctx, agree)
@@ -103,7 +103,7 @@ def reference_kl(policy, sub: Rollout, mean, std, elem_keep, m, denom: int, cfg,
         _, mean_ref, _ = transition_log_prob(policy, sub, cfg)
     h = (sub.sigma - sub.sigma_next).reshape(-1)
     kl = gaussian_step_kl(mean, mean_ref, std, h, cfg.train.kl_form).view_as(elem_keep)
-    kl_keep = sub.extras.get("kl_keep")  # GARDO: the KL on its flagged samples only, [b] (train/method_stage.py)
+    kl_keep = sub.extras.get("kl_keep")  # GARDO: the KL on its flagged samples only, [b] (train/flow/method_stage.py)
     kl_elem = elem_keep if kl_keep is None else elem_keep * kl_keep.to(elem_keep)[:, None]
     m.add("kl", kl, kl_elem.bool())
     return cfg.train.kl_beta * (kl * kl_elem).sum() / denom
@@ -180,7 +180,7 @@ def proximal_correction(policy, batch: Rollout, cfg, micro_batch: int | None = N
     """Rollouts that came from another policy mu (a quantized or stale copy): recompute the proximal policy's
     log-probs and means (PPO's ratio and the first-step check are against it) and weigh each transition by
     pi_old / mu through difrl.correct. In micro-batches of about `micro_batch` transitions (the trainer passes
-    train.micro_batch as difrl.train.flow_plan resolved it; None: an explicit train.micro_batch): a real model
+    train.micro_batch as difrl.train.flow.plan resolved it; None: an explicit train.micro_batch): a real model
     cannot take all B*T transitions at once. `gather` (t -> every process's t in rank order, the trainer's
     difrl.utils.collectives.gather; every process has the same B) and `rank`: the corrector sees the log-probs of
     every process, as one process with the same global batch does (batch-normalised TIS, AIS's ESS test and the
@@ -188,7 +188,7 @@ def proximal_correction(policy, batch: Rollout, cfg, micro_batch: int | None = N
     Returns (batch with log_prob_old / mean_old replaced, the Correction)."""
     micro_batch = cfg.train.micro_batch if micro_batch is None else micro_batch
     if not isinstance(micro_batch, int):
-        raise ValueError("proximal_correction needs train.micro_batch resolved (difrl.train.flow_plan.plan_flow_iteration)")
+        raise ValueError("proximal_correction needs train.micro_batch resolved (difrl.train.flow.plan.plan_flow_iteration)")
     per = max(1, micro_batch // max(1, batch.step.shape[1]))  # records of about micro_batch transitions
     parts = [transition_log_prob(policy, batch.select(torch.arange(lo, min(lo + per, len(batch)))), cfg)
              for lo in range(0, len(batch), per)]

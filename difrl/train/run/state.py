@@ -21,12 +21,12 @@ Everything random in a run is derived from (seed, iteration), so the saved RNG i
 not a requirement.
 
 That is the gathered format (train.checkpoint_format=gathered: full tensors, written by the main process). A
-sharded checkpoint (the default under FSDP: difrl/train/sharded_state.py) holds DCP's files in place of
+sharded checkpoint (the default under FSDP: difrl/train/run/sharded_state.py) holds DCP's files in place of
 trainable / ema / optimizer / extras, with the same rng.safetensors, state.json, manifest, temporary name,
 rename, `latest` and pruning (publish); load_latest_checkpoint verifies it the same way, and restore_checkpoint
 reads its tensors into the live (sharded or plain) ones, whatever the number of processes that wrote it. With
 several processes none hashes, gathers or verifies for the others: each hashes the shard files it wrote and, on
-resume, its share of the files, and the verdicts are agreed (difrl/train/manifest.py); a gathered snapshot is held
+resume, its share of the files, and the verdicts are agreed (difrl/train/run/manifest.py); a gathered snapshot is held
 in full by the main process only.
 """
 
@@ -41,11 +41,11 @@ import torch
 from torch import nn
 
 from difrl.train.ema import EMA  # noqa: F401  (the averaged weights, checkpointed here; re-exported)
-from difrl.train.manifest import MANIFEST, SHARED, all_gather_objects, check, file_record, verdict
-from difrl.train.rundir import checkpoint_dirs  # noqa: F401  (one parser of iter-* names; re-exported)
-from difrl.train.sharded_state import (CheckpointError, is_sharded_checkpoint, load_sharded, read_metadata,  # noqa: F401
+from difrl.train.run.manifest import MANIFEST, SHARED, all_gather_objects, check, file_record, verdict
+from difrl.train.run.rundir import checkpoint_dirs  # noqa: F401  (one parser of iter-* names; re-exported)
+from difrl.train.run.sharded_state import (CheckpointError, is_sharded_checkpoint, load_sharded, read_metadata,  # noqa: F401
                                        write_shards)
-from difrl.train.sharding import is_sharded, like, reshard
+from difrl.train.dist.sharding import is_sharded, like, reshard
 from difrl.utils.io import (atomic_write_json, atomic_write_text, load_safetensors_checked, load_torch_state,
                             save_safetensors, save_torch_state)
 from difrl.utils.modules import trainable_params  # noqa: F401  (used here; re-exported: the trainers import it from here)
@@ -61,13 +61,13 @@ class Checkpoint:
     rng: dict[str, torch.Tensor]
     state: dict
     extras: dict[str, tuple[dict[str, torch.Tensor], int]] | None = None  # name -> (tensors, num_updates)
-    metadata: object = None  # a sharded checkpoint (difrl.train.sharded_state): DCP's Metadata; its tensors load
+    metadata: object = None  # a sharded checkpoint (difrl.train.run.sharded_state): DCP's Metadata; its tensors load
     # in restore_checkpoint, into the live (sharded) ones, and trainable, ema and optimizer are None
 
 
 def write_manifest(path: Path, hashed: dict | None = None) -> None:
     """path/manifest.json: {"format": 1, "files": {name: {"bytes": n, "sha256": hex}}} over every other file, hashed
-    from the bytes on disk (difrl.train.manifest.file_record). `hashed`: entries made already (a sharded save: each
+    from the bytes on disk (difrl.train.run.manifest.file_record). `hashed`: entries made already (a sharded save: each
     process hashed the shard files it wrote); the rest of the directory is hashed here."""
     files = dict(hashed or {})
     files |= {f.name: file_record(f) for f in sorted(path.iterdir())
@@ -104,7 +104,7 @@ def snapshot(module: nn.Module, optimizer, ema: EMA | None, extras: dict[str, EM
     checkpoint keeps them: `keep` (default: this is the main process, rank 0, or there is no process group); the
     others drop each gathered tensor as soon as its all-gather returns and get None (no process but the writer ever
     holds the full model, its EMA and AdamW's moments: about 190 GB for a 12B FLUX)."""
-    from difrl.train.sharding import gather_to_host
+    from difrl.train.dist.sharding import gather_to_host
 
     if keep is None:
         keep = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
@@ -178,7 +178,7 @@ def publish(root: Path, tmp: Path, iteration: int, keep: int = 2, hashed: dict |
 
 def save_sharded(run_dir: Path, iteration: int, module: nn.Module, optimizer, ema: EMA | None, extras: dict | None,
                  state: dict, is_main: bool, barrier, keep: int = 2) -> Path:
-    """Write sharded checkpoint `iteration` (difrl.train.sharded_state): every process calls it. Each writes its
+    """Write sharded checkpoint `iteration` (difrl.train.run.sharded_state): every process calls it. Each writes its
     shards into ``.tmp-iter-N`` with DCP and hashes the files it wrote; the records are gathered (small objects), and
     every process checks that it sees every file (else all raise CheckpointError: the run directory is not shared);
     the main process adds rng.safetensors and state.json, the manifest from the records, and renames the directory
@@ -206,7 +206,7 @@ def save_sharded(run_dir: Path, iteration: int, module: nn.Module, optimizer, em
 
 def latest_checkpoint(run_dir: Path, log, allow_unverified: bool, accelerator=None) -> Checkpoint | None:
     """load_latest_checkpoint for every process of a run (each calls it): each process verifies its share of the
-    files (difrl.train.manifest), the verdict is agreed, and all load the same checkpoint or raise the same
+    files (difrl.train.run.manifest), the verdict is agreed, and all load the same checkpoint or raise the same
     CheckpointError."""
     if accelerator is None or accelerator.num_processes == 1:
         return load_latest_checkpoint(run_dir, log, allow_unverified=allow_unverified)

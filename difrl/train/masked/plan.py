@@ -5,13 +5,13 @@
     with rollout_forwards(net, fsdp): out = sampler(...)   # FSDP: any number of forwards per process
     nfe = gather_busiest(accelerator, out.nfe)         # the rollout's forward passes on the busiest process
 
-Data parallelism as in the flow trainer (difrl/train/flow.py): the sample list of an iteration is global (sample k
+Data parallelism as in the flow trainer (difrl/train/flow/trainer.py): the sample list of an iteration is global (sample k
 belongs to group k // group_size, its seed is mix_seed(seed, iteration, 0, k)), each process rolls out, scores and
 trains on the contiguous slice `p.rows` of it (groups may span processes), and the rewards are gathered before the
 group advantages are computed. Every per-sample draw (rollout tokens, re-masks) is a function of the sample's seed
 (difrl.discrete), so P processes sample exactly what one process samples.
 
-Micro-batches follow the flow trainer's keys (docs/guides/scale.md "Micro-batches"; difrl/train/flow_plan.py) with one unit, the
+Micro-batches follow the flow trainer's keys (docs/guides/scale.md "Micro-batches"; difrl/train/flow/plan.py) with one unit, the
 sequence: for S = samples per process,
 
     train.micro_batch x train.grad_accum x train.updates_per_epoch = S       (per inner update, i.e. per pass)
@@ -45,7 +45,7 @@ import torch
 
 from difrl.config import ConfigError
 from difrl.train.micro_batches import auto_options, explicit_options, nearest, own_updates, updates_options
-from difrl.train.unit_gather import units_gathered as rollout_forwards  # noqa: F401 (the masked trainer's name)
+from difrl.train.dist.unit_gather import units_gathered as rollout_forwards  # noqa: F401 (the masked trainer's name)
 from difrl.utils.collectives import gather, gather_max, reduce
 
 
@@ -72,8 +72,8 @@ def processes(policy):
     text world's LM goes to a GPU when there is one)."""
     from accelerate import Accelerator
 
-    from difrl.train.sharded_step import take_fsdp_branches
-    from difrl.train.sharding import fsdp_settings, process_group_kwargs
+    from difrl.train.dist.sharded_step import take_fsdp_branches
+    from difrl.train.dist.sharding import fsdp_settings, process_group_kwargs
 
     on_cpu = next(policy.module.parameters()).device.type == "cpu"
     cpu = on_cpu or not torch.cuda.is_available()

@@ -6,7 +6,7 @@
 
 Why: a sharded checkpoint of a FLUX full fine-tune (weights, EMA, AdamW's moments: ~190 GB) hashed by one process
 while the others wait takes minutes, against NCCL's 10-minute watchdog and against the point of sharding (nothing
-passes through one host). So a sharded save has each process hash the files it wrote (difrl.train.state.save_sharded
+passes through one host). So a sharded save has each process hash the files it wrote (difrl.train.run.state.save_sharded
 gathers the small records into the manifest), and a resume has each process hash its share of the listed files
 (`shares`: a shard file to the process that wrote it, the rest by size) while every process checks that
 every listed file exists where it looks (a stat each: under resharding a process may read any shard file). The

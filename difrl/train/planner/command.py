@@ -4,7 +4,7 @@
         --gpus 8 --gpu-memory 80 --json plan.json
     difrl plan configs/text_arithmetic.yaml model.path=/models/LLaDA-8B-Instruct --gpus 1 8 16 --gpu-memory 80
 
-A flow config is planned by difrl/train/planner.py (plan_flow), a masked one by difrl/train/masked_planner.py
+A flow config is planned by difrl/train/planner/flow.py (plan_flow), a masked one by difrl/train/planner/masked.py
 (plan_masked); both give rows of planner.plan_row's schema, printed here as a table with a verdict per row.
 """
 
@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from difrl.train.planner import FIT_MARGIN, NOT_SIMULATED, plan_flow
+from difrl.train.planner.flow import FIT_MARGIN, NOT_SIMULATED, plan_flow
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -33,8 +33,8 @@ def format_rows(rows: list[dict]) -> str:
 
 def plan_run(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str | None = None, config_name: str = "") -> dict:
     """The row of the trainer the config's model.kind names: plan_masked for a MaskedConfig, plan_flow otherwise."""
-    from difrl.train.masked_config import MaskedConfig
-    from difrl.train.masked_planner import plan_masked
+    from difrl.train.masked.config import MaskedConfig
+    from difrl.train.planner.masked import plan_masked
 
     run = plan_masked if isinstance(cfg, MaskedConfig) else plan_flow
     return run(cfg, gpus, gpu_memory_gib, arch, config_name=config_name)

@@ -20,7 +20,7 @@ What the masked trainer does for its data-dependent forward counts; here a choic
                 per_forward; on CPU processes (tests; host memory) once. `difrl plan` makes the same choice with
                 the simulated GPU's free memory and reports it (`rollout_gather`).
 
-**One collective per unit (9b).** The rollout copy of a sharded policy (difrl/train/rollout_copy.py) reads the
+**One collective per unit (9b).** The rollout copy of a sharded policy (difrl/train/flow/rollout_copy.py) reads the
 weights one unit at a time. `DTensor.full_tensor` per parameter is one all-gather each (FLUX.1-dev: ~1,000 per sync),
 of the fp32 master weights (twice bf16's bytes). `gather_full` packs a unit's local shards, cast first to the dtype the
 copy keeps (the dtype the model was loaded in: a cast commutes with a gather, so the values are those of the full
@@ -50,7 +50,7 @@ def sharded_units(net: nn.Module) -> list[nn.Module]:
 def gathered_bytes(net: nn.Module, fsdp) -> int:
     """Bytes that gathering every unit of `net` adds on this process: each sharded parameter in full, in the dtype
     FSDP gathers it in (`fsdp.mixed_precision`'s compute dtype for floating parameters, else its own)."""
-    from difrl.train.sharding import MIXED, is_sharded
+    from difrl.train.dist.sharding import MIXED, is_sharded
 
     compute = MIXED.get(getattr(fsdp, "mixed_precision", "no"))
     total = 0

@@ -114,7 +114,7 @@ class ExternalConfig:
 class MaskedTrainConfig(TrainConfig):
     inner_updates: int = cfg_field(4, ge=1, help="mu: passes over each rollout, each with its own re-mask")
     # the flow trainer's micro-batch keys (docs/guides/scale.md "Micro-batches"), in sequences: micro_batch x grad_accum x
-    # updates_per_epoch = this process's samples per pass (difrl/train/masked_plan.py)
+    # updates_per_epoch = this process's samples per pass (difrl/train/masked/plan.py)
     micro_batch: int | Literal["auto"] = cfg_field(
         64, ge=1, help="sequences per forward/backward; auto = each process's samples cut into "
                        "train.updates_per_epoch x train.grad_accum micro-batches, whatever the number of processes")
@@ -156,7 +156,7 @@ class MaskedConfig(TrainerConfig):
     def validate(self) -> None:
         super().validate()
         # how the samples split over processes and into updates is checked where the number of processes is known
-        # (difrl.train.masked_plan.plan_masked_iteration, at start-up)
+        # (difrl.train.masked.plan.plan_masked_iteration, at start-up)
         ext = self.external
         if ext.source != "none" and ext.per_group >= self.rollout.group_size:
             raise config_error("external.per_group", f"{ext.per_group} external rollouts leave no on-policy rollout in a "

@@ -19,21 +19,21 @@ gradient reduction). fsdp_auto_wrap_policy is not read: the units are always the
 policy would cut blocks apart). fsdp_activation_checkpointing is not read either: activation checkpointing
 is a model option (hf_masked: model.gradient_checkpointing; the flow adapters have none yet).
 
-Both trainers split their samples over the processes under FSDP as under DDP (difrl/train/flow.py,
-difrl/train/masked_plan.py): each process rolls out and trains on its share of the global batch, and FSDP2 only
+Both trainers split their samples over the processes under FSDP as under DDP (difrl/train/flow/trainer.py,
+difrl/train/masked/plan.py): each process rolls out and trains on its share of the global batch, and FSDP2 only
 adds the sharding of the model. Every process must run the same sequence of sharded forwards (each all-gathers):
 the masked trainer's rollouts, whose forward count depends on the samples, run with the units gathered once
 (masked_plan.rollout_forwards).
 
 A sharded parameter is a DTensor holding this process's rows (dim 0, torch.chunk's split). Checkpoints are
 sharded by default under FSDP (train.checkpoint_format: each process writes its own rows with
-torch.distributed.checkpoint, difrl/train/sharded_state.py; a run resumes on another number of processes: tested
+torch.distributed.checkpoint, difrl/train/run/sharded_state.py; a run resumes on another number of processes: tested
 2 -> 1 and 1 -> 2) or, with checkpoint_format=gathered, gathered to the full tensors a single process writes. The
 final weights (transformer/, lora/, policy.safetensors) are always gathered, once, at the end (`gathered`), and held
 in full by the main process only (it writes them; the others drop each gathered tensor at once).
 
 The rollout copy of a sharded policy (a full low-precision copy per process, built one gathered unit at a time) is
-difrl/train/rollout_copy.py; the equal forward counts that FSDP needs of trees and Sol-RL, difrl/train/flow_plan.py.
+difrl/train/flow/rollout_copy.py; the equal forward counts that FSDP needs of trees and Sol-RL, difrl/train/flow/plan.py.
 
 fsdp_reshard_after_forward: false. FSDP2 then keeps a unit's gathered parameters after a forward (registered on
 the module in place of the shards; only a backward reshards) and its next forward uses them as they are. Every

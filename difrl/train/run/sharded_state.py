@@ -7,11 +7,11 @@
 
 Why (docs/reference/specs/scale.md §1): a gathered checkpoint passes the whole model, its EMA and AdamW's two moments
 through one host (about 190 GB in fp32 for a 12B FLUX) at every save; with DCP each process writes the rows it holds
-(its DTensor shards) and nothing is gathered. The directory is a checkpoint like a gathered one (difrl.train.state):
+(its DTensor shards) and nothing is gathered. The directory is a checkpoint like a gathered one (difrl.train.run.state):
 ``checkpoints/iter-NNNNNN/`` holding DCP's ``__R_0.distcp`` (one per process) and ``.metadata`` (which rows of
 which tensor lie where), plus ``rng.safetensors`` and ``state.json`` from the main process and ``manifest.json``
 (size and SHA-256 of every other file, the DCP files included): each process hashes the files it wrote, the records
-are gathered and the main process writes them (on resume each process verifies a share: difrl/train/manifest.py).
+are gathered and the main process writes them (on resume each process verifies a share: difrl/train/run/manifest.py).
 Every process must see every file: on several nodes the run directory must be shared (a save that finds otherwise,
 and a restore missing a shard file, stop on every process with an error that says so). It is written under
 ``.tmp-iter-NNNNNN`` and renamed into place last (state.save_sharded, state.publish), so a run killed mid-save
@@ -35,11 +35,11 @@ from pathlib import Path
 
 import torch
 
-from difrl.train.sharding import reshard
+from difrl.train.dist.sharding import reshard
 from difrl.utils.modules import trainable_params
 
 class CheckpointError(ValueError):
-    """A checkpoint that fails its manifest or does not load; names the checkpoint and the file (difrl.train.state
+    """A checkpoint that fails its manifest or does not load; names the checkpoint and the file (difrl.train.run.state
     re-exports it: the gathered and the sharded format raise the same error)."""
 
 
@@ -55,7 +55,7 @@ def checkpoint_format(cfg, run_dir: Path, sharded: bool) -> str:
     when the network is sharded (FSDP) and "gathered" otherwise."""
     fmt = cfg.train.checkpoint_format
     if fmt == "auto" and cfg.resume:
-        from difrl.train.rundir import saved_config
+        from difrl.train.run.rundir import saved_config
 
         saved = saved_config(run_dir, type(cfg))
         fmt = saved.train.checkpoint_format if saved is not None else "auto"
@@ -86,7 +86,7 @@ def state_tensors(module, optimizer, ema, extras: dict | None) -> dict[str, torc
 
 
 def write_shards(tmp: Path, module, optimizer, ema, extras: dict | None) -> list[str]:
-    """Every process writes its shards into the directory `tmp` with DCP (collective; difrl.train.state.save_sharded
+    """Every process writes its shards into the directory `tmp` with DCP (collective; difrl.train.run.state.save_sharded
     wraps it into a complete checkpoint). Returns the names of the files this process wrote (its ``__R_n.distcp``;
     the main process's .metadata aside), which it hashes for the manifest."""
     import torch.distributed.checkpoint as dcp
@@ -111,7 +111,7 @@ def check_shard_files(path: Path, metadata) -> None:
     process looks (under resharding a process may read any of them). A CheckpointError naming the missing files,
     the processes that miss them and the shared run directory this needs, the same on every process, instead of a
     dcp.load that fails or waits on some processes only (node-local run directories)."""
-    from difrl.train.manifest import SHARED, all_gather_objects
+    from difrl.train.run.manifest import SHARED, all_gather_objects
 
     needed = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
     everyone = all_gather_objects([name for name in needed if not (Path(path) / name).is_file()])

@@ -1,4 +1,4 @@
-"""The method stages of the flow recipe: the advantage-stage pieces of Pref-GRPO and GARDO (difrl/train/flow.py), on the rewards
+"""The method stages of the flow recipe: the advantage-stage pieces of Pref-GRPO and GARDO (difrl/train/flow/trainer.py), on the rewards
 gathered over every process (groups may span processes), and GARDO's adaptive reference.
 
     group_adv = advantage_function(cfg)       # valid_group_advantages, or Pref-GRPO's win-rate version of it
@@ -27,7 +27,7 @@ from difrl.algos.pref import group_win_rates, sigmoid_judge
 from difrl.rewards import score_all
 from difrl.train.reward_stage import across_processes, score_rewards, valid_group_advantages
 from difrl.train.ema import WeightSnapshot
-from difrl.train.state import trainable_params
+from difrl.train.run.state import trainable_params
 from difrl.utils.collectives import reduce
 from difrl.utils.modules import use_module
 

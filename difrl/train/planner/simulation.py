@@ -5,7 +5,7 @@
         tracker = peak_tracker(net, optimizer)  # FSDP2 categories; plain_tracker(net) for one unsharded process
 
 docs/reference/specs/scale.md §3.2 has the tools (torch.testing's fake process group, FakeTensorMode,
-torch.distributed._tools' trackers); difrl/train/planner.py says what is run on them and what each row means.
+torch.distributed._tools' trackers); difrl/train/planner/flow.py says what is run on them and what each row means.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def simulated_processes(gpus: int, fsdp: bool = True):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, PartialState
 
-    from difrl.train.sharded_step import take_fsdp_branches
+    from difrl.train.dist.sharded_step import take_fsdp_branches
 
     if dist.is_initialized():
         raise RuntimeError("difrl plan simulates its own process group: run it in a process that has none")
@@ -246,7 +246,7 @@ class Collectives:
 def module_bytes(*modules) -> int:
     """Bytes of the parameters and buffers of `modules` held by this process (a DTensor's local shard), each storage
     once (tied weights, shared base layers)."""
-    from difrl.train.sharding import is_sharded
+    from difrl.train.dist.sharding import is_sharded
 
     seen, total = set(), 0
     for m in modules:
@@ -261,7 +261,7 @@ def module_bytes(*modules) -> int:
 
 
 def tensor_bytes(tensors) -> int:
-    from difrl.train.sharding import is_sharded
+    from difrl.train.dist.sharding import is_sharded
 
     total = 0
     for t in tensors:

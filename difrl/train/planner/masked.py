@@ -1,8 +1,8 @@
-"""difrl plan for the masked trainer (difrl/train/masked.py): LLaDA-8B and the text world at real size.
+"""difrl plan for the masked trainer (difrl/train/masked/trainer.py): LLaDA-8B and the text world at real size.
 
     difrl plan configs/text_arithmetic.yaml model.path=/models/LLaDA-8B-Instruct --gpus 1 8 16 --gpu-memory 80
 
-The same simulated cluster and row schema as the flow plan (difrl/train/planner.py, which dispatches a MaskedConfig
+The same simulated cluster and row schema as the flow plan (difrl/train/planner/flow.py, which dispatches a MaskedConfig
 here); what differs is the trainer's phases and the host code of the masked samplers (simulation.simulated_device's
 `host()` / `device()`).
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from difrl.train.planner import MICRO_STEPS, NOT_SIMULATED, plan_row  # noqa: F401
-from difrl.train.simulation import (Collectives, Memory, device_metrics, fake_parameter_swaps, module_bytes,
+from difrl.train.planner.flow import MICRO_STEPS, NOT_SIMULATED, plan_row  # noqa: F401
+from difrl.train.planner.simulation import (Collectives, Memory, device_metrics, fake_parameter_swaps, module_bytes,
                                     peak_tracker, plain_tracker, resident_tensors, simulated_device, simulated_processes,
                                     steady_optimizer_state)
 
@@ -103,7 +103,7 @@ def label_unsharded(tracker, net) -> None:
 
 def plan_masked(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str | None = None,
                 micro_steps: int = MICRO_STEPS, config_name: str = "") -> dict:
-    """One row of the masked trainer (difrl.train.masked) on `gpus` simulated GPUs, in plan_row's schema.
+    """One row of the masked trainer (difrl.train.masked.trainer) on `gpus` simulated GPUs, in plan_row's schema.
 
     setup: the text world around the architecture (difrl.worlds.text_tasks.masked_world), masked_plan.plan_masked_iteration, and
     masked.setup_training (LoRA or fp32 masters and the KL reference, FSDP2, AdamW). rollout: the configured sampler
@@ -117,9 +117,9 @@ def plan_masked(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str |
     from torch.distributed.fsdp import FSDPModule
 
     from difrl.discrete.samplers import SAMPLERS
-    from difrl.train.masked import old_log_probs, policy_update, setup_training
-    from difrl.train.masked_plan import plan_masked_iteration, rollout_forwards
-    from difrl.train.sharding import fsdp_settings
+    from difrl.train.masked.trainer import old_log_probs, policy_update, setup_training
+    from difrl.train.masked.plan import plan_masked_iteration, rollout_forwards
+    from difrl.train.dist.sharding import fsdp_settings
     from difrl.utils.rng import mix_seed
     from difrl.worlds.text_tasks import masked_world
 

@@ -48,7 +48,7 @@ from difrl.branching import build_tree, effective_sde_mask, num_trained_edges
 from difrl.config import ConfigError
 from difrl.samplers import step_masks as sampler_step_masks
 from difrl.train.config import FlowConfig
-from difrl.train.matching_objectives import MATCHING_OBJECTIVES, trained_sigmas
+from difrl.train.flow.matching_objectives import MATCHING_OBJECTIVES, trained_sigmas
 from difrl.train.micro_batches import auto_options, divisors, explicit_options, nearest, own_updates, updates_options
 
 

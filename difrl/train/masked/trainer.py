@@ -31,7 +31,7 @@ by pi_old(o_k | context) / mu_ext(o_k | context) through ``difrl.correct`` (TIS 
 context the one the external policy committed o_k in (``trace_logp``) and mu_ext the probability it
 recorded. The world (prompts, decode, eval) comes from ``difrl.worlds.masked``.
 
-Several processes (DDP or FSDP2) split the samples as the flow trainer does (difrl/train/masked_plan.py): each
+Several processes (DDP or FSDP2) split the samples as the flow trainer does (difrl/train/masked/plan.py): each
 rolls out, scores and trains on a contiguous slice of the iteration's global sample list (groups may span
 processes), rewards are gathered before the group advantages, and an optimizer update equals one process's
 update of the same samples. Rollouts, log-probs without gradient and evaluation run the plain network; only the
@@ -54,22 +54,22 @@ from difrl.discrete.losses import trace_logp
 from difrl.discrete.samplers import SAMPLERS, merge_rollouts
 from difrl.rewards import score_all
 from difrl.train.final_save import save_final
-from difrl.train.flow_plan import thread_note
-from difrl.train.masked_config import MaskedConfig
-from difrl.train.masked_plan import (external_correction, gather_busiest, gather_max, local_device,
+from difrl.train.flow.plan import thread_note
+from difrl.train.masked.config import MaskedConfig
+from difrl.train.masked.plan import (external_correction, gather_busiest, gather_max, local_device,
                                      plan_masked_iteration, processes, rollout_forwards, update_tokens)
 from difrl.train.iteration import close_iteration, gather_rewards, iteration_row, score_iteration
 from difrl.train.reward_stage import (build_rewards, finite_mean_std, probe_batch, reward_stats,
                                      valid_group_advantages)
 from difrl.train.metrics import Metrics
 from difrl.train.precision import refuse_fp16, trained_network
-from difrl.train.progress import progress_bar
-from difrl.train.rundir import finished
+from difrl.train.run.progress import progress_bar
+from difrl.train.run.rundir import finished
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, check_ratio, claim_run_dir,  # noqa: F401
                                   clip_and_step, cores_available, make_optimizer, record_eval,
                                   reference_policy)
-from difrl.train.sharded_step import clip_sharded_grad_norm_, grad_sync
-from difrl.train.state import trainable_params
+from difrl.train.dist.sharded_step import clip_sharded_grad_norm_, grad_sync
+from difrl.train.run.state import trainable_params
 from difrl.utils.modules import use_module
 from difrl.utils.rng import mix_seed
 from difrl.worlds import build_masked_world
@@ -85,7 +85,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
     local_device()  # several processes on GPUs: this process's GPU is "cuda" while the world loads
     world = build_masked_world(cfg)
     policy = world.policy
-    # one process, DDP or FSDP2 (accelerate launch); the split of the samples and the updates (masked_plan.py)
+    # one process, DDP or FSDP2 (accelerate launch); the split of the samples and the updates (masked/plan.py)
     accelerator, fsdp = processes(policy)
     world_size, rank, main, say = (accelerator.num_processes, accelerator.process_index, accelerator.is_main_process,
                                    accelerator.print)
@@ -140,7 +140,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
         on_rows, ext_rows = (~is_ext).nonzero().flatten(), is_ext.nonzero().flatten()
         net.eval()
         parts = []
-        with rollout_forwards(net, fsdp):  # FSDP: each process's own number of forwards (masked_plan.py)
+        with rollout_forwards(net, fsdp):  # FSDP: each process's own number of forwards (masked/plan.py)
             if len(on_rows):
                 on = batch.select(on_rows)
                 parts.append((on_rows, sampler(policy, on.tokens, on.cond, seeds=seeds[on_rows],
@@ -232,7 +232,7 @@ class MaskedTrainee:
     """What setup_training makes of a masked policy: the trained network (`net`: what rollouts, log-probs without
     gradient, evaluation and checkpoints run; `trained`: what the trained forwards run, DDP's wrapper or `net`), the
     frozen reference of full fine-tuning with a KL term, master weights, the FSDP settings (None: DDP or one
-    process), the optimizer over `params`. difrl plan (difrl/train/planner.py, plan_masked) runs the same function."""
+    process), the optimizer over `params`. difrl plan (difrl/train/planner/flow.py, plan_masked) runs the same function."""
     net: nn.Module
     trained: nn.Module
     reference: nn.Module | None

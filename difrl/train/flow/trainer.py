@@ -7,12 +7,12 @@
 Reads top to bottom: setup -> (rollout -> reward -> advantage -> K policy updates -> EMA ->
 log -> checkpoint) per iteration. Everything random is derived from (seed, iteration, index),
 so a resumed run continues exactly as if it had never stopped (Ctrl-C / SIGTERM stop it at an iteration
-boundary with a checkpoint: difrl/train/interrupt.py). The methods are calls into their
+boundary with a checkpoint: difrl/train/run/interrupt.py). The methods are calls into their
 modules: Sol-RL's candidate pool (difrl.solrl), BranchGRPO's tree rollout and trained edges
 (difrl.tree_rollout, difrl.algos.tree), the GRPO, Flow-DPPO and DiffusionNFT losses and the proximal
-recompute of copy rollouts (difrl.train.objectives), AWM, DPO and DGPO (difrl.train.matching_objectives),
-Pref-GRPO's win rates and GARDO's gated KL and diversity (difrl.train.method_stage), DRaFT-K / ReFL's own loop
-phase (difrl.train.reward_backprop; the objectives are docs/guides/methods.md); run directory, resume, LoRA and
+recompute of copy rollouts (difrl.train.flow.objectives), AWM, DPO and DGPO (difrl.train.flow.matching_objectives),
+Pref-GRPO's win rates and GARDO's gated KL and diversity (difrl.train.flow.method_stage), DRaFT-K / ReFL's own loop
+phase (difrl.train.flow.reward_backprop; the objectives are docs/guides/methods.md); run directory, resume, LoRA and
 reference, metrics and plots are the scaffold's (difrl.train.scaffold), the iteration's skeleton (scoring,
 gathering the rewards, the samples kept, the metric row, evaluation and checkpoint) difrl.train.iteration's, shared
 with the masked recipe.
@@ -40,25 +40,25 @@ from difrl.rollout import cat_rollouts, chunk_slices, per_transition, rollout
 from difrl.solrl import candidate_pool, rank_agreement
 from difrl.train.config import FlowConfig
 from difrl.train.final_save import save_final
-from difrl.train.flow_plan import plan_flow_iteration, step_masks
+from difrl.train.flow.plan import plan_flow_iteration, step_masks
 from difrl.train.iteration import close_iteration, gather_rewards, iteration_row, optimizer_step, score_iteration
-from difrl.train.matching_objectives import (MATCHING_OBJECTIVES, matching_micro_loss, needs_old, needs_reference,
+from difrl.train.flow.matching_objectives import (MATCHING_OBJECTIVES, matching_micro_loss, needs_old, needs_reference,
                                              old_decay, prepare_update, trained_sigmas)
-from difrl.train.objectives import dppo_micro_loss, grpo_micro_loss, nft_micro_loss, proximal_correction
-from difrl.train.method_stage import Gardo, advantage_function, candidate_reward, tree_stats
-from difrl.train.reward_backprop import BACKPROP_OBJECTIVES, reward_backprop_loop
+from difrl.train.flow.objectives import dppo_micro_loss, grpo_micro_loss, nft_micro_loss, proximal_correction
+from difrl.train.flow.method_stage import Gardo, advantage_function, candidate_reward, tree_stats
+from difrl.train.flow.reward_backprop import BACKPROP_OBJECTIVES, reward_backprop_loop
 from difrl.train.reward_stage import build_rewards, probe_batch, reward_stats
 from difrl.train.metrics import Metrics, pooled_std
 from difrl.train.precision import refuse_fp16, trained_network
-from difrl.train.progress import progress_bar
-from difrl.train.rundir import finished, held_stop
+from difrl.train.run.progress import progress_bar
+from difrl.train.run.rundir import finished, held_stop
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, claim_run_dir,  # noqa: F401
                                   cores_available, make_optimizer, record_eval, reference_policy)
-from difrl.train.rollout_copy import RolloutCopy, build_rollout_copy, sync_rollout_copy  # noqa: F401
-from difrl.train.sharded_step import grad_sync, take_fsdp_branches
-from difrl.train.sharding import fsdp_settings, process_group_kwargs
-from difrl.train.state import EMA, trainable_params
-from difrl.train.unit_gather import device_free_bytes, rollout_gather, units_gathered
+from difrl.train.flow.rollout_copy import RolloutCopy, build_rollout_copy, sync_rollout_copy  # noqa: F401
+from difrl.train.dist.sharded_step import grad_sync, take_fsdp_branches
+from difrl.train.dist.sharding import fsdp_settings, process_group_kwargs
+from difrl.train.run.state import EMA, trainable_params
+from difrl.train.dist.unit_gather import device_free_bytes, rollout_gather, units_gathered
 from difrl.tree_rollout import tree_rollout
 from difrl.utils.collectives import gather, gather_max, split_rows
 from difrl.utils.rng import mix_seed
@@ -113,7 +113,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
         stopped, iterations = held["reason"], ()
         accelerator.print(f"difrl: the run stopped early after iteration {held['iteration']} ({stopped}): finishing "
                           "it without training (another stop rule on the command line continues it)")
-    elif cfg.train.objective in BACKPROP_OBJECTIVES:  # DRaFT / ReFL: their own loop phase (train/reward_backprop.py)
+    elif cfg.train.objective in BACKPROP_OBJECTIVES:  # DRaFT / ReFL: their own loop phase (train/flow/reward_backprop.py)
         done, stopped = reward_backprop_loop(cfg, world, policy, trainee, accelerator, run, bar, rewards, weights, sigmas,
                                              per_proc, evaluate, world.stop)
         iterations = ()
@@ -203,7 +203,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
         rw = gather_rewards(cfg, run, it, accelerator, scores, bad, all_groups)  # [N] scores, failures
         all_scores = rw.scores
         adv, failed = advantage_function(cfg)(all_scores, weights, all_groups, rw.bad, cfg.advantage, cfg.reward.aggregate)
-        if gardo is not None:  # GARDO: diversity-shaped advantages, the samples whose KL applies (train/method_stage.py)
+        if gardo is not None:  # GARDO: diversity-shaped advantages, the samples whose KL applies (train/flow/method_stage.py)
             adv, kl_flags = gardo.shape(adv, all_scores, weights, all_groups, failed, gather(accelerator, batch.x_final.flatten(1)))
             batch.extras["kl_keep"] = kl_flags[rank * per_proc:(rank + 1) * per_proc].to(batch.x_final.device)
         keep_all = rw.kept(adv, failed, cfg.advantage.drop_zero_spread)
@@ -294,7 +294,7 @@ class Trainee:
     """What setup_training makes of a policy: the trained network (`net`: as the optimizer and collectives see it,
     `unwrapped`: the module the policy calls), the frozen reference of full fine-tuning, master weights, the FSDP
     settings (None: DDP or one process), the optimizer over `params`, the EMA, DiffusionNFT's old policy and the
-    rollout copy with its source. difrl plan (difrl/train/planner.py) runs the same function at real size."""
+    rollout copy with its source. difrl plan (difrl/train/planner/flow.py) runs the same function at real size."""
     net: torch.nn.Module
     unwrapped: torch.nn.Module
     reference: torch.nn.Module | None
@@ -329,7 +329,7 @@ def setup_training(cfg: FlowConfig, policy, accelerator) -> Trainee:
     ema = EMA(trainable_params(unwrapped), cfg.train.ema_decay, unwrapped) if cfg.train.ema_decay > 0 else None
     # DiffusionNFT's old policy (the sampler and v_old), AWM's EMA anchor: an EMA of the trained weights, own schedule
     old = EMA(trainable_params(unwrapped), 0.0, unwrapped) if needs_old(cfg) else None
-    # under FSDP a full low-precision copy per process, built one gathered block at a time (train/rollout_copy.py)
+    # under FSDP a full low-precision copy per process, built one gathered block at a time (train/flow/rollout_copy.py)
     rollout_copy, copy_source = build_rollout_copy(cfg, policy, unwrapped, masters, accelerator.print,
                                                    accelerator.device, sharded=fsdp is not None)
     reference_ctx = lambda: reference_policy(policy, unwrapped, reference)  # noqa: E731

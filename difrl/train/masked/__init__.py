@@ -1,0 +1,1 @@
+"""The masked-diffusion recipe (trainer.py): its iteration plan and its typed config."""
