@@ -62,6 +62,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import difrl
 from difrl.train.planner.simulation import (GIB, Collectives, Memory, device_metrics, fake_parameter_swaps, module_bytes,
                                     peak_tracker, plain_tracker, resident_tensors, simulated_device, simulated_processes,
                                     steady_optimizer_state, tensor_bytes)
@@ -93,7 +94,7 @@ def resolve_arch(cfg, arch: str | None) -> tuple[Path, str]:
 
 # the placeholder prompts of an editing family (its adapter's `source_images`): the shipped edit set, 32x32 square
 # sources that the adapter resizes to model.source_size as it resizes a real one (difrl/assets/edit_tiny)
-PLACEHOLDER_EDITS = Path(__file__).resolve().parent.parent / "assets" / "edit_tiny" / "prompts.jsonl"
+PLACEHOLDER_EDITS = Path(difrl.__file__).resolve().parent / "assets" / "edit_tiny" / "prompts.jsonl"
 
 
 def plan_config(cfg):
