@@ -96,7 +96,7 @@ def rollout_copy_bytes(sharded, plain, out: Path, rank: int, numel: int) -> None
     from difrl.quant import QUANT_PRESETS, RolloutCopy
     from difrl.quant.linear import storage_bytes
     from difrl.train.flow.rollout_copy import sharded_skeleton, sharded_weights
-    from difrl.train.dist.sharding import gathered, plain_copy
+    from difrl.train.dist.full_tensors import gathered, plain_copy
 
     skip = QUANT_PRESETS["flux"]["skip"]
     ddp_copy = RolloutCopy(plain, "fp8_row", skip, 0, "emulate")

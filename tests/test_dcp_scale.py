@@ -1,5 +1,5 @@
 """Checkpoints at scale: no process hashes, gathers or waits for the others' share (difrl/train/run/state.py,
-difrl/train/run/sharded_state.py, difrl/train/run/manifest.py, difrl/train/dist/sharding.py `gathered`).
+difrl/train/run/sharded_state.py, difrl/train/run/manifest.py, difrl/train/dist/full_tensors.py `gathered`).
 
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 python -m pytest tests/test_dcp_scale.py -q
 
@@ -93,7 +93,8 @@ def test_foreach_ema_equals_the_per_tensor_loop(kind, request, monkeypatch):
 
 
 def test_gathered_and_snapshot_keep_full_tensors_only_where_asked(one_process_group):
-    from difrl.train.dist.sharding import FSDPSettings, gathered, is_sharded, shard
+    from difrl.train.dist.full_tensors import gathered, is_sharded
+    from difrl.train.dist.sharding import FSDPSettings, shard
     from difrl.train.run.state import EMA, snapshot, trainable_params
 
     torch.manual_seed(0)
@@ -118,7 +119,8 @@ def test_gathered_and_snapshot_keep_full_tensors_only_where_asked(one_process_gr
 
 def test_gather_to_host_is_a_host_copy_of_a_shard_and_a_plain_tensor_as_is(one_process_group):
     # the name says what happens: DTensor's full_tensor() stays on the shard's device; this one comes to the host
-    from difrl.train.dist.sharding import FSDPSettings, gather_to_host, is_sharded, shard
+    from difrl.train.dist.full_tensors import gather_to_host, is_sharded
+    from difrl.train.dist.sharding import FSDPSettings, shard
 
     torch.manual_seed(0)
     plain = Net()
@@ -154,7 +156,8 @@ def two_process_worker(out: str) -> None:
     from accelerate.utils import InitProcessGroupKwargs
 
     import difrl.utils.io as io
-    from difrl.train.dist.sharding import FSDPSettings, gathered, shard
+    from difrl.train.dist.full_tensors import gathered
+    from difrl.train.dist.sharding import FSDPSettings, shard
     from difrl.train.run.state import (EMA, CheckpointError, latest_checkpoint, restore_checkpoint, save_sharded, snapshot,
                                    trainable_params)
 

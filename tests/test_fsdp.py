@@ -1,4 +1,4 @@
-"""FSDP2 sharding (difrl/train/dist/sharding.py) on 2 CPU processes (gloo) equals one unsharded process.
+"""FSDP2 sharding (difrl/train/dist/sharding.py, full_tensors.py) on 2 CPU processes (gloo) equals one unsharded process.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_fsdp.py -q            # the end-to-end ones are marked slow
 
@@ -336,7 +336,7 @@ def test_fsdp_bf16_model_full_finetune_keeps_fp32_masters(tiny_flux, tmp_path):
 
 @pytest.mark.slow  # one launch of three digits runs, about 40 s on 2 cores
 def test_fsdp_reshard_after_forward_off_and_cpu_offload_equal_the_default_run(tmp_path):
-    # without sharding.reshard after each swap, reshard_after_forward=false differs from the first iteration on (NFT's
+    # without full_tensors.reshard after each swap, reshard_after_forward=false differs from the first iteration on (NFT's
     # trained forward ran on the old policy's weights left gathered by its no-grad forward). The three runs share one
     # launch (tests/many_runs.py), each with the environment `accelerate launch --fsdp_reshard_after_forward false`
     # or `--fsdp_offload_params true` sets (the settings read from it: test_settings_come_from_the_accelerate_config)
@@ -469,14 +469,16 @@ def test_bench_fsdp_memory_halves_the_per_process_state(tmp_path):
 
 
 def test_gather_copy_and_restore_in_one_process(tmp_path):
-    # FSDP2 on a one-process gloo group, in this process: the DTensor code paths of sharding.py and state.py.
+    # FSDP2 on a one-process gloo group, in this process: the DTensor code paths of sharding.py, full_tensors.py and
+    # state.py.
     # A LoRA network, sharded per block, one update; gathered() shows the full weights, plain_copy() of them merges
     # LoRA into a plain module that computes what the sharded one computes; a checkpoint written from the shards
     # restores into a freshly sharded network (weights, EMA, AdamW moments) and the next update matches.
     import torch.distributed as dist
     from peft import LoraConfig, get_peft_model
 
-    from difrl.train.dist.sharding import FSDPSettings, gathered, is_sharded, plain_copy, shard
+    from difrl.train.dist.full_tensors import gathered, is_sharded, plain_copy
+    from difrl.train.dist.sharding import FSDPSettings, shard
     from difrl.train.run.state import EMA, load_latest_checkpoint, restore_checkpoint, save_checkpoint, trainable_params
 
     def build():
@@ -525,7 +527,8 @@ def test_shards_replaced_gives_each_sharded_parameter_one_replacement_and_puts_t
     # `full` is asked once, for the distinct sharded parameters in registration order (its collectives then run in
     # the same order on every process); a tied parameter gets one replacement on both owners; the shards are back
     # after the block, also when it raises; a list of modules swaps only their own parameters
-    from difrl.train.dist.sharding import FSDPSettings, is_sharded, shard, shards_replaced
+    from difrl.train.dist.full_tensors import is_sharded, shards_replaced
+    from difrl.train.dist.sharding import FSDPSettings, shard
 
     torch.manual_seed(0)
     base = Net()
@@ -606,7 +609,8 @@ def swap_and_restore_worker(out: str) -> None:
     from peft import LoraConfig, get_peft_model
 
     from difrl.train.scaffold import adapter_disabled
-    from difrl.train.dist.sharding import FSDPSettings, gather_to_host, is_sharded, reshard, shard
+    from difrl.train.dist.full_tensors import gather_to_host, is_sharded, reshard
+    from difrl.train.dist.sharding import FSDPSettings, shard
     from difrl.train.run.state import EMA, load_latest_checkpoint, restore_checkpoint, snapshot, trainable_params, write_checkpoint
     from difrl.utils.io import save_safetensors
 
@@ -631,7 +635,7 @@ def swap_and_restore_worker(out: str) -> None:
         saved = {}
         with torch.no_grad():
             saved["live_y"] = net(x)
-            # what sharding.reshard is for: the forward left its gathered weights registered in place of the shards
+            # what full_tensors.reshard is for: the forward left its gathered weights registered in place of the shards
             assert not any(is_sharded(p) for p in net.parameters())
             with ema.swapped():
                 saved["ema_y"] = net(x)

@@ -215,7 +215,8 @@ def test_sharded_copy_equals_the_plain_copy_and_follows_updates():
     from difrl.quant.linear import QuantLinear
     from difrl.quant.sync import WeightSyncError
     from difrl.train.flow.rollout_copy import sharded_skeleton, sharded_weights
-    from difrl.train.dist.sharding import FSDPSettings, gathered, plain_copy, shard
+    from difrl.train.dist.full_tensors import gathered, plain_copy
+    from difrl.train.dist.sharding import FSDPSettings, shard
     from difrl.train.run.state import trainable_params
     from test_fsdp import Net
 

@@ -17,12 +17,12 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from difrl.train.dist.sharding import is_sharded, reshard
+from difrl.train.dist.full_tensors import is_sharded, reshard
 
 
 class EMA:
     """Exponential moving average of named tensors, decay warmed up as min(decay, (1 + n) / (10 + n)). `module`: the
-    network holding `params`; under FSDP give it, so that a swap reshards it (sharding.reshard).
+    network holding `params`; under FSDP give it, so that a swap reshards it (full_tensors.reshard).
 
     Update and swap are `torch._foreach_*` calls over every tensor at once (a few fused kernels, not one op and one
     Python dispatch per parameter: thousands at FLUX scale), on the local tensors (a DTensor's shard: the EMA is

@@ -54,7 +54,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from difrl.train.dist.sharding import MIXED, frozen_fill, frozen_skeleton, is_sharded, shard
+from difrl.train.dist.full_tensors import is_sharded
+from difrl.train.dist.sharding import MIXED, frozen_fill, frozen_skeleton, shard
 
 HALF = (torch.bfloat16, torch.float16)
 

@@ -16,7 +16,8 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from difrl.train.dist.sharding import fsdp_requested, is_sharded
+from difrl.train.dist.full_tensors import is_sharded
+from difrl.train.dist.sharding import fsdp_requested
 
 
 def take_fsdp_branches(accelerator) -> None:

@@ -50,7 +50,8 @@ def sharded_units(net: nn.Module) -> list[nn.Module]:
 def gathered_bytes(net: nn.Module, fsdp) -> int:
     """Bytes that gathering every unit of `net` adds on this process: each sharded parameter in full, in the dtype
     FSDP gathers it in (`fsdp.mixed_precision`'s compute dtype for floating parameters, else its own)."""
-    from difrl.train.dist.sharding import MIXED, is_sharded
+    from difrl.train.dist.full_tensors import is_sharded
+    from difrl.train.dist.sharding import MIXED
 
     compute = MIXED.get(getattr(fsdp, "mixed_precision", "no"))
     total = 0

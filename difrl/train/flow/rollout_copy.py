@@ -44,7 +44,7 @@ from torch import nn
 from difrl.quant import RolloutCopy
 from difrl.quant.sync import merged_state_dict
 from difrl.train.precision import MasterWeights
-from difrl.train.dist.sharding import plain_copy, reshard, shards_replaced
+from difrl.train.dist.full_tensors import plain_copy, reshard, shards_replaced
 from difrl.train.ema import WeightSnapshot
 from difrl.train.dist.unit_gather import gather_full
 from difrl.utils.modules import peft_base, trainable_params
@@ -102,7 +102,7 @@ def _full(modules, device, dtype_of: dict[int, torch.dtype]):
     """Inside the block the sharded parameters of `modules` (their own, not their children's) are replaced by their
     full values in the dtypes the copy keeps (`dtype_of`: by id, default the parameter's own) on `device`: one
     all-gather per dtype for all of them (unit_gather.gather_full; every process, same order); the shards are put
-    back after (sharding.shards_replaced)."""
+    back after (full_tensors.shards_replaced)."""
     def full(params):
         fulls = gather_full(params, [dtype_of.get(id(p), p.dtype) for p in params])
         return [nn.Parameter(f.to(device) if device is not None else f, requires_grad=False) for f in fulls]
@@ -143,7 +143,7 @@ def loaded_weights(masters: MasterWeights):
 
 
 def sharded_skeleton(net: nn.Module, loaded: dict[str, torch.dtype]) -> nn.Module:
-    """A plain copy of sharded `net` (FSDP's classes and hooks left out, sharding.plain_copy) whose parameters are
+    """A plain copy of sharded `net` (FSDP's classes and hooks left out, full_tensors.plain_copy) whose parameters are
     meta tensors of the full shapes, in the dtypes the copy keeps (`loaded`: MasterWeights.loaded, the dtype an
     upcast parameter was loaded in; else the parameter's own). Nothing is gathered and nothing allocated."""
     dtype_of = {id(p): loaded.get(n, p.dtype) for n, p in net.named_parameters()}

@@ -246,7 +246,7 @@ class Collectives:
 def module_bytes(*modules) -> int:
     """Bytes of the parameters and buffers of `modules` held by this process (a DTensor's local shard), each storage
     once (tied weights, shared base layers)."""
-    from difrl.train.dist.sharding import is_sharded
+    from difrl.train.dist.full_tensors import is_sharded
 
     seen, total = set(), 0
     for m in modules:
@@ -261,7 +261,7 @@ def module_bytes(*modules) -> int:
 
 
 def tensor_bytes(tensors) -> int:
-    from difrl.train.dist.sharding import is_sharded
+    from difrl.train.dist.full_tensors import is_sharded
 
     total = 0
     for t in tensors:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from difrl.train.dist.sharding import reshard
+from difrl.train.dist.full_tensors import reshard
 from difrl.utils.modules import trainable_params
 
 class CheckpointError(ValueError):

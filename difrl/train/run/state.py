@@ -45,7 +45,7 @@ from difrl.train.run.manifest import MANIFEST, SHARED, all_gather_objects, check
 from difrl.train.run.rundir import checkpoint_dirs  # noqa: F401  (one parser of iter-* names; re-exported)
 from difrl.train.run.sharded_state import (CheckpointError, is_sharded_checkpoint, load_sharded, read_metadata,  # noqa: F401
                                        write_shards)
-from difrl.train.dist.sharding import is_sharded, like, reshard
+from difrl.train.dist.full_tensors import is_sharded, like, reshard
 from difrl.utils.io import (atomic_write_json, atomic_write_text, load_safetensors_checked, load_torch_state,
                             save_safetensors, save_torch_state)
 from difrl.utils.modules import trainable_params  # noqa: F401  (used here; re-exported: the trainers import it from here)
@@ -104,7 +104,7 @@ def snapshot(module: nn.Module, optimizer, ema: EMA | None, extras: dict[str, EM
     checkpoint keeps them: `keep` (default: this is the main process, rank 0, or there is no process group); the
     others drop each gathered tensor as soon as its all-gather returns and get None (no process but the writer ever
     holds the full model, its EMA and AdamW's moments: about 190 GB for a 12B FLUX)."""
-    from difrl.train.dist.sharding import gather_to_host
+    from difrl.train.dist.full_tensors import gather_to_host
 
     if keep is None:
         keep = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
@@ -348,7 +348,7 @@ def restore_checkpoint(ckpt: Checkpoint, module: nn.Module, optimizer, ema: EMA 
         extra, missing = sorted(set(ckpt.trainable) - set(params)), sorted(set(params) - set(ckpt.trainable))
         raise ValueError(f"checkpoint {ckpt.path} does not match this model: unexpected {extra[:4]}, missing {missing[:4]} "
                          "(was it trained with another model or LoRA setting?)")
-    with torch.no_grad():  # under FSDP each process keeps its own shard of the full tensors (sharding.like)
+    with torch.no_grad():  # under FSDP each process keeps its own shard of the full tensors (full_tensors.like)
         for k, p in params.items():
             p.copy_(like(p, ckpt.trainable[k]))
     # the optimizer's moments and step counts from the checkpoint, its hyperparameters (lr, betas, eps, weight
