@@ -91,3 +91,39 @@ def test_masked_trainer_uses_the_worlds_eval_line_and_save(tmp_path, capsys, mon
     assert "eval before: TEST LINE cells=" in out and "eval after:  TEST LINE cells=" in out
     assert json.loads((d / "note.json").read_text())["lora"] is False  # full fine-tuning: sudoku default
     assert (d / "merged.safetensors").is_file() and not (d / "policy.safetensors").exists()
+
+
+# configs/digits.yaml made tiny (as tests/test_cli_run_dirs.py): one iteration of 8 samples, one image per digit
+DIGITS_CLI = ["threads=1", "train.iterations=1", "eval.per_digit=1", "rollout.prompts_per_iter=2",
+              "rollout.group_size=4", "train.grad_accum=1", "checkpoint_every=0", "train.updates_per_epoch=null",
+              "train.micro_batch=72"]
+
+
+def table_rows(out: str) -> list[str]:
+    """The row names of the before/after table `difrl train` prints last (between its header and the next line
+    that is not a row of three columns)."""
+    lines = out.splitlines()
+    start = max(i for i, ln in enumerate(lines) if ln.split() == ["before", "after"])
+    rows = []
+    for ln in lines[start + 1:]:
+        parts = ln.split()
+        if len(parts) != 3:
+            break
+        rows.append(parts[0])
+    return rows
+
+
+def test_cli_table_lists_the_metrics_the_world_declares(tmp_path, capsys, monkeypatch):
+    # the world of this file reports its own eval keys before / after (World.before_after, in its order), then its
+    # headline; the CLI names none of them: not the digits world's fd and diversity, which this world does not list
+    import difrl.train.flow.trainer
+    from difrl.cli import main
+    from difrl.worlds import build_world
+
+    monkeypatch.setattr(difrl.train.flow.trainer, "build_world", lambda *a, **kw: dataclasses.replace(
+        build_world(*a, **kw), before_after=("real_diversity", "judge_accuracy"), headline=("accuracy",)))
+    config = Path(__file__).resolve().parent.parent / "configs" / "digits.yaml"
+    assert main(["train", str(config), *DIGITS_CLI, "--out", str(tmp_path / "r")]) == 0
+    assert table_rows(capsys.readouterr().out) == ["real_diversity", "judge_accuracy", "accuracy"]
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["before_after"] == ["real_diversity", "judge_accuracy", "accuracy"]  # the world's order, kept

@@ -55,10 +55,9 @@ def main(args) -> int:
     before, after = summary["eval_before"], summary["eval_after"]
     run = Path(summary["run_dir"])
     print(f"\ndifrl: {summary['iterations']} iterations" + (f", stopped early: {summary['stopped_early']}" if summary["stopped_early"] else ""))
-    # the digits world's accuracy, judge, FD and diversity, or the world's headline metrics, then named rewards
-    keys = [k for k in ("accuracy", "judge_accuracy", "motion_accuracy", "judge_motion_accuracy", "fd", "diversity")
-            if k in after]
-    keys += [k for k in summary["headline"] if k not in keys]
+    # the metrics the world reports before / after (World.before_after_keys: its own, then its headline) that this
+    # evaluation has, then the named rewards
+    keys = [k for k in summary["before_after"] if k in after]
     keys += [k for k, v in after.items() if k.startswith("reward/") and isinstance(v, (int, float))]
     width = max(16, *(len(k) + 2 for k in keys))
     print(f"{'':<{width}}{'before':>10}{'after':>10}")

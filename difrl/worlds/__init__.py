@@ -15,8 +15,9 @@ Two plain dicts map the config's ``model.kind`` to the file in difrl/worlds/ tha
 (``flow_kinds()``: the bundled worlds and every model family, those registered by plug-ins included;
 ``MASKED_KINDS``) and each world's config checks from here, and name no world themselves (docs/architecture.md).
 What a trainer does with a world's results is the world's too (difrl/worlds/contract.py): the eval line it prints
-(``World.eval_line``), the early-stop rule (``World.stop``: FDRise for digits and moving digits) and the final
-weights (``World.save_final``; MaskedWorld has the same eval line and save members).
+(``World.eval_line``), the rows of the before / after table (``World.before_after_keys``), the early-stop rule
+(``World.stop``: FDRise for digits and moving digits) and the final weights (``World.save_final``; MaskedWorld has the
+same eval line, table and save members).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 
 from difrl.models.adapters import BUILTIN_ADAPTERS, HOW_TO_ADD, model_kinds  # the table only: diffusers loads later
 from difrl.samplers.schedules import sigma_schedule
-from difrl.worlds.contract import FDRise, format_eval, save_merged
+from difrl.worlds.contract import FDRise, before_after_keys, format_eval, save_merged
 
 
 @dataclass
@@ -51,6 +52,9 @@ class World:
     stop: FDRise | None = None
     # eval metrics -> the line the trainer prints; None: the headline keys (contract.format_eval)
     describe_eval: Callable[[dict], str] | None = None
+    # eval keys difrl train's before / after table lists first, in this order (those an evaluation has); the headline
+    # keys follow (before_after_keys)
+    before_after: tuple[str, ...] = ()
 
     @property
     def on_cpu(self) -> bool:
@@ -59,6 +63,9 @@ class World:
 
     def eval_line(self, ev: dict) -> str:
         return self.describe_eval(ev) if self.describe_eval is not None else format_eval(ev, self.headline)
+
+    def before_after_keys(self) -> list[str]:
+        return before_after_keys(self.before_after, self.headline)
 
 
 def check_bundled_config(cfg) -> None:

@@ -1,8 +1,9 @@
-"""What a world declares to the trainers beyond its evaluation: the line that shows an evaluation, the early-stop
-rule, the final save. The trainers (difrl/train/flow/trainer.py, masked.py) and `difrl export` call these members of the
-World / MaskedWorld and name no world.
+"""What a world declares to the trainers beyond its evaluation: the line that shows an evaluation, the metrics it
+reports before / after training, the early-stop rule, the final save. The trainers (difrl/train/flow/trainer.py,
+masked.py), `difrl train`'s table and `difrl export` use these members of the World / MaskedWorld and name no world.
 
     print("eval after:  " + world.eval_line(metrics))          # format_eval, or the world's own line
+    summary["before_after"] = world.before_after_keys()          # the rows of difrl train's before / after table
     reason = world.stop(cfg, metrics, run.state)                 # FDRise (digits, moving digits), or None: no rule
     world.save_final(policy, net, lora, out_dir, write_merged)   # save_merged / save_merged_and_adapter / the model's
 
@@ -19,6 +20,13 @@ from pathlib import Path
 from typing import Callable
 
 WriteMerged = Callable[[Path], None]  # path -> the merged plain checkpoint written there
+
+
+def before_after_keys(declared: tuple[str, ...], headline: tuple[str, ...]) -> list[str]:
+    """The eval keys of the before / after table (`difrl train`, difrl/cli/train.py): the world's `declared` ones
+    (World.before_after), in its order, then its `headline` keys not among them. The CLI prints those the evaluation
+    has, then the named rewards."""
+    return list(dict.fromkeys((*declared, *headline)))
 
 
 def format_eval(ev: dict, keys: tuple[str, ...], note: str | None = None) -> str:
@@ -77,4 +85,4 @@ def save_merged_and_adapter(policy, net, lora: bool, out_dir: Path, write_merged
         net.save_pretrained(str(Path(out_dir) / "lora"))
 
 
-__all__ = ["FDRise", "WriteMerged", "format_eval", "save_merged", "save_merged_and_adapter"]
+__all__ = ["FDRise", "WriteMerged", "before_after_keys", "format_eval", "save_merged", "save_merged_and_adapter"]

@@ -208,7 +208,8 @@ def flow_world(kind: str, model_path: str | None, cfg=None, policy=None) -> Worl
 
     # FDRise: the best FD of eval.fid is kept in the run's state; stop.fd_rise itself is refused (check_config)
     return World(kind, policy, prompts, evaluate, save_grid, lambda pid: {**prompt_meta[pid], "prompt_id": pid, "prompt": prompts[pid]},
-                 sigmas=sigmas, save_final=save_final, stop=FDRise())
+                 sigmas=sigmas, save_final=save_final, stop=FDRise(),
+                 before_after=("fd",))  # eval.fid's Fréchet distance (when set) before the headline reward
 
 
 def check_config(cfg) -> None:

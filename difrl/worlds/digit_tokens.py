@@ -30,7 +30,7 @@ import torch
 
 from difrl.models.digits import digit_prompt
 from difrl.utils.rng import mix_seed
-from difrl.worlds.digits import HEADLINE, DigitsWorld, eval_line, image_grid, image_metrics
+from difrl.worlds.digits import BEFORE_AFTER, HEADLINE, DigitsWorld, eval_line, image_grid, image_metrics
 from difrl.worlds.masked import MaskedPrompts, MaskedWorld
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -182,7 +182,8 @@ def masked_world(cfg) -> MaskedWorld:
         return MaskedPrompts(tokens, cond, list(texts), [{"digit": d} for d in labels.tolist()], labels)
 
     return MaskedWorld("digit_tokens", load_base(cfg.model.path), prompts, tokens_to_images, "digit_prob",
-                       evaluate, HEADLINE, load_base, save_samples, parse_prompts=parse_prompts, describe_eval=eval_line)
+                       evaluate, HEADLINE, load_base, save_samples, parse_prompts=parse_prompts,
+                       describe_eval=eval_line, before_after=BEFORE_AFTER)
 
 
 __all__ = ["BUNDLED_BASE", "DEFAULT_SAMPLER", "EVAL_PER_DIGIT", "EVAL_SEED", "LEVELS", "MASK_ID",

@@ -35,6 +35,9 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 FEATURE_EXTRACTOR = "difrl-digits-cnn-penultimate-64d"
 PROMPTS = [digit_prompt(d) for d in range(10)]
 HEADLINE = ("accuracy", "fd")  # the eval keys of the progress bar, the CLI table and the plot
+# the eval keys of difrl train's before / after table (also the digit-tokens world's): classifier, unseen judge, FD,
+# diversity of the samples
+BEFORE_AFTER = ("accuracy", "judge_accuracy", "fd", "diversity")
 
 
 def eval_line(ev: dict) -> str:
@@ -177,7 +180,8 @@ def flow_world(kind: str, model_path: str | None, cfg=None) -> World:
         Image.fromarray(image_grid(rows, nrow=min(per, 10))).save(path)
 
     return World("digits", policy, list(PROMPTS), evaluate, save_grid, lambda pid: {"digit": pid}, device="cpu",
-                 default_reward="digit_prob", headline=HEADLINE, stop=FDRise(), describe_eval=eval_line)
+                 default_reward="digit_prob", headline=HEADLINE, stop=FDRise(), describe_eval=eval_line,
+                 before_after=BEFORE_AFTER)
 
 
 check_config = check_bundled_config  # gradient checkpointing, compile, the eval panel: refused

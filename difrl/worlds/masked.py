@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from difrl.eval.passk import Verifier
-from difrl.worlds.contract import format_eval, save_merged_and_adapter
+from difrl.worlds.contract import before_after_keys, format_eval, save_merged_and_adapter
 
 
 @dataclass
@@ -96,9 +96,14 @@ class MaskedWorld:
     save_final: Callable[..., None] = save_merged_and_adapter
     # eval metrics -> the line the trainer prints; None: the headline keys (contract.format_eval)
     describe_eval: Callable[[dict], str] | None = None
+    # eval keys difrl train's before / after table lists first, in this order; the headline keys follow (as World's)
+    before_after: tuple[str, ...] = ()
 
     def eval_line(self, ev: dict) -> str:
         return self.describe_eval(ev) if self.describe_eval is not None else format_eval(ev, self.headline)
+
+    def before_after_keys(self) -> list[str]:
+        return before_after_keys(self.before_after, self.headline)
 
 
 __all__ = ["MaskedPrompts", "MaskedWorld"]

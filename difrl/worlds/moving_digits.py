@@ -289,7 +289,9 @@ def flow_world(kind: str, model_path: str | None, cfg=None) -> World:
     return World("moving_digits", policy, prompts, evaluate, save_grid, metadata, device="cpu",
                  default_reward="moving_digit", headline=headline, stop=FDRise(),
                  describe_eval=lambda ev: format_eval(ev, headline + ("judge_accuracy", "judge_motion_accuracy",
-                                                                      "diversity", "real_diversity")))
+                                                                      "diversity", "real_diversity")),
+                 before_after=("accuracy", "judge_accuracy", "motion_accuracy", "judge_motion_accuracy", "fd",
+                               "diversity"))
 
 
 def check_config(cfg) -> None:

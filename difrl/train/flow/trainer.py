@@ -262,7 +262,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
     accelerator.print("eval after:  " + world.eval_line(eval_after))
     summary = {"eval_before": run.state["eval_before"], "eval_after": eval_after, "iterations": done,
                "stopped_early": stopped, "fd_extractor": eval_after.get("fd_extractor"), "run_dir": str(run_dir),
-               "headline": list(world.headline)}
+               "headline": list(world.headline), "before_after": world.before_after_keys()}
     if (change := change_over_noise(summary["eval_before"], eval_after)) is not None:  # diffusers worlds
         summary["reward_change"] = change
     # the world's files (policy.safetensors, lora/ or transformer/) of the EMA weights if on, gathered under FSDP

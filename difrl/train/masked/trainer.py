@@ -214,7 +214,8 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
     say("eval after:  " + world.eval_line(eval_after))
     save_samples(world, policy, run_dir / "samples" / f"iter-{done:04d}.png", main)
     summary = {"eval_before": run.state["eval_before"], "eval_after": eval_after, "iterations": done,
-               "stopped_early": None, "run_dir": str(run_dir), "headline": list(world.headline)}
+               "stopped_early": None, "run_dir": str(run_dir), "headline": list(world.headline),
+               "before_after": world.before_after_keys()}
     # the world's files (policy.safetensors, and under LoRA peft's lora/), gathered under FSDP (every process takes
     # part), in the dtypes they were loaded in: final_save.save_final, as `difrl export`
     save_final(world, policy, net, cfg.train.lora.enabled, run_dir, masters, main=main)
