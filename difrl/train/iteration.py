@@ -9,7 +9,7 @@ banner section, the method's own stages between them.
     # ==== advantage
     rewards = gather_rewards(cfg, run, it, accelerator, scores, bad, all_groups)    # every process's, [N]
     adv, failed = valid_group_advantages(rewards.scores, weights, all_groups, rewards.bad, ...)   # the method's
-    keep_all = rewards.kept(adv, failed, cfg.advantage.drop_zero_spread)
+    keep_all = kept_samples(adv, failed, cfg.advantage.drop_zero_spread)   # [N] bool: the samples trained on
     # ==== log
     row = iteration_row(it, rewards, adv, keep_all, failed, stats, method, upd, lr, times)
     # ==== checkpoint
@@ -49,13 +49,15 @@ class IterationRewards:
     bad: torch.Tensor  # [N] bool: a failed reward
     failed_frac: float  # the run's failed fraction so far (reward.max_failed_frac)
 
-    def kept(self, adv, failed: torch.Tensor, drop_zero_spread: bool) -> torch.Tensor:
-        """[N] bool: the samples trained on: not in a group with a failed reward (`failed` [N]) and, with
-        advantage.drop_zero_spread, not in a group whose rewards do not vary."""
-        keep = ~failed
-        if drop_zero_spread:
-            keep &= ~adv.zero_spread
-        return keep
+
+def kept_samples(adv, failed: torch.Tensor, drop_zero_spread: bool) -> torch.Tensor:
+    """[N] bool: the samples trained on: not in a group with a failed reward (`failed` [N]) and, with
+    advantage.drop_zero_spread, not in a group whose rewards do not vary (`adv`: algos.advantages.Advantages, its
+    zero_spread [N])."""
+    keep = ~failed
+    if drop_zero_spread:
+        keep &= ~adv.zero_spread
+    return keep
 
 
 def gather_rewards(cfg, run, it: int, accelerator, scores: dict, bad: torch.Tensor,

@@ -41,7 +41,8 @@ from difrl.solrl import candidate_pool, rank_agreement
 from difrl.train.config import FlowConfig
 from difrl.train.final_save import save_final
 from difrl.train.flow.plan import plan_flow_iteration, step_masks
-from difrl.train.iteration import close_iteration, gather_rewards, iteration_row, optimizer_step, score_iteration
+from difrl.train.iteration import (close_iteration, gather_rewards, iteration_row, kept_samples, optimizer_step,
+                                   score_iteration)
 from difrl.train.flow.matching_objectives import (MATCHING_OBJECTIVES, matching_micro_loss, needs_old, needs_reference,
                                              old_decay, prepare_update, trained_sigmas)
 from difrl.train.flow.objectives import dppo_micro_loss, grpo_micro_loss, nft_micro_loss, proximal_correction
@@ -206,7 +207,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
         if gardo is not None:  # GARDO: diversity-shaped advantages, the samples whose KL applies (train/flow/method_stage.py)
             adv, kl_flags = gardo.shape(adv, all_scores, weights, all_groups, failed, gather(accelerator, batch.x_final.flatten(1)))
             batch.extras["kl_keep"] = kl_flags[rank * per_proc:(rank + 1) * per_proc].to(batch.x_final.device)
-        keep_all = rw.kept(adv, failed, cfg.advantage.drop_zero_spread)
+        keep_all = kept_samples(adv, failed, cfg.advantage.drop_zero_spread)
         own = slice(rank * per_proc, (rank + 1) * per_proc)
         advantages, keep = adv.advantages[own], keep_all[own]
         if solrl:  # does the low-precision ranking predict the full-precision rewards?

@@ -58,7 +58,7 @@ from difrl.train.flow.plan import thread_note
 from difrl.train.masked.config import MaskedConfig
 from difrl.train.masked.plan import (external_correction, gather_busiest, gather_max, local_device,
                                      plan_masked_iteration, processes, rollout_forwards, update_tokens)
-from difrl.train.iteration import close_iteration, gather_rewards, iteration_row, score_iteration
+from difrl.train.iteration import close_iteration, gather_rewards, iteration_row, kept_samples, score_iteration
 from difrl.train.reward_stage import (build_rewards, finite_mean_std, probe_batch, reward_stats,
                                      valid_group_advantages)
 from difrl.train.metrics import Metrics
@@ -180,7 +180,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
         baseline = ~all_ext if (K and ext.normalize == "source") else None
         adv, failed = valid_group_advantages(all_scores, weights, all_groups, rw.bad, cfg.advantage,
                                              cfg.reward.aggregate, baseline)
-        keep_all = rw.kept(adv, failed, cfg.advantage.drop_zero_spread)
+        keep_all = kept_samples(adv, failed, cfg.advantage.drop_zero_spread)
         advantages, keep = adv.advantages[k], keep_all[k]
 
         # ==================================================================== policy update
