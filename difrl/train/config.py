@@ -26,15 +26,15 @@ from typing import ClassVar, Literal
 
 from difrl.config import cfg_field, config_error, load_config
 from difrl.correct import METHODS, POLICY_LOSSES, option_problems
+from difrl.models.adapters import HOW_TO_ADD
 from difrl.quant.formats import FORMATS as QUANT_FORMATS
 from difrl.quant.linear import BACKENDS as QUANT_BACKENDS
+from difrl.train.eval_config import EvalConfig, FidConfig, FlowEvalConfig, StopConfig  # noqa: F401  (re-exported)
+from difrl.train.method_checks import check_methods
 from difrl.train.method_config import (LOG_PROB_OBJECTIVES, MATCHING_OBJECTIVES, AWMConfig, DGPOConfig,  # noqa: F401
                                        DPOConfig, DPPOConfig, MatchingConfig, NFTConfig, SolRLConfig, TreeConfig,
                                        check_objective)
 from difrl.train.method_config import DraftConfig, GardoConfig, PrefConfig, ReflConfig  # noqa: F401
-from difrl.train.method_checks import check_methods
-from difrl.train.eval_config import EvalConfig, FidConfig, FlowEvalConfig, StopConfig  # noqa: F401  (re-exported)
-from difrl.models.adapters import HOW_TO_ADD
 from difrl.worlds import check_world_config, flow_kinds, train_kinds
 
 

@@ -43,9 +43,9 @@ def export(run_dir, iteration: int | None = None, out=None, log=print) -> Path:
     from difrl.train.precision import upcast_masters
     from difrl.train.recipes import load_train_config
     from difrl.train.run.rundir import checkpoint_iterations
-    from difrl.train.scaffold import wrap_policy
     from difrl.train.run.state import (CheckpointError, _load_checkpoint, load_latest_checkpoint, trainable_params,
                                    verify_manifest)
+    from difrl.train.scaffold import wrap_policy
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():

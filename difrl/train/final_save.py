@@ -9,8 +9,8 @@ from __future__ import annotations
 from contextlib import nullcontext
 from pathlib import Path
 
-from difrl.train.scaffold import save_policy
 from difrl.train.dist.full_tensors import gathered
+from difrl.train.scaffold import save_policy
 
 
 def save_final(world, policy, net, lora: bool, out_dir: Path, masters, ema=None, main: bool = True) -> None:

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
+from difrl.train.dist.sharded_step import clip_sharded_grad_norm_
 from difrl.train.reward_stage import across_processes, score_rewards, track_reward_failures
 from difrl.train.run.rundir import stop_rule
 from difrl.train.scaffold import clip_and_step, progress
-from difrl.train.dist.sharded_step import clip_sharded_grad_norm_
 from difrl.utils.collectives import gather
 
 

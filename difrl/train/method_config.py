@@ -11,7 +11,6 @@ against the rest (check_objective here; the last four in difrl/train/method_chec
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from dataclasses import fields
 
 from difrl.algos.matching import AWM_WEIGHTINGS

@@ -11,9 +11,9 @@ imports a recipe (difrl/train/config.py is the common base that difrl/train/mask
 from __future__ import annotations
 
 from difrl.config import load_config_union
+from difrl.models.adapters import HOW_TO_ADD
 from difrl.train.config import FlowConfig, TrainerConfig
 from difrl.train.masked.config import MaskedConfig
-from difrl.models.adapters import HOW_TO_ADD
 from difrl.worlds import MASKED_KINDS, train_kinds
 
 

@@ -28,15 +28,15 @@ from pathlib import Path
 import torch
 
 from difrl.config import save_config
+from difrl.train.dist.full_tensors import is_sharded, plain_copy, reshard
 from difrl.train.run import interrupt
 from difrl.train.run.progress import progress  # noqa: F401  (re-exported: the loops' progress line)
 from difrl.train.run.rundir import (TRACKER_PACKAGES, check_resume, claim_run_dir, clear_run,  # noqa: F401  (re-exported)
                                 failed_start, saved_config, show)
-from difrl.utils.modules import use_module
-from difrl.train.dist.full_tensors import is_sharded, plain_copy, reshard
 from difrl.train.run.sharded_state import checkpoint_format
 from difrl.train.run.state import latest_checkpoint, restore_checkpoint, save_sharded, snapshot, write_checkpoint
 from difrl.utils.io import atomic_write_json, json_safe, save_safetensors
+from difrl.utils.modules import use_module
 from difrl.utils.rng import mix_seed
 
 # the metric-row keys that measure time (tests strip them before comparing runs)

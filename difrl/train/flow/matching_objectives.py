@@ -26,8 +26,8 @@ import torch
 from difrl.algos.matching import awm_loss, dgpo_coefficients, dpo_coefficients, matching_error
 from difrl.algos.nft import nft_noised, velocity_kl
 from difrl.models.base import cond_repeat
-from difrl.train.method_config import MATCHING_OBJECTIVES
 from difrl.train.flow.objectives import nft_sigmas
+from difrl.train.method_config import MATCHING_OBJECTIVES
 from difrl.utils.rng import counter_normal, mix_seed_tensor
 
 NOISE_STREAM = 11  # the re-noising draws' stream (DiffusionNFT's is 7)

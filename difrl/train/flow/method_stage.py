@@ -25,8 +25,8 @@ from difrl.algos.gardo import (
 )
 from difrl.algos.pref import group_win_rates, sigmoid_judge
 from difrl.rewards import score_all
-from difrl.train.reward_stage import across_processes, score_rewards, valid_group_advantages
 from difrl.train.ema import WeightSnapshot
+from difrl.train.reward_stage import across_processes, score_rewards, valid_group_advantages
 from difrl.train.run.state import trainable_params
 from difrl.utils.collectives import reduce
 from difrl.utils.modules import use_module

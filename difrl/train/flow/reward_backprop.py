@@ -20,9 +20,9 @@ import torch
 
 from difrl.rewards.grad import score_with_grad
 from difrl.rollout_grad import refl_predict, rollout_last_k
-from difrl.train.metrics import Metrics
-from difrl.train.iteration import close_iteration, optimizer_step
 from difrl.train.dist.sharded_step import grad_sync
+from difrl.train.iteration import close_iteration, optimizer_step
+from difrl.train.metrics import Metrics
 from difrl.utils.rng import mix_seed
 
 BACKPROP_OBJECTIVES = ("draft", "refl")

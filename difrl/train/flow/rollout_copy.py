@@ -43,10 +43,10 @@ from torch import nn
 
 from difrl.quant import RolloutCopy
 from difrl.quant.sync import merged_state_dict
-from difrl.train.precision import MasterWeights
 from difrl.train.dist.full_tensors import plain_copy, reshard, shards_replaced
-from difrl.train.ema import WeightSnapshot
 from difrl.train.dist.unit_gather import gather_full
+from difrl.train.ema import WeightSnapshot
+from difrl.train.precision import MasterWeights
 from difrl.utils.modules import peft_base, trainable_params
 
 

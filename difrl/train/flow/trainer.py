@@ -39,27 +39,27 @@ from difrl.rewards import Scoring
 from difrl.rollout import cat_rollouts, chunk_slices, per_transition, rollout
 from difrl.solrl import candidate_pool, rank_agreement
 from difrl.train.config import FlowConfig
-from difrl.train.final_save import save_final
-from difrl.train.flow.plan import plan_flow_iteration, step_masks
-from difrl.train.iteration import (close_iteration, gather_rewards, iteration_row, kept_samples, optimizer_step,
-                                   score_iteration)
-from difrl.train.flow.matching_objectives import (MATCHING_OBJECTIVES, matching_micro_loss, needs_old, needs_reference,
-                                             old_decay, prepare_update, trained_sigmas)
-from difrl.train.flow.objectives import dppo_micro_loss, grpo_micro_loss, nft_micro_loss, proximal_correction
-from difrl.train.flow.method_stage import Gardo, advantage_function, candidate_reward, tree_stats
-from difrl.train.flow.reward_backprop import BACKPROP_OBJECTIVES, reward_backprop_loop
-from difrl.train.reward_stage import build_rewards, probe_batch, reward_stats
-from difrl.train.metrics import Metrics, pooled_std
-from difrl.train.precision import refuse_fp16, trained_network
-from difrl.train.run.progress import progress_bar
-from difrl.train.run.rundir import finished, held_stop
-from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, claim_run_dir,  # noqa: F401
-                                  cores_available, make_optimizer, record_eval, reference_policy)
-from difrl.train.flow.rollout_copy import RolloutCopy, build_rollout_copy, sync_rollout_copy  # noqa: F401
 from difrl.train.dist.sharded_step import grad_sync, take_fsdp_branches
 from difrl.train.dist.sharding import fsdp_settings, process_group_kwargs
-from difrl.train.run.state import EMA, trainable_params
 from difrl.train.dist.unit_gather import device_free_bytes, rollout_gather, units_gathered
+from difrl.train.final_save import save_final
+from difrl.train.flow.matching_objectives import (MATCHING_OBJECTIVES, matching_micro_loss, needs_old, needs_reference,
+                                             old_decay, prepare_update, trained_sigmas)
+from difrl.train.flow.method_stage import Gardo, advantage_function, candidate_reward, tree_stats
+from difrl.train.flow.objectives import dppo_micro_loss, grpo_micro_loss, nft_micro_loss, proximal_correction
+from difrl.train.flow.plan import plan_flow_iteration, step_masks
+from difrl.train.flow.reward_backprop import BACKPROP_OBJECTIVES, reward_backprop_loop
+from difrl.train.flow.rollout_copy import RolloutCopy, build_rollout_copy, sync_rollout_copy  # noqa: F401
+from difrl.train.iteration import (close_iteration, gather_rewards, iteration_row, kept_samples, optimizer_step,
+                                   score_iteration)
+from difrl.train.metrics import Metrics, pooled_std
+from difrl.train.precision import refuse_fp16, trained_network
+from difrl.train.reward_stage import build_rewards, probe_batch, reward_stats
+from difrl.train.run.progress import progress_bar
+from difrl.train.run.rundir import finished, held_stop
+from difrl.train.run.state import EMA, trainable_params
+from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, claim_run_dir,  # noqa: F401
+                                  cores_available, make_optimizer, record_eval, reference_policy)
 from difrl.tree_rollout import tree_rollout
 from difrl.utils.collectives import gather, gather_max, split_rows
 from difrl.utils.rng import mix_seed

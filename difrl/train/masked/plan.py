@@ -44,8 +44,8 @@ from typing import NamedTuple
 import torch
 
 from difrl.config import ConfigError
-from difrl.train.micro_batches import auto_options, explicit_options, nearest, own_updates, updates_options
 from difrl.train.dist.unit_gather import units_gathered as rollout_forwards  # noqa: F401 (the masked trainer's name)
+from difrl.train.micro_batches import auto_options, explicit_options, nearest, own_updates, updates_options
 from difrl.utils.collectives import gather, gather_max, reduce
 
 

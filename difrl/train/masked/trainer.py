@@ -53,23 +53,23 @@ from difrl.discrete.estimators import remask, token_logp
 from difrl.discrete.losses import trace_logp
 from difrl.discrete.samplers import SAMPLERS, merge_rollouts
 from difrl.rewards import score_all
+from difrl.train.dist.sharded_step import clip_sharded_grad_norm_, grad_sync
 from difrl.train.final_save import save_final
 from difrl.train.flow.plan import thread_note
+from difrl.train.iteration import close_iteration, gather_rewards, iteration_row, kept_samples, score_iteration
 from difrl.train.masked.config import MaskedConfig
 from difrl.train.masked.plan import (external_correction, gather_busiest, gather_max, local_device,
                                      plan_masked_iteration, processes, rollout_forwards, update_tokens)
-from difrl.train.iteration import close_iteration, gather_rewards, iteration_row, kept_samples, score_iteration
-from difrl.train.reward_stage import (build_rewards, finite_mean_std, probe_batch, reward_stats,
-                                     valid_group_advantages)
 from difrl.train.metrics import Metrics
 from difrl.train.precision import refuse_fp16, trained_network
+from difrl.train.reward_stage import (build_rewards, finite_mean_std, probe_batch, reward_stats,
+                                     valid_group_advantages)
 from difrl.train.run.progress import progress_bar
 from difrl.train.run.rundir import finished
+from difrl.train.run.state import trainable_params
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, check_ratio, claim_run_dir,  # noqa: F401
                                   clip_and_step, cores_available, make_optimizer, record_eval,
                                   reference_policy)
-from difrl.train.dist.sharded_step import clip_sharded_grad_norm_, grad_sync
-from difrl.train.run.state import trainable_params
 from difrl.utils.modules import use_module
 from difrl.utils.rng import mix_seed
 from difrl.worlds import build_masked_world

@@ -127,11 +127,11 @@ def plan_flow(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str | N
 
     from difrl.models.adapters import arch_flow_policy
     from difrl.rollout import cat_rollouts, rollout
-    from difrl.train.flow.trainer import policy_update, setup_training, training_records
-    from difrl.train.flow.rollout_copy import sync_rollout_copy
     from difrl.train.dist.unit_gather import rollout_gather, units_gathered
-    from difrl.train.flow.plan import plan_flow_iteration, step_masks
     from difrl.train.flow.matching_objectives import trained_sigmas
+    from difrl.train.flow.plan import plan_flow_iteration, step_masks
+    from difrl.train.flow.rollout_copy import sync_rollout_copy
+    from difrl.train.flow.trainer import policy_update, setup_training, training_records
     from difrl.utils.rng import mix_seed
     from difrl.worlds import world_file
     from difrl.worlds.diffusers import policy_options

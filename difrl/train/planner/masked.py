@@ -117,9 +117,9 @@ def plan_masked(cfg, gpus: int, gpu_memory_gib: float | None = None, arch: str |
     from torch.distributed.fsdp import FSDPModule
 
     from difrl.discrete.samplers import SAMPLERS
-    from difrl.train.masked.trainer import old_log_probs, policy_update, setup_training
-    from difrl.train.masked.plan import plan_masked_iteration, rollout_forwards
     from difrl.train.dist.sharding import fsdp_settings
+    from difrl.train.masked.plan import plan_masked_iteration, rollout_forwards
+    from difrl.train.masked.trainer import old_log_probs, policy_update, setup_training
     from difrl.utils.rng import mix_seed
     from difrl.worlds.text_tasks import masked_world
 

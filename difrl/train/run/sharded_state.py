@@ -135,7 +135,6 @@ def read_metadata(path: Path):
 
 def _load(path: Path, tensors: dict[str, torch.Tensor], no_dist: bool = False) -> None:
     import torch.distributed.checkpoint as dcp
-
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:

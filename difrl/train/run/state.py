@@ -40,12 +40,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from difrl.train.dist.full_tensors import is_sharded, like, reshard
 from difrl.train.ema import EMA  # noqa: F401  (the averaged weights, checkpointed here; re-exported)
 from difrl.train.run.manifest import MANIFEST, SHARED, all_gather_objects, check, file_record, verdict
 from difrl.train.run.rundir import checkpoint_dirs  # noqa: F401  (one parser of iter-* names; re-exported)
 from difrl.train.run.sharded_state import (CheckpointError, is_sharded_checkpoint, load_sharded, read_metadata,  # noqa: F401
                                        write_shards)
-from difrl.train.dist.full_tensors import is_sharded, like, reshard
 from difrl.utils.io import (atomic_write_json, atomic_write_text, load_safetensors_checked, load_torch_state,
                             save_safetensors, save_torch_state)
 from difrl.utils.modules import trainable_params  # noqa: F401  (used here; re-exported: the trainers import it from here)
