@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args) -> int:
     import torch
 
-    from difrl.train.scaffold import cores_available
+    from difrl.train.scaffold import default_threads
 
     path, overrides = split(args.rest)
     run, path = run_dir_config(path)
@@ -70,7 +70,7 @@ def main(args) -> int:
         if cfg.trainer == "masked" or not is_diffusers(cfg.model.kind):
             raise ValueError("--prompts is for diffusers models (the bundled worlds have their own evaluation sets)")
         cfg.model.eval_prompt_file = args.prompts
-    torch.set_num_threads(cfg.threads or cores_available())
+    torch.set_num_threads(cfg.threads or default_threads())
     if cfg.trainer == "masked":  # Sudoku, digit tokens, text tasks: the masked world's eval
         world, policy, weights = masked_policy(cfg, run, args.checkpoint)
         if args.grid and world.save_samples is None:  # refused before the evaluation runs

@@ -41,7 +41,7 @@ def main(args) -> int:
     from difrl.rewards import build_reward, reward_key
     from difrl.search import SearchConfig, best_of_n, dts
 
-    from difrl.train.scaffold import cores_available
+    from difrl.train.scaffold import default_threads
 
     for flag, value in (("--budget", args.budget), ("--samples", args.samples), ("--children", args.children),
                         ("--root-children", args.root_children)):
@@ -52,7 +52,7 @@ def main(args) -> int:
     path, overrides = split(args.rest)
     run, path = run_dir_config(path)
     cfg = load(path, overrides)
-    torch.set_num_threads(cfg.threads or cores_available())
+    torch.set_num_threads(cfg.threads or default_threads())
     if cfg.trainer == "masked":
         return _sample_masked(args, cfg, run)
     world, trained = flow_world(cfg, run, args.checkpoint)

@@ -147,7 +147,7 @@ class TrainerConfig:
     """What every trainer's config has; `trainer` names the recipe that runs it (train_function)."""
     trainer: ClassVar[str] = ""
     seed: int = cfg_field(0)
-    threads: int | None = cfg_field(None, ge=1, help="torch threads; None = the cores this process may use")
+    threads: int | None = cfg_field(None, ge=1, help="torch threads; None = OMP_NUM_THREADS when set, else this process's share of its cores")
     out: str | None = cfg_field(None, help="run directory (also --out)")
     resume: str | None = cfg_field(None, help="a run directory to continue with its own config.yaml (difrl.train.run.rundir: "
                                               "the keys that may change on resume)")

@@ -44,11 +44,19 @@ TIMING_KEYS = ("seconds", "seconds_rollout", "seconds_reward", "seconds_update",
                "seconds_candidates", "seconds_regenerate")
 
 
-def cores_available() -> int:
+def default_threads(processes: int = 1) -> int:
+    """torch's intra-op threads for a config that leaves `threads` unset. OMP_NUM_THREADS, when the environment sets
+    it, is the count per process: torchrun sets 1 per worker unless told otherwise, and a user or a test suite running
+    several processes side by side says with it what each may take (more threads than cores slow every process).
+    Otherwise this process's share of the cores it may use (its CPU affinity split over the launch's processes)."""
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp)
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    return max(1, cores // processes)
 
 
 # ---------------------------------------------------------------------------------- policy, reference, optimizer

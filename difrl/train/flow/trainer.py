@@ -59,7 +59,7 @@ from difrl.train.run.progress import progress_bar
 from difrl.train.run.rundir import finished, held_stop
 from difrl.train.run.state import EMA, trainable_params
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, claim_run_dir,  # noqa: F401
-                                  cores_available, make_optimizer, record_eval, reference_policy)
+                                  default_threads, make_optimizer, record_eval, reference_policy)
 from difrl.tree_rollout import tree_rollout
 from difrl.utils.collectives import gather, gather_max, split_rows
 from difrl.utils.rng import mix_seed
@@ -82,7 +82,7 @@ def train(cfg: FlowConfig, out_dir: str | Path | None = None, overwrite: bool = 
     accelerator = Accelerator(cpu=cpu, kwargs_handlers=process_group_kwargs(cpu))  # FSDP offload: a CPU backend too
     take_fsdp_branches(accelerator)  # an FSDP launch runs accelerate's FSDP code on CPU processes too (tests)
     world_size, rank = accelerator.num_processes, accelerator.process_index
-    torch.set_num_threads(cfg.threads or max(1, cores_available() // world_size))
+    torch.set_num_threads(cfg.threads or default_threads(world_size))
     tree_mode, solrl, nft = cfg.rollout.kind == "tree", cfg.rollout.kind == "solrl", cfg.train.objective == "nft"
     n_total, per_proc, T, schedule, micro = plan_flow_iteration(cfg, world, world_size, run_dir, accelerator.print)
 

@@ -68,7 +68,7 @@ from difrl.train.run.progress import progress_bar
 from difrl.train.run.rundir import finished
 from difrl.train.run.state import trainable_params
 from difrl.train.scaffold import (TIMING_KEYS, RatioCheckError, Run, check_ratio, claim_run_dir,  # noqa: F401
-                                  clip_and_step, cores_available, make_optimizer, record_eval,
+                                  clip_and_step, default_threads, make_optimizer, record_eval,
                                   reference_policy)
 from difrl.utils.modules import use_module
 from difrl.utils.rng import mix_seed
@@ -89,7 +89,7 @@ def train(cfg: MaskedConfig, out_dir: str | Path | None = None, overwrite: bool 
     accelerator, fsdp = processes(policy)
     world_size, rank, main, say = (accelerator.num_processes, accelerator.process_index, accelerator.is_main_process,
                                    accelerator.print)
-    torch.set_num_threads(cfg.threads or max(1, cores_available() // world_size))
+    torch.set_num_threads(cfg.threads or default_threads(world_size))
     split = plan_masked_iteration(cfg, world_size, rank)  # a batch that does not split stops here (ConfigError)
     P, G, mu, ga = cfg.rollout.prompts_per_iter, cfg.rollout.group_size, cfg.train.inner_updates, cfg.train.grad_accum
     N, S, mbs, updates_per_inner = split.n_total, split.per_proc, split.micro, split.updates
