@@ -613,9 +613,11 @@ def test_bench_reward_server_quick_rows(tmp_path):
     assert jpeg["bytes_per_image"] < png["bytes_per_image"] < 512 * 512 * 3  # both compress these smooth images
 
 
-@pytest.mark.slow  # every built-in reward's throughput, then 1 seed x 4 digits iterations serial and overlapped
+@pytest.mark.slow  # every built-in reward's throughput, then 1 seed x 2 digits iterations serial and overlapped
 def test_bench_rewards_quick_rows(tmp_path):
-    rows = _quick("bench_rewards", ["--repeats", "1", "--seeds", "1", "--iterations", "4"], tmp_path)
+    # 2 iterations: the first (warm-up) and one timed, enough for a ratio per seed and for the two modes' metrics to
+    # be compared at every iteration; one torch thread, as each pytest worker runs (two would only fight the other)
+    rows = _quick("bench_rewards", ["--repeats", "1", "--seeds", "1", "--iterations", "2", "--threads", "1"], tmp_path)
     tp = {r["reward"].split(" ")[0]: r for r in rows if r["part"] == "throughput"}
     assert set(tp) == {"clip_score", "pickscore", "aesthetic", "hpsv2", "ocr", "jpeg_compressibility", "geneval",
                        "digit_prob", "video"}
