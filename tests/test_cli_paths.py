@@ -235,8 +235,9 @@ def test_short_runs_print_no_third_party_warnings(tmp_path, world):
     holds difrl's progress bar only (no torch _pytree / torchao lines, no loading bars, no peft / transformers
     FutureWarning, no accelerate defaults warning); the closing line names what was written."""
     run = tmp_path / "run"
+    # threads=1 (as TEXT_RUN has): digits.yaml takes every core, which a pytest worker shares with the other one
     args = ([str(TEXT), *TEXT_RUN, "train.iterations=1", "train.lora.enabled=true"] if world == "text_lora"
-            else [str(DIGITS), "train.iterations=1", "eval.per_digit=2"])
+            else [str(DIGITS), "threads=1", "train.iterations=1", "eval.per_digit=2"])
     if world == "digits_accelerate":
         proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines",
                                "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "difrl", "train", *args,
