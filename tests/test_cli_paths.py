@@ -31,6 +31,18 @@ FLUX_RUN = ["train.iterations=1", "train.grad_accum=1", "rollout.group_size=2", 
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
 
 
+@pytest.fixture(autouse=True)
+def _one_thread_after():
+    """The commands run here set torch's thread count (digits.yaml: every core) and leave it so: back to the pytest
+    worker's one thread after each test, so that the tests after it here and in this worker's next files do not run
+    with two threads beside the other worker."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def _evals(run: Path) -> list[dict]:
     return json.loads((run / "eval.json").read_text(), parse_constant=lambda c: pytest.fail(f"bare {c} in eval.json"))
 
