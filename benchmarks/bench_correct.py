@@ -52,8 +52,9 @@ SCENARIOS = {
 
 
 def run_one(name: str, overrides: list[str] | None, mismatch: list[str], convention: list[str], seed: int,
-            iterations: int, every: int, out: Path) -> dict:
-    extra = convention + ([] if overrides is None else [*mismatch, *overrides])
+            iterations: int, every: int, out: Path, threads: int | None = None) -> dict:
+    """threads: the run's torch threads (config `threads`); None leaves digits.yaml's (every available core)."""
+    extra = convention + ([] if overrides is None else [*mismatch, *overrides]) + ([f"threads={threads}"] if threads else [])
     run_dir = out / name.split(" (")[0].replace(" ", "_") / f"seed{seed}"
     cfg = load_flow_config(ROOT / "configs" / "digits.yaml", [*extra, f"seed={seed}", f"train.iterations={iterations}",
                                                              f"eval.every={every}", "stop.fd_rise=null"])
@@ -88,7 +89,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="config overrides that make the rollout policy differ from the trained one")
     ap.add_argument("--methods", nargs="+", choices=list(METHODS), help="default all (--quick: 3)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_correct")
-    ap.add_argument("--threads", type=int, default=min(2, torch.get_num_threads()))
+    ap.add_argument("--threads", type=int, help="torch threads, also the runs' (default: this process min(2, torch's), "
+                    "the runs every available core)")
     ap.add_argument("--render-from", type=Path, help="re-render the published block from a full run's saved rows "
                     "(their per-seed values) instead of running")
     args = ap.parse_args(argv)
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         republish(BEGIN, END, render(rows, mismatch, rows[0]["iterations"], rows[0]["seeds"]), args.render_from,
                   "bench_correct.py")
         return rows
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or min(2, torch.get_num_threads()))
     seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
     iterations = args.iterations or (20 if args.quick else 100)
     methods = args.methods or (list(METHODS)[:3] if args.quick else list(METHODS))
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         label, convention = SCENARIOS[scenario]
         for name in methods:
             per_seed = [run_one(name, METHODS[name], args.mismatch, convention, s, iterations, args.every,
-                                args.out / scenario) for s in seeds]
+                                args.out / scenario, args.threads) for s in seeds]
             rows.append(aggregate(per_seed, scenario=label, method=name, seeds=seeds, iterations=iterations,
                                   mismatch="none" if METHODS[name] is None else " ".join(args.mismatch),
                                   convention=convention))

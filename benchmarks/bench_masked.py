@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     standard_args(ap, "1 seed, short runs, small evaluations (~2 min)")
     ap.add_argument("--parts", default="sudoku,digit_tokens,erils", help="comma-separated: sudoku, digit_tokens, erils")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--iterations", type=int, default=None, help=f"per run (default: {ITERATIONS})")
+    ap.add_argument("--iterations", type=int, default=None, help=f"per run (default: {ITERATIONS}; --quick 6)")
     ap.add_argument("--every", type=int, default=20, help="iterations between evaluations")
     ap.add_argument("--weak-steps", type=int, default=45, help="pretraining steps of the ERILS part's weaker base")
     ap.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench_masked")
@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if unknown:
         raise SystemExit(f"bench_masked: unknown part(s) {unknown}; known: {', '.join([*WORLDS, 'erils'])}")
     seeds = args.seeds[:1] if args.quick else args.seeds
-    quick = ["train.iterations=6", "eval.count=32", "eval.per_digit=5", "rollout.prompts_per_iter=4",
+    quick = [*([] if args.iterations else ["train.iterations=6"]),  # an explicit --iterations wins over --quick's
+             "eval.count=32", "eval.per_digit=5", "rollout.prompts_per_iter=4",
              "train.micro_batch=32", "train.updates_per_epoch=null"] if args.quick else []
     runs_dir = args.runs / ("quick" if args.quick else "full")
 

@@ -131,7 +131,8 @@ def throughput(batch: int, repeats: int) -> list[dict]:
 # ------------------------------------------------------------------------------- part 2: overlap
 
 
-def overlap_runs(seeds: list[int], iterations: int, chunks: int) -> list[dict]:
+def overlap_runs(seeds: list[int], iterations: int, chunks: int, threads: int = 0) -> list[dict]:
+    """threads: the runs' torch threads (config `threads`); 0 leaves digits.yaml's (every available core)."""
     from difrl.train.config import load_flow_config
     from difrl.train.flow.trainer import TIMING_KEYS, train
 
@@ -145,7 +146,8 @@ def overlap_runs(seeds: list[int], iterations: int, chunks: int) -> list[dict]:
                 with tempfile.TemporaryDirectory() as d:
                     cfg = load_flow_config(ROOT / "configs" / "digits.yaml", [
                         f"seed={seed}", f"train.iterations={iterations}", "eval.every=0", f"rollout.chunks={chunks}",
-                        f"reward.overlap={str(overlap).lower()}", f"reward.weights={{{reward}: 1.0}}"])
+                        f"reward.overlap={str(overlap).lower()}", f"reward.weights={{{reward}: 1.0}}",
+                        *([f"threads={threads}"] if threads else [])])
                     train(cfg, out_dir=Path(d) / "run")
                     lines = [json.loads(ln) for ln in (Path(d) / "run" / "metrics.jsonl").read_text().splitlines()]
                 # first iteration: warm-up
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--seeds", type=int, help="overlap seeds (default 3; --quick 2)")
     ap.add_argument("--iterations", type=int, help="overlap iterations per run (default 30; --quick 6)")
     ap.add_argument("--chunks", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = all available cores)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads, also the overlap runs' (0 = all available cores)")
     args = ap.parse_args(argv)
     for key, full, quick in (("batch", 32, 16), ("repeats", 5, 3), ("seeds", 3, 2), ("iterations", 30, 6)):
         if getattr(args, key) is None:  # an explicit value wins over --quick's
@@ -205,7 +207,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         torch.set_num_threads(args.threads)
 
     rows = throughput(args.batch, args.repeats)
-    rows += overlap_runs(list(range(args.seeds)), args.iterations, args.chunks)
+    rows += overlap_runs(list(range(args.seeds)), args.iterations, args.chunks, args.threads)
 
     tp = [r for r in rows if r["part"] == "throughput"]
     ov = [r for r in rows if r["part"] == "overlap"]

@@ -128,7 +128,8 @@ def curve(run_dir: Path) -> list[dict]:
 
 
 def learning_rows(seeds: list[int], grpo_iters: int, nft_iters: int, every: int, out: Path, methods: list[str],
-                  reuse: bool = False) -> list[dict]:
+                  reuse: bool = False, threads: int | None = None) -> list[dict]:
+    """threads: the runs' torch threads (config `threads`); None leaves their configs' (every available core)."""
     runs = {}
     for name in methods:
         config, overrides = METHODS[name]
@@ -136,7 +137,8 @@ def learning_rows(seeds: list[int], grpo_iters: int, nft_iters: int, every: int,
         for seed in seeds:
             run_dir = out / name.replace(" ", "_") / f"seed{seed}"
             cfg = load_flow_config(ROOT / "configs" / config, [*overrides, f"seed={seed}", f"train.iterations={iters}",
-                                                              f"eval.every={every}", "stop.fd_rise=null"])
+                                                              f"eval.every={every}", "stop.fd_rise=null",
+                                                              *([f"threads={threads}"] if threads else [])])
             t0 = time.perf_counter()
             if reuse and same_config(cfg, run_dir):
                 print(f"learning {name}: reusing {run_dir}", flush=True)
@@ -269,16 +271,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--skip-learning", action="store_true")
     ap.add_argument("--reuse", action="store_true", help="reuse finished runs of identical configs under --out")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_solrl")
-    ap.add_argument("--threads", type=int, default=min(2, torch.get_num_threads()))
+    ap.add_argument("--threads", type=int, help="torch threads, also the learning runs' (default: this process "
+                    "min(2, torch's), the runs every available core)")
     ap.add_argument("--fp4-cost", type=float, default=0.25, help="price of one low-precision NFE in full-precision "
                     "NFEs for the total-cost sentences (an assumption: 0.25 = FP4 at 4x BF16 throughput)")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or min(2, torch.get_num_threads()))
     q = args.quick
     rows = agreement_rows(args.formats, args.prompts, args.pool or (24 if q else 64))
     if not args.skip_learning:
         rows += learning_rows(args.seeds or ([0] if q else [0, 1, 2]), args.grpo_iterations or (30 if q else 300),
-                              args.nft_iterations or (30 if q else 150), args.every or 10, args.out, args.methods, args.reuse)
+                              args.nft_iterations or (30 if q else 150), args.every or 10, args.out, args.methods, args.reuse,
+                              args.threads)
     publish(args, BEGIN, END, "Sol-RL: NVFP4 candidate ranking and learning per full-precision NFE", "bench_solrl.py",
             argv, [*tables(rows), "", *NOTES, "", *cost_reading(rows, args.fp4_cost)], rows)
     return rows

@@ -261,8 +261,10 @@ def test_bench_masked_rows(tmp_path):
     bench = _load("bench_masked")
     threads = torch.get_num_threads()  # the runs set their own thread count
     try:
+        # 4 iterations evaluated every 2 (--quick's 6 every 3, scaled): still evaluations before, inside and at the end
+        # of every run, so the budgets' cells and the final one are read as with 6
         rows = bench.main(["--quick", "--no-write", "--parts", "sudoku,erils", "--runs", str(tmp_path / "runs"),
-                           "--every", "3", "--json", str(tmp_path / "m.json")])
+                           "--iterations", "4", "--every", "2", "--json", str(tmp_path / "m.json")])
     finally:
         torch.set_num_threads(threads)
     assert json.loads((tmp_path / "m.json").read_text()) == rows
@@ -613,9 +615,11 @@ def test_bench_reward_server_quick_rows(tmp_path):
     assert jpeg["bytes_per_image"] < png["bytes_per_image"] < 512 * 512 * 3  # both compress these smooth images
 
 
-@pytest.mark.slow  # every built-in reward's throughput, then 1 seed x 4 digits iterations serial and overlapped
+@pytest.mark.slow  # every built-in reward's throughput, then 1 seed x 2 digits iterations serial and overlapped
 def test_bench_rewards_quick_rows(tmp_path):
-    rows = _quick("bench_rewards", ["--repeats", "1", "--seeds", "1", "--iterations", "4"], tmp_path)
+    # 2 iterations: the first (warm-up) and one timed, enough for a ratio per seed and for the two modes' metrics to
+    # be compared at every iteration; one torch thread, as each pytest worker runs (two would only fight the other)
+    rows = _quick("bench_rewards", ["--repeats", "1", "--seeds", "1", "--iterations", "2", "--threads", "1"], tmp_path)
     tp = {r["reward"].split(" ")[0]: r for r in rows if r["part"] == "throughput"}
     assert set(tp) == {"clip_score", "pickscore", "aesthetic", "hpsv2", "ocr", "jpeg_compressibility", "geneval",
                        "digit_prob", "video"}
@@ -650,7 +654,8 @@ def test_bench_solrl_quick_rows(tmp_path):
     out = tmp_path / "runs"
     rows = _quick("bench_solrl", ["--no-write", "--formats", "nvfp4", "--prompts", "2", "--pool", "6",
                                   "--grpo-iterations", "2", "--nft-iterations", "2", "--every", "1",
-                                  "--methods", "plain GRPO", "Sol-RL", "--out", str(out)], tmp_path)
+                                  "--methods", "plain GRPO", "Sol-RL", "--out", str(out),
+                                  "--threads", "1"], tmp_path)  # one torch thread, as each pytest worker runs
     agree = {(r["format"], r["steps"]): r for r in rows if r["section"] == "agreement"}
     assert set(agree) == {("fp32", 6), ("nvfp4", 6), ("nvfp4", 10)}
     for r in agree.values():
@@ -671,7 +676,7 @@ def test_bench_solrl_quick_rows_of_the_diffusionnft_methods(tmp_path):
     out = tmp_path / "runs"
     rows = _quick("bench_solrl", ["--no-write", "--formats", "nvfp4", "--prompts", "2", "--pool", "4",
                                   "--nft-iterations", "1", "--every", "1", "--methods", "DiffusionNFT", "naive NVFP4",
-                                  "--out", str(out)], tmp_path)
+                                  "--out", str(out), "--threads", "1"], tmp_path)  # as each pytest worker runs
     learn = _solrl_learning_rows(rows, out, 1)
     assert set(learn) == {"DiffusionNFT", "naive NVFP4"}
     for name in learn:  # 160 samples trained in the 2 updates of configs/digits.yaml, NFT's loss logged
@@ -682,13 +687,15 @@ def test_bench_solrl_quick_rows_of_the_diffusionnft_methods(tmp_path):
     assert learn["DiffusionNFT"]["target_accuracy"] is None  # no plain GRPO run: no target
 
 
-@pytest.mark.slow  # 2 methods x 3 digits iterations under an NVFP4 rollout mismatch (~1 min)
+@pytest.mark.slow  # 2 methods x 2 digits iterations under an NVFP4 rollout mismatch (~1 min)
 def test_bench_correct_quick_rows(tmp_path):
     out = tmp_path / "runs"
     methods = ["on-policy fp32 (no mismatch)", "token TIS (cap 2)"]
-    rows = _quick("bench_correct", ["--no-write", "--iterations", "3", "--every", "3", "--scenarios", "mean",
-                                    "--methods", *methods, "--out", str(out)], tmp_path)
-    assert [r["method"] for r in rows] == methods and all(r["iterations"] == 3 and r["seeds"] == [0] for r in rows)
+    # 2 iterations (evaluated after the last, as 3 with --every 3 were): the NVFP4 copy made at iteration 0 differs
+    # from the trained policy in both, so the corrector's diagnostics exist; one torch thread, as each pytest worker runs
+    rows = _quick("bench_correct", ["--no-write", "--iterations", "2", "--every", "2", "--scenarios", "mean",
+                                    "--methods", *methods, "--out", str(out), "--threads", "1"], tmp_path)
+    assert [r["method"] for r in rows] == methods and all(r["iterations"] == 2 and r["seeds"] == [0] for r in rows)
     on, tis = rows
     assert on["mismatch"] == "none" and tis["mismatch"] == "rollout.precision=nvfp4 rollout.sync_every=4"
     for r, d in ((on, "on-policy_fp32"), (tis, "token_TIS")):  # the row's numbers are the run's own files

@@ -31,6 +31,18 @@ FLUX_RUN = ["train.iterations=1", "train.grad_accum=1", "rollout.group_size=2", 
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
 
 
+@pytest.fixture(autouse=True)
+def _one_thread_after():
+    """The commands run here set torch's thread count (digits.yaml: every core) and leave it so: back to the pytest
+    worker's one thread after each test, so that the tests after it here and in this worker's next files do not run
+    with two threads beside the other worker."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def _evals(run: Path) -> list[dict]:
     return json.loads((run / "eval.json").read_text(), parse_constant=lambda c: pytest.fail(f"bare {c} in eval.json"))
 
@@ -235,8 +247,9 @@ def test_short_runs_print_no_third_party_warnings(tmp_path, world):
     holds difrl's progress bar only (no torch _pytree / torchao lines, no loading bars, no peft / transformers
     FutureWarning, no accelerate defaults warning); the closing line names what was written."""
     run = tmp_path / "run"
+    # threads=1 (as TEXT_RUN has): digits.yaml takes every core, which a pytest worker shares with the other one
     args = ([str(TEXT), *TEXT_RUN, "train.iterations=1", "train.lora.enabled=true"] if world == "text_lora"
-            else [str(DIGITS), "train.iterations=1", "eval.per_digit=2"])
+            else [str(DIGITS), "threads=1", "train.iterations=1", "eval.per_digit=2"])
     if world == "digits_accelerate":
         proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines",
                                "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "difrl", "train", *args,

@@ -80,23 +80,33 @@ def test_shipped_architectures_have_the_published_sizes():
             assert parameter_count(policy.pipe.transformer_2) == n and parameter_count(policy.module) == 2 * n
 
 
-@pytest.mark.slow  # a torchrun job of 2 processes and a plan, about 40 s on 2 cores
-def test_plan_counts_what_two_real_processes_hold(tiny_flux, tmp_path):
+@pytest.fixture(scope="module")
+def real_bytes(tiny_flux, tmp_path_factory) -> dict:
+    """{"flow": ..., "masked": ...}: the bytes per process that one torchrun job of 2 gloo processes holds after the
+    flow trainer's setup and update on the tiny FLUX pipeline (TINY), then the masked trainer's on the text world
+    (TINY_MASKED). One launch runs both jobs, one after the other (accelerate's state reset between them, the process
+    group kept): the bytes are those of the tensors each job built, which the job before it does not change."""
+    out = tmp_path_factory.mktemp("real_bytes")
+    for name, text in (("flow_worker.py", WORKER), ("masked_worker.py", MASKED_WORKER), ("worker.py", BOTH_WORKERS)):
+        (out / name).write_text(text)
+    script = out / "worker.py"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "ACCELERATE_USE_FSDP": "true",
+           "FSDP_VERSION": "2", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(script), str(tiny_flux), json.dumps(TINY), json.dumps(TINY_MASKED),
+                           str(out)], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return {job: json.loads((out / f"{job}.json").read_text()) for job in ("flow", "masked")}
+
+
+@pytest.mark.slow  # one torchrun job of 2 processes (shared with the masked test below) and a plan, about 40 s on 2 cores
+def test_plan_counts_what_two_real_processes_hold(tiny_flux, real_bytes):
     """Parameters, AdamW state, EMA and reference bytes per process: the planner (fake tensors, 2 simulated
     ranks) and a real torchrun job of 2 gloo processes running the same setup and update. Exact: the same shapes."""
     from difrl.train.planner.flow import plan_flow
 
     row = plan_flow(tiny_cfg(tiny_flux), 2, None)
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    out = tmp_path / "bytes.json"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "ACCELERATE_USE_FSDP": "true",
-           "FSDP_VERSION": "2", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), str(script), str(tiny_flux), json.dumps(TINY), str(out)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    real = json.loads(out.read_text())
+    real = real_bytes["flow"]
     update = row["phases"]["update"]  # at the update's peak (a backward): the gradients exist
     for key in ("params", "optimizer", "ema", "reference"):
         assert update[f"{key}_gib"] * GIB == pytest.approx(real[key], abs=0.5), key  # bytes: exact (float GiB round trip)
@@ -120,33 +130,32 @@ from difrl.train.recipes import load_train_config
 from difrl.train.dist.sharded_step import take_fsdp_branches
 from difrl.worlds import build_world
 
-path, over, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-cfg = load_train_config("configs/flux_tiny.yaml", [f"model.path={path}", *over, "train.ratio_check=false"])
-accelerator = Accelerator(cpu=True)
-take_fsdp_branches(accelerator)
-world = build_world("flux", path, cfg)
-n_total, per_proc, T, _, micro = plan_flow_iteration(cfg, world, 2, None, lambda *a: None)
-tr = setup_training(cfg, world.policy, accelerator)
-steady_optimizer_state(tr.optimizer, tr.params)
-sigmas = world.sigmas(cfg.sampler.num_steps, cfg.sampler.shift)
-sde, train_mask, _ = step_masks(cfg, 0, n_total)
-k = torch.arange(per_proc)
-batch = rollout(world.policy, world.prompts[:per_proc], k + 7, sigmas, cfg.sampler.kind, cfg.sampler.kernel_kwargs(),
-                sde, train_mask[:per_proc], k, k, k + 7, cfg.sampler.guidance)
-grads = {}
-_step = tr.optimizer.step
-def step(*a, **kw):  # the gradients as the optimizer sees them (zeroed right after)
-    grads["bytes"] = tensor_bytes([p.grad for p in tr.params.values() if p.grad is not None])
-    return _step(*a, **kw)
-tr.optimizer.step = step
-policy_update(cfg, world.policy, tr, accelerator, batch, torch.zeros(per_proc), torch.ones(per_proc, dtype=torch.bool),
-              None, T, micro, 0, Metrics(cfg.sampler.num_steps), None)
-opt = sum(tensor_bytes(v for v in st.values() if torch.is_tensor(v)) for st in tr.optimizer.state.values())  # moments and step
-row = {"params": module_bytes(tr.net), "grads": grads["bytes"], "optimizer": opt,
-       "ema": tensor_bytes(tr.ema.shadow.values()), "reference": module_bytes(tr.reference)}
-if accelerator.is_main_process:
-    json.dump(row, open(out, "w"))
-accelerator.wait_for_everyone()
+def flow_bytes(path, over):
+    """The flow job: its bytes per process (a dict)."""
+    cfg = load_train_config("configs/flux_tiny.yaml", [f"model.path={path}", *over, "train.ratio_check=false"])
+    accelerator = Accelerator(cpu=True)
+    take_fsdp_branches(accelerator)
+    world = build_world("flux", path, cfg)
+    n_total, per_proc, T, _, micro = plan_flow_iteration(cfg, world, 2, None, lambda *a: None)
+    tr = setup_training(cfg, world.policy, accelerator)
+    steady_optimizer_state(tr.optimizer, tr.params)
+    sigmas = world.sigmas(cfg.sampler.num_steps, cfg.sampler.shift)
+    sde, train_mask, _ = step_masks(cfg, 0, n_total)
+    k = torch.arange(per_proc)
+    batch = rollout(world.policy, world.prompts[:per_proc], k + 7, sigmas, cfg.sampler.kind, cfg.sampler.kernel_kwargs(),
+                    sde, train_mask[:per_proc], k, k, k + 7, cfg.sampler.guidance)
+    grads = {}
+    _step = tr.optimizer.step
+    def step(*a, **kw):  # the gradients as the optimizer sees them (zeroed right after)
+        grads["bytes"] = tensor_bytes([p.grad for p in tr.params.values() if p.grad is not None])
+        return _step(*a, **kw)
+    tr.optimizer.step = step
+    policy_update(cfg, world.policy, tr, accelerator, batch, torch.zeros(per_proc), torch.ones(per_proc, dtype=torch.bool),
+                  None, T, micro, 0, Metrics(cfg.sampler.num_steps), None)
+    opt = sum(tensor_bytes(v for v in st.values() if torch.is_tensor(v)) for st in tr.optimizer.state.values())  # moments and step
+    row = {"params": module_bytes(tr.net), "grads": grads["bytes"], "optimizer": opt,
+           "ema": tensor_bytes(tr.ema.shadow.values()), "reference": module_bytes(tr.reference)}
+    return row, accelerator
 '''
 
 
@@ -279,16 +288,18 @@ def test_sharded_clip_equals_torch_clip(one_process_group):
         torch.testing.assert_close(p.grad.to_local(), r.grad, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.slow  # the command in a subprocess, two plans, about 25 s
-def test_plan_command_writes_the_rows(tiny_flux, tmp_path):
+@pytest.mark.slow  # the command's main in this process, two plans, about 15 s
+def test_plan_command_writes_the_rows(tiny_flux, tmp_path, capsys):
     """`difrl plan CONFIG key=value --gpus N --gpu-memory GiB --json PATH` on the tiny FLUX pipeline: a row per GPU
-    count with the keys the issue names and one <category>_gib per category."""
+    count with the keys the issue names and one <category>_gib per category. The command's parsing and printing are
+    checked through difrl.cli.main in this process (no fresh interpreter: nothing here is about start-up imports)."""
+    from difrl.cli import main
+
     out = tmp_path / "plan.json"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "difrl", "plan", str(ROOT / "configs" / "flux_tiny.yaml"),
-                           f"model.path={tiny_flux}", *TINY, "--gpus", "1", "2", "--gpu-memory", "80", "--json", str(out)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    code = main(["plan", str(ROOT / "configs" / "flux_tiny.yaml"), f"model.path={tiny_flux}", *TINY, "--gpus", "1", "2",
+                 "--gpu-memory", "80", "--json", str(out)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.out[-3000:] + printed.err[-3000:]
     rows = json.loads(out.read_text())
     assert [r["gpus"] for r in rows] == [1, 2]
     for r in rows:
@@ -296,7 +307,7 @@ def test_plan_command_writes_the_rows(tiny_flux, tmp_path):
                 "optimizer_gib", "activations_gib", "reference_gib", "ema_gib", "frozen_gib"} <= r.keys()
         assert r["fits"] is True and r["gpu_memory_gib"] == 80
     assert rows[1]["params_gib"] == pytest.approx(rows[0]["params_gib"] / 2, rel=0.05)  # sharded over 2 (padding)
-    assert "fits 80 GiB" in proc.stdout and "not simulated" in proc.stdout
+    assert "fits 80 GiB" in printed.out and "not simulated" in printed.out
 
 
 def test_plan_of_lora_counts_only_the_adapters_as_trained(tiny_flux):
@@ -412,8 +423,8 @@ def test_plan_of_the_masked_trainer_has_every_category_and_fits(tmp_path):
     assert row["update_peak_gib"] > 0 and row["setup_peak_gib"] > 0
 
 
-@pytest.mark.slow  # a torchrun job of 2 processes and a plan, about 40 s on 2 cores
-def test_masked_plan_counts_what_two_real_processes_hold(tmp_path):
+@pytest.mark.slow  # the torchrun job of test_plan_counts_what_two_real_processes_hold (real_bytes) and a plan
+def test_masked_plan_counts_what_two_real_processes_hold(real_bytes):
     """The masked trainer's setup and update on the bundled text world: parameters (fp32 master shards), AdamW state
     and the bf16 reference per process, by the planner (fake tensors, 2 simulated ranks) and by a real torchrun job
     of 2 gloo processes running masked.setup_training, old_log_probs and policy_update. Exact: the same shapes."""
@@ -421,16 +432,7 @@ def test_masked_plan_counts_what_two_real_processes_hold(tmp_path):
     from difrl.train.recipes import load_train_config
 
     row = plan_masked(load_train_config(ROOT / "configs" / "text_arithmetic.yaml", TINY_MASKED), 2, None)
-    script = tmp_path / "worker.py"
-    script.write_text(MASKED_WORKER)
-    out = tmp_path / "bytes.json"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "ACCELERATE_USE_FSDP": "true",
-           "FSDP_VERSION": "2", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), str(script), json.dumps(TINY_MASKED), str(out)], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    real = json.loads(out.read_text())
+    real = real_bytes["masked"]
     update = row["phases"]["update"]
     for key in ("params", "optimizer", "reference"):
         assert update[f"{key}_gib"] * GIB == pytest.approx(real[key], abs=0.5), key  # bytes: exact (float GiB round trip)
@@ -450,37 +452,55 @@ from difrl.train.planner.simulation import module_bytes, steady_optimizer_state,
 from difrl.utils.rng import mix_seed
 from difrl.worlds import build_masked_world
 
-over, out = json.loads(sys.argv[1]), sys.argv[2]
-cfg = load_train_config("configs/text_arithmetic.yaml", [*over, "train.ratio_check=false"])
-world = build_masked_world(cfg)
-policy = world.policy
-accelerator, fsdp = processes(policy)
-split = plan_masked_iteration(cfg, accelerator.num_processes, accelerator.process_index)
-tr = setup_training(cfg, policy, accelerator, fsdp)
-steady_optimizer_state(tr.optimizer, tr.params)
-P, G = cfg.rollout.prompts_per_iter, cfg.rollout.group_size
-batch = world.prompts(P, mix_seed(cfg.seed, 0, 1)).repeat(G).select(split.rows)
-seeds = torch.tensor([mix_seed(cfg.seed, 0, 0, int(i)) for i in split.rows], dtype=torch.int64)
-tr.net.eval()
-with rollout_forwards(tr.net, tr.fsdp):
-    o = SAMPLERS[cfg.sampler.kind](policy, batch.tokens, batch.cond, seeds=seeds, **cfg.sampler.sampler_kwargs())
-r = old_log_probs(cfg, policy, tr, 0, batch, o.tokens, o.gen_mask, seeds)
-tr.net.train()
-grads = {}
-_step = tr.optimizer.step
-def step(*a, **kw):  # the gradients as the optimizer sees them (zeroed right after)
-    grads["bytes"] = tensor_bytes([p.grad for p in tr.params.values() if p.grad is not None])
-    return _step(*a, **kw)
-tr.optimizer.step = step
-S = split.per_proc
-policy_update(cfg, policy, tr, accelerator, split, r, torch.zeros(S), torch.ones(S, dtype=torch.bool),
-              torch.ones(o.tokens.shape), torch.ones(o.tokens.shape, dtype=torch.bool), 0, Metrics())
-opt = sum(tensor_bytes(v for v in st.values() if torch.is_tensor(v)) for st in tr.optimizer.state.values())  # moments and step
-row = {"params": module_bytes(tr.net), "buffers": sum(b.numel() * b.element_size() for b in tr.net.buffers()),
-       "grads": grads["bytes"], "optimizer": opt, "reference": module_bytes(tr.reference)}
-if accelerator.is_main_process:
-    json.dump(row, open(out, "w"))
-accelerator.wait_for_everyone()
+def masked_bytes(over):
+    """The masked job: its bytes per process (a dict)."""
+    cfg = load_train_config("configs/text_arithmetic.yaml", [*over, "train.ratio_check=false"])
+    world = build_masked_world(cfg)
+    policy = world.policy
+    accelerator, fsdp = processes(policy)
+    split = plan_masked_iteration(cfg, accelerator.num_processes, accelerator.process_index)
+    tr = setup_training(cfg, policy, accelerator, fsdp)
+    steady_optimizer_state(tr.optimizer, tr.params)
+    P, G = cfg.rollout.prompts_per_iter, cfg.rollout.group_size
+    batch = world.prompts(P, mix_seed(cfg.seed, 0, 1)).repeat(G).select(split.rows)
+    seeds = torch.tensor([mix_seed(cfg.seed, 0, 0, int(i)) for i in split.rows], dtype=torch.int64)
+    tr.net.eval()
+    with rollout_forwards(tr.net, tr.fsdp):
+        o = SAMPLERS[cfg.sampler.kind](policy, batch.tokens, batch.cond, seeds=seeds, **cfg.sampler.sampler_kwargs())
+    r = old_log_probs(cfg, policy, tr, 0, batch, o.tokens, o.gen_mask, seeds)
+    tr.net.train()
+    grads = {}
+    _step = tr.optimizer.step
+    def step(*a, **kw):  # the gradients as the optimizer sees them (zeroed right after)
+        grads["bytes"] = tensor_bytes([p.grad for p in tr.params.values() if p.grad is not None])
+        return _step(*a, **kw)
+    tr.optimizer.step = step
+    S = split.per_proc
+    policy_update(cfg, policy, tr, accelerator, split, r, torch.zeros(S), torch.ones(S, dtype=torch.bool),
+                  torch.ones(o.tokens.shape), torch.ones(o.tokens.shape, dtype=torch.bool), 0, Metrics())
+    opt = sum(tensor_bytes(v for v in st.values() if torch.is_tensor(v)) for st in tr.optimizer.state.values())  # moments and step
+    row = {"params": module_bytes(tr.net), "buffers": sum(b.numel() * b.element_size() for b in tr.net.buffers()),
+           "grads": grads["bytes"], "optimizer": opt, "reference": module_bytes(tr.reference)}
+    return row, accelerator
+'''
+
+BOTH_WORKERS = '''
+import json, runpy, sys
+from pathlib import Path
+from accelerate.state import AcceleratorState, GradientState
+
+path, flow_over, masked_over, out = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
+# each worker in a namespace of its own (both import a setup_training and a policy_update)
+flow = runpy.run_path(str(Path(out) / "flow_worker.py"))["flow_bytes"]
+masked = runpy.run_path(str(Path(out) / "masked_worker.py"))["masked_bytes"]
+for job, run in (("flow", lambda: flow(path, flow_over)), ("masked", lambda: masked(masked_over))):
+    row, accelerator = run()
+    if accelerator.is_main_process:
+        json.dump(row, open(f"{out}/{job}.json", "w"))
+    accelerator.wait_for_everyone()
+    # the next job's Accelerator starts from a fresh state (its own FSDP branch), on the same process group
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
 '''
 
 
