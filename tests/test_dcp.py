@@ -208,7 +208,7 @@ def assert_same_weights(a: Path, b: Path) -> None:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-7, msg=k)  # 1 vs 2 processes: fp32 sums reordered
 
 
-@pytest.mark.slow  # three launches of the tiny FLUX pipeline and a run in this process (+ the shared 2-process reference)
+@pytest.mark.slow  # three launches of the tiny FLUX pipeline, a run in this process (+ the shared 2-process reference)
 def test_sharded_run_resumes_on_another_number_of_processes(uninterrupted, tiny_flux, tmp_path):
     from difrl.config import load_config
     from difrl.train.config import FlowConfig
@@ -271,8 +271,9 @@ def test_export_writes_plain_diffusers_files(uninterrupted, tiny_flux, tmp_path,
 
     # LoRA (one process, sharded checkpoints asked for): lora/ loads into a plain pipeline, equal to the checkpoint
     lora = tmp_path / "lora"
-    run_here(SCRIPT, flux_args(tiny_flux, "train.iterations=1", "train.grad_accum=4", "train.checkpoint_format=sharded"),
-             lora)  # the one plain process in this test process (run_here: no second start-up of torch and diffusers)
+    # the one plain process in this test process (run_here: no second start-up of torch and diffusers)
+    run_here(SCRIPT, flux_args(tiny_flux, "train.iterations=1", "train.grad_accum=4",
+                               "train.checkpoint_format=sharded"), lora)
     out = export(capsys, lora)
     trained = {k[len("trainable/"):]: v
                for k, v in read_sharded(lora / "checkpoints" / "iter-000001", "trainable/").items()}

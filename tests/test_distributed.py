@@ -105,8 +105,8 @@ def two_processes(tmp_path_factory) -> dict[str, Path]:
     each run on a process group of its own, as a launch of its own would be; the launch's start-up, torch and peft in
     2 processes, is paid once). `part` is the resume test's own (it damages and resumes it)."""
     root = tmp_path_factory.mktemp("two_processes")
-    plan = [{"kind": None, "argv": ["train", str(ROOT / "configs" / "digits.yaml"), *COMMON, *extra, "train.grad_accum=2",
-                                    "--out", str(root / name)]} for name, extra in TWO.items()]
+    plan = [{"kind": None, "argv": ["train", str(ROOT / "configs" / "digits.yaml"), *COMMON, *extra,
+                                    "train.grad_accum=2", "--out", str(root / name)]} for name, extra in TWO.items()]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

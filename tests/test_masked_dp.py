@@ -5,8 +5,9 @@
 Each world (Sudoku; the text task with the bundled BertForMaskedLM, tied embeddings) is trained once on one plain
 process (`difrl train` in the test process; a module-scoped reference shared by the DDP and the FSDP comparison) and
 on 2 processes launched by `accelerate launch --config_file configs/accelerate/{ddp,fsdp}.yaml --num_processes 2`
-(one launch per config runs its 2-process runs one after another: tests/many_runs.py), with the same command-line keys: `train.micro_batch=auto` gives 1 process one micro-batch of all samples and each of
-2 processes one of half of them, one optimizer update per inner update either way. Over 3 iterations every metric
+(one launch per config runs its 2-process runs one after another: tests/many_runs.py), with the same command-line
+keys: `train.micro_batch=auto` gives 1 process one micro-batch of all samples and each of 2 processes one of half of
+them, one optimizer update per inner update either way. Over 3 iterations every metric
 row, the evaluation after training and the checkpoint (weights, AdamW moments) agree within rtol 1e-5
 (tests/test_fsdp.py's assert_same_runs); only the first micro-step's |log ratio| is float noise of different
 micro-batches on either side (checked below the ratio check's tolerance instead). Adam's eps = 1 keeps an update
@@ -102,8 +103,8 @@ def launched(tmp_path_factory):
                                                                                        "train.iterations=3"]))
             plan = [{"kind": None, "argv": args(w, dirs[w], *extra)} for w, extra in runs]
             cmd = [str(ACCELERATE), "launch", "--config_file", str(ROOT / "configs" / "accelerate" / f"{launch}.yaml"),
-                   "--num_processes", "2", "--main_process_port", str(free_port()), str(ROOT / "tests" / "many_runs.py"),
-                   json.dumps(plan)]
+                   "--num_processes", "2", "--main_process_port", str(free_port()),
+                   str(ROOT / "tests" / "many_runs.py"), json.dumps(plan)]
             proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=900)
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
             # the main process prints its run's lines, then (flushed) "many_runs: run i/N ..." to stdout: the text
