@@ -1,12 +1,14 @@
 """Several trainings one after another in one launch, so that a test pays a launch's start-up once.
 
     accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes 2 tests/many_runs.py PLAN_JSON
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/many_runs.py PLAN_JSON      # torchrun
     PLAN_JSON: [{"kind": "sd3", "argv": [...]}, {"kind": null, "argv": ["train", ...], "env": {"FSDP_OFFLOAD_PARAMS": "true"}}]
 
 Each entry runs what its command would run: `kind` names an entry script's model kind (difrl.train.entry.main(kind,
 argv): scripts/train_sd3.py ...), null means the difrl command line (difrl.cli.main(argv): `python -m difrl ...`).
 `env` is set for that run only (what `accelerate launch --fsdp_offload_params true` would have set; the trainers read
-the FSDP settings from the environment at start). Any argument after PLAN_JSON is ignored (tests/test_fsdp.py's `run`
+the FSDP settings from the environment at start; `accelerate launch --mixed_precision bf16` is
+ACCELERATE_MIXED_PRECISION=bf16). Any argument after PLAN_JSON is ignored (tests/test_fsdp.py's `run`
 appends --out).
 
 Each run has its own process group, as a separate launch does: accelerate's end_training destroys it, the singletons

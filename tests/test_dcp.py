@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_fsdp import ROOT, Net, assert_lora_loads, assert_same_runs, flux_args, run, run_killed_after, tiny_flux  # noqa: F401
+from test_fsdp import (ROOT, Net, assert_lora_loads, assert_same_runs, flux_args, run,  # noqa: F401
+                       run_here, run_killed_after, tiny_flux)
 
 
 # ---------------------------------------------------------------------------------- fast checks (one process)
@@ -207,7 +208,7 @@ def assert_same_weights(a: Path, b: Path) -> None:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-7, msg=k)  # 1 vs 2 processes: fp32 sums reordered
 
 
-@pytest.mark.slow  # four launches of the tiny FLUX pipeline (+ the shared 2-process reference, 1 min), about 2 min
+@pytest.mark.slow  # three launches of the tiny FLUX pipeline, a run in this process (+ the shared 2-process reference)
 def test_sharded_run_resumes_on_another_number_of_processes(uninterrupted, tiny_flux, tmp_path):
     from difrl.config import load_config
     from difrl.train.config import FlowConfig
@@ -217,7 +218,9 @@ def test_sharded_run_resumes_on_another_number_of_processes(uninterrupted, tiny_
     # 2 -> 1: SIGKILL (launcher and both processes) after checkpoint 2, resumed by one plain process
     two_one = tmp_path / "two_one"
     run_killed_after(2, SCRIPT, args, two_one, checkpoint=2)
-    out = run(1, SCRIPT, [*args, f"resume={two_one}"], two_one)
+    # the one plain process in this test process (run_here: the script's code without a second start-up of torch,
+    # diffusers and peft; no process group, as in a process of its own)
+    out = run_here(SCRIPT, [*args, f"resume={two_one}"], two_one)
     assert "resumed from" in out
     # the run kept its format: config.yaml says sharded, and the one process wrote DCP files too
     assert load_config(FlowConfig, two_one / "config.yaml").train.checkpoint_format == "sharded"
@@ -244,7 +247,7 @@ def export(capsys, run_dir: Path, *extra: str) -> Path:
     return Path(capsys.readouterr().out.strip().splitlines()[-1].rsplit(" -> ", 1)[1].split(", ")[0]).parent
 
 
-@pytest.mark.slow  # one 1-process launch of the tiny FLUX pipeline and three exports, about 1 min on 2 cores
+@pytest.mark.slow  # one 1-process run of the tiny FLUX pipeline (in this process) and three exports
 def test_export_writes_plain_diffusers_files(uninterrupted, tiny_flux, tmp_path, capsys):
     from diffusers import FluxTransformer2DModel
 
@@ -268,8 +271,9 @@ def test_export_writes_plain_diffusers_files(uninterrupted, tiny_flux, tmp_path,
 
     # LoRA (one process, sharded checkpoints asked for): lora/ loads into a plain pipeline, equal to the checkpoint
     lora = tmp_path / "lora"
-    run(1, SCRIPT, flux_args(tiny_flux, "train.iterations=1", "train.grad_accum=4", "train.checkpoint_format=sharded"),
-        lora)
+    # the one plain process in this test process (run_here: no second start-up of torch and diffusers)
+    run_here(SCRIPT, flux_args(tiny_flux, "train.iterations=1", "train.grad_accum=4",
+                               "train.checkpoint_format=sharded"), lora)
     out = export(capsys, lora)
     trained = {k[len("trainable/"):]: v
                for k, v in read_sharded(lora / "checkpoints" / "iter-000001", "trainable/").items()}

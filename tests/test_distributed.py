@@ -5,7 +5,8 @@
 One process accumulates 4 micro-batches of 2 per update; two processes accumulate 2 each and
 DDP averages their gradients: the same 8 samples, the same update (up to float summation order).
 The one-process run is `difrl train` called in the test process (the code `python -m difrl train` runs, without
-a second start-up of torch, peft and transformers); the two processes are a torchrun launch.
+a second start-up of torch, peft and transformers); the two processes are a torchrun launch: one for all the
+tests' 2-process runs (tests/many_runs.py, fixture two_processes) and one for the resume past a damaged checkpoint.
 """
 
 from __future__ import annotations
@@ -89,11 +90,36 @@ def _assert_same_runs(one: Path, two: Path, exact: tuple[str, ...], reduced: tup
         torch.testing.assert_close(w1[k], w2[k], rtol=rtol, atol=atol, msg=k)
 
 
+SOLRL_NFT = ["rollout.kind=solrl", "solrl.candidates=8", "solrl.preview_steps=3", "train.objective=nft",
+             "nft.ref_beta=0.1", "train.kl_beta=0", "train.clip_low=1e-4", "train.clip_high=1e-4",
+             "train.micro_batch=4"]  # 2 samples x 2 trained sigmas per micro-batch
+TREES = ["rollout.kind=tree", "tree.split_steps=[0,1]", "tree.noise_scale=2.0", "train.micro_batch=5"]
+# the 2-process runs of the tests below: name -> their overrides
+TWO = {"two": [], "solrl_nft": SOLRL_NFT, "trees": TREES,
+       "full": ["train.iterations=4", "checkpoint_every=1"], "part": ["train.iterations=3", "checkpoint_every=1"]}
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> dict[str, Path]:
+    """name -> run dir of TWO's 2-process runs (train.grad_accum=2), all in ONE torchrun launch (tests/many_runs.py:
+    each run on a process group of its own, as a launch of its own would be; the launch's start-up, torch and peft in
+    2 processes, is paid once). `part` is the resume test's own (it damages and resumes it)."""
+    root = tmp_path_factory.mktemp("two_processes")
+    plan = [{"kind": None, "argv": ["train", str(ROOT / "configs" / "digits.yaml"), *COMMON, *extra,
+                                    "train.grad_accum=2", "--out", str(root / name)]} for name, extra in TWO.items()]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "many_runs.py"), json.dumps(plan)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {name: root / name for name in TWO}
+
+
 @pytest.mark.slow  # end to end, several seconds: left out by `make test-fast`
-def test_two_processes_equal_one(tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
+def test_two_processes_equal_one(two_processes, tmp_path):
+    one, two = tmp_path / "one", two_processes["two"]
     _train(one, 1, "train.grad_accum=4")
-    _train(two, 2, "train.grad_accum=2")
     # same samples and gathered rewards; metrics reduced over both processes
     _assert_same_runs(one, two, ("reward_mean", "reward_std", "adv_mean", "adv_std", "trained_samples", "zero_spread_groups"),
                       ("kl", "approx_kl", "grad_norm", "loss", "clip_high", "clip_low"))
@@ -103,41 +129,33 @@ def test_two_processes_equal_one(tmp_path):
 
 
 @pytest.mark.slow  # end to end, several seconds: left out by `make test-fast`
-def test_two_processes_equal_one_for_solrl_with_nft(tmp_path):
+def test_two_processes_equal_one_for_solrl_with_nft(two_processes, tmp_path):
     # the candidate pool is split over processes too: its rewards are gathered before seeds are selected. Candidates
-    # at fp32 here: NVFP4 scales activations per tensor, i.e. over each process's forward batch (as TE does), so an
-    # NVFP4 pool split over processes is quantized slightly differently and may select other seeds
-    extra = ["rollout.kind=solrl", "solrl.candidates=8", "solrl.preview_steps=3", "train.objective=nft",
-             "nft.ref_beta=0.1", "train.kl_beta=0", "train.clip_low=1e-4", "train.clip_high=1e-4",
-             "train.micro_batch=4"]  # 2 samples x 2 trained sigmas per micro-batch
-    one, two = tmp_path / "one", tmp_path / "two"
-    _train(one, 1, *extra, "train.grad_accum=4")
-    _train(two, 2, *extra, "train.grad_accum=2")
+    # at fp32 here (SOLRL_NFT): NVFP4 scales activations per tensor, i.e. over each process's forward batch (as TE
+    # does), so an NVFP4 pool split over processes is quantized slightly differently and may select other seeds
+    one, two = tmp_path / "one", two_processes["solrl_nft"]
+    _train(one, 1, *SOLRL_NFT, "train.grad_accum=4")
     _assert_same_runs(one, two, ("reward_mean", "solrl/spearman_median", "solrl/candidate_reward_mean", "nfe_lowprec",
                                  "nfe_full"), ("loss", "nft_loss_pos", "kl", "grad_norm"))
 
 
 @pytest.mark.slow  # end to end, several seconds: left out by `make test-fast`
-def test_two_processes_equal_one_for_trees(tmp_path):
-    # one tree per process; the 20 edges of both trees form one update (advantages are per tree, so no
+def test_two_processes_equal_one_for_trees(two_processes, tmp_path):
+    # one tree per process (TREES); the 20 edges of both trees form one update (advantages are per tree, so no
     # process needs another's rewards): 1 x (4 micro-batches of 5) == 2 x (2 of 5), gradients averaged by DDP
-    extra = ["rollout.kind=tree", "tree.split_steps=[0,1]", "tree.noise_scale=2.0", "train.micro_batch=5"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    _train(one, 1, *extra, "train.grad_accum=4")
-    _train(two, 2, *extra, "train.grad_accum=2")
+    one, two = tmp_path / "one", two_processes["trees"]
+    _train(one, 1, *TREES, "train.grad_accum=4")
     _assert_same_runs(one, two, ("reward_mean", "reward_std", "nfe_full", "nfe_train", "tree/edges_trained",
                                  "tree/edge_adv_abs_mean"), ("kl", "loss", "grad_norm", "clip_high", "clip_low"))
 
 
 @pytest.mark.slow  # end to end, several seconds: left out by `make test-fast`
-def test_resume_under_two_processes_past_a_damaged_checkpoint(tmp_path):
+def test_resume_under_two_processes_past_a_damaged_checkpoint(two_processes):
     # 3 iterations, the newest checkpoint's weights damaged (flipped bytes), resume to 4 (all under 2 processes):
     # both processes fall back to iteration 2's checkpoint and the run == 4 iterations without a stop
     from test_checkpoint_integrity import flip_data_bytes
 
-    full, part = tmp_path / "full", tmp_path / "part"
-    _train(full, 2, "train.grad_accum=2", "train.iterations=4", "checkpoint_every=1")
-    _train(part, 2, "train.grad_accum=2", "train.iterations=3", "checkpoint_every=1")
+    full, part = two_processes["full"], two_processes["part"]  # 4 and 3 iterations (TWO)
     flip_data_bytes(part / "checkpoints" / "iter-000003" / "trainable.safetensors")
     out = _train(part, 2, "train.grad_accum=2", "train.iterations=4", "checkpoint_every=1", f"resume={part}")
     assert "trainable.safetensors does not match its SHA-256" in out and "iter-000002 after iteration 2" in out, out[-3000:]

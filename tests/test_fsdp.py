@@ -16,6 +16,7 @@ a. FLUX (tiny pipeline) full fine-tuning with the KL to a (sharded) frozen refer
 b. FLUX LoRA: the same equality; lora/ loads into a plain FluxPipeline with load_lora_weights.
 c. bf16 mixed precision from the launch, and model.dtype=bf16 full fine-tuning (upcast before sharding): ratio 1 on
    the first micro-step, fp32 masters (and EMA, AdamW state) in the checkpoint; the latter's transformer/ in bf16.
+   The uninterrupted two-process runs of a, b and c share one launch (tests/many_runs.py; fixture flux_launch).
 d. The masked trainer (Sudoku; hf_masked: the bundled BertForMaskedLM, tied embeddings) under FSDP and DDP, its
    samples split over the processes: tests/test_masked_dp.py.
 e. Fast: gathering, plain copies and checkpoint restore of sharded tensors (a one-process group in the test
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -251,13 +253,44 @@ def flux_args(path: Path, *extra: str) -> list[str]:
 # ---------------------------------------------------------------------------------- end to end (2 processes)
 
 
-@pytest.mark.slow  # four launches of the tiny FLUX pipeline, about 1.5 min on 2 cores
-def test_fsdp_full_finetune_flux_equals_one_process_and_resumes_past_a_kill(tiny_flux, tmp_path):
+# a's full fine-tuning: the KL to a frozen reference (sharded the same way) and EMA
+FULL_KL_EMA = ("train.lora.enabled=false", "train.kl_beta=0.1", "train.ema_decay=0.9")
+
+
+@pytest.fixture(scope="module")
+def flux_launch(tiny_flux, tmp_path_factory):
+    """The uninterrupted two-process runs of a, b and c in ONE launch (tests/many_runs.py: each run on a process group
+    of its own, as a launch of its own would be; the launch's start-up, torch, diffusers and peft in 2 processes, is
+    paid once): {name: (run dir, the launch output of that run alone)}. `accelerate launch --mixed_precision bf16`
+    sets only ACCELERATE_MIXED_PRECISION=bf16 for its processes (accelerate/utils/launch.py), which the Accelerator
+    reads at start: the bf16_mixed run gets it as its run's environment."""
+    root = tmp_path_factory.mktemp("flux_launch")
+    runs = {
+        "full": (flux_args(tiny_flux, *FULL_KL_EMA, "train.grad_accum=2"), {}),
+        # LoRA (the config's): the reference is the adapter switched off
+        "lora": (flux_args(tiny_flux, "train.kl_beta=0.1", "train.grad_accum=2"), {}),
+        "bf16_mixed": (flux_args(tiny_flux, "train.lora.enabled=false", "train.iterations=2", "train.grad_accum=2"),
+                       {"ACCELERATE_MIXED_PRECISION": "bf16"}),
+        "bf16_model": (flux_args(tiny_flux, "model.dtype=bf16", "train.lora.enabled=false", "train.iterations=2",
+                                 "train.grad_accum=2", "train.ema_decay=0.9"), {}),
+    }
+    plan = [{"kind": "flux", "argv": [*a, "--out", str(root / name)], "env": e} for name, (a, e) in runs.items()]
+    log = run(2, [str(ROOT / "tests" / "many_runs.py")], [json.dumps(plan)], root / "unused")  # --out: ignored
+    # rank 0 prints its run's lines and then (flushed) "many_runs: run i/4 ..." to stdout, which comes first in `log`:
+    # the text before the i-th of those lines and after the one before is run i's (stderr follows them all)
+    parts = re.split(r"many_runs: run \d/4 on its own process group[^\n]*\n", log)
+    assert len(parts) == 5, log[-3000:]
+    for name, part in zip(runs, parts):  # each run's text holds its own sharding line, and only it
+        assert part.count("difrl: FSDP2 over 2 processes") == 1, (name, part[-3000:])
+    return {name: (root / name, part) for name, part in zip(runs, parts)}
+
+
+@pytest.mark.slow  # a run of the launch flux_launch and two launches of the tiny FLUX pipeline
+def test_fsdp_full_finetune_flux_equals_one_process_and_resumes_past_a_kill(tiny_flux, flux_launch, tmp_path):
     script = [str(ROOT / "scripts" / "train_flux.py")]
-    args = flux_args(tiny_flux, "train.lora.enabled=false", "train.kl_beta=0.1", "train.ema_decay=0.9")
-    one, two, killed = tmp_path / "one", tmp_path / "two", tmp_path / "killed"
+    args = flux_args(tiny_flux, *FULL_KL_EMA)
+    one, (two, out), killed = tmp_path / "one", flux_launch["full"], tmp_path / "killed"
     run_here(script, [*args, "train.grad_accum=4"], one)
-    out = run(2, script, [*args, "train.grad_accum=2"], two)
     assert "difrl: FSDP2 over 2 processes: 3 units (2 blocks of FluxSingleTransformerBlock, FluxTransformerBlock" in out
     assert "(the frozen reference sharded the same way)" in out
     assert_same_runs(one, two)
@@ -282,13 +315,13 @@ def test_fsdp_full_finetune_flux_equals_one_process_and_resumes_past_a_kill(tiny
     assert_same_runs(two, killed)
 
 
-@pytest.mark.slow  # two launches of the tiny FLUX pipeline
-def test_fsdp_lora_flux_equals_one_process_and_loads_in_diffusers(tiny_flux, tmp_path):
+@pytest.mark.slow  # a run of the launch flux_launch
+def test_fsdp_lora_flux_equals_one_process_and_loads_in_diffusers(tiny_flux, flux_launch, tmp_path):
     script = [str(ROOT / "scripts" / "train_flux.py")]
     args = flux_args(tiny_flux, "train.kl_beta=0.1")  # LoRA (the config's): the reference is the adapter switched off
-    one, two = tmp_path / "one", tmp_path / "two"
+    one, (two, out) = tmp_path / "one", flux_launch["lora"]
     run_here(script, [*args, "train.grad_accum=4"], one)
-    assert "difrl: FSDP2 over 2 processes" in run(2, script, [*args, "train.grad_accum=2"], two)
+    assert "difrl: FSDP2 over 2 processes" in out
     assert_same_runs(one, two)
     trained = {k.split("/", 1)[1]: v for k, v in checkpoint_tensors(two, 3).items() if k.startswith("trainable/")}
     assert trained and all("lora_" in k for k in trained)
@@ -298,37 +331,33 @@ def test_fsdp_lora_flux_equals_one_process_and_loads_in_diffusers(tiny_flux, tmp
     assert_lora_loads(tiny_flux, two / "lora", trained)
 
 
-@pytest.mark.slow  # one launch of the tiny FLUX pipeline
-def test_fsdp_bf16_mixed_precision_from_the_accelerate_config(tiny_flux, tmp_path):
+@pytest.mark.slow  # a run of the launch flux_launch
+def test_fsdp_bf16_mixed_precision_from_the_accelerate_config(tiny_flux, flux_launch):
     # `accelerate launch --mixed_precision bf16` (or mixed_precision: bf16 in the config): the blocks compute in
     # bf16 in the rollout and in training alike (the first micro-step's ratio is exactly 1), the optimizer keeps
     # fp32 master weights (the checkpoint is fp32) and the weights move
-    script = [str(ROOT / "scripts" / "train_flux.py")]
-    out = run(2, script, flux_args(tiny_flux, "train.lora.enabled=false", "train.iterations=2", "train.grad_accum=2"),
-              tmp_path / "bf16", launch=("--mixed_precision", "bf16"))
+    bf16, out = flux_launch["bf16_mixed"]
     assert "mixed precision bf16" in out
-    assert [r["first_step_max_abs_log_ratio"] for r in rows(tmp_path / "bf16")] == [0.0, 0.0]
-    trained = checkpoint_tensors(tmp_path / "bf16", 2)
+    assert [r["first_step_max_abs_log_ratio"] for r in rows(bf16)] == [0.0, 0.0]
+    trained = checkpoint_tensors(bf16, 2)
     base = load_safetensors_checked(tiny_flux / "transformer" / "diffusion_pytorch_model.safetensors", "base")[0]
     assert all(v.dtype == torch.float32 for v in trained.values())
     assert max(float((trained[f"trainable/{k}"] - v).abs().max()) for k, v in base.items()) > 1e-3
 
 
-@pytest.mark.slow  # one launch of the tiny FLUX pipeline
-def test_fsdp_bf16_model_full_finetune_keeps_fp32_masters(tiny_flux, tmp_path):
+@pytest.mark.slow  # a run of the launch flux_launch
+def test_fsdp_bf16_model_full_finetune_keeps_fp32_masters(tiny_flux, flux_launch):
     # model.dtype=bf16 with full fine-tuning (difrl/train/precision.py): the transformer is upcast to fp32 before it is
     # sharded and FSDP2 gathers it in bf16 (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)) with no
     # --mixed_precision flag: ratio 1 on the first micro-step, every checkpointed tensor fp32, transformer/ in bf16
-    script = [str(ROOT / "scripts" / "train_flux.py")]
-    out = run(2, script, flux_args(tiny_flux, "model.dtype=bf16", "train.lora.enabled=false", "train.iterations=2",
-                                   "train.grad_accum=2", "train.ema_decay=0.9"), tmp_path / "bf16")
+    bf16, out = flux_launch["bf16_model"]
     assert "mixed precision bf16" in out
-    assert [r["first_step_max_abs_log_ratio"] for r in rows(tmp_path / "bf16")] == [0.0, 0.0]
-    trained = checkpoint_tensors(tmp_path / "bf16", 2)
+    assert [r["first_step_max_abs_log_ratio"] for r in rows(bf16)] == [0.0, 0.0]
+    trained = checkpoint_tensors(bf16, 2)
     assert {v.dtype for v in trained.values()} == {torch.float32} and any(k.startswith("ema/") for k in trained)
     base = load_safetensors_checked(tiny_flux / "transformer" / "diffusion_pytorch_model.safetensors", "base")[0]
     assert max(float((trained[f"trainable/{k}"] - v).abs().max()) for k, v in base.items()) > 1e-3
-    written = load_safetensors_checked(tmp_path / "bf16" / "transformer" / "diffusion_pytorch_model.safetensors", "t")[0]
+    written = load_safetensors_checked(bf16 / "transformer" / "diffusion_pytorch_model.safetensors", "t")[0]
     assert written.keys() == base.keys()
     for k, v in written.items():  # the EMA weights, gathered and written in the dtype the model was loaded in
         assert v.dtype == torch.bfloat16 and torch.equal(v, trained[f"ema/{k}"].bfloat16()), k  # exact: one cast

@@ -31,10 +31,14 @@ from difrl.utils.io import load_safetensors_checked
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = str(ROOT / "configs" / "digits.yaml")
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-# the digits world, 8 samples x 4 steps per iteration (about 0.15 s each on one thread): long enough to signal mid-run
+# the digits world, 8 samples x 4 steps per iteration (about 0.15 s each on one thread), ITERATIONS of them: long
+# enough to signal mid-run. The signal goes out as soon as the 3rd row is written and the run stops at the next
+# iteration boundary it reaches (k = 3 in every run seen, at load averages of 5 on 2 cores), so 20 leave a wide
+# margin (it was 40: the 20 more, trained twice, in the reference and in the resumed run, checked nothing more)
+ITERATIONS = 20
 TINY = ["seed=3", "threads=1", "sampler.num_steps=4", "rollout.prompts_per_iter=2", "rollout.group_size=4",
         "train.micro_batch=6", "train.grad_accum=2", "train.lr=1e-3", "train.clip_low=1e-3", "train.clip_high=1e-3",
-        "eval.every=0", "eval.per_digit=1", "eval.num_steps=3", "train.kl_beta=0.1", "train.iterations=40",
+        "eval.every=0", "eval.per_digit=1", "eval.num_steps=3", "train.kl_beta=0.1", f"train.iterations={ITERATIONS}",
         "train.updates_per_epoch=null"]  # digits.yaml makes 2 updates per rollout; on 2 processes these sizes make 1
 
 
@@ -220,7 +224,7 @@ def difrl(nproc: int) -> list[str]:
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "difrl"]
 
 
-@pytest.mark.slow  # two launches of `python -m difrl train` and an in-process run of 40 iterations (about 50 s)
+@pytest.mark.slow  # two launches of `python -m difrl train` and an in-process run of ITERATIONS
 def test_ctrl_c_checkpoints_and_resume_equals_the_run_never_stopped(tmp_path):
     from difrl.train.config import load_flow_config
     from difrl.train.flow.trainer import train
@@ -232,15 +236,15 @@ def test_ctrl_c_checkpoints_and_resume_equals_the_run_never_stopped(tmp_path):
                   signal.SIGINT, after_rows=3)
     assert "Traceback" not in text and "KeyboardInterrupt" not in text
     k, resume = stopped_at(text, "SIGINT", part, difrl(1))  # `python -m difrl train resume=DIR`
-    assert 3 <= k < 40 and len(rows(part)) == k
+    assert 3 <= k < ITERATIONS and len(rows(part)) == k
     assert (part / "checkpoints" / f"iter-{k:06d}" / "manifest.json").is_file()  # a verified checkpoint
 
     proc = subprocess.run(resume, capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"after iteration {k}" in proc.stdout
-    assert rows(part) == rows(full) and len(rows(full)) == 40
-    assert_same_weights(part / "checkpoints" / "iter-000040" / "trainable.safetensors",
-                        full / "checkpoints" / "iter-000040" / "trainable.safetensors")
+    assert rows(part) == rows(full) and len(rows(full)) == ITERATIONS
+    assert_same_weights(part / "checkpoints" / f"iter-{ITERATIONS:06d}" / "trainable.safetensors",
+                        full / "checkpoints" / f"iter-{ITERATIONS:06d}" / "trainable.safetensors")
     assert_same_weights(part / "policy.safetensors", full / "policy.safetensors")
     assert yaml.safe_load((part / "config.yaml").read_text())["history"] == []  # nothing changed on resume
 
@@ -257,11 +261,11 @@ def test_sigterm_to_a_torchrun_group_stops_both_processes_together(tmp_path):
     text = launch([*difrl(2), "train", DIGITS, *TINY, "--out", str(part)], part, tmp_path / "part.log",
                   signal.SIGTERM, after_rows=3, group=True)
     k, resume = stopped_at(text, "SIGTERM", part, difrl(2))  # the same torchrun launch, 2 processes
-    assert 3 <= k < 40 and len(rows(part)) == k
+    assert 3 <= k < ITERATIONS and len(rows(part)) == k
     assert (part / "checkpoints" / f"iter-{k:06d}" / "manifest.json").is_file()
     assert "KeyboardInterrupt" not in text and f'File "{ROOT / "difrl"}' not in text  # a traceback is torchrun's own
 
     proc = subprocess.run(resume, capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert rows(part) == rows(full) and len(rows(full)) == 40
+    assert rows(part) == rows(full) and len(rows(full)) == ITERATIONS
     assert_same_weights(part / "policy.safetensors", full / "policy.safetensors")

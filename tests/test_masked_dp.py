@@ -4,9 +4,10 @@
 
 Each world (Sudoku; the text task with the bundled BertForMaskedLM, tied embeddings) is trained once on one plain
 process (`difrl train` in the test process; a module-scoped reference shared by the DDP and the FSDP comparison) and
-on 2 processes launched by `accelerate launch --config_file configs/accelerate/{ddp,fsdp}.yaml --num_processes 2`,
-with the same command-line keys: `train.micro_batch=auto` gives 1 process one micro-batch of all samples and each of
-2 processes one of half of them, one optimizer update per inner update either way. Over 3 iterations every metric
+on 2 processes launched by `accelerate launch --config_file configs/accelerate/{ddp,fsdp}.yaml --num_processes 2`
+(one launch per config runs its 2-process runs one after another: tests/many_runs.py), with the same command-line
+keys: `train.micro_batch=auto` gives 1 process one micro-batch of all samples and each of 2 processes one of half of
+them, one optimizer update per inner update either way. Over 3 iterations every metric
 row, the evaluation after training and the checkpoint (weights, AdamW moments) agree within rtol 1e-5
 (tests/test_fsdp.py's assert_same_runs); only the first micro-step's |log ratio| is float noise of different
 micro-batches on either side (checked below the ratio check's tolerance instead). Adam's eps = 1 keeps an update
@@ -23,7 +24,9 @@ process), and that resumed run is what is compared.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -53,21 +56,18 @@ WORLDS = {
 RESUMED = {"ddp": "sudoku", "fsdp": "text"}
 
 
-def train(world: str, out: Path, nproc: int = 1, launch: str = "ddp", *extra: str) -> str:
-    """`difrl train` of `world` on one process (in this one: tests/test_distributed.py's in_this_process, without
-    a second start-up of torch and transformers) or `nproc` launched by accelerate with the `launch` config."""
+def args(world: str, out: Path, *extra: str) -> list[str]:
+    """`difrl train` of `world` into `out`: its command line (after `python -m difrl`)."""
     config, keys = WORLDS[world]
-    args = ["train", str(ROOT / "configs" / config), *COMMON, *keys, *extra, "--out", str(out)]
-    if nproc == 1:
-        from test_distributed import in_this_process
+    return ["train", str(ROOT / "configs" / config), *COMMON, *keys, *extra, "--out", str(out)]
 
-        return in_this_process(args)
-    cmd = [
-        str(ACCELERATE), "launch", "--config_file", str(ROOT / "configs" / "accelerate" / f"{launch}.yaml"),
-        "--num_processes", str(nproc), "--main_process_port", str(free_port()), "-m", "difrl", *args]
-    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc.stdout + proc.stderr
+
+def train(world: str, out: Path, *extra: str) -> str:
+    """`difrl train` of `world` on one process, in this one (tests/test_distributed.py's in_this_process, without
+    a second start-up of torch and transformers); its output."""
+    from test_distributed import in_this_process
+
+    return in_this_process(args(world, out, *extra))
 
 
 @pytest.fixture(scope="module")
@@ -78,29 +78,60 @@ def one_process(tmp_path_factory):
     def get(world: str) -> Path:
         if world not in runs:
             out = tmp_path_factory.mktemp("one") / world
-            train(world, out, 1, "ddp", "train.iterations=3")
+            train(world, out, "train.iterations=3")
             runs[world] = out
         return runs[world]
 
     return get
 
 
-@pytest.mark.slow  # 6 launches of 2 processes (2 runs and their resumes, 2 runs) + 2 one-process runs: 4.8 min on 2 cores at load 7
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """launch kind -> {world: (its 2-process run dir, the launch output of that world's runs)}, on first use. ONE
+    launch per kind runs its three 2-process runs one after another (tests/many_runs.py: each on a process group of its
+    own, as a launch of its own would be; the launch's start-up, torch and transformers in 2 processes, is paid once):
+    RESUMED[kind]'s world for 2 iterations, that run resumed to 3, the other world for 3."""
+    launches = {}
+
+    def get(launch: str) -> dict[str, tuple[Path, str]]:
+        if launch not in launches:
+            root = tmp_path_factory.mktemp(f"two-{launch}")
+            worlds = [w for w in sorted(WORLDS) if w != "text" or importlib.util.find_spec("transformers")]
+            resumed, dirs = RESUMED[launch], {w: root / w for w in worlds}
+            runs = [(w, ["train.iterations=2"] if w == resumed else ["train.iterations=3"]) for w in worlds]
+            runs.insert(runs.index((resumed, ["train.iterations=2"])) + 1, (resumed, [f"resume={dirs[resumed]}",
+                                                                                       "train.iterations=3"]))
+            plan = [{"kind": None, "argv": args(w, dirs[w], *extra)} for w, extra in runs]
+            cmd = [str(ACCELERATE), "launch", "--config_file", str(ROOT / "configs" / "accelerate" / f"{launch}.yaml"),
+                   "--num_processes", "2", "--main_process_port", str(free_port()),
+                   str(ROOT / "tests" / "many_runs.py"), json.dumps(plan)]
+            proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=900)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+            # the main process prints its run's lines, then (flushed) "many_runs: run i/N ..." to stdout: the text
+            # before the i-th of those lines and after the one before is run i's
+            parts = re.split(r"many_runs: run \d/\d on its own process group[^\n]*\n", proc.stdout)
+            assert len(parts) == len(runs) + 1, proc.stdout[-3000:] + proc.stderr[-5000:]
+            launches[launch] = {w: (dirs[w], "".join(part for (v, _), part in zip(runs, parts) if v == w))
+                                for w in worlds}
+        return launches[launch]
+
+    return get
+
+
+@pytest.mark.slow  # 2 launches of 2 processes (3 runs each: tests/many_runs.py) + 2 one-process runs
 @pytest.mark.parametrize("launch", ["ddp", "fsdp"])
 @pytest.mark.parametrize("world", sorted(WORLDS))
-def test_two_processes_equal_one(world, launch, one_process, tmp_path):
+def test_two_processes_equal_one(world, launch, one_process, launched, tmp_path):
     if world == "text":
         pytest.importorskip("transformers")
-    two = tmp_path / "two"
+    two, out = launched(launch)[world]
     if RESUMED[launch] == world:  # stopped after 2 iterations, resumed on 2 processes
-        out = train(world, two, 2, launch, "train.iterations=2")
-        out += train(world, two, 2, launch, f"resume={two}", "train.iterations=3")
         assert f"difrl: resumed from {two / 'checkpoints' / 'iter-000002'} after iteration 2" in out
-    else:
-        out = train(world, two, 2, launch, "train.iterations=3")
     assert "2 process(es) x 1 thread(s)" in out and ("FSDP2 over 2 processes" in out) == (launch == "fsdp")
     one = tmp_path / "one"
     shutil.copytree(one_process(world), one)  # the shared reference stays as written
+    shutil.copytree(two, tmp_path / "two")  # the launch's run too (its path is the one its resume line names)
+    two = tmp_path / "two"
     # the first micro-step's max |log ratio| compares micro-batches of 12 (8) and 6 (4) sequences with the rollout's
     # log-probs: float noise on both sides, under the ratio check's tolerance
     for run in (one, two):
