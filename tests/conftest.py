@@ -53,14 +53,3 @@ def one_process_group():
         yield
     finally:
         dist.destroy_process_group()
-
-
-def pytest_collection_modifyitems(config, items):
-    """Files with the most slow tests first, each file's tests in their own order (a stable sort on the file alone).
-    Under `--dist loadfile` a worker takes the next file when it is free: long files first and short ones last let
-    the two workers finish together, where a long file dealt out last would run on one worker while the other
-    idles (the longest-first rule for scheduling jobs on machines). Run alone, the order changes nothing."""
-    slow: dict[str, int] = {}
-    for item in items:
-        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
-    items.sort(key=lambda item: -slow[item.path])
