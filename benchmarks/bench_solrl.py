@@ -19,12 +19,16 @@ separates the effect of fewer steps from that of the format.
 Full-precision NFEs count every full-precision network evaluation of the rollouts (and of the
 proximal recompute where there is one); low-precision NFEs those of the quantized copy. The FD
 stopping rule is off so each method shows what it does by itself. Goal: Sol-RL reaches plain
-GRPO's final accuracy with <= 0.4x its full-precision NFEs without a worse FD.
+GRPO's final accuracy with <= 0.4x its full-precision NFEs without a worse FD. The closing sentences name, for
+each row against DiffusionNFT, the config keys on which their runs differ (config_differences): naive NVFP4
+changes the rollout's format alone; Sol-RL changes the pool, its selection and nft.ref_beta together, so the
+selection by itself is benchmarks/bench_solrl_groups.py's study (its own BENCHMARKS.md block).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -133,16 +137,17 @@ def learning_rows(seeds: list[int], grpo_iters: int, nft_iters: int, every: int,
     for name in methods:
         config, overrides = METHODS[name]
         iters = grpo_iters if name == "plain GRPO" else nft_iters
+        overrides = [*overrides, f"train.iterations={iters}", f"eval.every={every}", "stop.fd_rise=null"]
         for seed in seeds:
             run_dir = out / name.replace(" ", "_") / f"seed{seed}"
-            cfg = load_flow_config(ROOT / "configs" / config, [*overrides, f"seed={seed}", f"train.iterations={iters}",
-                                                              f"eval.every={every}", "stop.fd_rise=null"])
+            cfg = load_flow_config(ROOT / "configs" / config, [*overrides, f"seed={seed}"])
             t0 = time.perf_counter()
             if reuse and same_config(cfg, run_dir):
                 print(f"learning {name}: reusing {run_dir}", flush=True)
             else:
                 train(cfg, out_dir=run_dir, overwrite=True)
-            runs.setdefault(name, []).append({"seed": seed, **curve(run_dir), "wall_s": time.perf_counter() - t0})
+            runs.setdefault(name, []).append({"seed": seed, **curve(run_dir), "wall_s": time.perf_counter() - t0,
+                                              "config": config, "overrides": overrides})
             c = runs[name][-1]["curve"][-1]
             print(f"learning {name:13s} seed {seed}: accuracy {c['accuracy']:.3f}, FD {c['fd']:.1f}, "
                   f"full NFEs {c['nfe_full']}, low NFEs {c['nfe_lowprec']}", flush=True)
@@ -160,7 +165,8 @@ def learning_rows(seeds: list[int], grpo_iters: int, nft_iters: int, every: int,
             reach.append(hit)
         hits = [h for h in reach if h is not None]
         rows.append({
-            "section": "learning", "method": name, "seeds": [r["seed"] for r in rs], "iterations": finals[0]["iteration"],
+            "section": "learning", "method": name, "config": rs[0]["config"], "overrides": rs[0]["overrides"],
+            "seeds": [r["seed"] for r in rs], "iterations": finals[0]["iteration"],
             "accuracy_mean": statistics.mean(f["accuracy"] for f in finals),
             "accuracy_std": sample_std(f["accuracy"] for f in finals),
             "fd_mean": statistics.mean(f["fd"] for f in finals), "fd_std": sample_std(f["fd"] for f in finals),
@@ -219,10 +225,35 @@ def tables(rows: list[dict]) -> list[str]:
     return out
 
 
+def config_differences(a: dict, b: dict) -> dict[str, tuple]:
+    """{dotted key: (value in a, value in b)} for every config key (the run directory aside) on which two learning
+    rows' runs differ, read from the configs they loaded (each row's config file and overrides, seed aside)."""
+    def leaves(obj, prefix: str = "") -> dict:
+        if not dataclasses.is_dataclass(obj):
+            return {prefix[:-1]: obj}
+        return {k: v for f in dataclasses.fields(obj) for k, v in leaves(getattr(obj, f.name), f"{prefix}{f.name}.").items()}
+
+    ca, cb = (leaves(load_flow_config(ROOT / "configs" / r["config"], r["overrides"])) for r in (a, b))
+    return {k: (ca[k], cb[k]) for k in ca if k != "out" and ca[k] != cb[k]}
+
+
+def claim(what: str, a: dict, b: dict, key: str, lower_is_better: bool = False) -> str:
+    """`what` of rows a and b (mean ± std over seeds), with better / worse only beyond the spread (common.beyond_spread)."""
+    ma, sa, mb, sb = a[f"{key}_mean"], a[f"{key}_std"], b[f"{key}_mean"], b[f"{key}_std"]
+    nums = f"{what} {ma:.3g} ± {sa:.2g} vs {mb:.3g} ± {sb:.2g}"
+    if len(a["seeds"]) < 2 or len(b["seeds"]) < 2:
+        return f"{nums} (one seed: no claim)"
+    if not beyond_spread(ma, sa, mb, sb):
+        return f"{nums}, within the spread"
+    return f"{nums}, {'better' if (ma < mb) == lower_is_better else 'worse'} beyond the spread"
+
+
 def cost_reading(rows: list[dict], fp4_cost: float) -> list[str]:
     """Sentences computed from the learning rows: total rollout cost to the target with low-precision NFEs
-    priced at `fp4_cost` full-precision NFEs (an assumption, stated), and what Sol-RL's pool buys over
-    DiffusionNFT without one. Differences count only beyond the spread (common.beyond_spread)."""
+    priced at `fp4_cost` full-precision NFEs (an assumption, stated); then what each row's comparison with
+    DiffusionNFT (the same objective, fp32 rollouts, no pool) isolates: the config keys on which their runs differ
+    (config_differences), one key = isolated, and what Sol-RL's pool buys in NFEs. The selection alone is
+    bench_solrl_groups.py's study, which the last sentence names."""
     learn = {r["method"]: r for r in rows if r["section"] == "learning"}
     if not learn:
         return []
@@ -236,22 +267,29 @@ def cost_reading(rows: list[dict], fp4_cost: float) -> list[str]:
         total = r["nfe_full_to_target"] + fp4_cost * (r["nfe_lowprec_to_target"] or 0.0)
         rel = f" ({total / base['nfe_full_to_target']:.2f}x plain GRPO's)" if base and base["nfe_full_to_target"] else ""
         out.append(f"- {name}: {total:.3g}{rel}.")
-    sol, nft = learn.get("Sol-RL"), learn.get("DiffusionNFT")
-    if sol and nft and sol["nfe_full_to_target"] is not None and nft["nfe_full_to_target"] is not None:
-        saved = sol["nfe_full_to_target"] < nft["nfe_full_to_target"]
-        spread = sol["fd_std"] + nft["fd_std"]
-        fd_word = (f"a {'lower' if sol['fd_mean'] < nft['fd_mean'] else 'higher'} final FD ({sol['fd_mean']:.1f} vs "
-                   f"{nft['fd_mean']:.1f}, beyond the spread {spread:.1f})"
-                   if beyond_spread(sol["fd_mean"], sol["fd_std"], nft["fd_mean"], nft["fd_std"]) else
-                   f"a final FD of {sol['fd_mean']:.1f} vs {nft['fd_mean']:.1f}, within the spread {spread:.1f}")
-        acc_word = ("different" if beyond_spread(sol["accuracy_mean"], sol["accuracy_std"], nft["accuracy_mean"],
-                                                 nft["accuracy_std"]) else "level")
-        out.append(f"Sol-RL against DiffusionNFT without a pool: full-precision NFEs to the target "
-                   f"{sol['nfe_full_to_target']:.3g} vs {nft['nfe_full_to_target']:.3g} "
-                   f"({'fewer' if saved else 'no saving'}), plus {sol['nfe_lowprec_to_target']:.3g} low-precision NFEs; "
-                   f"final accuracy {acc_word} ({sol['accuracy_mean']:.3f} vs {nft['accuracy_mean']:.3f}); {fd_word}. "
-                   "This compares more than the selection (Sol-RL runs nft.ref_beta 0.3, DiffusionNFT 0.1): "
-                   "benchmarks/bench_solrl_groups.py changes only the selection, at equal NFEs.")
+    nft = learn.get("DiffusionNFT")
+    if nft is None:
+        return out
+    out += ["", "What each row isolates against DiffusionNFT, from the config keys on which their runs differ "
+                "(values: the row's vs DiffusionNFT's):"]
+    for name, r in learn.items():
+        if name == "DiffusionNFT":
+            continue
+        diff = config_differences(r, nft)
+        keys = ", ".join(f"{k} {va} vs {vb}" for k, (va, vb) in diff.items())
+        what = (f"only {keys}: the pair isolates {next(iter(diff))}" if len(diff) == 1 else
+                f"{len(diff)} keys ({keys}): the pair does not isolate any one of them")
+        nfe = ""
+        if name == "Sol-RL" and r["nfe_full_to_target"] is not None and nft["nfe_full_to_target"] is not None:
+            saved = "fewer" if r["nfe_full_to_target"] < nft["nfe_full_to_target"] else "no saving"
+            nfe = (f"; full-precision NFEs to the target {r['nfe_full_to_target']:.3g} vs {nft['nfe_full_to_target']:.3g} "
+                   f"({saved}), plus {r['nfe_lowprec_to_target']:.3g} low-precision NFEs")
+        out.append(f"- {name}: {what}; {claim('final accuracy', r, nft, 'accuracy')}; "
+                   f"{claim('final FD', r, nft, 'fd', lower_is_better=True)}{nfe}.")
+    if "Sol-RL" in learn:
+        out.append("Sol-RL's row therefore does not measure its best/worst selection by itself: that is the "
+                   "bench_solrl_groups block (benchmarks/bench_solrl_groups.py), best/worst against a random group "
+                   "of the same pool at equal NFEs, one nft.ref_beta at a time.")
     return out
 
 
