@@ -132,12 +132,13 @@ def curve(run_dir: Path) -> list[dict]:
 
 
 def learning_rows(seeds: list[int], grpo_iters: int, nft_iters: int, every: int, out: Path, methods: list[str],
-                  reuse: bool = False) -> list[dict]:
+                  reuse: bool = False, threads: int = 1) -> list[dict]:
     runs = {}
     for name in methods:
         config, overrides = METHODS[name]
         iters = grpo_iters if name == "plain GRPO" else nft_iters
-        overrides = [*overrides, f"train.iterations={iters}", f"eval.every={every}", "stop.fd_rise=null"]
+        overrides = [*overrides, f"train.iterations={iters}", f"eval.every={every}", "stop.fd_rise=null",
+                     f"threads={threads}"]
         for seed in seeds:
             run_dir = out / name.replace(" ", "_") / f"seed{seed}"
             cfg = load_flow_config(ROOT / "configs" / config, [*overrides, f"seed={seed}"])
@@ -307,7 +308,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--skip-learning", action="store_true")
     ap.add_argument("--reuse", action="store_true", help="reuse finished runs of identical configs under --out")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_solrl")
-    ap.add_argument("--threads", type=int, default=min(2, torch.get_num_threads()))
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of both sections, the training runs' "
+                    "`threads` key included (default 1: on a shared machine a second thread can make each step many "
+                    "times slower; measured 40 s against 0.14 s per plain GRPO iteration under a load of 7 on 2 cores)")
     ap.add_argument("--fp4-cost", type=float, default=0.25, help="price of one low-precision NFE in full-precision "
                     "NFEs for the total-cost sentences (an assumption: 0.25 = FP4 at 4x BF16 throughput)")
     args = ap.parse_args(argv)
@@ -316,7 +319,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = agreement_rows(args.formats, args.prompts, args.pool or (24 if q else 64))
     if not args.skip_learning:
         rows += learning_rows(args.seeds or ([0] if q else [0, 1, 2]), args.grpo_iterations or (30 if q else 300),
-                              args.nft_iterations or (30 if q else 150), args.every or 10, args.out, args.methods, args.reuse)
+                              args.nft_iterations or (30 if q else 150), args.every or 10, args.out, args.methods, args.reuse,
+                              args.threads)
     publish(args, BEGIN, END, "Sol-RL: NVFP4 candidate ranking and learning per full-precision NFE", "bench_solrl.py",
             argv, [*tables(rows), "", *NOTES, "", *cost_reading(rows, args.fp4_cost)], rows)
     return rows

@@ -753,6 +753,8 @@ def test_bench_solrl_quick_rows_of_the_diffusionnft_methods(tmp_path):
     assert learn["DiffusionNFT"]["nfe_lowprec"] == 0 < learn["DiffusionNFT"]["nfe_full"]
     assert learn["naive NVFP4"]["nfe_full"] == 0 < learn["naive NVFP4"]["nfe_lowprec"]  # trained on the copy's samples
     assert learn["DiffusionNFT"]["target_accuracy"] is None  # no plain GRPO run: no target
+    for name in learn:  # --threads (default 1) reaches the training runs, not only the rank-agreement section
+        assert "threads: 1\n" in (out / name.replace(" ", "_") / "seed0" / "config.yaml").read_text()
     # the closing sentences read the runs' own configs: the two rows differ in the rollout's format alone
     assert any(ln.startswith("- naive NVFP4: only rollout.precision nvfp4 vs fp32") for ln in _load("bench_solrl").cost_reading(rows, 0.25))
 
