@@ -254,7 +254,9 @@ def cost_reading(rows: list[dict], fp4_cost: float) -> list[str]:
     priced at `fp4_cost` full-precision NFEs (an assumption, stated); then what each row's comparison with
     DiffusionNFT (the same objective, fp32 rollouts, no pool) isolates: the config keys on which their runs differ
     (config_differences), one key = isolated, and what Sol-RL's pool buys in NFEs. The selection alone is
-    bench_solrl_groups.py's study, which the last sentence names."""
+    bench_solrl_groups.py's study, which the last sentence names. Each derived figure it prints (the total
+    cost and its ratio, the price, the keys and their values) is stored in its row too, so the JSON holds every
+    figure of the block (scripts/check_claims.py)."""
     learn = {r["method"]: r for r in rows if r["section"] == "learning"}
     if not learn:
         return []
@@ -266,7 +268,11 @@ def cost_reading(rows: list[dict], fp4_cost: float) -> list[str]:
             out.append(f"- {name}: did not reach the target ({r['reached']}).")
             continue
         total = r["nfe_full_to_target"] + fp4_cost * (r["nfe_lowprec_to_target"] or 0.0)
-        rel = f" ({total / base['nfe_full_to_target']:.2f}x plain GRPO's)" if base and base["nfe_full_to_target"] else ""
+        r |= {"fp4_cost": fp4_cost, "total_cost_to_target": total}
+        rel = ""
+        if base and base["nfe_full_to_target"]:
+            r["total_cost_ratio"] = total / base["nfe_full_to_target"]
+            rel = f" ({r['total_cost_ratio']:.2f}x plain GRPO's)"
         out.append(f"- {name}: {total:.3g}{rel}.")
     nft = learn.get("DiffusionNFT")
     if nft is None:
@@ -277,6 +283,8 @@ def cost_reading(rows: list[dict], fp4_cost: float) -> list[str]:
         if name == "DiffusionNFT":
             continue
         diff = config_differences(r, nft)
+        r |= {"differences_from": "DiffusionNFT", "config_differences": {k: list(v) for k, v in diff.items()},
+              "config_differences_count": len(diff)}
         keys = ", ".join(f"{k} {va} vs {vb}" for k, (va, vb) in diff.items())
         what = (f"only {keys}: the pair isolates {next(iter(diff))}" if len(diff) == 1 else
                 f"{len(diff)} keys ({keys}): the pair does not isolate any one of them")

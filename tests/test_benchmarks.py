@@ -281,6 +281,9 @@ def test_bench_solrl_closing_sentences_say_what_each_row_isolates():
     assert "train.objective grpo vs nft" in by["- plain GRPO"] and "train.iterations 300 vs 150" in by["- plain GRPO"]
     assert "does not isolate" in by["- plain GRPO"]
     assert "the bench_solrl_groups block (benchmarks/bench_solrl_groups.py)" in lines[-1]
+    sol = rows[3]  # the figures the sentences derive are stored in the row, for the JSON (scripts/check_claims.py)
+    assert sol["config_differences"]["nft.ref_beta"] == [0.3, 0.1] and sol["config_differences_count"] == 3
+    assert sol["fp4_cost"] == 0.25 and sol["total_cost_to_target"] == 1.71e5 + 0.25 * 4.1e5  # the same float ops
     one = b.cost_reading([row("DiffusionNFT", (0.9, 0.0), (18.0, 0.0), seeds=(0,)),
                           row("naive NVFP4", (0.5, 0.0), (18.0, 0.0), seeds=(0,))], 0.25)
     assert one[-1].endswith("final FD 18 ± 0 vs 18 ± 0 (one seed: no claim).")
