@@ -115,6 +115,24 @@ def final_sentence(name: str, key: str, rows: dict) -> str:
             f"{mb:.3f} ± {sb:.3f}).")
 
 
+def load_sentence(rows: dict, tolerance: float = 1.25) -> str:
+    """Whether the machine's load held still: equal wall-clock assumes a busy machine slows every run alike, which
+    fails when the load changes during the run (the runs are one after the other). The same method's seeds do the
+    same work per iteration, so a per-seed median seconds per iteration more than `tolerance` times another's
+    says the load changed."""
+    moved = {n: r["seconds_per_iter_per_seed"] for n, r in rows.items()
+             if len(r["seconds_per_iter_per_seed"]) > 1
+             and max(r["seconds_per_iter_per_seed"]) > tolerance * min(r["seconds_per_iter_per_seed"])}
+    if not moved:
+        return (f"Load check: every method's per-seed median seconds per iteration are within {tolerance:g}x of each "
+                "other, so the load held still enough for the equal wall-clock columns.")
+    return ("Load check: the machine's load changed during the run, so the equal wall-clock columns (iterations, "
+            "accuracy, motion accuracy, FD and judge at budget) and the seconds ratios do not compare the methods; "
+            "the columns at equal iterations and the NFE ratios do. Per-seed median seconds per iteration more than "
+            f"{tolerance:g}x apart: " + "; ".join(f"{n} {', '.join(f'{x:.2f}' for x in xs)}" for n, xs in moved.items())
+            + ".")
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     standard_args(ap, "one seed, 6 iterations, small evaluations (~3 min)")
@@ -144,7 +162,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                "nfe_per_iter": nfe_iter, "budget_seconds": budget,
                "iterations_at_budget": statistics.mean(e["iteration"] for e in eq),
                "iterations_run": [run["iterations"] for run in rs],
-               "seconds_at_budget": [e["seconds"] for e in eq]}
+               "seconds_at_budget": [e["seconds"] for e in eq],
+               "seconds_per_iter_per_seed": [statistics.median(train_seconds(r) for r in run["rows"]) for run in rs]}
         for k in METRICS:
             row[f"{k}_mean"] = statistics.mean(e[k] for e in eq)
             row[f"{k}_std"] = sample_std(e[k] for e in eq)
@@ -179,7 +198,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if name != "flat GRPO":
             lines += [spread_sentence(name, "accuracy", table, True), spread_sentence(name, "motion_accuracy", table, True),
                       final_sentence(name, "motion_accuracy", table)]
-    lines += ["", "'iterations at budget' 0 means the base: the method's first evaluation came after flat GRPO's budget. "
+    lines += ["", load_sentence(table), "", "'iterations at budget' 0 means the base: the method's first evaluation came after flat GRPO's budget. "
               "Iterations run per seed: " + "; ".join(f"{n} {', '.join(map(str, r['iterations_run']))}"
                                                       for n, r in table.items()) + ".",
               "", "CPU only (no GPU used); seconds are single-thread timings on a machine that may have been shared, "

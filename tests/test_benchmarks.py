@@ -226,6 +226,17 @@ def test_bench_video_methods_pass_the_config_checks_and_the_flat_variants_train_
         assert step_masks(tempflow, it, 128)[0].nonzero().flatten().tolist() == list(range(7))
 
 
+def test_bench_video_says_when_the_load_moved_under_the_equal_wall_clock_columns():
+    bv = _load("bench_video")
+    steady = {"flat GRPO": {"seconds_per_iter_per_seed": [1.40, 1.45, 1.38]},
+              "Sol-RL": {"seconds_per_iter_per_seed": [2.8, 2.7, 2.9]}, "one seed": {"seconds_per_iter_per_seed": [9.0]}}
+    assert bv.load_sentence(steady).startswith("Load check: every method's per-seed median")
+    # flat GRPO's seeds at 5.9, 5.5 and 1.8 s per iteration: the same work, so the load moved (measured on 2026-12-06)
+    moved = bv.load_sentence({**steady, "flat GRPO": {"seconds_per_iter_per_seed": [5.9, 5.5, 1.8]}})
+    assert moved.startswith("Load check: the machine's load changed during the run")
+    assert moved.endswith("more than 1.25x apart: flat GRPO 5.90, 5.50, 1.80.")
+
+
 @pytest.mark.slow  # flat GRPO, then the two flat variants, 2 iterations each on 4 prompts (resumed to the budget)
 def test_bench_video_quick_rows_of_the_flat_variants(tmp_path):
     out = tmp_path / "runs"
