@@ -177,6 +177,7 @@ def learning_rows(seeds: list[int], grpo_iters: int, nft_iters: int, every: int,
             "seconds_per_iter": statistics.mean(r["seconds_per_iter"] for r in rs),
             "target_accuracy": target, "reached": f"{len(hits)}/{len(rs)}",
             "nfe_full_to_target": statistics.mean(h["nfe_full"] for h in hits) if len(hits) == len(rs) else None,
+            "nfe_full_to_target_std": sample_std(h["nfe_full"] for h in hits) if len(hits) == len(rs) else None,
             "nfe_lowprec_to_target": statistics.mean(h["nfe_lowprec"] for h in hits) if len(hits) == len(rs) else None,
             "fd_at_target": statistics.mean(h["fd"] for h in hits) if len(hits) == len(rs) else None,
             "train_spearman": rs[0]["train_spearman"],
@@ -290,9 +291,11 @@ def cost_reading(rows: list[dict], fp4_cost: float) -> list[str]:
                 f"{len(diff)} keys ({keys}): the pair does not isolate any one of them")
         nfe = ""
         if name == "Sol-RL" and r["nfe_full_to_target"] is not None and nft["nfe_full_to_target"] is not None:
-            saved = "fewer" if r["nfe_full_to_target"] < nft["nfe_full_to_target"] else "no saving"
-            nfe = (f"; full-precision NFEs to the target {r['nfe_full_to_target']:.3g} vs {nft['nfe_full_to_target']:.3g} "
-                   f"({saved}), plus {r['nfe_lowprec_to_target']:.3g} low-precision NFEs")
+            m, s, mb, sb = (x[k] for x in (r, nft) for k in ("nfe_full_to_target", "nfe_full_to_target_std"))
+            saved = ("one seed: no claim" if len(r["seeds"]) < 2 else "within the spread" if not beyond_spread(m, s, mb, sb)
+                     else f"{'fewer' if m < mb else 'more'} beyond the spread")
+            nfe = (f"; full-precision NFEs to the target {m:.3g} ± {s:.2g} vs {mb:.3g} ± {sb:.2g} ({saved}), plus "
+                   f"{r['nfe_lowprec_to_target']:.3g} low-precision NFEs")
         out.append(f"- {name}: {what}; {claim('final accuracy', r, nft, 'accuracy')}; "
                    f"{claim('final FD', r, nft, 'fd', lower_is_better=True)}{nfe}.")
     if "Sol-RL" in learn:
