@@ -19,12 +19,16 @@ separates the effect of fewer steps from that of the format.
 Full-precision NFEs count every full-precision network evaluation of the rollouts (and of the
 proximal recompute where there is one); low-precision NFEs those of the quantized copy. The FD
 stopping rule is off so each method shows what it does by itself. Goal: Sol-RL reaches plain
-GRPO's final accuracy with <= 0.4x its full-precision NFEs without a worse FD.
+GRPO's final accuracy with <= 0.4x its full-precision NFEs without a worse FD. The closing sentences name, for
+each row against DiffusionNFT, the config keys on which their runs differ (config_differences): naive NVFP4
+changes the rollout's format alone; Sol-RL changes the pool, its selection and nft.ref_beta together, so the
+selection by itself is benchmarks/bench_solrl_groups.py's study (its own BENCHMARKS.md block).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -128,23 +132,23 @@ def curve(run_dir: Path) -> list[dict]:
 
 
 def learning_rows(seeds: list[int], grpo_iters: int, nft_iters: int, every: int, out: Path, methods: list[str],
-                  reuse: bool = False, threads: int | None = None) -> list[dict]:
-    """threads: the runs' torch threads (config `threads`); None leaves their configs' (every available core)."""
+                  reuse: bool = False, threads: int = 1) -> list[dict]:
     runs = {}
     for name in methods:
         config, overrides = METHODS[name]
         iters = grpo_iters if name == "plain GRPO" else nft_iters
+        overrides = [*overrides, f"train.iterations={iters}", f"eval.every={every}", "stop.fd_rise=null",
+                     f"threads={threads}"]
         for seed in seeds:
             run_dir = out / name.replace(" ", "_") / f"seed{seed}"
-            cfg = load_flow_config(ROOT / "configs" / config, [*overrides, f"seed={seed}", f"train.iterations={iters}",
-                                                              f"eval.every={every}", "stop.fd_rise=null",
-                                                              *([f"threads={threads}"] if threads else [])])
+            cfg = load_flow_config(ROOT / "configs" / config, [*overrides, f"seed={seed}"])
             t0 = time.perf_counter()
             if reuse and same_config(cfg, run_dir):
                 print(f"learning {name}: reusing {run_dir}", flush=True)
             else:
                 train(cfg, out_dir=run_dir, overwrite=True)
-            runs.setdefault(name, []).append({"seed": seed, **curve(run_dir), "wall_s": time.perf_counter() - t0})
+            runs.setdefault(name, []).append({"seed": seed, **curve(run_dir), "wall_s": time.perf_counter() - t0,
+                                              "config": config, "overrides": overrides})
             c = runs[name][-1]["curve"][-1]
             print(f"learning {name:13s} seed {seed}: accuracy {c['accuracy']:.3f}, FD {c['fd']:.1f}, "
                   f"full NFEs {c['nfe_full']}, low NFEs {c['nfe_lowprec']}", flush=True)
@@ -162,7 +166,8 @@ def learning_rows(seeds: list[int], grpo_iters: int, nft_iters: int, every: int,
             reach.append(hit)
         hits = [h for h in reach if h is not None]
         rows.append({
-            "section": "learning", "method": name, "seeds": [r["seed"] for r in rs], "iterations": finals[0]["iteration"],
+            "section": "learning", "method": name, "config": rs[0]["config"], "overrides": rs[0]["overrides"],
+            "seeds": [r["seed"] for r in rs], "iterations": finals[0]["iteration"],
             "accuracy_mean": statistics.mean(f["accuracy"] for f in finals),
             "accuracy_std": sample_std(f["accuracy"] for f in finals),
             "fd_mean": statistics.mean(f["fd"] for f in finals), "fd_std": sample_std(f["fd"] for f in finals),
@@ -172,6 +177,7 @@ def learning_rows(seeds: list[int], grpo_iters: int, nft_iters: int, every: int,
             "seconds_per_iter": statistics.mean(r["seconds_per_iter"] for r in rs),
             "target_accuracy": target, "reached": f"{len(hits)}/{len(rs)}",
             "nfe_full_to_target": statistics.mean(h["nfe_full"] for h in hits) if len(hits) == len(rs) else None,
+            "nfe_full_to_target_std": sample_std(h["nfe_full"] for h in hits) if len(hits) == len(rs) else None,
             "nfe_lowprec_to_target": statistics.mean(h["nfe_lowprec"] for h in hits) if len(hits) == len(rs) else None,
             "fd_at_target": statistics.mean(h["fd"] for h in hits) if len(hits) == len(rs) else None,
             "train_spearman": rs[0]["train_spearman"],
@@ -221,10 +227,37 @@ def tables(rows: list[dict]) -> list[str]:
     return out
 
 
+def config_differences(a: dict, b: dict) -> dict[str, tuple]:
+    """{dotted key: (value in a, value in b)} for every config key (the run directory aside) on which two learning
+    rows' runs differ, read from the configs they loaded (each row's config file and overrides, seed aside)."""
+    def leaves(obj, prefix: str = "") -> dict:
+        if not dataclasses.is_dataclass(obj):
+            return {prefix[:-1]: obj}
+        return {k: v for f in dataclasses.fields(obj) for k, v in leaves(getattr(obj, f.name), f"{prefix}{f.name}.").items()}
+
+    ca, cb = (leaves(load_flow_config(ROOT / "configs" / r["config"], r["overrides"])) for r in (a, b))
+    return {k: (ca[k], cb[k]) for k in ca if k != "out" and ca[k] != cb[k]}
+
+
+def claim(what: str, a: dict, b: dict, key: str, lower_is_better: bool = False) -> str:
+    """`what` of rows a and b (mean ± std over seeds), with better / worse only beyond the spread (common.beyond_spread)."""
+    ma, sa, mb, sb = a[f"{key}_mean"], a[f"{key}_std"], b[f"{key}_mean"], b[f"{key}_std"]
+    nums = f"{what} {ma:.3g} ± {sa:.2g} vs {mb:.3g} ± {sb:.2g}"
+    if len(a["seeds"]) < 2 or len(b["seeds"]) < 2:
+        return f"{nums} (one seed: no claim)"
+    if not beyond_spread(ma, sa, mb, sb):
+        return f"{nums}, within the spread"
+    return f"{nums}, {'better' if (ma < mb) == lower_is_better else 'worse'} beyond the spread"
+
+
 def cost_reading(rows: list[dict], fp4_cost: float) -> list[str]:
     """Sentences computed from the learning rows: total rollout cost to the target with low-precision NFEs
-    priced at `fp4_cost` full-precision NFEs (an assumption, stated), and what Sol-RL's pool buys over
-    DiffusionNFT without one. Differences count only beyond the spread (common.beyond_spread)."""
+    priced at `fp4_cost` full-precision NFEs (an assumption, stated); then what each row's comparison with
+    DiffusionNFT (the same objective, fp32 rollouts, no pool) isolates: the config keys on which their runs differ
+    (config_differences), one key = isolated, and what Sol-RL's pool buys in NFEs. The selection alone is
+    bench_solrl_groups.py's study, which the last sentence names. Each derived figure it prints (the total
+    cost and its ratio, the price, the keys and their values) is stored in its row too, so the JSON holds every
+    figure of the block (scripts/check_claims.py)."""
     learn = {r["method"]: r for r in rows if r["section"] == "learning"}
     if not learn:
         return []
@@ -236,24 +269,39 @@ def cost_reading(rows: list[dict], fp4_cost: float) -> list[str]:
             out.append(f"- {name}: did not reach the target ({r['reached']}).")
             continue
         total = r["nfe_full_to_target"] + fp4_cost * (r["nfe_lowprec_to_target"] or 0.0)
-        rel = f" ({total / base['nfe_full_to_target']:.2f}x plain GRPO's)" if base and base["nfe_full_to_target"] else ""
+        r |= {"fp4_cost": fp4_cost, "total_cost_to_target": total}
+        rel = ""
+        if base and base["nfe_full_to_target"]:
+            r["total_cost_ratio"] = total / base["nfe_full_to_target"]
+            rel = f" ({r['total_cost_ratio']:.2f}x plain GRPO's)"
         out.append(f"- {name}: {total:.3g}{rel}.")
-    sol, nft = learn.get("Sol-RL"), learn.get("DiffusionNFT")
-    if sol and nft and sol["nfe_full_to_target"] is not None and nft["nfe_full_to_target"] is not None:
-        saved = sol["nfe_full_to_target"] < nft["nfe_full_to_target"]
-        spread = sol["fd_std"] + nft["fd_std"]
-        fd_word = (f"a {'lower' if sol['fd_mean'] < nft['fd_mean'] else 'higher'} final FD ({sol['fd_mean']:.1f} vs "
-                   f"{nft['fd_mean']:.1f}, beyond the spread {spread:.1f})"
-                   if beyond_spread(sol["fd_mean"], sol["fd_std"], nft["fd_mean"], nft["fd_std"]) else
-                   f"a final FD of {sol['fd_mean']:.1f} vs {nft['fd_mean']:.1f}, within the spread {spread:.1f}")
-        acc_word = ("different" if beyond_spread(sol["accuracy_mean"], sol["accuracy_std"], nft["accuracy_mean"],
-                                                 nft["accuracy_std"]) else "level")
-        out.append(f"Sol-RL against DiffusionNFT without a pool: full-precision NFEs to the target "
-                   f"{sol['nfe_full_to_target']:.3g} vs {nft['nfe_full_to_target']:.3g} "
-                   f"({'fewer' if saved else 'no saving'}), plus {sol['nfe_lowprec_to_target']:.3g} low-precision NFEs; "
-                   f"final accuracy {acc_word} ({sol['accuracy_mean']:.3f} vs {nft['accuracy_mean']:.3f}); {fd_word}. "
-                   "This compares more than the selection (Sol-RL runs nft.ref_beta 0.3, DiffusionNFT 0.1): "
-                   "benchmarks/bench_solrl_groups.py changes only the selection, at equal NFEs.")
+    nft = learn.get("DiffusionNFT")
+    if nft is None:
+        return out
+    out += ["", "What each row isolates against DiffusionNFT, from the config keys on which their runs differ "
+                "(values: the row's vs DiffusionNFT's):"]
+    for name, r in learn.items():
+        if name == "DiffusionNFT":
+            continue
+        diff = config_differences(r, nft)
+        r |= {"differences_from": "DiffusionNFT", "config_differences": {k: list(v) for k, v in diff.items()},
+              "config_differences_count": len(diff)}
+        keys = ", ".join(f"{k} {va} vs {vb}" for k, (va, vb) in diff.items())
+        what = (f"only {keys}: the pair isolates {next(iter(diff))}" if len(diff) == 1 else
+                f"{len(diff)} keys ({keys}): the pair does not isolate any one of them")
+        nfe = ""
+        if name == "Sol-RL" and r["nfe_full_to_target"] is not None and nft["nfe_full_to_target"] is not None:
+            m, s, mb, sb = (x[k] for x in (r, nft) for k in ("nfe_full_to_target", "nfe_full_to_target_std"))
+            saved = ("one seed: no claim" if len(r["seeds"]) < 2 else "within the spread" if not beyond_spread(m, s, mb, sb)
+                     else f"{'fewer' if m < mb else 'more'} beyond the spread")
+            nfe = (f"; full-precision NFEs to the target {m:.3g} ± {s:.2g} vs {mb:.3g} ± {sb:.2g} ({saved}), plus "
+                   f"{r['nfe_lowprec_to_target']:.3g} low-precision NFEs")
+        out.append(f"- {name}: {what}; {claim('final accuracy', r, nft, 'accuracy')}; "
+                   f"{claim('final FD', r, nft, 'fd', lower_is_better=True)}{nfe}.")
+    if "Sol-RL" in learn:
+        out.append("Sol-RL's row therefore does not measure its best/worst selection by itself: that is the "
+                   "bench_solrl_groups block (benchmarks/bench_solrl_groups.py), best/worst against a random group "
+                   "of the same pool at equal NFEs, one nft.ref_beta at a time.")
     return out
 
 
@@ -271,12 +319,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--skip-learning", action="store_true")
     ap.add_argument("--reuse", action="store_true", help="reuse finished runs of identical configs under --out")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_solrl")
-    ap.add_argument("--threads", type=int, help="torch threads, also the learning runs' (default: this process "
-                    "min(2, torch's), the runs every available core)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of both sections, the training runs' "
+                    "`threads` key included (default 1: on a shared machine a second thread can make each step many "
+                    "times slower; measured 40 s against 0.14 s per plain GRPO iteration under a load of 7 on 2 cores)")
     ap.add_argument("--fp4-cost", type=float, default=0.25, help="price of one low-precision NFE in full-precision "
                     "NFEs for the total-cost sentences (an assumption: 0.25 = FP4 at 4x BF16 throughput)")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads or min(2, torch.get_num_threads()))
+    torch.set_num_threads(args.threads)
     q = args.quick
     rows = agreement_rows(args.formats, args.prompts, args.pool or (24 if q else 64))
     if not args.skip_learning:

@@ -1,13 +1,20 @@
-"""Flat GRPO vs BranchGRPO (one tree and a forest per prompt) vs Sol-RL on the moving-digits video world: cost
-per iteration and learning at equal wall-clock and at equal iterations, several seeds, in one run.
+"""Flat GRPO (plain, with TempFlow's step weights, trained on steps 0-3) vs BranchGRPO (one tree and a forest per
+prompt) vs Sol-RL on the moving-digits video world: cost per iteration and learning at equal wall-clock and at
+equal iterations, several seeds, in one run.
 
-    .venv/bin/python benchmarks/bench_video.py --json benchmarks/results/bench_video.json   # full: 3 seeds x 100 iterations (~50 min)
-    .venv/bin/python benchmarks/bench_video.py --quick                                       # ~2 min, never writes
+    .venv/bin/python benchmarks/bench_video.py --json benchmarks/results/bench_video.json   # full: 3 seeds x 100 iterations (~75 min)
+    .venv/bin/python benchmarks/bench_video.py --quick                                       # ~3 min, never writes
 
 Every method starts from the bundled base with configs/moving_digits.yaml (8 prompts x 16 clips per
 iteration, flow-SDE a = 1.0, 8 steps, PPO-clip, KL 0.2, LoRA r16, the three video
-rewards summed 2 / 1 / 1); only the rollout differs (--quick: 4 prompts per iteration, small evaluations):
+rewards summed 2 / 1 / 1); only the rollout, the trained steps or their weights differ (--quick: 4 prompts per
+iteration, small evaluations):
   flat GRPO   16 independent SDE samples per prompt, 7 trained steps each
+  flat GRPO + TempFlow  the same rollout, each step's loss weighted by TempFlow-GRPO's 2.25 std
+              (train.step_weight=tempflow, as in the leaf-weighted tree below)
+  flat GRPO, steps 0-3  16 independent samples per prompt, SDE and trained on steps 0-3 only, ODE on steps 4-7
+              (steps.mode=fixed_window, window_start 0, size 4: where this world decides the direction of motion,
+              benchmarks/diag_branch.py); the same rollout NFEs, 4/7 of the trained transitions
   BranchGRPO  one tree per prompt, splits at steps 0, 2, 4, 6 (x2) -> 16 leaves; every SDE edge trained with
               its child's depth-wise advantage (docs/reference/specs/branch-cps-guard.md §1)
   BranchGRPO, leaf weights + TempFlow  one tree per prompt split at steps 0, 1, 2, 3 (x2), where this world
@@ -48,6 +55,8 @@ BEGIN, END = "<!-- bench_video:start -->", "<!-- bench_video:end -->"
 CONFIG = ROOT / "configs" / "moving_digits.yaml"
 METHODS = {
     "flat GRPO": [],
+    "flat GRPO + TempFlow": ["train.step_weight=tempflow"],
+    "flat GRPO, steps 0-3": ["steps.mode=fixed_window", "steps.window_start=0", "steps.window_size=4"],
     "BranchGRPO": ["rollout.kind=tree", "tree.split_steps=[0,2,4,6]", "tree.factor=2"],
     "BranchGRPO, leaf weights + TempFlow": ["rollout.kind=tree", "tree.split_steps=[0,1,2,3]", "tree.factor=2",
                                            "tree.edge_weight=leaves", "train.step_weight=tempflow"],
@@ -106,12 +115,30 @@ def final_sentence(name: str, key: str, rows: dict) -> str:
             f"{mb:.3f} ± {sb:.3f}).")
 
 
+def load_sentence(rows: dict, tolerance: float = 1.25) -> str:
+    """Whether the machine's load held still: equal wall-clock assumes a busy machine slows every run alike, which
+    fails when the load changes during the run (the runs are one after the other). The same method's seeds do the
+    same work per iteration, so a per-seed median seconds per iteration more than `tolerance` times another's
+    says the load changed."""
+    moved = {n: r["seconds_per_iter_per_seed"] for n, r in rows.items()
+             if len(r["seconds_per_iter_per_seed"]) > 1
+             and max(r["seconds_per_iter_per_seed"]) > tolerance * min(r["seconds_per_iter_per_seed"])}
+    if not moved:
+        return (f"Load check: every method's per-seed median seconds per iteration are within {tolerance:g}x of each "
+                "other, so the load held still enough for the equal wall-clock columns.")
+    return ("Load check: the machine's load changed during the run, so the equal wall-clock columns (iterations, "
+            "accuracy, motion accuracy, FD and judge at budget) and the seconds ratios do not compare the methods; "
+            "the columns at equal iterations and the NFE ratios do. Per-seed median seconds per iteration more than "
+            f"{tolerance:g}x apart: " + "; ".join(f"{n} {', '.join(f'{x:.2f}' for x in xs)}" for n, xs in moved.items())
+            + ".")
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    standard_args(ap, "one seed, 6 iterations, small evaluations (~2 min)")
+    standard_args(ap, "one seed, 6 iterations, small evaluations (~3 min)")
     ap.add_argument("--seeds", type=int, nargs="+", help="training seeds (default 0 1 2; --quick 0)")
     ap.add_argument("--iterations", type=int, help="iterations of every run (default 100, a quarter of the config's "
-                    "400: 9 runs in about half an hour; --quick 6)")
+                    "400: 7 methods x 3 seeds in about 75 minutes; --quick 6)")
     ap.add_argument("--every", type=int, help="evaluation interval (default 10; --quick 3)")
     ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_video")
@@ -131,11 +158,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         per_iter = statistics.median(train_seconds(r) for run in rs for r in run["rows"])
         nfe_iter = statistics.median(nfe(r) for run in rs for r in run["rows"])
         eq = [at_budget(run, budget) for run in rs]
-        row = {"method": name, "seeds": seeds, "iterations": iterations, "seconds_per_iter": per_iter,
+        row = {"method": name, "overrides": METHODS[name], "seeds": seeds, "iterations": iterations, "seconds_per_iter": per_iter,
                "nfe_per_iter": nfe_iter, "budget_seconds": budget,
                "iterations_at_budget": statistics.mean(e["iteration"] for e in eq),
                "iterations_run": [run["iterations"] for run in rs],
-               "seconds_at_budget": [e["seconds"] for e in eq]}
+               "seconds_at_budget": [e["seconds"] for e in eq],
+               "seconds_per_iter_per_seed": [statistics.median(train_seconds(r) for r in run["rows"]) for run in rs]}
         for k in METRICS:
             row[f"{k}_mean"] = statistics.mean(e[k] for e in eq)
             row[f"{k}_std"] = sample_std(e[k] for e in eq)
@@ -170,14 +198,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if name != "flat GRPO":
             lines += [spread_sentence(name, "accuracy", table, True), spread_sentence(name, "motion_accuracy", table, True),
                       final_sentence(name, "motion_accuracy", table)]
-    lines += ["", "'iterations at budget' 0 means the base: the method's first evaluation came after flat GRPO's budget. "
+    lines += ["", load_sentence(table), "", "'iterations at budget' 0 means the base: the method's first evaluation came after flat GRPO's budget. "
               "Iterations run per seed: " + "; ".join(f"{n} {', '.join(map(str, r['iterations_run']))}"
                                                       for n, r in table.items()) + ".",
               "", "CPU only (no GPU used); seconds are single-thread timings on a machine that may have been shared, "
               "so the seconds ratios are the comparable part. The NVFP4 rollout copy is an exact emulation on the CPU "
               "(slower than fp32 there): Sol-RL's candidate stage saves no time on this machine."]
     rows = list(table.values())
-    publish(args, BEGIN, END, "Video: flat GRPO vs BranchGRPO vs Sol-RL (moving-digits world)", "bench_video.py", argv,
+    publish(args, BEGIN, END, "Video: flat GRPO (plain, TempFlow, steps 0-3) vs BranchGRPO vs Sol-RL (moving-digits world)", "bench_video.py", argv,
             lines, rows)
     return rows
 

@@ -205,12 +205,100 @@ def test_video_benches_call_a_difference_only_beyond_the_seed_spread():
     assert bbv.verdict({"seeds": [0, 1, 2], "m": (0.52, 0.01)}, b, "m", ("x", "tree")).startswith("within the seed spread")
 
 
+def test_bench_video_methods_pass_the_config_checks_and_the_flat_variants_train_what_they_say():
+    from difrl.train.check import check_config
+    from difrl.train.config import load_flow_config
+    from difrl.train.flow.plan import step_masks
+
+    bv = _load("bench_video")
+    assert {"flat GRPO + TempFlow", "flat GRPO, steps 0-3"} <= set(bv.METHODS)
+    for name, overrides in bv.METHODS.items():  # what `difrl check` says of each, on the benchmark's config
+        assert check_config(bv.CONFIG, overrides, gpus=1).problems == [], name
+    flat = load_flow_config(bv.CONFIG, bv.METHODS["flat GRPO"])
+    tempflow = load_flow_config(bv.CONFIG, bv.METHODS["flat GRPO + TempFlow"])
+    window = load_flow_config(bv.CONFIG, bv.METHODS["flat GRPO, steps 0-3"])
+    assert tempflow.rollout.kind == window.rollout.kind == "flat" and tempflow.train.step_weight == "tempflow"
+    assert tempflow.steps.mode == flat.steps.mode == "all_but_last" and window.train.step_weight == "none"
+    for it in (0, 1, 57, 399):  # the window does not move: SDE and trained on steps 0..3 of 8 in every iteration
+        sde, trained, start = step_masks(window, it, 128)
+        assert sde.nonzero().flatten().tolist() == [0, 1, 2, 3] and start == 0
+        assert trained.shape == (128, 8) and bool((trained == sde).all())
+        assert step_masks(tempflow, it, 128)[0].nonzero().flatten().tolist() == list(range(7))
+
+
+def test_bench_video_says_when_the_load_moved_under_the_equal_wall_clock_columns():
+    bv = _load("bench_video")
+    steady = {"flat GRPO": {"seconds_per_iter_per_seed": [1.40, 1.45, 1.38]},
+              "Sol-RL": {"seconds_per_iter_per_seed": [2.8, 2.7, 2.9]}, "one seed": {"seconds_per_iter_per_seed": [9.0]}}
+    assert bv.load_sentence(steady).startswith("Load check: every method's per-seed median")
+    # flat GRPO's seeds at 5.9, 5.5 and 1.8 s per iteration: the same work, so the load moved (measured on 2026-12-06)
+    moved = bv.load_sentence({**steady, "flat GRPO": {"seconds_per_iter_per_seed": [5.9, 5.5, 1.8]}})
+    assert moved.startswith("Load check: the machine's load changed during the run")
+    assert moved.endswith("more than 1.25x apart: flat GRPO 5.90, 5.50, 1.80.")
+
+
+@pytest.mark.slow  # flat GRPO, then the two flat variants, 2 iterations each on 4 prompts (resumed to the budget)
+def test_bench_video_quick_rows_of_the_flat_variants(tmp_path):
+    out = tmp_path / "runs"
+    names = ["flat GRPO + TempFlow", "flat GRPO, steps 0-3"]
+    rows = _quick("bench_video", ["--iterations", "2", "--every", "2", "--methods", *names, "--out", str(out)],
+                  tmp_path)
+    assert [r["method"] for r in rows] == ["flat GRPO", *names] and rows[0]["seconds_ratio"] == 1.0
+    runs = {r["method"]: [json.loads(ln) for ln in
+                          (out / r["method"].replace(" ", "_") / "seed0" / "metrics.jsonl").read_text().splitlines()]
+            for r in rows}
+    flat, tempflow, window = (runs[n] for n in ["flat GRPO", *names])
+    # the same rollout NFEs per iteration; the window trains 4 of flat's 7 steps per sample (counts: exact)
+    assert all(m["nfe_full"] == flat[0]["nfe_full"] for m in tempflow + window)
+    assert all(7 * m["nfe_train"] == 4 * flat[0]["nfe_train"] and m["window_start"] == 0 for m in window)
+    assert all(m["nfe_train"] == flat[0]["nfe_train"] for m in tempflow)
+    # TempFlow's step weights change the loss of the same first rollout (same seed, same base: same rewards)
+    assert tempflow[0]["reward_mean"] == flat[0]["reward_mean"] and tempflow[0]["loss"] != flat[0]["loss"]
+
+
 def test_bench_solrl_groups_calls_a_difference_only_beyond_the_seed_spread():
     sg = _load("bench_solrl_groups")
     assert sg.verdict((0.95, 0.01), (0.90, 0.01), 3).startswith("better beyond the seed spread")
     assert sg.verdict((0.95, 0.03), (0.90, 0.03), 3).startswith("level, within the seed spread")
     assert sg.verdict((20.0, 1.0), (25.0, 1.0), 3, lower_is_better=True).startswith("better")  # FD: lower is better
     assert sg.verdict((0.95, 0.0), (0.90, 0.0), 1).endswith("(one seed: no claim)")
+
+
+def test_bench_solrl_closing_sentences_say_what_each_row_isolates():
+    b = _load("bench_solrl")
+
+    def row(name, acc, fd, nfe=(1.6e5, 0.0), seeds=(0, 1, 2)):  # a learning row as learning_rows writes it
+        config, overrides = b.METHODS[name]
+        iters = 300 if name == "plain GRPO" else 150
+        return {"section": "learning", "method": name, "config": config, "seeds": list(seeds), "reached": "3/3",
+                "overrides": [*overrides, f"train.iterations={iters}", "eval.every=10", "stop.fd_rise=null"],
+                "accuracy_mean": acc[0], "accuracy_std": acc[1], "fd_mean": fd[0], "fd_std": fd[1],
+                "nfe_full_to_target": nfe[0], "nfe_full_to_target_std": 1.6e4, "nfe_lowprec_to_target": nfe[1]}
+
+    rows = [row("plain GRPO", (0.984, 0.002), (27.3, 1.8), (4.8e5, 0.0)), row("DiffusionNFT", (0.987, 0.002), (18.4, 1.2)),
+            row("naive NVFP4", (0.95, 0.002), (18.7, 1.5), (0.0, 1.55e5)),
+            row("Sol-RL", (0.987, 0.002), (16.1, 1.1), (1.71e5, 4.1e5))]
+    lines = b.cost_reading(rows, 0.25)
+    by = {ln.split(":")[0]: ln for ln in lines if ln.startswith("- ") and "isolate" in ln}
+    # naive NVFP4 changes one key: its pair isolates it; its accuracy here is set 0.037 lower (beyond 0.002 + 0.002)
+    assert by["- naive NVFP4"].startswith("- naive NVFP4: only rollout.precision nvfp4 vs fp32: the pair isolates "
+                                          "rollout.precision; final accuracy 0.95 ± 0.002 vs 0.987 ± 0.002, worse beyond")
+    assert "final FD 18.7 ± 1.5 vs 18.4 ± 1.2, within the spread" in by["- naive NVFP4"]
+    # Sol-RL changes the rollout (the pool and its selection) and the pull toward the base together
+    assert by["- Sol-RL"].startswith("- Sol-RL: 3 keys (rollout.kind solrl vs flat, rollout.precision nvfp4 vs fp32, "
+                                     "nft.ref_beta 0.3 vs 0.1): the pair does not isolate any one of them")
+    assert "final FD 16.1 ± 1.1 vs 18.4 ± 1.2, within the spread" in by["- Sol-RL"]
+    # NFEs to the target: 1.1e4 apart, within the two spreads of 1.6e4 (one evaluation of 10 iterations each)
+    assert "full-precision NFEs to the target 1.71e+05 ± 1.6e+04 vs 1.6e+05 ± 1.6e+04 (within the spread)" in by["- Sol-RL"]
+    assert "train.objective grpo vs nft" in by["- plain GRPO"] and "train.iterations 300 vs 150" in by["- plain GRPO"]
+    assert "does not isolate" in by["- plain GRPO"]
+    assert "the bench_solrl_groups block (benchmarks/bench_solrl_groups.py)" in lines[-1]
+    sol = rows[3]  # the figures the sentences derive are stored in the row, for the JSON (scripts/check_claims.py)
+    assert sol["config_differences"]["nft.ref_beta"] == [0.3, 0.1] and sol["config_differences_count"] == 3
+    assert sol["fp4_cost"] == 0.25 and sol["total_cost_to_target"] == 1.71e5 + 0.25 * 4.1e5  # the same float ops
+    one = b.cost_reading([row("DiffusionNFT", (0.9, 0.0), (18.0, 0.0), seeds=(0,)),
+                          row("naive NVFP4", (0.5, 0.0), (18.0, 0.0), seeds=(0,))], 0.25)
+    assert one[-1].endswith("final FD 18 ± 0 vs 18 ± 0 (one seed: no claim).")
 
 
 def test_bench_eb_rows(tmp_path):
@@ -685,6 +773,10 @@ def test_bench_solrl_quick_rows_of_the_diffusionnft_methods(tmp_path):
     assert learn["DiffusionNFT"]["nfe_lowprec"] == 0 < learn["DiffusionNFT"]["nfe_full"]
     assert learn["naive NVFP4"]["nfe_full"] == 0 < learn["naive NVFP4"]["nfe_lowprec"]  # trained on the copy's samples
     assert learn["DiffusionNFT"]["target_accuracy"] is None  # no plain GRPO run: no target
+    for name in learn:  # --threads (default 1) reaches the training runs, not only the rank-agreement section
+        assert "threads: 1\n" in (out / name.replace(" ", "_") / "seed0" / "config.yaml").read_text()
+    # the closing sentences read the runs' own configs: the two rows differ in the rollout's format alone
+    assert any(ln.startswith("- naive NVFP4: only rollout.precision nvfp4 vs fp32") for ln in _load("bench_solrl").cost_reading(rows, 0.25))
 
 
 @pytest.mark.slow  # 2 methods x 2 digits iterations under an NVFP4 rollout mismatch (~1 min)

@@ -192,18 +192,20 @@ def _bench_video():
     return bench
 
 
-@pytest.mark.slow  # five 1-iteration runs of the video world (the cheaper ones resumed to flat GRPO's budget)
+@pytest.mark.slow  # seven 1-iteration runs of the video world (the cheaper ones resumed to flat GRPO's budget)
 def test_bench_video_rows(tmp_path):
     rows = _bench_video().main(["--quick", "--iterations", "1", "--every", "1", "--out", str(tmp_path), "--json",
                                 str(tmp_path / "rows.json")])
     by = {r["method"]: r for r in rows}
-    assert list(by) == ["flat GRPO", "BranchGRPO", "BranchGRPO, leaf weights + TempFlow", "BranchGRPO forest, steps 0-3",
-                        "Sol-RL"]
+    assert list(by) == ["flat GRPO", "flat GRPO + TempFlow", "flat GRPO, steps 0-3", "BranchGRPO",
+                        "BranchGRPO, leaf weights + TempFlow", "BranchGRPO forest, steps 0-3", "Sol-RL"]
     assert by["flat GRPO"]["iterations_run"] == [1]  # the budget's method is never resumed
     assert all(min(r["iterations_run"]) >= 1 for r in rows)
     # NFE per iteration, 4 prompts x 16 clips, 8 steps: flat samples 512 and trains 7 steps of each;
-    # Sol-RL adds 4 x 32 candidates x 4 preview steps; a 16-leaf tree samples fewer than 16 paths
-    assert by["flat GRPO"]["nfe_per_iter"] == 64 * 8 + 64 * 7
+    # TempFlow only reweights them; steps 0-3 trains 4 steps of each; Sol-RL adds 4 x 32 candidates x 4 preview
+    # steps; a 16-leaf tree samples fewer than 16 paths
+    assert by["flat GRPO"]["nfe_per_iter"] == by["flat GRPO + TempFlow"]["nfe_per_iter"] == 64 * 8 + 64 * 7
+    assert by["flat GRPO, steps 0-3"]["nfe_per_iter"] == 64 * 8 + 64 * 4
     assert by["Sol-RL"]["nfe_per_iter"] == 64 * 8 + 64 * 7 + 4 * 32 * 4
     assert by["BranchGRPO"]["nfe_ratio"] != 1.0
     for r in rows:  # the ratios are to flat GRPO's row of the same run
