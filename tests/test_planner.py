@@ -117,6 +117,19 @@ def test_plan_counts_what_two_real_processes_hold(tiny_flux, real_bytes):
     assert row["gpus"] == 2 and row["fits"] is None
 
 
+GRAD_PROBE = '''
+def record_grads(optimizer, params):
+    """{"bytes": ...}, filled at each optimizer step with the bytes of the gradients it sees (zeroed right after it)."""
+    grads = {}
+    _step = optimizer.step
+    def step(*a, **kw):
+        grads["bytes"] = tensor_bytes([p.grad for p in params.values() if p.grad is not None])
+        return _step(*a, **kw)
+    optimizer.step = step
+    return grads
+'''
+
+
 WORKER = '''
 import json, sys
 import torch
@@ -144,19 +157,14 @@ def flow_bytes(path, over):
     k = torch.arange(per_proc)
     batch = rollout(world.policy, world.prompts[:per_proc], k + 7, sigmas, cfg.sampler.kind, cfg.sampler.kernel_kwargs(),
                     sde, train_mask[:per_proc], k, k, k + 7, cfg.sampler.guidance)
-    grads = {}
-    _step = tr.optimizer.step
-    def step(*a, **kw):  # the gradients as the optimizer sees them (zeroed right after)
-        grads["bytes"] = tensor_bytes([p.grad for p in tr.params.values() if p.grad is not None])
-        return _step(*a, **kw)
-    tr.optimizer.step = step
+    grads = record_grads(tr.optimizer, tr.params)
     policy_update(cfg, world.policy, tr, accelerator, batch, torch.zeros(per_proc), torch.ones(per_proc, dtype=torch.bool),
                   None, T, micro, 0, Metrics(cfg.sampler.num_steps), None)
     opt = sum(tensor_bytes(v for v in st.values() if torch.is_tensor(v)) for st in tr.optimizer.state.values())  # moments and step
     row = {"params": module_bytes(tr.net), "grads": grads["bytes"], "optimizer": opt,
            "ema": tensor_bytes(tr.ema.shadow.values()), "reference": module_bytes(tr.reference)}
     return row, accelerator
-'''
+''' + GRAD_PROBE
 
 
 def free_port() -> int:
@@ -469,12 +477,7 @@ def masked_bytes(over):
         o = SAMPLERS[cfg.sampler.kind](policy, batch.tokens, batch.cond, seeds=seeds, **cfg.sampler.sampler_kwargs())
     r = old_log_probs(cfg, policy, tr, 0, batch, o.tokens, o.gen_mask, seeds)
     tr.net.train()
-    grads = {}
-    _step = tr.optimizer.step
-    def step(*a, **kw):  # the gradients as the optimizer sees them (zeroed right after)
-        grads["bytes"] = tensor_bytes([p.grad for p in tr.params.values() if p.grad is not None])
-        return _step(*a, **kw)
-    tr.optimizer.step = step
+    grads = record_grads(tr.optimizer, tr.params)
     S = split.per_proc
     policy_update(cfg, policy, tr, accelerator, split, r, torch.zeros(S), torch.ones(S, dtype=torch.bool),
                   torch.ones(o.tokens.shape), torch.ones(o.tokens.shape, dtype=torch.bool), 0, Metrics())
@@ -482,7 +485,7 @@ def masked_bytes(over):
     row = {"params": module_bytes(tr.net), "buffers": sum(b.numel() * b.element_size() for b in tr.net.buffers()),
            "grads": grads["bytes"], "optimizer": opt, "reference": module_bytes(tr.reference)}
     return row, accelerator
-'''
+''' + GRAD_PROBE
 
 BOTH_WORKERS = '''
 import json, runpy, sys
