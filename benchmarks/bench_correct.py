@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SPREAD_NOTE, publish, republish, sample_std, standard_args, write_json  # noqa: E402
+from common import SPREAD_NOTE, publish, republish, sample_std, standard_args, threads_override, write_json  # noqa: E402
 
 from difrl.train.config import load_flow_config  # noqa: E402
 from difrl.train.flow.trainer import train  # noqa: E402
@@ -53,8 +53,8 @@ SCENARIOS = {
 
 def run_one(name: str, overrides: list[str] | None, mismatch: list[str], convention: list[str], seed: int,
             iterations: int, every: int, out: Path, threads: int | None = None) -> dict:
-    """threads: the run's torch threads (config `threads`); None leaves digits.yaml's (every available core)."""
-    extra = convention + ([] if overrides is None else [*mismatch, *overrides]) + ([f"threads={threads}"] if threads else [])
+    """threads: the run's torch threads (config `threads`); None: the config's default (common.threads_override)."""
+    extra = convention + ([] if overrides is None else [*mismatch, *overrides]) + threads_override(threads)
     run_dir = out / name.split(" (")[0].replace(" ", "_") / f"seed{seed}"
     cfg = load_flow_config(ROOT / "configs" / "digits.yaml", [*extra, f"seed={seed}", f"train.iterations={iterations}",
                                                              f"eval.every={every}", "stop.fd_rise=null"])
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--methods", nargs="+", choices=list(METHODS), help="default all (--quick: 3)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_correct")
     ap.add_argument("--threads", type=int, help="torch threads, also the runs' (default: this process min(2, torch's), "
-                    "the runs every available core)")
+                    "the runs their config's default: OMP_NUM_THREADS when set, else every core)")
     ap.add_argument("--render-from", type=Path, help="re-render the published block from a full run's saved rows "
                     "(their per-seed values) instead of running")
     args = ap.parse_args(argv)

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import publish, sample_std, standard_args  # noqa: E402
+from common import publish, sample_std, standard_args, threads_override  # noqa: E402
 
 from difrl.rewards import REWARDS, build_reward, register_reward  # noqa: E402
 
@@ -132,7 +132,7 @@ def throughput(batch: int, repeats: int) -> list[dict]:
 
 
 def overlap_runs(seeds: list[int], iterations: int, chunks: int, threads: int = 0) -> list[dict]:
-    """threads: the runs' torch threads (config `threads`); 0 leaves digits.yaml's (every available core)."""
+    """threads: the runs' torch threads (config `threads`); 0: the config's default (common.threads_override)."""
     from difrl.train.config import load_flow_config
     from difrl.train.flow.trainer import TIMING_KEYS, train
 
@@ -147,7 +147,7 @@ def overlap_runs(seeds: list[int], iterations: int, chunks: int, threads: int = 
                     cfg = load_flow_config(ROOT / "configs" / "digits.yaml", [
                         f"seed={seed}", f"train.iterations={iterations}", "eval.every=0", f"rollout.chunks={chunks}",
                         f"reward.overlap={str(overlap).lower()}", f"reward.weights={{{reward}: 1.0}}",
-                        *([f"threads={threads}"] if threads else [])])
+                        *threads_override(threads)])
                     train(cfg, out_dir=Path(d) / "run")
                     lines = [json.loads(ln) for ln in (Path(d) / "run" / "metrics.jsonl").read_text().splitlines()]
                 # first iteration: warm-up
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--seeds", type=int, help="overlap seeds (default 3; --quick 2)")
     ap.add_argument("--iterations", type=int, help="overlap iterations per run (default 30; --quick 6)")
     ap.add_argument("--chunks", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads, also the overlap runs' (0 = all available cores)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads, also the overlap runs' (0: this process all its cores, the runs their config's default)")
     args = ap.parse_args(argv)
     for key, full, quick in (("batch", 32, 16), ("repeats", 5, 3), ("seeds", 3, 2), ("iterations", 30, 6)):
         if getattr(args, key) is None:  # an explicit value wins over --quick's

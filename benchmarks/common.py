@@ -121,6 +121,13 @@ def cell(v, spec: str = ".2f", scale: float = 1.0, suffix: str = "") -> str:
     return "-" if v is None else f"{scale * v:{spec}}{suffix}"
 
 
+def threads_override(threads: int | None) -> list[str]:
+    """The training runs' `threads` override for a benchmark's --threads: [] when not given (0 or None), so the runs
+    take the config's default (OMP_NUM_THREADS when set, else every core this process may use:
+    difrl.train.scaffold.default_threads)."""
+    return [f"threads={threads}"] if threads else []
+
+
 def write_json(path: Path | None, rows: list[dict]) -> None:
     """The rows as JSON at `path` (atomic: a benchmark killed while it writes leaves the previous file whole)."""
     from difrl.utils.io import atomic_write_text
