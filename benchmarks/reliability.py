@@ -37,6 +37,7 @@ evaluation after iteration 2 and a checkpoint after every iteration (RUN below).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -186,6 +187,40 @@ def resident_tensors() -> dict:
     return {"weights": sum(weights.values()), "trainable": trainable, "optimizer_state": sum(opt_state.values())}
 
 
+def descendants(pid: int) -> list[int]:
+    """The live descendants of `pid` (children, their children, ...), read from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # it ended while we read
+            continue
+        ppid = int(text[text.rindex(")") + 2:].split()[1])  # "pid (comm) state ppid ...": comm may hold spaces
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every descendant. Killing its process group is not enough: torchrun starts each worker in
+    a session of its own (start_new_session), so a SIGKILLed agent, which cannot forward the signal, leaves its
+    workers running. The tree is frozen first (SIGSTOP, repeated until no new process appears) because a process
+    whose parent dies is re-parented and drops out of the tree."""
+    frozen: set[int] = set()
+    while new := [p for p in (pid, *descendants(pid)) if p not in frozen]:
+        for p in new:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGSTOP)
+            frozen.add(p)
+    for p in frozen:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
 def spawn(argv: list[str], out: Path, kill: dict | None = None, memory: bool = False, nproc: int = 1,
           timeout: float = CHILD_TIMEOUT, env: dict | None = None) -> dict:
     """Run the trainer (instrumented, 1 process; or torchrun with `nproc`) in a subprocess; returns its exit
@@ -207,7 +242,7 @@ def spawn(argv: list[str], out: Path, kill: dict | None = None, memory: bool = F
     try:
         text, hung = proc.communicate(timeout=timeout)[0], False
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # this child's own process group only
+        kill_tree(proc.pid)
         text, hung = proc.communicate()[0], True
     rep = json.loads(report.read_text()) if report.exists() else None
     return {"rc": proc.returncode, "text": text, "seconds": time.perf_counter() - t0, "hung": hung, "report": rep}

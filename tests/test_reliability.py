@@ -6,6 +6,7 @@ of two, a reward that returns no scores, and the reliability campaign's quick mo
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -312,3 +313,38 @@ def test_every_damage_of_the_campaign_is_detected_and_falls_back(tmp_path):
         ckpt = load_latest_checkpoint(run_dir, log=said.append)
         assert ckpt.path.name == "iter-000001", (kind, what, said)
         assert any("iter-000002" in s and what.split(":")[0] in s for s in said), (kind, what, said)
+
+
+def _alive(pid: int) -> bool:
+    """Running or stopped, not a zombie (a killed child of ours stays a zombie until reaped)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return text[text.rindex(")") + 2] != "Z"
+
+
+@pytest.mark.parametrize("kill", ["process group", "kill_tree"])
+def test_the_hang_path_kills_workers_started_in_sessions_of_their_own(kill):
+    # torchrun's shape: an agent whose workers run in sessions of their own (start_new_session). The campaign's
+    # hang path SIGKILLed the agent's process group, which left such a worker running; kill_tree leaves none.
+    import signal
+    import time
+
+    bench = _load_bench()
+    agent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time; w = subprocess.Popen([sys.executable, '-c', "
+         "'import time; time.sleep(120)'], start_new_session=True); print(w.pid, flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    worker = int(agent.stdout.readline())
+    try:
+        assert bench.descendants(agent.pid) == [worker]
+        os.killpg(agent.pid, signal.SIGKILL) if kill == "process group" else bench.kill_tree(agent.pid)
+        agent.wait(timeout=30)
+        deadline = time.monotonic() + 10  # SIGKILL is delivered asynchronously
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _alive(worker) == (kill == "process group")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
