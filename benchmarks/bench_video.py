@@ -42,16 +42,19 @@ regenerated at full precision, 16 per prompt like flat GRPO's; the pool is low p
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import at_budget as common_at_budget  # noqa: E402
-from common import SPREAD_NOTE, beyond_spread, budget_run, publish, sample_std, standard_args, train_seconds  # noqa: E402
+from common import SPREAD_NOTE, beyond_spread, budget_run, publish, republish, sample_std  # noqa: E402
+from common import standard_args, train_seconds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- bench_video:start -->", "<!-- bench_video:end -->"
+TITLE = "Video: flat GRPO (plain, TempFlow, steps 0-3) vs BranchGRPO vs Sol-RL (moving-digits world)"
 CONFIG = ROOT / "configs" / "moving_digits.yaml"
 METHODS = {
     "flat GRPO": [],
@@ -125,13 +128,27 @@ def load_sentence(rows: dict, tolerance: float = 1.25) -> str:
              and max(r["seconds_per_iter_per_seed"]) > tolerance * min(r["seconds_per_iter_per_seed"])}
     if not moved:
         return (f"Load check: every method's per-seed median seconds per iteration are within {tolerance:g}x of each "
-                "other, so the load held still enough for the equal wall-clock columns.")
+                "other: no method's seeds saw the load move that far.")
     return ("Load check: the machine's load changed during the run, so the equal wall-clock columns (iterations, "
             "accuracy, motion accuracy, FD and judge at budget) and the seconds ratios do not compare the methods; "
             "the columns at equal iterations and the NFE ratios do. Per-seed median seconds per iteration more than "
             f"{tolerance:g}x apart: " + "; ".join(f"{n} {', '.join(f'{x:.2f}' for x in xs)}" for n, xs in moved.items())
             + ".")
 
+
+
+def drift_sentence(rows: dict) -> str:
+    """How far the seconds columns move for the same work: flat GRPO + TempFlow does flat GRPO's work per iteration
+    (the same rollout NFEs and trained transitions; its step weight is one multiply per transition), so its seconds
+    ratio to flat GRPO is the machine's drift between two runs of equal work. "" when the run lacks that pair."""
+    a, b = rows.get("flat GRPO + TempFlow"), rows["flat GRPO"]
+    if a is None or a["nfe_per_iter"] != b["nfe_per_iter"]:
+        return ""
+    ratio = a["seconds_per_iter"] / b["seconds_per_iter"]
+    return (f"Drift: flat GRPO + TempFlow does flat GRPO's work per iteration (the same {a['nfe_per_iter']:.0f} NFEs "
+            "and trained transitions; its step weight is one multiply per transition) and ran at "
+            f"{ratio:.2f}× its seconds per iteration: on this run a seconds ratio that close to 1 does not tell two "
+            "methods' costs apart; the NFE ratios do.")
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -142,7 +159,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--every", type=int, help="evaluation interval (default 10; --quick 3)")
     ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_video")
+    ap.add_argument("--render-from", type=Path, help="re-render the published block from a full run's saved rows "
+                    "(its --json) instead of running")
     args = ap.parse_args(argv)
+    if args.render_from:
+        rows = json.loads(args.render_from.read_text())
+        # rows saved before they carried `every` come from a full run at its default (10) unless --every says
+        every = rows[0].get("every", args.every or 10)
+        republish(BEGIN, END, render({r["method"]: r for r in rows}, rows[0]["iterations"], every, rows[0]["seeds"]),
+                  args.render_from, "bench_video.py")
+        return rows
     q = args.quick
     seeds = args.seeds or ([0] if q else [0, 1, 2])
     iterations = args.iterations or (6 if q else 100)
@@ -176,12 +202,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
         row["seconds_ratio"] = row["seconds_per_iter"] / flat["seconds_per_iter"]
         row["nfe_ratio"] = row["nfe_per_iter"] / flat["nfe_per_iter"]
 
+    for row in table.values():
+        row["every"] = every  # what --render-from needs besides the table
+    rows = list(table.values())
+    publish(args, BEGIN, END, TITLE, "bench_video.py", argv, render(table, iterations, every, seeds), rows)
+    return rows
+
+
+def render(table: dict, iterations: int, every: int, seeds: list[int]) -> list[str]:
+    """The block's lines from the rows by method (a run's, or saved ones: --render-from)."""
+    flat = table["flat GRPO"]
+    budget = flat["budget_seconds"]
     lines = [f"Moving-digits world (configs/moving_digits.yaml), {iterations} iterations per run, seeds {seeds} (n={len(seeds)}), "
              f"evaluation every {every}; budget = flat GRPO's {budget:.0f} s of training (mean over seeds of its {iterations} "
              "iterations). A method cheaper per iteration is resumed past them (`resume=`, exact) until an evaluation "
              "past the budget, and read at its last evaluation inside it. "
              f"Base: accuracy {flat['accuracy_before']:.3f}, motion accuracy {flat['motion_accuracy_before']:.3f}, "
-             f"FD {flat['fd_before']:.1f}. " + SPREAD_NOTE, "",
+             f"FD {flat['fd_before']:.1f}, the held-out judge's motion {flat['judge_motion_accuracy_before']:.3f} (block "
+             "matching between frames, which training never sees). " + SPREAD_NOTE, "",
              "| method | s / iter | × flat | NFE / iter | × flat | iterations at budget | accuracy at budget | "
              f"motion accuracy at budget | FD at budget | judge (frames / motion) at budget | accuracy at {iterations} "
              f"iterations | motion accuracy at {iterations} iterations |",
@@ -197,17 +235,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in table:
         if name != "flat GRPO":
             lines += [spread_sentence(name, "accuracy", table, True), spread_sentence(name, "motion_accuracy", table, True),
+                      spread_sentence(name, "judge_motion_accuracy", table, True),
                       final_sentence(name, "motion_accuracy", table)]
-    lines += ["", load_sentence(table), "", "'iterations at budget' 0 means the base: the method's first evaluation came after flat GRPO's budget. "
+    drift = drift_sentence(table)
+    lines += ["", load_sentence(table), *(["", drift] if drift else []), "",
+              "'iterations at budget' 0 means the base: the method's first evaluation came after flat GRPO's budget. "
               "Iterations run per seed: " + "; ".join(f"{n} {', '.join(map(str, r['iterations_run']))}"
                                                       for n, r in table.items()) + ".",
-              "", "CPU only (no GPU used); seconds are single-thread timings on a machine that may have been shared, "
-              "so the seconds ratios are the comparable part. The NVFP4 rollout copy is an exact emulation on the CPU "
+              "", "CPU only (no GPU used); seconds are single-thread timings of the runs one after another on a "
+              "machine that may have been shared. The NVFP4 rollout copy is an exact emulation on the CPU "
               "(slower than fp32 there): Sol-RL's candidate stage saves no time on this machine."]
-    rows = list(table.values())
-    publish(args, BEGIN, END, "Video: flat GRPO (plain, TempFlow, steps 0-3) vs BranchGRPO vs Sol-RL (moving-digits world)", "bench_video.py", argv,
-            lines, rows)
-    return rows
+    return lines
 
 
 if __name__ == "__main__":

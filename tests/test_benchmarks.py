@@ -237,6 +237,31 @@ def test_bench_video_says_when_the_load_moved_under_the_equal_wall_clock_columns
     assert moved.endswith("more than 1.25x apart: flat GRPO 5.90, 5.50, 1.80.")
 
 
+
+def test_bench_video_measures_the_drift_on_two_methods_of_equal_work(tmp_path, monkeypatch):
+    import functools
+
+    bv = _load("bench_video")
+    row = lambda sec, nfe: {"seconds_per_iter": sec, "nfe_per_iter": nfe}  # noqa: E731
+    # flat GRPO + TempFlow does flat GRPO's work (equal NFEs): its seconds ratio is the drift between two runs
+    drift = bv.drift_sentence({"flat GRPO": row(1.40, 1920), "flat GRPO + TempFlow": row(1.54, 1920)})
+    assert "ran at 1.10× its seconds per iteration: on this run a seconds ratio that close to 1" in drift
+    assert bv.drift_sentence({"flat GRPO": row(1.40, 1920)}) == ""  # a run without the pair says nothing
+    assert bv.drift_sentence({"flat GRPO": row(1.40, 1920), "flat GRPO + TempFlow": row(1.54, 1000)}) == ""
+    # the block re-rendered from the saved rows of the published run: its command and date kept, a table row per method
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text((ROOT / "BENCHMARKS.md").read_text())
+    monkeypatch.setattr(bv, "republish", functools.partial(_load("common").republish, path=md))
+    saved = ROOT / "benchmarks" / "results" / "bench_video.json"
+    rows = bv.main(["--render-from", str(saved)])
+    old = (ROOT / "BENCHMARKS.md").read_text().split(bv.BEGIN, 1)[1].split(bv.END, 1)[0]
+    block = md.read_text().split(bv.BEGIN, 1)[1].split(bv.END, 1)[0]
+    assert [ln for ln in block.splitlines() if ln.startswith(("Command:", "Date:"))] == \
+        [ln for ln in old.splitlines() if ln.startswith(("Command:", "Date:"))]
+    assert all(f"| {r['method']} | {r['seconds_per_iter']:.2f} |" in block for r in rows)
+    assert ("Drift: flat GRPO + TempFlow" in block) == any(r["method"] == "flat GRPO + TempFlow" for r in rows)
+    assert f"--render-from {saved.relative_to(ROOT)}" in block
+
 @pytest.mark.slow  # flat GRPO, then the two flat variants, 2 iterations each on 4 prompts (resumed to the budget)
 def test_bench_video_quick_rows_of_the_flat_variants(tmp_path):
     out = tmp_path / "runs"
