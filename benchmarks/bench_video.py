@@ -4,6 +4,7 @@ equal iterations, several seeds, in one run.
 
     .venv/bin/python benchmarks/bench_video.py --json benchmarks/results/bench_video.json   # full: 3 seeds x 100 iterations (~75 min)
     .venv/bin/python benchmarks/bench_video.py --quick                                       # ~3 min, never writes
+    .venv/bin/python benchmarks/bench_video.py --render-from benchmarks/results/bench_video.json   # the block again
 
 Every method starts from the bundled base with configs/moving_digits.yaml (8 prompts x 16 clips per
 iteration, flow-SDE a = 1.0, 8 steps, PPO-clip, KL 0.2, LoRA r16, the three video
