@@ -137,7 +137,6 @@ def load_sentence(rows: dict, tolerance: float = 1.25) -> str:
             + ".")
 
 
-
 def drift_sentence(rows: dict) -> str:
     """How far the seconds columns move for the same work: flat GRPO + TempFlow does flat GRPO's work per iteration
     (the same rollout NFEs and trained transitions; its step weight is one multiply per transition), so its seconds
@@ -150,6 +149,7 @@ def drift_sentence(rows: dict) -> str:
             "and trained transitions; its step weight is one multiply per transition) and ran at "
             f"{ratio:.2f}× its seconds per iteration: on this run a seconds ratio that close to 1 does not tell two "
             "methods' costs apart; the NFE ratios do.")
+
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
