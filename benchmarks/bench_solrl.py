@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SPREAD_NOTE, beyond_spread, publish, sample_std, same_config, standard_args  # noqa: E402
+from common import SPREAD_NOTE, beyond_spread, publish, sample_std, same_config, standard_args, threads_override  # noqa: E402
 
 from difrl.quant import QUANT_PRESETS, RolloutCopy  # noqa: E402
 from difrl.rewards import build_reward  # noqa: E402
@@ -138,7 +138,7 @@ def learning_rows(seeds: list[int], grpo_iters: int, nft_iters: int, every: int,
         config, overrides = METHODS[name]
         iters = grpo_iters if name == "plain GRPO" else nft_iters
         overrides = [*overrides, f"train.iterations={iters}", f"eval.every={every}", "stop.fd_rise=null",
-                     f"threads={threads}"]
+                     *threads_override(threads)]
         for seed in seeds:
             run_dir = out / name.replace(" ", "_") / f"seed{seed}"
             cfg = load_flow_config(ROOT / "configs" / config, [*overrides, f"seed={seed}"])
